@@ -1,0 +1,126 @@
+// Python bindings of torch_xdev._C.
+//
+// The backend is exposed as a subclass of torch's c10d Backend so that
+// ProcessGroup can register it. Its holder drops the GIL before the last
+// reference goes away, because destruction joins the worker thread, which may
+// be waiting on peers.
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "../plan/selection.h"
+#include "../plan/topology.h"
+#include "../transport/shm_segment.h"
+#include "backend_config.h"
+#include "xdev_backend.h"
+
+namespace py = pybind11;
+
+namespace xdev::backend {
+
+template <typename T>
+class GilReleasingHolder {
+ public:
+  GilReleasingHolder() = default;
+  explicit GilReleasingHolder(T* p) : impl_(c10::intrusive_ptr<T>::reclaim(p)) {}
+  explicit GilReleasingHolder(c10::intrusive_ptr<T> p) : impl_(std::move(p)) {}
+  GilReleasingHolder(const GilReleasingHolder&) = default;
+  GilReleasingHolder(GilReleasingHolder&&) noexcept = default;
+  GilReleasingHolder& operator=(const GilReleasingHolder&) = default;
+  GilReleasingHolder& operator=(GilReleasingHolder&&) noexcept = default;
+  ~GilReleasingHolder() {
+    if (impl_ && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      impl_.reset();
+    }
+  }
+  T* get() const noexcept { return impl_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> impl_;
+};
+
+}  // namespace xdev::backend
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, xdev::backend::GilReleasingHolder<T>, true)
+
+namespace xdev::backend {
+namespace {
+
+py::dict describe(const XdevBackend& b) {
+  const BackendConfig& c = b.config();
+  py::dict d;
+  d["backend"] = "xdev";
+  d["algorithm"] = c.algorithm;
+  d["num_packs"] = c.num_packs;
+  d["agg_small_grads_max_bytes"] = c.agg_small_grads_max_bytes;
+  d["agg_small_grads_max_group"] = c.agg_small_grads_max_group;
+  d["bytes_per_pack"] = c.bytes_per_pack;
+  d["reduce_to_rank"] = c.reduce_to_rank;
+  d["timeout_s"] = std::chrono::duration<double>(c.timeout).count();
+  d["shm_slot_bytes"] = c.shm_slot_bytes;
+  d["rank"] = b.getRank();
+  d["world_size"] = b.getSize();
+  d["local_world_size"] = b.local_world_size();
+  d["num_hosts"] = b.num_hosts();
+  d["hostname"] = c.hostname;
+  d["shared_memory"] = b.has_shared_memory();
+  d["fallback_backend"] = b.fallback_name();
+  d["cpu_topology"] = plan::to_string(plan::TopologyClass::kFullyConnected);
+  py::dict per_size;
+  for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
+    const plan::Selection s = b.selection_for(bytes, false);
+    per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
+  }
+  d["cpu_allreduce_plan"] = per_size;
+  const plan::Selection cuda = b.selection_for(int64_t{1} << 20, true);
+  d["cuda_allreduce_plan"] = py::make_tuple(plan::to_string(cuda.algorithm), cuda.reason);
+  const auto last = b.last_selection();
+  d["last_allreduce"] =
+      last.first.empty() ? py::object(py::none()) : py::object(py::make_tuple(last.first, last.second));
+  return d;
+}
+
+}  // namespace
+}  // namespace xdev::backend
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using xdev::backend::BackendConfig;
+  using xdev::backend::GilReleasingHolder;
+  using xdev::backend::XdevBackend;
+  py::module_::import("torch.distributed");  // registers c10d's Backend and Store types
+
+  py::class_<BackendConfig>(m, "BackendConfig")
+      .def(py::init<>())
+      .def_readwrite("algorithm", &BackendConfig::algorithm)
+      .def_readwrite("num_packs", &BackendConfig::num_packs)
+      .def_readwrite("agg_small_grads_max_bytes", &BackendConfig::agg_small_grads_max_bytes)
+      .def_readwrite("agg_small_grads_max_group", &BackendConfig::agg_small_grads_max_group)
+      .def_readwrite("bytes_per_pack", &BackendConfig::bytes_per_pack)
+      .def_readwrite("reduce_to_rank", &BackendConfig::reduce_to_rank)
+      .def_readwrite("timeout", &BackendConfig::timeout)
+      .def_readwrite("shm_slot_bytes", &BackendConfig::shm_slot_bytes)
+      .def_readwrite("hostname", &BackendConfig::hostname)
+      .def_readwrite("group_name", &BackendConfig::group_name)
+      .def_readwrite("debug", &BackendConfig::debug);
+
+  py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
+      .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,
+                       c10d::Backend* fallback) {
+             TORCH_CHECK_VALUE(store != nullptr, "store must not be None");
+             TORCH_CHECK_VALUE(fallback != nullptr, "fallback must not be None");
+             // Take our own references on objects Python also holds.
+             auto store_ref = c10::intrusive_ptr<c10d::Store>::reclaim_copy(store);
+             auto fallback_ref = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(fallback);
+             return GilReleasingHolder<XdevBackend>(
+                 c10::make_intrusive<XdevBackend>(store_ref, rank, size, config, fallback_ref));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
+           py::arg("fallback"), py::call_guard<py::gil_scoped_release>())
+      .def("describe", &xdev::backend::describe)
+      .def_property_readonly("shm_name", &XdevBackend::shm_name);
+
+  m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
+        "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
+}

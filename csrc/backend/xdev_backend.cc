@@ -1,0 +1,522 @@
+#include "xdev_backend.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <stdexcept>
+
+#include "../plan/collective_plan.h"
+#include "../plan/packing.h"
+
+namespace xdev::backend {
+namespace {
+
+std::optional<kernels::DType> native_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kDouble:
+      return kernels::DType::kFloat64;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    case at::kChar:
+      return kernels::DType::kInt8;
+    case at::kByte:
+      return kernels::DType::kUInt8;
+    case at::kInt:
+      return kernels::DType::kInt32;
+    case at::kLong:
+      return kernels::DType::kInt64;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return kernels::ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return kernels::ReduceOp::kAvg;
+    case c10d::ReduceOp::MIN:
+      return kernels::ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return kernels::ReduceOp::kMax;
+    case c10d::ReduceOp::PRODUCT:
+      return kernels::ReduceOp::kProduct;
+    default:
+      return std::nullopt;
+  }
+}
+
+// FNV-1a over every tensor's dtype and sizes: two ranks with equal hashes
+// almost surely pass the same shapes, and a mismatch is caught on all ranks.
+uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const at::Tensor& t : tensors) {
+    mix(static_cast<uint64_t>(t.scalar_type()));
+    mix(static_cast<uint64_t>(t.dim()));
+    for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
+  }
+  return h;
+}
+
+int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : tensors) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  return bytes;
+}
+
+std::exception_ptr as_dist_error(const std::string& msg) {
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+}  // namespace
+
+XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                         BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback)
+    : c10d::Backend(rank, size), config_(std::move(config)), fallback_(std::move(fallback)) {
+  TORCH_CHECK(fallback_, "xdev: a fallback backend is required");
+  requested_ = plan::algorithm_from_string(config_.algorithm);
+  packing_.num_packs = config_.num_packs < 0 ? 0 : config_.num_packs;
+  packing_.agg_small_grads_max_bytes = config_.agg_small_grads_max_bytes;
+  packing_.agg_small_grads_max_group = config_.agg_small_grads_max_group;
+  packing_.bytes_per_pack = config_.bytes_per_pack;
+  packing_.validate();
+  if (config_.reduce_to_rank < 0 || config_.reduce_to_rank >= size) {
+    throw std::invalid_argument("reduce_to_rank must be in [0, " + std::to_string(size) +
+                                ") for this group; got " + std::to_string(config_.reduce_to_rank));
+  }
+  if (config_.shm_slot_bytes < 4096) {
+    throw std::invalid_argument("shm_slot_bytes must be >= 4096; got " +
+                                std::to_string(config_.shm_slot_bytes));
+  }
+  rendezvous_hosts(*store);
+  plan::check_forced_algorithm(requested_, size, num_hosts_);
+  if (num_hosts_ == 1 && size > 1 && requested_ != plan::Algorithm::kFallback) {
+    open_shared_memory(*store);
+  }
+  queue_ = std::make_unique<WorkQueue>();
+  if (config_.debug && rank == 0) {
+    const plan::Selection small = selection_for(1, false);
+    const plan::Selection large = selection_for(int64_t{1} << 30, false);
+    std::fprintf(stderr,
+                 "[xdev] group '%s': %d rank(s) on %d host(s), algorithm=%s, num_packs=%lld, "
+                 "shared memory %s; CPU allreduce: small -> %s (%s), large -> %s (%s); "
+                 "fallback engine: %s\n",
+                 config_.group_name.c_str(), size, num_hosts_, config_.algorithm.c_str(),
+                 static_cast<long long>(config_.num_packs), executor_ ? "on" : "off",
+                 plan::to_string(small.algorithm), small.reason.c_str(),
+                 plan::to_string(large.algorithm), large.reason.c_str(), fallback_name().c_str());
+  }
+}
+
+XdevBackend::~XdevBackend() {
+  queue_.reset();  // finish queued collectives before the transport goes away
+}
+
+void XdevBackend::rendezvous_hosts(c10d::Store& store) {
+  store.set("xdev/host/" + std::to_string(rank_), config_.hostname);
+  std::set<std::string> hosts;
+  local_world_size_ = 0;
+  for (int r = 0; r < size_; ++r) {
+    const std::string host = store.get_to_str("xdev/host/" + std::to_string(r));
+    hosts.insert(host);
+    if (host == config_.hostname) ++local_world_size_;
+  }
+  num_hosts_ = static_cast<int>(hosts.size());
+}
+
+// Rank 0 creates the segment and publishes its name; once every rank has
+// mapped it (counted through the store), rank 0 unlinks the name, so the
+// memory disappears with the last process that maps it, crash or not.
+void XdevBackend::open_shared_memory(c10d::Store& store) {
+  const auto slot_bytes = static_cast<size_t>(config_.shm_slot_bytes);
+  transport::ShmChannel channel;
+  if (rank_ == 0) {
+    transport::ShmSegment::remove_orphans();
+    const std::string name = transport::ShmSegment::make_name();
+    channel = transport::ShmChannel::create(name, size_, rank_, slot_bytes);
+    store.set("xdev/shm/name", name);
+  } else {
+    const std::string name = store.get_to_str("xdev/shm/name");
+    channel = transport::ShmChannel::attach(name, size_, rank_, slot_bytes);
+  }
+  if (store.add("xdev/shm/attached", 1) == size_) store.set("xdev/shm/ready", "1");
+  if (rank_ == 0) {
+    store.wait({"xdev/shm/ready"});
+    channel.unlink_name();
+  }
+  executor_ = std::make_unique<transport::ShmExecutor>(std::move(channel));
+}
+
+std::string XdevBackend::shm_name() const {
+  return executor_ ? executor_->channel().name() : std::string();
+}
+
+void XdevBackend::log_once(const std::string& key, const std::string& message) {
+  std::lock_guard<std::mutex> lock(log_mutex_);
+  if (!config_.debug || !logged_.insert(key).second) return;
+  std::fprintf(stderr, "[xdev] group '%s' rank %d: %s\n", config_.group_name.c_str(), rank_,
+               message.c_str());
+}
+
+std::pair<std::string, std::string> XdevBackend::last_selection() const {
+  std::lock_guard<std::mutex> lock(log_mutex_);
+  return last_selection_;
+}
+
+plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
+  plan::SelectionInput in;
+  in.requested = requested_;
+  in.world_size = size_;
+  in.num_hosts = num_hosts_;
+  in.device = cuda ? plan::DeviceKind::kCuda : plan::DeviceKind::kCpu;
+  // The CUDA transport is not built yet: CUDA tensors go to the fallback.
+  in.transport_available = !cuda && (executor_ != nullptr || size_ == 1);
+  in.payload_bytes = payload;
+  in.num_packs = config_.num_packs;
+  return plan::select_allreduce(in);
+}
+
+transport::Clock::time_point XdevBackend::deadline_for(std::chrono::milliseconds timeout) const {
+  const auto t = timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
+  return transport::Clock::now() + t;
+}
+
+std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
+  std::string s;
+  switch (static_cast<Collective>(d.collective)) {
+    case Collective::kAllreduce:
+      s = std::string("allreduce ") +
+          kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
+          kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " via " +
+          plan::to_string(static_cast<plan::Algorithm>(d.algorithm));
+      break;
+    case Collective::kBroadcast:
+      s = "broadcast from rank " + std::to_string(d.root);
+      break;
+    case Collective::kBarrier:
+      return "barrier (op #" + std::to_string(d.seq) + ")";
+    default:
+      s = "unknown collective";
+  }
+  return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " +
+         std::to_string(d.total_elems) + " element(s), shape hash " +
+         std::to_string(d.shape_hash % 100000) + " (op #" + std::to_string(d.seq) + ")";
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const char* title,
+                                                    std::vector<at::Tensor> outputs,
+                                                    std::function<void()> fn) {
+  auto work = c10::make_intrusive<XdevWork>(rank_, type, title, std::move(outputs));
+  queue_->submit([this, work, fn = std::move(fn)] {
+    if (!poisoned_.empty()) {
+      work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
+                               poisoned_ + "); destroy it and create a new one"));
+      return;
+    }
+    try {
+      fn();
+      work->complete();
+    } catch (const transport::MismatchError& e) {
+      work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
+    } catch (const transport::PeerError& e) {
+      poisoned_ = e.what();
+      work->fail(as_dist_error(e.what()));
+    } catch (const std::exception& e) {
+      poisoned_ = e.what();
+      work->fail(as_dist_error(std::string("xdev: ") + e.what()));
+    }
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Tensor> tensors,
+                                                             kernels::ReduceOp op,
+                                                             plan::Selection sel,
+                                                             std::chrono::milliseconds timeout) {
+  return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
+                 [this, tensors, op, sel, timeout]() {
+    // Work on contiguous tensors; copy back into non-contiguous ones at the end.
+    std::vector<at::Tensor> flat;
+    std::vector<plan::TensorDesc> descs;
+    for (const at::Tensor& t : tensors) {
+      flat.push_back(t.contiguous());
+      descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
+                       static_cast<size_t>(t.element_size()), t.numel()});
+    }
+    const auto deadline = deadline_for(timeout);
+    if (size_ > 1) {  // a world of one already holds its result
+      const uint64_t hash = shape_hash(tensors);
+      for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
+        const auto dtype = static_cast<kernels::DType>(group.dtype);
+        const auto packs = plan::make_packs(group.layout, group.elem_size, packing_);
+        const int64_t window_elems =
+            config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
+        const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
+            sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs,
+            group.layout.total(), window_elems);
+        transport::CollectiveRequest req;
+        req.plan = &cp;
+        req.layout = &group.layout;
+        for (size_t idx : group.tensor_indices) {
+          req.tensors.push_back(static_cast<char*>(flat[idx].data_ptr()));
+        }
+        req.dtype = dtype;
+        req.op = op;
+        req.descriptor.seq = ++next_seq_;
+        req.descriptor.collective = static_cast<int32_t>(Collective::kAllreduce);
+        req.descriptor.reduce_op = static_cast<int32_t>(op);
+        req.descriptor.dtype = group.dtype;
+        req.descriptor.algorithm = static_cast<int32_t>(sel.algorithm);
+        req.descriptor.root = config_.reduce_to_rank;
+        req.descriptor.num_packs = static_cast<int64_t>(packs.size());
+        req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
+        req.descriptor.total_elems = group.layout.total();
+        req.descriptor.shape_hash = hash;
+        req.deadline = deadline;
+        req.what = "allreduce (op #" + std::to_string(req.descriptor.seq) + ")";
+        req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+        executor_->run(req);
+      }
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts,
+                                                               bool coalesced) {
+  auto call = [&](const c10d::AllreduceOptions& o) {
+    if (coalesced) {
+      c10d::AllreduceCoalescedOptions co;
+      co.reduceOp = o.reduceOp;
+      co.timeout = o.timeout;
+      return fallback_->allreduce_coalesced(tensors, co);
+    }
+    return fallback_->allreduce(tensors, o);
+  };
+  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) return call(opts);
+  // Gloo has no AVG: SUM through the fallback, then divide on our worker
+  // thread, so the returned Work completes only once the division is done.
+  c10d::AllreduceOptions sum = opts;
+  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  auto inner = call(sum);
+  const int world = size_;
+  std::vector<at::Tensor> outs = tensors;
+  return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs, [inner, outs, world]() {
+    inner->wait();
+    for (const at::Tensor& t : outs) {
+      if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+        t.div_(world, "trunc");
+      } else {
+        t.div_(world);
+      }
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts,
+                                                               bool coalesced) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "xdev allreduce: no tensors given");
+  const c10::Device device = tensors[0].device();
+  bool native_ok = native_op(opts.reduceOp).has_value();
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK_VALUE(t.device() == device,
+                      "xdev allreduce: all tensors must be on one device; got ", device, " and ",
+                      t.device());
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided,
+                      "xdev allreduce: only dense (strided) tensors are supported");
+    native_ok = native_ok && native_dtype(t.scalar_type()).has_value();
+  }
+  plan::Selection sel = selection_for(payload_bytes(tensors), device.is_cuda());
+  if (!native_ok && sel.algorithm != plan::Algorithm::kFallback) {
+    sel.algorithm = plan::Algorithm::kFallback;
+    sel.reason = "no native kernel for this reduce op / dtype";
+  }
+  {
+    std::lock_guard<std::mutex> lock(log_mutex_);
+    last_selection_ = {plan::to_string(sel.algorithm), sel.reason};
+  }
+  log_once(std::string(device.is_cuda() ? "cuda:" : "cpu:") + plan::to_string(sel.algorithm) +
+               sel.reason,
+           std::string("allreduce on ") + (device.is_cuda() ? "CUDA" : "CPU") + " tensors -> " +
+               plan::to_string(sel.algorithm) + " (" + sel.reason + ")");
+  if (sel.algorithm == plan::Algorithm::kFallback) {
+    return fallback_allreduce(tensors, opts, coalesced);
+  }
+  return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  return dispatch_allreduce(tensors, opts, false);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  return dispatch_allreduce(tensors, opts, true);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  bool native = executor_ != nullptr && opts.rootTensor == 0;
+  for (const at::Tensor& t : tensors) {
+    native = native && t.device().is_cpu() && t.layout() == at::kStrided;
+  }
+  if (!native) return fallback_->broadcast(tensors, opts);
+  TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
+                    opts.rootRank, " is outside the group of ", size_);
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::BROADCAST, "xdev:broadcast", tensors, [this, tensors, root, opts]() {
+    // Broadcast moves bytes: any dtype works, tensors are laid out as bytes.
+    std::vector<at::Tensor> flat;
+    std::vector<int64_t> byte_counts;
+    for (const at::Tensor& t : tensors) {
+      flat.push_back(t.contiguous());
+      byte_counts.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
+    }
+    const plan::FlatLayout layout(byte_counts);
+    const plan::CollectivePlan cp =
+        plan::CollectivePlan::broadcast(size_, root, layout.total(), config_.shm_slot_bytes);
+    transport::CollectiveRequest req;
+    req.plan = &cp;
+    req.layout = &layout;
+    for (at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
+    req.dtype = kernels::DType::kUInt8;
+    req.descriptor.seq = ++next_seq_;
+    req.descriptor.collective = static_cast<int32_t>(Collective::kBroadcast);
+    req.descriptor.root = root;
+    req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
+    req.descriptor.total_elems = layout.total();
+    req.descriptor.shape_hash = shape_hash(tensors);
+    req.deadline = deadline_for(opts.timeout);
+    req.what = "broadcast (op #" + std::to_string(req.descriptor.seq) + ")";
+    req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+    executor_->run(req);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
+  if (executor_ == nullptr) {
+    if (size_ == 1) return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [] {});
+    return fallback_->barrier(opts);
+  }
+  // Queued behind every earlier native collective of this rank, so when it
+  // completes they have completed too.
+  return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [this, opts]() {
+    transport::OpDescriptor d;
+    d.seq = ++next_seq_;
+    d.collective = static_cast<int32_t>(Collective::kBarrier);
+    executor_->barrier(d, deadline_for(opts.timeout), "barrier (op #" + std::to_string(d.seq) + ")",
+                       [this](const transport::OpDescriptor& x) { return describe_op(x); });
+  });
+}
+
+// ---- Delegated collectives -------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOptions& opts) {
+  return fallback_->reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return fallback_->allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output,
+                                                            at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  return fallback_->_allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return fallback_->allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::GatherOptions& opts) {
+  return fallback_->gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  return fallback_->scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return fallback_->reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return fallback_->_reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  return fallback_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  return fallback_->alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                                 int tag) {
+  return fallback_->send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                                 int tag) {
+  return fallback_->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                          int tag) {
+  return fallback_->recvAnysource(tensors, tag);
+}
+
+}  // namespace xdev::backend

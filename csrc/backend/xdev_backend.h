@@ -1,0 +1,148 @@
+// XdevBackend: the c10d Backend behind backend="xdev".
+//
+// Thin by design: it turns c10d calls into plans (csrc/plan) and runs them on
+// the shared-memory transport (csrc/transport) from one worker thread, or
+// hands them to the fallback engine (Gloo, built in Python on a PrefixStore of
+// our store). Native today: allreduce, allreduce_coalesced, broadcast and
+// barrier on CPU tensors of one host; everything else is delegated.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/schedule.h"
+#include "../plan/selection.h"
+#include "../transport/shm_executor.h"
+#include "backend_config.h"
+#include "work_queue.h"
+#include "xdev_work.h"
+
+namespace xdev::backend {
+
+class XdevBackend : public c10d::Backend {
+ public:
+  XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+              BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback);
+  ~XdevBackend() override;
+
+  const std::string getBackendName() const override { return "xdev"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Delegated to the fallback engine.
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+  // Introspection for torch_xdev.describe().
+  const BackendConfig& config() const { return config_; }
+  int num_hosts() const { return num_hosts_; }
+  int local_world_size() const { return local_world_size_; }
+  bool has_shared_memory() const { return executor_ != nullptr; }
+  std::string shm_name() const;
+  std::string fallback_name() const { return fallback_->getBackendName(); }
+  // What the last allreduce ran and why ("" before the first).
+  std::pair<std::string, std::string> last_selection() const;
+  // The algorithm and reason an allreduce of this many bytes would get.
+  plan::Selection selection_for(int64_t payload_bytes, bool cuda) const;
+
+ private:
+  enum class Collective : int32_t { kAllreduce = 1, kBroadcast = 2, kBarrier = 3 };
+
+  void rendezvous_hosts(c10d::Store& store);
+  void open_shared_memory(c10d::Store& store);
+  void log_once(const std::string& key, const std::string& message);
+
+  // Native allreduce of tensors (may mix dtypes) on the worker thread.
+  c10::intrusive_ptr<c10d::Work> native_allreduce(std::vector<at::Tensor> tensors,
+                                                  kernels::ReduceOp op, plan::Selection sel,
+                                                  std::chrono::milliseconds timeout);
+  // Runs an allreduce through the fallback; AVG is done as SUM then a divide
+  // because Gloo has no AVG.
+  c10::intrusive_ptr<c10d::Work> fallback_allreduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::AllreduceOptions& opts,
+                                                    bool coalesced);
+  c10::intrusive_ptr<c10d::Work> dispatch_allreduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::AllreduceOptions& opts,
+                                                    bool coalesced);
+
+  // Runs fn on the worker thread and completes the returned Work with its
+  // outcome. Errors become DistBackendError; a peer failure poisons the group.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
+                                         std::vector<at::Tensor> outputs,
+                                         std::function<void()> fn);
+
+  transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
+  std::string describe_op(const transport::OpDescriptor& d) const;
+
+  BackendConfig config_;
+  plan::Algorithm requested_ = plan::Algorithm::kAuto;
+  plan::PackingOptions packing_;
+  c10::intrusive_ptr<c10d::Backend> fallback_;
+  int num_hosts_ = 1;
+  int local_world_size_ = 1;
+
+  std::unique_ptr<transport::ShmExecutor> executor_;  // only touched by the worker thread
+  uint64_t next_seq_ = 0;                              // worker thread only
+  std::string poisoned_;                               // worker thread only
+
+  mutable std::mutex log_mutex_;
+  std::set<std::string> logged_;
+  std::pair<std::string, std::string> last_selection_;
+
+  std::unique_ptr<WorkQueue> queue_;  // last member: joined first on destruction
+};
+
+}  // namespace xdev::backend

@@ -1,0 +1,21 @@
+#include "xdev_work.h"
+
+namespace xdev::backend {
+
+XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
+                   std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, op_type, profiling_title, outputs),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
+
+void XdevWork::complete() {
+  finish();
+  future_->markCompleted(c10::IValue(outputs_));
+}
+
+void XdevWork::fail(std::exception_ptr error) {
+  finish(error);
+  future_->setError(error);
+}
+
+}  // namespace xdev::backend

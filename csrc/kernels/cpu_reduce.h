@@ -1,0 +1,29 @@
+// CPU reduction kernels: dst = op(src[0], src[1], ..., src[n-1]) elementwise.
+//
+// Sources are combined in the listed order with one accumulator per element,
+// so the same inputs give the same bits every time. fp16 and bf16 accumulate
+// in fp32 and round once at the end; integers wrap like torch's integer ops.
+// dst may alias any source (in-place reduction into a staging slot).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace xdev::kernels {
+
+enum class DType { kFloat32, kFloat64, kFloat16, kBFloat16, kInt8, kUInt8, kInt32, kInt64 };
+enum class ReduceOp { kSum, kAvg, kMin, kMax, kProduct };
+
+size_t element_size(DType t);
+const char* to_string(DType t);
+const char* to_string(ReduceOp op);
+
+// Reduces num_sources arrays of count elements into dst. divisor > 0 divides
+// the result by it (AVG's final step; integers truncate toward zero).
+void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int num_sources,
+            int64_t count, int64_t divisor);
+
+// Divides count elements in place (AVG over a world of one).
+void divide_inplace(DType dtype, void* data, int64_t count, int64_t divisor);
+
+}  // namespace xdev::kernels

@@ -1,0 +1,89 @@
+// Schedules: which rank reads which byte ranges from whom, in which phase.
+//
+// Words used here. Every rank owns a *staging slot* (shared memory on the CPU,
+// an IPC-shared device buffer on GPUs) and an *output* (its result tensor).
+// Execution of one window: every stager copies its input into its slot (phase
+// 0), then phases 1..num_phases run in order, separated by a barrier of all
+// ranks. A Step is executed by its actor; it reads the same element range
+// from the slots of its sources, in the listed order, and writes the actor's
+// own slot or output. Steps only ever *pull*: data moves from a source slot to
+// the actor, so a transfer crosses the link (source -> actor).
+//
+// Determinism: every total is produced by exactly one reduce step (the one
+// marked finalize) and then only copied, so every rank ends with the same
+// bits, and the fixed source order gives the same bits run after run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "packing.h"
+
+namespace xdev::plan {
+
+enum class Algorithm {
+  kAuto,
+  kHierarchicalCopy,  // the seeds' DGX-1 plan: two groups of N/2, rotating mains per pack
+  kReduceToOne,       // sum on one root, everyone copies the result back
+  kFlat,              // reduce-scatter then allgather: rank r reduces slice r of each window
+  kFallback,          // the inner engine (Gloo for CPU, NCCL for CUDA)
+};
+
+const char* to_string(Algorithm a);
+// Accepts the names to_string gives; throws std::invalid_argument listing them.
+Algorithm algorithm_from_string(const std::string& name);
+
+enum class StepKind { kReduce, kCopy };
+enum class Target { kStaging, kOutput };
+
+struct Step {
+  StepKind kind = StepKind::kCopy;
+  int phase = 1;
+  int actor = 0;
+  std::vector<int> sources;  // slots read, in reduction order (one for a copy)
+  Target target = Target::kOutput;
+  Range range;            // element offsets within the window
+  bool finalize = false;  // produces a total: AVG divides here
+};
+
+struct Schedule {
+  int world_size = 0;
+  int num_phases = 0;
+  std::vector<int> stagers;  // ranks that copy their input in during phase 0
+  std::vector<Step> steps;
+};
+
+// One pack's part of the current window, with its global pack index (which
+// decides the hierarchical plan's lead ranks).
+struct PackSlice {
+  int64_t pack_id = 0;
+  Range range;
+};
+
+// Hierarchical copy over N = world_size ranks (N even, g = N/2, groups [0,g)
+// and [g,N)). For pack i: main0 = i mod N and main1 = (main0 + g) mod N.
+//   phase 1: each main sums the pack over its own group (intra-group links);
+//   phase 2: main0 adds main1's group sum: the total (one crossing of the
+//            main0 <-> main1 link);
+//   phase 3: main1 copies the total from main0; main0's group copies it out;
+//   phase 4: main1's group copies it out from main1.
+Schedule hierarchical_copy_schedule(int world_size, const std::vector<PackSlice>& packs);
+
+// Root sums the range over all slots (phase 1); every rank copies it out
+// (phase 2).
+Schedule reduce_to_one_schedule(int world_size, int root, Range range);
+
+// Rank r reduces slice r of the range over all slots (phase 1); every rank then
+// copies every slice out (phase 2). Spreads the reduction over all ranks.
+Schedule flat_schedule(int world_size, Range range);
+
+// Root stages alone; every rank copies root's slot out (phase 1).
+Schedule broadcast_schedule(int world_size, int root, Range range);
+
+// Empty when the schedule is well formed: ranks in range, every step's target
+// written by no other step of its phase, no slot range both written and read
+// by different actors in one phase. Otherwise a description of the problem.
+std::string find_schedule_hazard(const Schedule& s);
+
+}  // namespace xdev::plan

@@ -1,0 +1,78 @@
+#include "selection.h"
+
+#include <stdexcept>
+
+namespace xdev::plan {
+
+const char* to_string(DeviceKind d) { return d == DeviceKind::kCpu ? "cpu" : "cuda"; }
+
+void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) {
+  if (requested == Algorithm::kAuto || requested == Algorithm::kFallback) return;
+  if (num_hosts > 1) {
+    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
+                                "' needs all ranks on one host, but they span " +
+                                std::to_string(num_hosts) +
+                                " hosts; use algorithm='auto' or 'fallback'");
+  }
+  if (requested == Algorithm::kHierarchicalCopy && world_size % 2 != 0) {
+    throw std::invalid_argument(
+        "algorithm='hierarchical_copy' needs an even number of ranks (two groups of N/2); "
+        "got " +
+        std::to_string(world_size));
+  }
+}
+
+Selection select_allreduce(const SelectionInput& in) {
+  Selection s;
+  const int64_t hier_packs = in.num_packs >= 0 ? in.num_packs : in.world_size;
+  if (in.requested == Algorithm::kFallback) {
+    s.reason = "algorithm='fallback' requested";
+    return s;
+  }
+  // Before the host check below: a forced native plan on several hosts is refused, not quietly
+  // replaced by the fallback.
+  check_forced_algorithm(in.requested, in.world_size, in.num_hosts);
+  if (in.num_hosts > 1) {
+    s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+    return s;
+  }
+  if (!in.transport_available) {
+    s.reason = std::string("no native transport for ") + to_string(in.device) + " tensors";
+    return s;
+  }
+  if (!in.op_supported) {
+    s.reason = "no native kernel for this reduce op / dtype";
+    return s;
+  }
+  if (in.requested != Algorithm::kAuto) {
+    s.algorithm = in.requested;
+    s.num_packs = in.requested == Algorithm::kHierarchicalCopy ? hier_packs : 0;
+    s.reason = std::string("algorithm='") + to_string(in.requested) + "' requested";
+    return s;
+  }
+  if (in.device == DeviceKind::kCuda) {
+    if (in.topology == TopologyClass::kDgx1 && in.world_size == 8) {
+      s.algorithm = Algorithm::kHierarchicalCopy;
+      s.num_packs = hier_packs;
+      s.reason = "8 GPUs wired like a DGX-1";
+    } else if (in.topology == TopologyClass::kFullyConnected) {
+      s.algorithm = Algorithm::kReduceToOne;
+      s.reason = "single host, every GPU reaches every other";
+    } else {
+      s.reason = std::string("GPU topology is ") + to_string(in.topology);
+    }
+    return s;
+  }
+  if (in.payload_bytes < kCpuReduceToOneMaxBytes) {
+    s.algorithm = Algorithm::kReduceToOne;
+    s.reason = "single host, CPU, payload below " + std::to_string(kCpuReduceToOneMaxBytes) +
+               " bytes";
+  } else {
+    s.algorithm = Algorithm::kFlat;
+    s.reason = "single host, CPU, payload of " + std::to_string(kCpuReduceToOneMaxBytes) +
+               " bytes or more";
+  }
+  return s;
+}
+
+}  // namespace xdev::plan

@@ -1,0 +1,52 @@
+// Selection: which algorithm runs an allreduce, and why.
+//
+// The seeds' choose_the_best carried to one process per device: a DGX-1-like
+// 8-GPU host gets the hierarchical plan with 8 packs; other single-host jobs
+// get a native plan (for CPU tensors the one that measures fastest for the
+// size); several hosts, unreachable peers, or an op/dtype without a native
+// kernel go to the fallback engine. A forced algorithm is honoured or refused
+// with a reason; it is never silently replaced.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "schedule.h"
+#include "topology.h"
+
+namespace xdev::plan {
+
+enum class DeviceKind { kCpu, kCuda };
+
+const char* to_string(DeviceKind d);
+
+// CPU allreduces below this many bytes run reduce-to-one, larger ones the flat
+// plan. Both cost two barriers per window; below the threshold reduce-to-one
+// wins by touching fewer cache lines per rank (see README, "Selection").
+constexpr int64_t kCpuReduceToOneMaxBytes = 16 * 1024;
+
+struct SelectionInput {
+  Algorithm requested = Algorithm::kAuto;
+  int world_size = 1;
+  int num_hosts = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  TopologyClass topology = TopologyClass::kFullyConnected;
+  bool transport_available = true;  // a native transport exists for this device
+  bool op_supported = true;         // the reduce op and dtype have native kernels
+  int64_t payload_bytes = 0;
+  int64_t num_packs = -1;  // -1: not set by the user
+};
+
+struct Selection {
+  Algorithm algorithm = Algorithm::kFallback;
+  int64_t num_packs = 0;  // hierarchical plan only; 0 = one pack per tensor
+  std::string reason;
+};
+
+// Throws std::invalid_argument when a forced algorithm cannot run on this job
+// (odd world size for hierarchical copy, several hosts for a native plan).
+void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
+
+Selection select_allreduce(const SelectionInput& in);
+
+}  // namespace xdev::plan

@@ -1,0 +1,118 @@
+#include "topology.h"
+
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
+namespace xdev::plan {
+namespace {
+
+// Row i lists the GPUs that GPU i reaches over NVLink on a DGX-1.
+const std::vector<std::vector<int>>& dgx1_rows() {
+  static const std::vector<std::vector<int>> rows = {
+      {1, 2, 3, 4}, {0, 2, 3, 5}, {0, 1, 3, 6}, {0, 1, 2, 7},
+      {0, 5, 6, 7}, {1, 4, 6, 7}, {2, 4, 5, 7}, {3, 4, 5, 6},
+  };
+  return rows;
+}
+
+}  // namespace
+
+const char* to_string(TopologyClass c) {
+  switch (c) {
+    case TopologyClass::kNone:
+      return "none";
+    case TopologyClass::kPartial:
+      return "partial";
+    case TopologyClass::kFullyConnected:
+      return "fully_connected";
+    case TopologyClass::kDgx1:
+      return "dgx1";
+  }
+  return "unknown";
+}
+
+LinkMatrix::LinkMatrix(int num_devices) : n_(num_devices) {
+  if (num_devices < 0) throw std::invalid_argument("LinkMatrix: negative device count");
+  links_.assign(static_cast<size_t>(n_) * n_, 0);
+}
+
+LinkMatrix LinkMatrix::from_neighbors(const std::vector<std::vector<int>>& neighbors) {
+  LinkMatrix m(static_cast<int>(neighbors.size()));
+  for (int i = 0; i < m.n_; ++i) {
+    for (int j : neighbors[i]) {
+      if (j < 0 || j >= m.n_) {
+        throw std::invalid_argument("LinkMatrix: device " + std::to_string(i) +
+                                    " lists peer " + std::to_string(j) + " out of range");
+      }
+      if (j != i) m.set_links(i, j, std::max(1, m.links(i, j)));
+    }
+  }
+  return m;
+}
+
+LinkMatrix LinkMatrix::fully_connected(int num_devices) {
+  LinkMatrix m(num_devices);
+  for (int i = 0; i < num_devices; ++i) {
+    for (int j = 0; j < num_devices; ++j) {
+      if (i != j) m.links_[static_cast<size_t>(i) * num_devices + j] = 1;
+    }
+  }
+  return m;
+}
+
+LinkMatrix LinkMatrix::dgx1() { return from_neighbors(dgx1_rows()); }
+
+int LinkMatrix::links(int a, int b) const {
+  if (a < 0 || b < 0 || a >= n_ || b >= n_) throw std::out_of_range("LinkMatrix: device index");
+  return links_[static_cast<size_t>(a) * n_ + b];
+}
+
+void LinkMatrix::set_links(int a, int b, int count) {
+  if (a < 0 || b < 0 || a >= n_ || b >= n_) throw std::out_of_range("LinkMatrix: device index");
+  if (count < 0) throw std::invalid_argument("LinkMatrix: negative link count");
+  links_[static_cast<size_t>(a) * n_ + b] = count;
+  links_[static_cast<size_t>(b) * n_ + a] = count;
+}
+
+std::vector<int> LinkMatrix::neighbors(int i) const {
+  std::vector<int> out;
+  for (int j = 0; j < n_; ++j) {
+    if (j != i && links(i, j) > 0) out.push_back(j);
+  }
+  return out;
+}
+
+bool is_dgx1_like(const std::vector<std::vector<int>>& neighbors) {
+  const auto& rows = dgx1_rows();
+  if (neighbors.size() != rows.size()) return false;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::set<int> expected(rows[i].begin(), rows[i].end());
+    // A device may list itself as well; nothing else may differ.
+    std::set<int> given(neighbors[i].begin(), neighbors[i].end());
+    given.erase(static_cast<int>(i));
+    if (given != expected) return false;
+  }
+  return true;
+}
+
+bool is_dgx1_like(const LinkMatrix& m) {
+  std::vector<std::vector<int>> rows;
+  for (int i = 0; i < m.size(); ++i) rows.push_back(m.neighbors(i));
+  return is_dgx1_like(rows);
+}
+
+TopologyClass classify(const LinkMatrix& m) {
+  if (is_dgx1_like(m)) return TopologyClass::kDgx1;
+  int linked_pairs = 0;
+  const int n = m.size();
+  for (int i = 0; i < n; ++i) {
+    for (int j = i + 1; j < n; ++j) linked_pairs += m.links(i, j) > 0 ? 1 : 0;
+  }
+  const int all_pairs = n * (n - 1) / 2;
+  if (n <= 1 || linked_pairs == all_pairs) return TopologyClass::kFullyConnected;
+  if (linked_pairs == 0) return TopologyClass::kNone;
+  return TopologyClass::kPartial;
+}
+
+}  // namespace xdev::plan

@@ -1,0 +1,60 @@
+// Topology model: which devices of one host are joined by direct links.
+//
+// Pure C++17, no torch or CUDA. A LinkMatrix counts direct links (NVLinks, or
+// 1 for "peer reachable") between every ordered pair of devices; the plans only
+// ask "is there a direct link between a and b" and "how is the host wired".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace xdev::plan {
+
+// How the devices of one host are connected, coarsest first.
+enum class TopologyClass {
+  kNone,            // no direct links at all (e.g. PCIe without peer access)
+  kPartial,         // some pairs linked, not DGX-1-like, not fully connected
+  kFullyConnected,  // every pair linked
+  kDgx1,            // exactly the DGX-1 hybrid cube-mesh of 8 GPUs
+};
+
+const char* to_string(TopologyClass c);
+
+class LinkMatrix {
+ public:
+  LinkMatrix() = default;
+  explicit LinkMatrix(int num_devices);
+
+  // Builds a matrix from adjacency lists; each entry of neighbors[i] is linked
+  // to i with one link, in both directions.
+  static LinkMatrix from_neighbors(const std::vector<std::vector<int>>& neighbors);
+
+  // Every pair linked once; the CPU shared-memory transport looks like this.
+  static LinkMatrix fully_connected(int num_devices);
+
+  // The NVLink wiring of an 8-GPU DGX-1 (hybrid cube-mesh).
+  static LinkMatrix dgx1();
+
+  int size() const { return n_; }
+  int links(int a, int b) const;
+  void set_links(int a, int b, int count);  // symmetric
+  bool linked(int a, int b) const { return a == b || links(a, b) > 0; }
+
+  // Peer set of device i (excluding i itself), ascending.
+  std::vector<int> neighbors(int i) const;
+
+ private:
+  int n_ = 0;
+  std::vector<int> links_;  // n_ * n_, row-major
+};
+
+// The DGX-1 test of DESIGN.md: exactly 8 devices and each device's peer set
+// equals its DGX-1 row (a device listing itself as well is allowed). Used on
+// adjacency lists as a user or a topology file gives them.
+bool is_dgx1_like(const std::vector<std::vector<int>>& neighbors);
+bool is_dgx1_like(const LinkMatrix& m);
+
+TopologyClass classify(const LinkMatrix& m);
+
+}  // namespace xdev::plan

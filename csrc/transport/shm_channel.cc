@@ -1,0 +1,218 @@
+#include "shm_channel.h"
+
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace xdev::transport {
+namespace {
+
+constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kCacheLine = 64;
+constexpr size_t kPage = 4096;
+
+size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Process-shared futex (no FUTEX_PRIVATE_FLAG): the word lives in a MAP_SHARED
+// mapping that every rank maps at its own address.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+            0);
+}
+
+}  // namespace
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex word must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "epoch word must be lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word layout");
+
+struct alignas(kCacheLine) ShmChannel::RankControl {
+  std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
+  std::atomic<int32_t> pid;
+  char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - sizeof(std::atomic<int32_t>)];
+  OpDescriptor desc[2];  // indexed by op seq parity
+};
+
+struct alignas(kCacheLine) ShmChannel::Header {
+  uint64_t magic;
+  uint32_t version;
+  int32_t world_size;
+  uint64_t slot_bytes;
+  uint64_t data_offset;
+  alignas(kCacheLine) std::atomic<uint32_t> wake_word;  // bumped whenever a barrier completes
+};
+
+bool OpDescriptor::operator==(const OpDescriptor& o) const {
+  return seq == o.seq && collective == o.collective && reduce_op == o.reduce_op &&
+         dtype == o.dtype && algorithm == o.algorithm && root == o.root &&
+         num_packs == o.num_packs && num_tensors == o.num_tensors &&
+         total_elems == o.total_elems && shape_hash == o.shape_hash;
+}
+
+size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {
+  const size_t control = sizeof(Header) + sizeof(RankControl) * static_cast<size_t>(world_size);
+  return round_up(control, kPage) + 2 * static_cast<size_t>(world_size) * round_up(slot_bytes, kPage);
+}
+
+ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
+                              size_t slot_bytes) {
+  ShmChannel ch;
+  ch.segment_ = ShmSegment::create(name, segment_bytes(world_size, slot_bytes));
+  auto* h = new (ch.segment_.data()) Header();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->world_size = world_size;
+  h->slot_bytes = slot_bytes;
+  h->data_offset = round_up(sizeof(Header) + sizeof(RankControl) * world_size, kPage);
+  h->wake_word.store(0);
+  auto* ranks = reinterpret_cast<RankControl*>(h + 1);
+  for (int r = 0; r < world_size; ++r) {
+    auto* rc = new (&ranks[r]) RankControl();
+    rc->arrived.store(0);
+    rc->pid.store(0);
+  }
+  ch.world_size_ = world_size;
+  ch.rank_ = rank;
+  ch.slot_bytes_ = slot_bytes;
+  ch.data_offset_ = h->data_offset;
+  ch.control(rank)->pid.store(static_cast<int32_t>(::getpid()));
+  const unsigned cores = std::thread::hardware_concurrency();
+  ch.spin_iterations_ = (cores != 0 && static_cast<unsigned>(world_size) <= cores) ? 4000 : 0;
+  return ch;
+}
+
+ShmChannel ShmChannel::attach(const std::string& name, int world_size, int rank,
+                              size_t slot_bytes) {
+  ShmChannel ch;
+  ch.segment_ = ShmSegment::open(name, segment_bytes(world_size, slot_bytes));
+  const Header* h = ch.header();
+  if (h->magic != kMagic || h->version != kVersion || h->world_size != world_size ||
+      h->slot_bytes != slot_bytes) {
+    throw std::runtime_error("xdev shared memory: " + name +
+                             " was made for another group shape or xdev version");
+  }
+  ch.world_size_ = world_size;
+  ch.rank_ = rank;
+  ch.slot_bytes_ = slot_bytes;
+  ch.data_offset_ = h->data_offset;
+  ch.control(rank)->pid.store(static_cast<int32_t>(::getpid()));
+  const unsigned cores = std::thread::hardware_concurrency();
+  ch.spin_iterations_ = (cores != 0 && static_cast<unsigned>(world_size) <= cores) ? 4000 : 0;
+  return ch;
+}
+
+ShmChannel::Header* ShmChannel::header() const { return static_cast<Header*>(segment_.data()); }
+
+ShmChannel::RankControl* ShmChannel::control(int rank) const {
+  return reinterpret_cast<RankControl*>(header() + 1) + rank;
+}
+
+char* ShmChannel::slot(int64_t window_parity, int rank) const {
+  const size_t stride = round_up(slot_bytes_, kPage);
+  const size_t index = static_cast<size_t>(window_parity & 1) * world_size_ + rank;
+  return static_cast<char*>(segment_.data()) + data_offset_ + index * stride;
+}
+
+bool ShmChannel::all_arrived(uint64_t epoch) const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (control(r)->arrived.load(std::memory_order_seq_cst) < epoch) return false;
+  }
+  return true;
+}
+
+std::string ShmChannel::missing_ranks(uint64_t epoch) const {
+  std::string out;
+  for (int r = 0; r < world_size_; ++r) {
+    if (control(r)->arrived.load() < epoch) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return out;
+}
+
+int ShmChannel::dead_rank(uint64_t epoch) const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (control(r)->arrived.load() >= epoch) continue;
+    const pid_t pid = control(r)->pid.load();
+    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) return r;
+  }
+  return -1;
+}
+
+// Barrier. Each rank stores its own arrival count, then reads everyone's.
+// Both are seq_cst, so of any two ranks at least one sees the other's store
+// (store->load ordering, as in Dekker's algorithm): the last rank to arrive
+// always sees the set complete, bumps wake_word and wakes the sleepers. A
+// sleeper reads wake_word *before* re-checking the arrivals and passes that
+// value to FUTEX_WAIT, which returns at once if the word has moved since: a
+// wake between the check and the sleep cannot be lost. The seq_cst loads that
+// observe every arrival also order this rank's later reads of peers' slots
+// after the peers' writes before they arrived (release/acquire on arrived).
+void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
+  const uint64_t epoch = ++epoch_;
+  std::atomic<uint32_t>* wake = &header()->wake_word;
+  control(rank_)->arrived.store(epoch, std::memory_order_seq_cst);
+  if (all_arrived(epoch)) {
+    wake->fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(wake);
+    return;
+  }
+  for (int i = 0; i < spin_iterations_; ++i) {
+    cpu_relax();
+    if (all_arrived(epoch)) return;
+  }
+  auto next_liveness_check = Clock::now() + std::chrono::milliseconds(200);
+  for (;;) {
+    const uint32_t seen = wake->load(std::memory_order_seq_cst);
+    if (all_arrived(epoch)) return;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      throw PeerError("xdev: timed out in " + what + " waiting for rank(s) " +
+                      missing_ranks(epoch) +
+                      " of this group; a peer is stuck, slow, or called a different collective");
+    }
+    if (now >= next_liveness_check) {
+      const int dead = dead_rank(epoch);
+      if (dead >= 0) {
+        throw PeerError("xdev: rank " + std::to_string(dead) + " (pid " +
+                        std::to_string(control(dead)->pid.load()) + ") exited during " + what);
+      }
+      next_liveness_check = now + std::chrono::milliseconds(200);
+    }
+    const auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100));
+    futex_wait(wake, seen, std::chrono::duration_cast<std::chrono::nanoseconds>(slice));
+  }
+}
+
+void ShmChannel::publish(const OpDescriptor& d) { control(rank_)->desc[d.seq & 1] = d; }
+
+OpDescriptor ShmChannel::descriptor_of(int rank, uint64_t seq) const {
+  return control(rank)->desc[seq & 1];
+}
+
+}  // namespace xdev::transport

@@ -1,0 +1,97 @@
+// The shared-memory channel of one process group on one host: a control block
+// (barrier words, per-rank op descriptors, pids) and two sets of staging
+// slots, one slot per rank in each set.
+//
+// Slot sets alternate by window (double buffering): a rank writes set p again
+// only in window w + 2, after passing window w + 1's first barrier, which no
+// rank reaches before it has finished reading set p in window w. So no barrier
+// is needed at the end of a window.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "shm_segment.h"
+
+namespace xdev::transport {
+
+using Clock = std::chrono::steady_clock;
+
+// A peer did not arrive in time, or exited.
+class PeerError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What one rank is about to run. Every rank publishes one before the first
+// barrier of a collective; after it, every rank compares all of them, so a
+// mismatch fails on every rank at the same point and the group stays usable.
+struct OpDescriptor {
+  uint64_t seq = 0;
+  int32_t collective = 0;  // backend's enum
+  int32_t reduce_op = 0;
+  int32_t dtype = 0;
+  int32_t algorithm = 0;
+  int64_t root = 0;
+  int64_t num_packs = 0;
+  int64_t num_tensors = 0;
+  int64_t total_elems = 0;
+  uint64_t shape_hash = 0;
+
+  bool operator==(const OpDescriptor& o) const;
+  bool operator!=(const OpDescriptor& o) const { return !(*this == o); }
+};
+
+class ShmChannel {
+ public:
+  ShmChannel() = default;
+
+  // Bytes the segment needs for world_size ranks with slots of slot_bytes.
+  static size_t segment_bytes(int world_size, size_t slot_bytes);
+
+  // The creator initialises the control block; everyone then attaches.
+  static ShmChannel create(const std::string& name, int world_size, int rank, size_t slot_bytes);
+  static ShmChannel attach(const std::string& name, int world_size, int rank, size_t slot_bytes);
+
+  void unlink_name() { segment_.unlink(); }
+  const std::string& name() const { return segment_.name(); }
+  size_t slot_bytes() const { return slot_bytes_; }
+  int world_size() const { return world_size_; }
+  int rank() const { return rank_; }
+
+  char* slot(int64_t window_parity, int rank) const;
+
+  // Blocks until every rank has reached the same number of barriers. Spins
+  // briefly (only when there is a core per rank), then sleeps on a futex.
+  // Throws PeerError naming the missing ranks at the deadline, or as soon as a
+  // missing rank's process is gone.
+  void barrier(Clock::time_point deadline, const std::string& what);
+
+  void publish(const OpDescriptor& d);
+  OpDescriptor descriptor_of(int rank, uint64_t seq) const;
+
+  uint64_t barriers_passed() const { return epoch_; }
+
+ private:
+  struct Header;
+  struct RankControl;
+
+  Header* header() const;
+  RankControl* control(int rank) const;
+  bool all_arrived(uint64_t epoch) const;
+  std::string missing_ranks(uint64_t epoch) const;
+  int dead_rank(uint64_t epoch) const;
+
+  ShmSegment segment_;
+  int world_size_ = 0;
+  int rank_ = 0;
+  size_t slot_bytes_ = 0;
+  size_t data_offset_ = 0;
+  uint64_t epoch_ = 0;
+  int spin_iterations_ = 0;
+};
+
+}  // namespace xdev::transport

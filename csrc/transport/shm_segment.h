@@ -1,0 +1,53 @@
+// A POSIX shared-memory segment shared by the ranks of one host.
+//
+// Lifecycle. The creator makes the segment with O_CREAT | O_EXCL and mode 0600
+// under an unguessable name (128 random bits), sizes and pre-allocates it, and
+// publishes the name (the backend does that through the c10d Store). Peers open
+// and map it. Once every rank has mapped it, the creator unlinks the name: from
+// then on the memory lives exactly as long as some rank maps it, so a normal
+// exit, a crash or a kill -9 cannot leak it. The only window for a leak is a
+// creator that dies between create and unlink; names carry the creator's pid
+// so the next creator on the machine removes such orphans.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace xdev::transport {
+
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ~ShmSegment();
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+
+  // "/xdev-<pid>-<32 hex digits from the kernel's CSPRNG>".
+  static std::string make_name();
+
+  static ShmSegment create(const std::string& name, size_t bytes);
+  static ShmSegment open(const std::string& name, size_t bytes);
+
+  // Removes the name; the mapping stays valid. Idempotent.
+  void unlink();
+
+  // Unlinks /dev/shm/xdev-<pid>-* segments of this user whose creator pid is
+  // gone. Returns how many were removed.
+  static int remove_orphans();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  void reset();
+
+  std::string name_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool owner_linked_ = false;  // this process created the name and has not unlinked it
+};
+
+}  // namespace xdev::transport

@@ -1,0 +1,81 @@
+"""Creates xdev backends for torch.distributed and registers the name "xdev"."""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .options import Options, resolve_options
+
+BACKEND_NAME = "xdev"
+
+# c10d calls the creator once per device type of a group ("cpu", then "cuda"),
+# each time with a differently prefixed store. One XdevBackend serves every
+# device of its group, so the second call returns the first call's object.
+# Weak references: the cache never keeps a destroyed group alive.
+_backends_by_group: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+def host_identity() -> str:
+    """The name ranks compare to find who shares their host (XDEV_HOSTNAME overrides)."""
+    return os.environ.get("XDEV_HOSTNAME") or socket.gethostname()
+
+
+def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
+    group_id = str(dist_opts.group_id)
+    existing = _backends_by_group.get(group_id)
+    if existing is not None:
+        return existing
+    options = resolve_options(pg_options)
+    rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
+    if options.reduce_to_rank >= size:
+        raise ValueError(
+            f"Options.reduce_to_rank must be in [0, {size}) for this group; got {options.reduce_to_rank}"
+        )
+    seconds = options.timeout_seconds()
+    timeout = timedelta(seconds=seconds) if seconds is not None else dist_opts.timeout
+    store = dist_opts.store
+    fallback = dist.ProcessGroupGloo(dist.PrefixStore("xdev/gloo/", store), rank, size, timeout)
+
+    config = _C.BackendConfig()
+    config.algorithm = options.algorithm
+    config.num_packs = -1 if options.num_packs is None else options.num_packs
+    config.agg_small_grads_max_bytes = options.agg_small_grads_max_bytes
+    config.agg_small_grads_max_group = options.agg_small_grads_max_group
+    config.bytes_per_pack = options.bytes_per_pack
+    config.reduce_to_rank = options.reduce_to_rank
+    config.timeout = timeout
+    config.shm_slot_bytes = options.shm_slot_bytes
+    config.hostname = host_identity()
+    config.group_name = group_id
+    config.debug = options.debug
+    backend = _C.XdevBackend(store, rank, size, config, fallback)
+    _backends_by_group[group_id] = backend
+    return backend
+
+
+def register() -> None:
+    if BACKEND_NAME.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )
+
+
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> Any:
+    """The XdevBackend behind a process group (the default group if None)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.XdevBackend):
+        raise ValueError(
+            f"this process group does not use the xdev backend (its CPU backend is "
+            f"{type(backend).__name__}); create it with backend='xdev'"
+        )
+    return backend
