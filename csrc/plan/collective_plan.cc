@@ -9,7 +9,7 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
                                          std::vector<Range> packs, int64_t total,
                                          int64_t window_elems) {
   if (algorithm != Algorithm::kHierarchicalCopy && algorithm != Algorithm::kReduceToOne &&
-      algorithm != Algorithm::kFlat) {
+      algorithm != Algorithm::kFlat && algorithm != Algorithm::kDirect) {
     throw std::invalid_argument(std::string("CollectivePlan: not a native algorithm: ") +
                                 to_string(algorithm));
   }
@@ -101,6 +101,8 @@ WindowPlan CollectivePlan::window(int64_t k) const {
     w.schedule = hierarchical_copy_schedule(world_size_, slices);
   } else if (algorithm_ == Algorithm::kReduceToOne) {
     w.schedule = reduce_to_one_schedule(world_size_, root_, whole);
+  } else if (algorithm_ == Algorithm::kDirect) {
+    w.schedule = direct_schedule(world_size_, whole);
   } else {
     w.schedule = flat_schedule(world_size_, whole);
   }

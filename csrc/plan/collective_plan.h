@@ -30,7 +30,7 @@ struct WindowPlan {
 
 class CollectivePlan {
  public:
-  // algorithm must be a native one (hierarchical copy, reduce-to-one, flat).
+  // algorithm must be a native one (hierarchical copy, reduce-to-one, flat, direct).
   // packs matter to the hierarchical plan only.
   static CollectivePlan allreduce(Algorithm algorithm, int world_size, int root,
                                   std::vector<Range> packs, int64_t total, int64_t window_elems);

@@ -15,6 +15,8 @@ const char* to_string(Algorithm a) {
       return "reduce_to_one";
     case Algorithm::kFlat:
       return "flat";
+    case Algorithm::kDirect:
+      return "direct";
     case Algorithm::kFallback:
       return "fallback";
   }
@@ -23,12 +25,12 @@ const char* to_string(Algorithm a) {
 
 Algorithm algorithm_from_string(const std::string& name) {
   for (Algorithm a : {Algorithm::kAuto, Algorithm::kHierarchicalCopy, Algorithm::kReduceToOne,
-                      Algorithm::kFlat, Algorithm::kFallback}) {
+                      Algorithm::kFlat, Algorithm::kDirect, Algorithm::kFallback}) {
     if (name == to_string(a)) return a;
   }
   throw std::invalid_argument(
       "algorithm must be one of 'auto', 'hierarchical_copy', 'reduce_to_one', 'flat', "
-      "'fallback'; got '" +
+      "'direct', 'fallback'; got '" +
       name + "'");
 }
 
@@ -148,6 +150,19 @@ Schedule flat_schedule(int world_size, Range range) {
   return s;
 }
 
+Schedule direct_schedule(int world_size, Range range) {
+  check_world(world_size);
+  Schedule s;
+  s.world_size = world_size;
+  s.num_phases = 1;
+  s.stagers = all_ranks(world_size);
+  if (range.empty()) return s;
+  for (int r = 0; r < world_size; ++r) {
+    s.steps.push_back(reduce_step(1, r, all_ranks(world_size), Target::kOutput, range, true));
+  }
+  return s;
+}
+
 Schedule broadcast_schedule(int world_size, int root, Range range) {
   check_world(world_size);
   if (root < 0 || root >= world_size) {
@@ -201,6 +216,23 @@ std::string find_schedule_hazard(const Schedule& s) {
     }
   }
   return {};
+}
+
+Schedule in_place_variant(const Schedule& s) {
+  Schedule out = s;
+  out.stagers.clear();  // inputs are read where they are
+  out.steps.clear();
+  for (const Step& step : s.steps) {
+    if (step.kind == StepKind::kCopy && step.sources[0] == step.actor) continue;
+    Step aliased = step;
+    aliased.target = Target::kStaging;
+    out.steps.push_back(aliased);
+  }
+  const std::string hazard = find_schedule_hazard(out);
+  if (!hazard.empty()) {
+    throw std::invalid_argument("schedule cannot run in place: " + hazard);
+  }
+  return out;
 }
 
 }  // namespace xdev::plan

@@ -27,6 +27,7 @@ enum class Algorithm {
   kHierarchicalCopy,  // the seeds' DGX-1 plan: two groups of N/2, rotating mains per pack
   kReduceToOne,       // sum on one root, everyone copies the result back
   kFlat,              // reduce-scatter then allgather: rank r reduces slice r of each window
+  kDirect,            // every rank reduces the whole window itself: one barrier, for small payloads
   kFallback,          // the inner engine (Gloo for CPU, NCCL for CUDA)
 };
 
@@ -78,8 +79,22 @@ Schedule reduce_to_one_schedule(int world_size, int root, Range range);
 // copies every slice out (phase 2). Spreads the reduction over all ranks.
 Schedule flat_schedule(int world_size, Range range);
 
+// Every rank reduces the whole range over all slots, in rank order, straight
+// into its output (phase 1). One barrier per window instead of two; each rank
+// reads N times the payload, which only pays for small payloads. Every rank
+// runs the same operations in the same order on the same bits, so the results
+// are bitwise identical without a copy.
+Schedule direct_schedule(int world_size, Range range);
+
 // Root stages alone; every rank copies root's slot out (phase 1).
 Schedule broadcast_schedule(int world_size, int root, Range range);
+
+// The schedule for a transport without staging slots, where rank r's "slot"
+// is rank r's own tensor and peers read it in place (single-copy CPU path):
+// outputs become slot writes and copies of a rank onto itself disappear.
+// Throws std::invalid_argument when that aliasing would let a rank overwrite
+// data a peer still reads in the same phase (the direct plan does).
+Schedule in_place_variant(const Schedule& s);
 
 // Empty when the schedule is well formed: ranks in range, every step's target
 // written by no other step of its phase, no slot range both written and read

@@ -6,6 +6,15 @@ namespace xdev::plan {
 
 const char* to_string(DeviceKind d) { return d == DeviceKind::kCpu ? "cpu" : "cuda"; }
 
+bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
+                     bool available) {
+  // The direct plan writes outputs that peers are still reading: staged only.
+  const bool in_place_plan = algorithm == Algorithm::kFlat ||
+                             algorithm == Algorithm::kReduceToOne ||
+                             algorithm == Algorithm::kHierarchicalCopy;
+  return available && single_buffer && in_place_plan && payload_bytes >= kCpuSingleCopyMinBytes;
+}
+
 void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) {
   if (requested == Algorithm::kAuto || requested == Algorithm::kFallback) return;
   if (num_hosts > 1) {
@@ -63,14 +72,16 @@ Selection select_allreduce(const SelectionInput& in) {
     }
     return s;
   }
-  if (in.payload_bytes < kCpuReduceToOneMaxBytes) {
+  if (in.payload_bytes * in.world_size <= kCpuDirectMaxBytesTimesRanks) {
+    s.algorithm = Algorithm::kDirect;
+    s.reason = "single host, CPU, payload x ranks <= " +
+               std::to_string(kCpuDirectMaxBytesTimesRanks) + " bytes";
+  } else if (in.payload_bytes < kCpuReduceToOneMaxBytes) {
     s.algorithm = Algorithm::kReduceToOne;
-    s.reason = "single host, CPU, payload below " + std::to_string(kCpuReduceToOneMaxBytes) +
-               " bytes";
+    s.reason = "single host, CPU, payload < " + std::to_string(kCpuReduceToOneMaxBytes) + " bytes";
   } else {
     s.algorithm = Algorithm::kFlat;
-    s.reason = "single host, CPU, payload of " + std::to_string(kCpuReduceToOneMaxBytes) +
-               " bytes or more";
+    s.reason = "single host, CPU, payload >= " + std::to_string(kCpuReduceToOneMaxBytes) + " bytes";
   }
   return s;
 }

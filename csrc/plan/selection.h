@@ -20,10 +20,23 @@ enum class DeviceKind { kCpu, kCuda };
 
 const char* to_string(DeviceKind d);
 
-// CPU allreduces below this many bytes run reduce-to-one, larger ones the flat
-// plan. Both cost two barriers per window; below the threshold reduce-to-one
-// wins by touching fewer cache lines per rank (see README, "Selection").
-constexpr int64_t kCpuReduceToOneMaxBytes = 16 * 1024;
+// CPU allreduce by size (auto). Measured on a 2-core machine with 2, 4 and 8
+// ranks (README, "How an allreduce is chosen"):
+//   payload x ranks <= kCpuDirectMaxBytesTimesRanks: direct (one barrier);
+//   payload < kCpuReduceToOneMaxBytes: reduce-to-one (only the root works, so
+//     ranks that outnumber the cores mostly sleep);
+//   otherwise: flat (each rank reduces 1/N of every window).
+constexpr int64_t kCpuDirectMaxBytesTimesRanks = 64 * 1024;
+constexpr int64_t kCpuReduceToOneMaxBytes = 128 * 1024;
+
+// CPU allreduces of at least this many bytes, of one contiguous tensor, run
+// single-copy (peers read each other's tensors in place) when the host
+// allows it; smaller ones are staged, where fewer barriers win.
+constexpr int64_t kCpuSingleCopyMinBytes = 256 * 1024;
+
+// Whether a native CPU allreduce should run on the single-copy transport.
+bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
+                     bool available);
 
 struct SelectionInput {
   Algorithm requested = Algorithm::kAuto;

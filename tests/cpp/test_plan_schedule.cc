@@ -1,0 +1,556 @@
+// Unit tests of schedules and collective plans. The central tool is a symbolic simulator: it runs
+// a Schedule on values that record *which ranks* were summed into each element and *how often* a
+// finalize step produced it, so "every rank ends with the full sum, reduced exactly once" is
+// checked exactly, with no floating point in the way.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plan/collective_plan.h"
+#include "plan/packing.h"
+#include "plan/schedule.h"
+#include "plan/selection.h"
+#include "plan/topology.h"
+#include "plan_test_util.h"
+#include "test_harness.h"
+
+using namespace xdev::plan;  // NOLINT: test file, every name under test lives there
+using xdev_test::random_tiling;
+using xdev_test::uniform;
+
+namespace {
+
+// One element's symbolic content. mask == 0 means "never written" (garbage).
+struct Value {
+  uint64_t mask = 0;  // bit r: rank r's input is summed in
+  int finalized = 0;  // finalize reduce steps that produced it (AVG divides there)
+};
+
+bool operator==(const Value& a, const Value& b) {
+  return a.mask == b.mask && a.finalized == b.finalized;
+}
+
+struct SimState {
+  std::vector<std::vector<Value>> slot;  // [rank][element]
+  std::vector<std::vector<Value>> out;   // [rank][element]
+  std::string error;                     // first violation found; empty when none
+};
+
+std::string where(int phase, size_t step, int64_t element) {
+  return "phase " + std::to_string(phase) + " step " + std::to_string(step) + " element " +
+         std::to_string(element) + ": ";
+}
+
+// Executes s over a window of `elems` elements the way the backend does: phase 0 stages the
+// stagers' inputs; within a phase steps run concurrently, so they all read the slots as they were
+// when the phase began, and their writes land together when it ends.
+SimState simulate(const Schedule& s, int64_t elems) {
+  SimState st;
+  const std::string hazard = find_schedule_hazard(s);
+  if (!hazard.empty()) {
+    st.error = "find_schedule_hazard: " + hazard;
+    return st;
+  }
+  if (s.world_size < 1 || s.world_size > 64) {
+    st.error = "world size does not fit a 64-bit mask";
+    return st;
+  }
+  const auto n = static_cast<size_t>(s.world_size);
+  const auto e_count = static_cast<size_t>(elems);
+  st.slot.assign(n, std::vector<Value>(e_count));
+  st.out.assign(n, std::vector<Value>(e_count));
+  for (int r : s.stagers) {
+    if (r < 0 || r >= s.world_size) {
+      st.error = "stager out of range";
+      return st;
+    }
+    for (Value& v : st.slot[r]) v = {uint64_t{1} << r, 0};
+  }
+  for (int phase = 1; phase <= s.num_phases; ++phase) {
+    const auto snapshot = st.slot;
+    // Two writes to one element in one phase would race; the result would depend on timing.
+    std::vector<std::vector<char>> written(2 * n, std::vector<char>(e_count, 0));
+    for (size_t i = 0; i < s.steps.size(); ++i) {
+      const Step& step = s.steps[i];
+      if (step.phase != phase) continue;
+      if (step.range.begin < 0 || step.range.end > elems) {
+        st.error = where(phase, i, step.range.begin) + "range outside the window";
+        return st;
+      }
+      const bool to_slot = step.target == Target::kStaging;
+      auto& target = to_slot ? st.slot[step.actor] : st.out[step.actor];
+      auto& marks = written[2 * static_cast<size_t>(step.actor) + (to_slot ? 0 : 1)];
+      for (int64_t e = step.range.begin; e < step.range.end; ++e) {
+        Value v;
+        for (int src : step.sources) {
+          const Value& in = snapshot[src][e];
+          if (in.mask == 0) {
+            st.error = where(phase, i, e) + "reads slot " + std::to_string(src) + " unwritten";
+            return st;
+          }
+          if (step.kind == StepKind::kCopy) {
+            v = in;
+            continue;
+          }
+          if ((v.mask & in.mask) != 0) {
+            st.error = where(phase, i, e) + "counts a rank twice";
+            return st;
+          }
+          if (in.finalized != 0) {
+            st.error = where(phase, i, e) + "reduces an already finalized total";
+            return st;
+          }
+          v.mask |= in.mask;
+          v.finalized += in.finalized;
+        }
+        if (step.kind == StepKind::kReduce && step.finalize) ++v.finalized;
+        if (marks[e]) {
+          st.error = where(phase, i, e) + "written twice in one phase";
+          return st;
+        }
+        marks[e] = 1;
+        target[e] = v;
+      }
+    }
+  }
+  return st;
+}
+
+// Empty when every rank's output holds the sum over all ranks, finalized exactly once.
+std::string check_allreduce(const Schedule& s, int64_t elems) {
+  const SimState st = simulate(s, elems);
+  if (!st.error.empty()) return st.error;
+  const uint64_t full = s.world_size == 64 ? ~uint64_t{0} : (uint64_t{1} << s.world_size) - 1;
+  for (int r = 0; r < s.world_size; ++r) {
+    for (int64_t e = 0; e < elems; ++e) {
+      const Value& v = st.out[r][e];
+      if (v.mask != full || v.finalized != 1) {
+        return "rank " + std::to_string(r) + " element " + std::to_string(e) + ": mask " +
+               std::to_string(v.mask) + " finalized " + std::to_string(v.finalized);
+      }
+    }
+  }
+  return {};
+}
+
+// Empty when every rank ends with root's data. The root's tensor is its own input and output, so
+// the schedule must leave the root's output alone.
+std::string check_broadcast(const Schedule& s, int64_t elems, int root) {
+  const SimState st = simulate(s, elems);
+  if (!st.error.empty()) return st.error;
+  for (int r = 0; r < s.world_size; ++r) {
+    const Value want = r == root ? Value{} : Value{uint64_t{1} << root, 0};
+    for (int64_t e = 0; e < elems; ++e) {
+      if (!(st.out[r][e] == want)) {
+        return "rank " + std::to_string(r) + " element " + std::to_string(e) + ": mask " +
+               std::to_string(st.out[r][e].mask);
+      }
+    }
+  }
+  return {};
+}
+
+std::vector<PackSlice> slices_of(const std::vector<Range>& packs, int64_t first_id) {
+  std::vector<PackSlice> slices;
+  for (size_t i = 0; i < packs.size(); ++i) {
+    slices.push_back({first_id + static_cast<int64_t>(i), packs[i]});
+  }
+  return slices;
+}
+
+std::vector<Range> equal_packs(int64_t total, int64_t num_packs) {
+  PackingOptions o;
+  o.num_packs = num_packs;
+  return make_packs(FlatLayout({total}), 4, o);
+}
+
+constexpr char kOk[] = "";  // what the checks return when all is well
+
+Step make_step(StepKind kind, int phase, int actor, std::vector<int> sources, Target target,
+               bool finalize = false) {
+  Step s;
+  s.kind = kind;
+  s.phase = phase;
+  s.actor = actor;
+  s.sources = std::move(sources);
+  s.target = target;
+  s.range = {0, 4};
+  s.finalize = finalize;
+  return s;
+}
+
+// Reduce-to-one over 3 ranks and 4 elements, built by hand so the oracle's own test does not
+// depend on the schedule builders it is meant to judge.
+Schedule hand_reduce_to_one() {
+  Schedule s;
+  s.world_size = 3;
+  s.num_phases = 2;
+  s.stagers = {0, 1, 2};
+  s.steps.push_back(make_step(StepKind::kReduce, 1, 1, {0, 1, 2}, Target::kStaging, true));
+  for (int r = 0; r < 3; ++r) {
+    s.steps.push_back(make_step(StepKind::kCopy, 2, r, {1}, Target::kOutput));
+  }
+  return s;
+}
+
+bool reports(const std::string& error, const char* what) {
+  return error.find(what) != std::string::npos;
+}
+
+}  // namespace
+
+TEST(simulator_catches_broken_schedules) {
+  // The oracle must be able to fail, or the tests below prove nothing.
+  CHECK_EQ(check_allreduce(hand_reduce_to_one(), 4), kOk);
+  Schedule twice = hand_reduce_to_one();
+  twice.steps[0].sources.push_back(2);
+  CHECK(reports(check_allreduce(twice, 4), "twice"));
+  Schedule unfinalized = hand_reduce_to_one();
+  unfinalized.steps[0].finalize = false;
+  CHECK(reports(check_allreduce(unfinalized, 4), "finalized 0"));
+  Schedule dropped = hand_reduce_to_one();
+  dropped.steps.pop_back();
+  CHECK(reports(check_allreduce(dropped, 4), "rank 2"));
+  Schedule racing = hand_reduce_to_one();
+  racing.steps.push_back(make_step(StepKind::kCopy, 2, 0, {1}, Target::kOutput));
+  CHECK(reports(check_allreduce(racing, 4), "written twice"));
+  Schedule early = hand_reduce_to_one();
+  early.steps.back().phase = 1;  // copies root's slot while root is still writing it
+  CHECK(reports(check_allreduce(early, 4), "find_schedule_hazard"));
+  Schedule missing_stager = hand_reduce_to_one();
+  missing_stager.stagers.pop_back();
+  CHECK(reports(check_allreduce(missing_stager, 4), "unwritten"));
+  // A partial sum marked final and then reduced again: AVG would divide twice.
+  Schedule double_final = hand_reduce_to_one();
+  double_final.num_phases = 3;
+  double_final.steps[0].sources = {0, 1};
+  for (size_t i = 1; i < double_final.steps.size(); ++i) double_final.steps[i].phase = 3;
+  double_final.steps.push_back(make_step(StepKind::kReduce, 2, 1, {1, 2}, Target::kStaging, true));
+  CHECK(reports(check_allreduce(double_final, 4), "already finalized"));
+  Schedule outside = hand_reduce_to_one();
+  outside.steps[1].range.end = 5;
+  CHECK(reports(check_allreduce(outside, 4), "outside the window"));
+  // A broadcast must not overwrite the root's own tensor.
+  Schedule bcast;
+  bcast.world_size = 2;
+  bcast.num_phases = 1;
+  bcast.stagers = {0};
+  bcast.steps.push_back(make_step(StepKind::kCopy, 1, 1, {0}, Target::kOutput));
+  CHECK_EQ(check_broadcast(bcast, 4, 0), kOk);
+  bcast.steps.push_back(make_step(StepKind::kCopy, 1, 0, {0}, Target::kOutput));
+  CHECK(reports(check_broadcast(bcast, 4, 0), "rank 0"));
+}
+
+TEST(hierarchical_copy_schedule_allreduces) {
+  std::mt19937 rng(21);
+  for (int world : {2, 4, 6, 8}) {
+    CHECK_EQ(check_allreduce(hierarchical_copy_schedule(world, {}), 0), kOk);
+    for (int trial = 0; trial < 150; ++trial) {
+      const int64_t elems = uniform(rng, 0, 40);
+      const int num_packs = static_cast<int>(uniform(rng, 1, 20));
+      // Pack ids need not start at 0 (a window may begin mid-list); ids past N wrap around.
+      const auto slices = slices_of(random_tiling(rng, elems, num_packs), uniform(rng, 0, 20));
+      const Schedule s = hierarchical_copy_schedule(world, slices);
+      CHECK_EQ(s.world_size, world);
+      CHECK_EQ(check_allreduce(s, elems), kOk);
+    }
+  }
+}
+
+TEST(reduce_to_one_schedule_allreduces_for_every_root) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int root = 0; root < world; ++root) {
+      for (int64_t elems : {0, 1, 5, 17}) {
+        CHECK_EQ(check_allreduce(reduce_to_one_schedule(world, root, {0, elems}), elems), kOk);
+      }
+    }
+    CHECK_THROWS(reduce_to_one_schedule(world, world, {0, 4}), std::invalid_argument,
+                 "reduce_to_rank");
+    CHECK_THROWS(reduce_to_one_schedule(world, -1, {0, 4}), std::invalid_argument, "");
+  }
+}
+
+TEST(flat_schedule_allreduces_including_tiny_windows) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int64_t elems = 0; elems <= 20; ++elems) {
+      const Schedule s = flat_schedule(world, {0, elems});
+      CHECK_EQ(check_allreduce(s, elems), kOk);
+      // The reduction is spread: no rank finalizes more than its ceil share.
+      for (int r = 0; r < world; ++r) {
+        int64_t work = 0;
+        for (const Step& step : s.steps) {
+          if (step.finalize && step.actor == r) work += step.range.size();
+        }
+        CHECK(work <= (elems + world - 1) / world);
+      }
+    }
+  }
+  CHECK_THROWS(flat_schedule(0, {0, 4}), std::invalid_argument, "world_size");
+}
+
+TEST(broadcast_schedule_delivers_root_data) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int root = 0; root < world; ++root) {
+      for (int64_t elems : {0, 1, 9}) {
+        const Schedule s = broadcast_schedule(world, root, {0, elems});
+        CHECK(s.stagers == std::vector<int>{root});
+        CHECK_EQ(check_broadcast(s, elems, root), kOk);
+      }
+    }
+    CHECK_THROWS(broadcast_schedule(world, world, {0, 4}), std::invalid_argument, "root");
+  }
+}
+
+TEST(hierarchical_on_dgx1_only_uses_direct_links) {
+  const LinkMatrix dgx1 = LinkMatrix::dgx1();
+  for (int64_t num_packs : {8, 16}) {
+    const Schedule s = hierarchical_copy_schedule(8, slices_of(equal_packs(1000, num_packs), 0));
+    CHECK_EQ(check_allreduce(s, 1000), kOk);
+    for (const Step& step : s.steps) {
+      for (int src : step.sources) {
+        if (src != step.actor) CHECK(dgx1.links(src, step.actor) > 0);
+      }
+    }
+  }
+}
+
+TEST(hierarchical_with_eight_packs_spreads_work_equally) {
+  const int64_t pack_elems = 37;
+  const Schedule s = hierarchical_copy_schedule(8, slices_of(equal_packs(8 * pack_elems, 8), 0));
+  std::vector<int> main0(8, 0), main1(8, 0);
+  std::vector<int64_t> phase1_work(8, 0);
+  for (const Step& step : s.steps) {
+    if (step.kind != StepKind::kReduce) continue;
+    if (step.finalize) {
+      // The finalize step is main0 adding main1's group sum to its own.
+      ++main0[step.actor];
+      CHECK_EQ(step.sources.size(), size_t{2});
+      for (int src : step.sources) {
+        if (src != step.actor) ++main1[src];
+      }
+    }
+    if (step.phase == 1) phase1_work[step.actor] += step.range.size();
+  }
+  for (int r = 0; r < 8; ++r) {
+    CHECK_EQ(main0[r], 1);
+    CHECK_EQ(main1[r], 1);
+    CHECK_EQ(phase1_work[r], 2 * pack_elems);  // its own pack as main0, another as main1
+  }
+}
+
+TEST(hierarchical_needs_an_even_world) {
+  for (int world : {1, 3, 5, 7}) {
+    CHECK_THROWS(hierarchical_copy_schedule(world, {{0, {0, 4}}}), std::invalid_argument, "even");
+    CHECK_THROWS(CollectivePlan::allreduce(Algorithm::kHierarchicalCopy, world, 0, {{0, 4}}, 4, 8),
+                 std::invalid_argument, "even");
+  }
+}
+
+TEST(direct_schedule_allreduces_with_one_phase) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int64_t elems = 0; elems <= 20; ++elems) {
+      const Schedule s = direct_schedule(world, {0, elems});
+      CHECK_EQ(s.num_phases, 1);  // one barrier per window: the point of the plan
+      CHECK_EQ(check_allreduce(s, elems), kOk);
+    }
+  }
+  CHECK_THROWS(direct_schedule(0, {0, 4}), std::invalid_argument, "world_size");
+}
+
+TEST(algorithm_names_round_trip) {
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kHierarchicalCopy, Algorithm::kReduceToOne,
+                      Algorithm::kFlat, Algorithm::kDirect, Algorithm::kFallback}) {
+    CHECK_EQ(algorithm_from_string(to_string(a)), a);
+  }
+  CHECK_THROWS(algorithm_from_string("ring"), std::invalid_argument, "hierarchical_copy");
+  CHECK_THROWS(algorithm_from_string(""), std::invalid_argument, "got ''");
+  CHECK_THROWS(algorithm_from_string("Flat"), std::invalid_argument, "Flat");
+}
+
+namespace {
+
+// Checks one plan window by window: slots stay within the window, segments tile the slot, every
+// payload element is staged exactly once over all windows, and each window's schedule is correct.
+// broadcast_root < 0 checks an allreduce, otherwise a broadcast from that root.
+void check_plan(const CollectivePlan& plan, int64_t window_elems, int broadcast_root) {
+  std::vector<int> staged(static_cast<size_t>(plan.total()), 0);
+  for (int64_t k = 0; k < plan.num_windows(); ++k) {
+    const WindowPlan w = plan.window(k);
+    CHECK(w.slot_elems >= 1);
+    CHECK(w.slot_elems <= window_elems);
+    int64_t slot_at = 0;
+    for (const Segment& seg : w.segments) {
+      CHECK_EQ(seg.slot_begin, slot_at);  // ascending and gap-free
+      CHECK(seg.count >= 1);
+      slot_at = seg.slot_begin + seg.count;
+      const bool in_payload =
+          seg.payload_begin >= 0 && seg.payload_begin + seg.count <= plan.total();
+      CHECK(in_payload);
+      if (!in_payload) continue;
+      for (int64_t x = seg.payload_begin; x < seg.payload_begin + seg.count; ++x) ++staged[x];
+    }
+    CHECK_EQ(slot_at, w.slot_elems);
+    CHECK_EQ(broadcast_root < 0 ? check_allreduce(w.schedule, w.slot_elems)
+                                : check_broadcast(w.schedule, w.slot_elems, broadcast_root),
+             kOk);
+  }
+  CHECK(std::all_of(staged.begin(), staged.end(), [](int c) { return c == 1; }));
+  CHECK_THROWS(plan.window(plan.num_windows()), std::out_of_range, "");
+  CHECK_THROWS(plan.window(-1), std::out_of_range, "");
+}
+
+}  // namespace
+
+TEST(allreduce_plan_covers_payload_once_in_every_algorithm) {
+  std::mt19937 rng(22);
+  const Algorithm algorithms[] = {Algorithm::kHierarchicalCopy, Algorithm::kReduceToOne,
+                                  Algorithm::kFlat, Algorithm::kDirect};
+  for (int trial = 0; trial < 800; ++trial) {
+    const Algorithm a = algorithms[trial % 4];
+    const int world = a == Algorithm::kHierarchicalCopy ? 2 * static_cast<int>(uniform(rng, 1, 4))
+                                                        : static_cast<int>(uniform(rng, 1, 8));
+    const int64_t total = uniform(rng, 0, 3) == 0 ? uniform(rng, 0, 20) : uniform(rng, 0, 3000);
+    const int64_t window = uniform(rng, 0, 3) == 0 ? uniform(rng, 1, 8) : uniform(rng, 9, 400);
+    const int num_packs = static_cast<int>(uniform(rng, 1, 12));
+    const auto packs =
+        trial % 2 == 0 ? random_tiling(rng, total, num_packs) : equal_packs(total, 8);
+    const int root = static_cast<int>(uniform(rng, 0, world - 1));
+    const auto plan = CollectivePlan::allreduce(a, world, root, packs, total, window);
+    CHECK_EQ(plan.algorithm(), a);
+    CHECK_EQ(plan.total(), total);
+    CHECK_EQ(plan.num_windows() == 0, total == 0);
+    check_plan(plan, window, -1);
+  }
+}
+
+TEST(hierarchical_plan_splits_every_pack_across_windows) {
+  const int64_t total = 100003;
+  const int64_t window = 1000;
+  // Equal packs, then uneven packs with empty ones among them.
+  std::vector<Range> uneven = {{0, 0},         {0, 20000},     {20000, 20000}, {20000, 50000},
+                               {50000, 65000}, {65000, 65000}, {65000, 100003}};
+  for (const auto& packs : {equal_packs(total, 8), uneven}) {
+    const auto plan =
+        CollectivePlan::allreduce(Algorithm::kHierarchicalCopy, 8, 0, packs, total, window);
+    CHECK(plan.num_windows() > 50);
+    check_plan(plan, window, -1);
+    std::vector<Range> non_empty;
+    for (const Range& p : packs) {
+      if (!p.empty()) non_empty.push_back(p);
+    }
+    for (int64_t k = 0; k < plan.num_windows(); ++k) {
+      const WindowPlan w = plan.window(k);
+      for (const Range& p : non_empty) {
+        const auto in_pack = [&](const Segment& s) {
+          return s.payload_begin >= p.begin && s.payload_begin + s.count <= p.end;
+        };
+        CHECK(std::any_of(w.segments.begin(), w.segments.end(), in_pack));
+      }
+      // Every pack's lead rank finalizes in every window, so the load keeps rotating.
+      std::set<int> finalizers;
+      for (const Step& step : w.schedule.steps) {
+        if (step.finalize) finalizers.insert(step.actor);
+      }
+      CHECK_EQ(finalizers.size(), non_empty.size());
+    }
+  }
+}
+
+TEST(broadcast_plan_covers_payload_once) {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int world = static_cast<int>(uniform(rng, 1, 8));
+    const int root = static_cast<int>(uniform(rng, 0, world - 1));
+    const int64_t total = uniform(rng, 0, 2000);
+    const int64_t window = uniform(rng, 1, 300);
+    const auto plan = CollectivePlan::broadcast(world, root, total, window);
+    CHECK_EQ(plan.num_windows(), (total + window - 1) / window);
+    check_plan(plan, window, root);
+  }
+  CHECK_THROWS(CollectivePlan::broadcast(4, 4, 10, 10), std::invalid_argument, "root");
+  CHECK_THROWS(CollectivePlan::broadcast(4, 0, 10, 0), std::invalid_argument, "window_elems");
+}
+
+TEST(allreduce_plan_rejects_bad_arguments) {
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kFallback}) {
+    CHECK_THROWS(CollectivePlan::allreduce(a, 4, 0, {}, 10, 10), std::invalid_argument,
+                 "not a native algorithm");
+  }
+  CHECK_THROWS(CollectivePlan::allreduce(Algorithm::kFlat, 4, 0, {}, 10, 0), std::invalid_argument,
+               "window_elems");
+  CHECK_THROWS(CollectivePlan::allreduce(Algorithm::kReduceToOne, 4, 4, {}, 10, 10),
+               std::invalid_argument, "reduce_to_rank");
+}
+
+namespace {
+
+// In-place semantics (single-copy transport): rank r's slot is its tensor,
+// starting with r's own contribution; at the end every slot must hold the
+// full set, each element reduced without double counting. Phases read a
+// snapshot taken at their start, as concurrent ranks would.
+bool in_place_allreduces(const Schedule& s, int64_t elems) {
+  const int n = s.world_size;
+  std::vector<std::vector<uint64_t>> slot(n, std::vector<uint64_t>(elems));
+  for (int r = 0; r < n; ++r) std::fill(slot[r].begin(), slot[r].end(), uint64_t{1} << r);
+  for (int phase = 1; phase <= s.num_phases; ++phase) {
+    const auto before = slot;
+    for (const Step& step : s.steps) {
+      if (step.phase != phase || step.target != Target::kStaging) continue;
+      for (int64_t x = step.range.begin; x < step.range.end; ++x) {
+        uint64_t v = 0;
+        for (int src : step.sources) {
+          if (step.kind == StepKind::kReduce && (v & before[src][x]) != 0) return false;
+          v = step.kind == StepKind::kReduce ? (v | before[src][x]) : before[src][x];
+        }
+        slot[step.actor][x] = v;
+      }
+    }
+  }
+  const uint64_t full = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  for (int r = 0; r < n; ++r) {
+    for (int64_t x = 0; x < elems; ++x) {
+      if (slot[r][x] != full) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(in_place_variants_allreduce_where_aliasing_is_safe) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int64_t elems : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{64}}) {
+      const Schedule flat = in_place_variant(flat_schedule(world, {0, elems}));
+      CHECK(flat.stagers.empty());
+      CHECK(in_place_allreduces(flat, elems));
+      for (int root = 0; root < world; ++root) {
+        CHECK(in_place_allreduces(in_place_variant(reduce_to_one_schedule(world, root, {0, elems})),
+                                  elems));
+      }
+      if (world % 2 == 0) {
+        std::vector<PackSlice> packs;
+        for (int64_t i = 0; i < 5; ++i) packs.push_back({i, {elems * i / 5, elems * (i + 1) / 5}});
+        CHECK(in_place_allreduces(in_place_variant(hierarchical_copy_schedule(world, packs)),
+                                  elems));
+      }
+    }
+  }
+  // In the direct plan every rank overwrites its tensor while peers read it.
+  CHECK_THROWS(in_place_variant(direct_schedule(2, {0, 8})), std::invalid_argument, "in place");
+}
+
+TEST(single_copy_only_for_large_single_buffers_of_in_place_plans) {
+  const int64_t big = kCpuSingleCopyMinBytes;
+  CHECK(use_single_copy(Algorithm::kFlat, big, true, true));
+  CHECK(use_single_copy(Algorithm::kHierarchicalCopy, big, true, true));
+  CHECK(use_single_copy(Algorithm::kReduceToOne, big, true, true));
+  CHECK(!use_single_copy(Algorithm::kDirect, big, true, true));
+  CHECK(!use_single_copy(Algorithm::kFlat, big - 1, true, true));
+  CHECK(!use_single_copy(Algorithm::kFlat, big, false, true));
+  CHECK(!use_single_copy(Algorithm::kFlat, big, true, false));
+}
