@@ -66,6 +66,8 @@ py::dict describe(const XdevBackend& b) {
   d["num_hosts"] = b.num_hosts();
   d["hostname"] = c.hostname;
   d["shared_memory"] = b.has_shared_memory();
+  d["single_copy"] = b.single_copy_available();
+  d["single_copy_note"] = b.single_copy_note();
   d["fallback_backend"] = b.fallback_name();
   d["cpu_topology"] = plan::to_string(plan::TopologyClass::kFullyConnected);
   py::dict per_size;
@@ -101,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("reduce_to_rank", &BackendConfig::reduce_to_rank)
       .def_readwrite("timeout", &BackendConfig::timeout)
       .def_readwrite("shm_slot_bytes", &BackendConfig::shm_slot_bytes)
+      .def_readwrite("single_copy", &BackendConfig::single_copy)
       .def_readwrite("hostname", &BackendConfig::hostname)
       .def_readwrite("group_name", &BackendConfig::group_name)
       .def_readwrite("debug", &BackendConfig::debug);

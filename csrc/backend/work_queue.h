@@ -20,6 +20,11 @@ class WorkQueue {
 
   void submit(std::function<void()> task);
 
+  // Runs the task on the calling thread if nothing is queued or running (a
+  // synchronous call then costs no thread handoff), else queues it behind the
+  // rest. Order is kept either way. Returns true if it ran inline.
+  bool run_inline_or_submit(std::function<void()> task);
+
  private:
   void loop();
 
@@ -27,6 +32,7 @@ class WorkQueue {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stopping_ = false;
+  bool busy_ = false;  // a task is running, on the worker or inline
   std::thread thread_;
 };
 

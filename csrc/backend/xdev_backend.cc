@@ -1,7 +1,9 @@
 #include "xdev_backend.h"
 
 #include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <stdexcept>
 
@@ -89,6 +91,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                          BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback)
     : c10d::Backend(rank, size), config_(std::move(config)), fallback_(std::move(fallback)) {
   TORCH_CHECK(fallback_, "xdev: a fallback backend is required");
+  fallback_name_ = fallback_->getBackendName();
   requested_ = plan::algorithm_from_string(config_.algorithm);
   packing_.num_packs = config_.num_packs < 0 ? 0 : config_.num_packs;
   packing_.agg_small_grads_max_bytes = config_.agg_small_grads_max_bytes;
@@ -123,8 +126,31 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   }
 }
 
-XdevBackend::~XdevBackend() {
-  queue_.reset();  // finish queued collectives before the transport goes away
+XdevBackend::~XdevBackend() { shutdown(); }
+
+void XdevBackend::shutdown() {
+  // Joining the worker and destroying Gloo wait on threads that may need the
+  // GIL (to free tensors); never hold it while waiting for them.
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
+  std::unique_ptr<WorkQueue> queue;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queue = std::move(queue_);
+  }
+  if (!queue) return;
+  queue.reset();  // runs what is queued, then joins the worker
+  single_copy_.reset();
+  executor_.reset();
+  channel_.reset();
+  fallback_->shutdown();
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  fallback_.reset();  // Gloo's destructor joins its threads: do it without the GIL
+}
+
+c10d::Backend* XdevBackend::fallback() const {
+  TORCH_CHECK(fallback_, "xdev: this process group has been destroyed");
+  return fallback_.get();
 }
 
 void XdevBackend::rendezvous_hosts(c10d::Store& store) {
@@ -155,15 +181,30 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
     channel = transport::ShmChannel::attach(name, size_, rank_, slot_bytes);
   }
   if (store.add("xdev/shm/attached", 1) == size_) store.set("xdev/shm/ready", "1");
-  if (rank_ == 0) {
-    store.wait({"xdev/shm/ready"});
-    channel.unlink_name();
+  store.wait({"xdev/shm/ready"});
+  if (rank_ == 0) channel.unlink_name();
+  channel_ = std::make_unique<transport::ShmChannel>(std::move(channel));
+  executor_ = std::make_unique<transport::ShmExecutor>(*channel_);
+
+  // Single copy needs every rank to read every peer: each rank probes, then
+  // all agree through the store, so the transport choice is the same on all.
+  std::string why = "disabled by Options.single_copy / XDEV_SINGLE_COPY";
+  const bool mine_ok = config_.single_copy && channel_->can_read_peers(&why);
+  const int64_t failures = store.add("xdev/cma/failures", mine_ok ? 0 : 1);
+  (void)failures;
+  if (store.add("xdev/cma/votes", 1) == size_) store.set("xdev/cma/done", "1");
+  store.wait({"xdev/cma/done"});
+  if (store.add("xdev/cma/failures", 0) == 0) {
+    single_copy_ = std::make_unique<transport::SingleCopyExecutor>(*channel_);
+    single_copy_note_ = "on: ranks read each other's tensors with process_vm_readv";
+  } else {
+    single_copy_note_ = mine_ok ? "off: a peer cannot read this host's ranks (see its log)"
+                                : "off: " + why;
   }
-  executor_ = std::make_unique<transport::ShmExecutor>(std::move(channel));
 }
 
 std::string XdevBackend::shm_name() const {
-  return executor_ ? executor_->channel().name() : std::string();
+  return channel_ ? channel_->name() : std::string();
 }
 
 void XdevBackend::log_once(const std::string& key, const std::string& message) {
@@ -203,7 +244,8 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
       s = std::string("allreduce ") +
           kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
           kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " via " +
-          plan::to_string(static_cast<plan::Algorithm>(d.algorithm));
+          plan::to_string(static_cast<plan::Algorithm>(d.algorithm)) +
+          (d.single_copy ? " (single copy)" : " (staged)");
       break;
     case Collective::kBroadcast:
       s = "broadcast from rank " + std::to_string(d.root);
@@ -220,9 +262,11 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const char* title,
                                                     std::vector<at::Tensor> outputs,
-                                                    std::function<void()> fn) {
+                                                    std::function<void()> fn, bool async_op) {
   auto work = c10::make_intrusive<XdevWork>(rank_, type, title, std::move(outputs));
-  queue_->submit([this, work, fn = std::move(fn)] {
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
+  auto task = [this, work, fn = std::move(fn)] {
     if (!poisoned_.empty()) {
       work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
                                poisoned_ + "); destroy it and create a new one"));
@@ -240,14 +284,20 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const cha
       poisoned_ = e.what();
       work->fail(as_dist_error(std::string("xdev: ") + e.what()));
     }
-  });
+  };
+  if (async_op) {
+    queue_->submit(std::move(task));
+  } else {
+    queue_->run_inline_or_submit(std::move(task));
+  }
   return work;
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Tensor> tensors,
                                                              kernels::ReduceOp op,
                                                              plan::Selection sel,
-                                                             std::chrono::milliseconds timeout) {
+                                                             std::chrono::milliseconds timeout,
+                                                             bool async_op) {
   return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
                  [this, tensors, op, sel, timeout]() {
     // Work on contiguous tensors; copy back into non-contiguous ones at the end.
@@ -264,11 +314,48 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
       for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
         const auto dtype = static_cast<kernels::DType>(group.dtype);
         const auto packs = plan::make_packs(group.layout, group.elem_size, packing_);
+        const int64_t total = group.layout.total();
+        const bool single_copy = plan::use_single_copy(
+            sel.algorithm, total * static_cast<int64_t>(group.elem_size),
+            group.tensor_indices.size() == 1, single_copy_ != nullptr);
+        // Single copy runs the whole payload as one window: no slots to fill.
         const int64_t window_elems =
-            config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
+            single_copy ? std::max<int64_t>(total, 1)
+                        : config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
         const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
-            sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs,
-            group.layout.total(), window_elems);
+            sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs, total,
+            window_elems);
+        transport::OpDescriptor desc;
+        desc.seq = ++next_seq_;
+        desc.collective = static_cast<int32_t>(Collective::kAllreduce);
+        desc.reduce_op = static_cast<int32_t>(op);
+        desc.dtype = group.dtype;
+        desc.algorithm = static_cast<int32_t>(sel.algorithm);
+        desc.single_copy = single_copy ? 1 : 0;
+        desc.root = config_.reduce_to_rank;
+        desc.num_packs = static_cast<int64_t>(packs.size());
+        desc.num_tensors = static_cast<int64_t>(tensors.size());
+        desc.total_elems = total;
+        desc.shape_hash = hash;
+        const std::string what = "allreduce (op #" + std::to_string(desc.seq) + ")";
+        auto describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+        if (single_copy) {
+          const plan::Schedule in_place =
+              plan::in_place_variant(cp.num_windows() > 0 ? cp.window(0).schedule
+                                                          : plan::Schedule{});
+          transport::SingleCopyRequest req;
+          req.schedule = &in_place;
+          req.data = static_cast<char*>(flat[group.tensor_indices[0]].data_ptr());
+          req.count = total;
+          req.dtype = dtype;
+          req.op = op;
+          req.descriptor = desc;
+          req.deadline = deadline;
+          req.what = what;
+          req.describe = describe;
+          single_copy_->run(req);
+          continue;
+        }
         transport::CollectiveRequest req;
         req.plan = &cp;
         req.layout = &group.layout;
@@ -277,26 +364,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
         }
         req.dtype = dtype;
         req.op = op;
-        req.descriptor.seq = ++next_seq_;
-        req.descriptor.collective = static_cast<int32_t>(Collective::kAllreduce);
-        req.descriptor.reduce_op = static_cast<int32_t>(op);
-        req.descriptor.dtype = group.dtype;
-        req.descriptor.algorithm = static_cast<int32_t>(sel.algorithm);
-        req.descriptor.root = config_.reduce_to_rank;
-        req.descriptor.num_packs = static_cast<int64_t>(packs.size());
-        req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
-        req.descriptor.total_elems = group.layout.total();
-        req.descriptor.shape_hash = hash;
+        req.descriptor = desc;
         req.deadline = deadline;
-        req.what = "allreduce (op #" + std::to_string(req.descriptor.seq) + ")";
-        req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+        req.what = what;
+        req.describe = describe;
         executor_->run(req);
       }
     }
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
     }
-  });
+  }, async_op);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::Tensor>& tensors,
@@ -307,9 +385,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::T
       c10d::AllreduceCoalescedOptions co;
       co.reduceOp = o.reduceOp;
       co.timeout = o.timeout;
-      return fallback_->allreduce_coalesced(tensors, co);
+      return fallback()->allreduce_coalesced(tensors, co);
     }
-    return fallback_->allreduce(tensors, o);
+    return fallback()->allreduce(tensors, o);
   };
   if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) return call(opts);
   // Gloo has no AVG: SUM through the fallback, then divide on our worker
@@ -328,7 +406,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::T
         t.div_(world);
       }
     }
-  });
+  }, /*async_op=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
@@ -361,7 +439,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (sel.algorithm == plan::Algorithm::kFallback) {
     return fallback_allreduce(tensors, opts, coalesced);
   }
-  return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout);
+  return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -380,7 +458,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
   }
-  if (!native) return fallback_->broadcast(tensors, opts);
+  if (!native) return fallback()->broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
   const int root = static_cast<int>(opts.rootRank);
@@ -413,13 +491,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
     }
-  });
+  }, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
   if (executor_ == nullptr) {
-    if (size_ == 1) return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [] {});
-    return fallback_->barrier(opts);
+    if (size_ == 1) return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [] {}, false);
+    return fallback()->barrier(opts);
   }
   // Queued behind every earlier native collective of this rank, so when it
   // completes they have completed too.
@@ -429,94 +507,94 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
     d.collective = static_cast<int32_t>(Collective::kBarrier);
     executor_->barrier(d, deadline_for(opts.timeout), "barrier (op #" + std::to_string(d.seq) + ")",
                        [this](const transport::OpDescriptor& x) { return describe_op(x); });
-  });
+  }, opts.asyncOp);
 }
 
 // ---- Delegated collectives -------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
-  return fallback_->reduce(tensors, opts);
+  return fallback()->reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallback_->allgather(outputs, inputs, opts);
+  return fallback()->allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output,
                                                             at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return fallback_->_allgather_base(output, input, opts);
+  return fallback()->_allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallback_->allgather_coalesced(outputs, inputs, opts);
+  return fallback()->allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return fallback()->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  return fallback_->gather(outputs, inputs, opts);
+  return fallback()->gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  return fallback_->scatter(outputs, inputs, opts);
+  return fallback()->scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallback_->reduce_scatter(outputs, inputs, opts);
+  return fallback()->reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return fallback_->_reduce_scatter_base(output, input, opts);
+  return fallback()->_reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return fallback()->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  return fallback_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return fallback()->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  return fallback_->alltoall(outputs, inputs, opts);
+  return fallback()->alltoall(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                  int tag) {
-  return fallback_->send(tensors, dst_rank, tag);
+  return fallback()->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                  int tag) {
-  return fallback_->recv(tensors, src_rank, tag);
+  return fallback()->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                           int tag) {
-  return fallback_->recvAnysource(tensors, tag);
+  return fallback()->recvAnysource(tensors, tag);
 }
 
 }  // namespace xdev::backend

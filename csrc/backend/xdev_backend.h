@@ -22,6 +22,7 @@
 #include "../plan/schedule.h"
 #include "../plan/selection.h"
 #include "../transport/shm_executor.h"
+#include "../transport/single_copy_executor.h"
 #include "backend_config.h"
 #include "work_queue.h"
 #include "xdev_work.h"
@@ -35,6 +36,11 @@ class XdevBackend : public c10d::Backend {
   ~XdevBackend() override;
 
   const std::string getBackendName() const override { return "xdev"; }
+
+  // Called by destroy_process_group: finishes queued work, unmaps the shared
+  // memory and shuts the fallback down. Idempotent (c10d calls it once per
+  // device type, and one XdevBackend serves both).
+  void shutdown() override;
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -91,8 +97,10 @@ class XdevBackend : public c10d::Backend {
   int num_hosts() const { return num_hosts_; }
   int local_world_size() const { return local_world_size_; }
   bool has_shared_memory() const { return executor_ != nullptr; }
+  bool single_copy_available() const { return single_copy_ != nullptr; }
+  const std::string& single_copy_note() const { return single_copy_note_; }
   std::string shm_name() const;
-  std::string fallback_name() const { return fallback_->getBackendName(); }
+  const std::string& fallback_name() const { return fallback_name_; }
   // What the last allreduce ran and why ("" before the first).
   std::pair<std::string, std::string> last_selection() const;
   // The algorithm and reason an allreduce of this many bytes would get.
@@ -108,7 +116,7 @@ class XdevBackend : public c10d::Backend {
   // Native allreduce of tensors (may mix dtypes) on the worker thread.
   c10::intrusive_ptr<c10d::Work> native_allreduce(std::vector<at::Tensor> tensors,
                                                   kernels::ReduceOp op, plan::Selection sel,
-                                                  std::chrono::milliseconds timeout);
+                                                  std::chrono::milliseconds timeout, bool async_op);
   // Runs an allreduce through the fallback; AVG is done as SUM then a divide
   // because Gloo has no AVG.
   c10::intrusive_ptr<c10d::Work> fallback_allreduce(std::vector<at::Tensor>& tensors,
@@ -118,11 +126,13 @@ class XdevBackend : public c10d::Backend {
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);
 
-  // Runs fn on the worker thread and completes the returned Work with its
-  // outcome. Errors become DistBackendError; a peer failure poisons the group.
+  // Runs fn after every earlier collective of this group and completes the
+  // returned Work with its outcome: on the worker thread, or inline when the
+  // caller waits anyway (async_op false) and nothing is queued. Errors become
+  // DistBackendError; a peer failure poisons the group.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs,
-                                         std::function<void()> fn);
+                                         std::function<void()> fn, bool async_op);
 
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
   std::string describe_op(const transport::OpDescriptor& d) const;
@@ -130,11 +140,18 @@ class XdevBackend : public c10d::Backend {
   BackendConfig config_;
   plan::Algorithm requested_ = plan::Algorithm::kAuto;
   plan::PackingOptions packing_;
+  c10d::Backend* fallback() const;  // throws once the group is shut down
+
   c10::intrusive_ptr<c10d::Backend> fallback_;
+  std::string fallback_name_;
   int num_hosts_ = 1;
   int local_world_size_ = 1;
 
-  std::unique_ptr<transport::ShmExecutor> executor_;  // only touched by the worker thread
+  // Only touched by the collective-running thread (worker or inline caller).
+  std::unique_ptr<transport::ShmChannel> channel_;
+  std::unique_ptr<transport::ShmExecutor> executor_;
+  std::unique_ptr<transport::SingleCopyExecutor> single_copy_;
+  std::string single_copy_note_;  // why single-copy is on or off
   uint64_t next_seq_ = 0;                              // worker thread only
   std::string poisoned_;                               // worker thread only
 
@@ -142,6 +159,7 @@ class XdevBackend : public c10d::Backend {
   std::set<std::string> logged_;
   std::pair<std::string, std::string> last_selection_;
 
+  std::mutex queue_mutex_;            // guards queue_ against shutdown()
   std::unique_ptr<WorkQueue> queue_;  // last member: joined first on destruction
 };
 

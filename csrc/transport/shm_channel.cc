@@ -2,7 +2,9 @@
 
 #include <linux/futex.h>
 #include <signal.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,7 +59,11 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
   std::atomic<int32_t> pid;
   char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - sizeof(std::atomic<int32_t>)];
-  OpDescriptor desc[2];  // indexed by op seq parity
+  OpDescriptor desc[2];         // indexed by op seq parity
+  uint64_t buffer_address[2];   // likewise: the buffer lent to peers
+  uint64_t buffer_bytes[2];
+  uint64_t probe_address;       // where this rank's probe token lives
+  uint64_t probe_token;
 };
 
 struct alignas(kCacheLine) ShmChannel::Header {
@@ -71,7 +77,8 @@ struct alignas(kCacheLine) ShmChannel::Header {
 
 bool OpDescriptor::operator==(const OpDescriptor& o) const {
   return seq == o.seq && collective == o.collective && reduce_op == o.reduce_op &&
-         dtype == o.dtype && algorithm == o.algorithm && root == o.root &&
+         dtype == o.dtype && algorithm == o.algorithm && single_copy == o.single_copy &&
+         root == o.root &&
          num_packs == o.num_packs && num_tensors == o.num_tensors &&
          total_elems == o.total_elems && shape_hash == o.shape_hash;
 }
@@ -102,9 +109,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
   ch.rank_ = rank;
   ch.slot_bytes_ = slot_bytes;
   ch.data_offset_ = h->data_offset;
-  ch.control(rank)->pid.store(static_cast<int32_t>(::getpid()));
-  const unsigned cores = std::thread::hardware_concurrency();
-  ch.spin_iterations_ = (cores != 0 && static_cast<unsigned>(world_size) <= cores) ? 4000 : 0;
+  ch.init_local_rank();
   return ch;
 }
 
@@ -122,10 +127,23 @@ ShmChannel ShmChannel::attach(const std::string& name, int world_size, int rank,
   ch.rank_ = rank;
   ch.slot_bytes_ = slot_bytes;
   ch.data_offset_ = h->data_offset;
-  ch.control(rank)->pid.store(static_cast<int32_t>(::getpid()));
-  const unsigned cores = std::thread::hardware_concurrency();
-  ch.spin_iterations_ = (cores != 0 && static_cast<unsigned>(world_size) <= cores) ? 4000 : 0;
+  ch.init_local_rank();
   return ch;
+}
+
+void ShmChannel::init_local_rank() {
+  RankControl* me = control(rank_);
+  me->pid.store(static_cast<int32_t>(::getpid()));
+  // Spinning only pays when every rank has a core of its own.
+  const unsigned cores = std::thread::hardware_concurrency();
+  spin_iterations_ = (cores != 0 && static_cast<unsigned>(world_size_) <= cores) ? 4000 : 0;
+  // A random token, so a successful read proves we reached the right process.
+  probe_token_ = std::make_unique<uint64_t>(0);
+  while (::getrandom(probe_token_.get(), sizeof(uint64_t), 0) != sizeof(uint64_t)) {
+  }
+  *probe_token_ |= 1;  // never zero
+  me->probe_token = *probe_token_;
+  me->probe_address = reinterpret_cast<uint64_t>(probe_token_.get());
 }
 
 ShmChannel::Header* ShmChannel::header() const { return static_cast<Header*>(segment_.data()); }
@@ -213,6 +231,50 @@ void ShmChannel::publish(const OpDescriptor& d) { control(rank_)->desc[d.seq & 1
 
 OpDescriptor ShmChannel::descriptor_of(int rank, uint64_t seq) const {
   return control(rank)->desc[seq & 1];
+}
+
+void ShmChannel::check_same_descriptor(
+    const OpDescriptor& mine, const std::function<std::string(const OpDescriptor&)>& describe,
+    const std::string& what) const {
+  bool same = true;
+  for (int r = 0; r < world_size_ && same; ++r) same = descriptor_of(r, mine.seq) == mine;
+  if (same) return;
+  std::string msg = "xdev: ranks called mismatched collectives at " + what + ":";
+  for (int r = 0; r < world_size_; ++r) {
+    msg += "\n  rank " + std::to_string(r) + ": " + describe(descriptor_of(r, mine.seq));
+  }
+  msg += "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "
+         "with the same op and options. The group is still usable.";
+  throw MismatchError(msg);
+}
+
+void ShmChannel::publish_buffer(uint64_t seq, const void* address, uint64_t bytes) {
+  RankControl* me = control(rank_);
+  me->buffer_address[seq & 1] = reinterpret_cast<uint64_t>(address);
+  me->buffer_bytes[seq & 1] = bytes;
+}
+
+ShmChannel::PeerBuffer ShmChannel::buffer_of(int rank, uint64_t seq) const {
+  const RankControl* rc = control(rank);
+  return PeerBuffer{rc->pid.load(), rc->buffer_address[seq & 1], rc->buffer_bytes[seq & 1]};
+}
+
+bool ShmChannel::can_read_peers(std::string* why) const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    const RankControl* rc = control(r);
+    uint64_t got = 0;
+    iovec local{&got, sizeof got};
+    iovec remote{reinterpret_cast<void*>(rc->probe_address), sizeof got};
+    const ssize_t n = ::process_vm_readv(rc->pid.load(), &local, 1, &remote, 1, 0);
+    if (n != static_cast<ssize_t>(sizeof got) || got != rc->probe_token) {
+      const int err = errno;
+      *why = "process_vm_readv of rank " + std::to_string(r) + " failed: " +
+             (n < 0 ? std::string(std::strerror(err)) : std::string("wrong data"));
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace xdev::transport

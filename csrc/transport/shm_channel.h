@@ -11,6 +11,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +28,13 @@ class PeerError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Ranks disagree about the collective (shape, dtype, op, algorithm, order).
+// Raised on every rank at the same point; the channel stays usable.
+class MismatchError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // What one rank is about to run. Every rank publishes one before the first
 // barrier of a collective; after it, every rank compares all of them, so a
 // mismatch fails on every rank at the same point and the group stays usable.
@@ -35,6 +44,7 @@ struct OpDescriptor {
   int32_t reduce_op = 0;
   int32_t dtype = 0;
   int32_t algorithm = 0;
+  int32_t single_copy = 0;  // 1: peers read tensors in place, 0: staged
   int64_t root = 0;
   int64_t num_packs = 0;
   int64_t num_tensors = 0;
@@ -64,6 +74,11 @@ class ShmChannel {
 
   char* slot(int64_t window_parity, int rank) const;
 
+  // The slot set for the next window. Every collective takes one before its
+  // first barrier (the staged path one per window), so after a mismatch,
+  // which all ranks detect at that first barrier, the counts still agree.
+  int64_t next_slot_set() { return slot_sets_taken_++; }
+
   // Blocks until every rank has reached the same number of barriers. Spins
   // briefly (only when there is a core per rank), then sleeps on a futex.
   // Throws PeerError naming the missing ranks at the deadline, or as soon as a
@@ -73,12 +88,33 @@ class ShmChannel {
   void publish(const OpDescriptor& d);
   OpDescriptor descriptor_of(int rank, uint64_t seq) const;
 
+  // After a barrier that follows publish(): throws MismatchError, with every
+  // rank's descriptor rendered by describe, unless all ranks published mine.
+  void check_same_descriptor(const OpDescriptor& mine,
+                             const std::function<std::string(const OpDescriptor&)>& describe,
+                             const std::string& what) const;
+
+  // The buffer this rank lends to peers for op seq (single-copy transport).
+  struct PeerBuffer {
+    int32_t pid = 0;
+    uint64_t address = 0;
+    uint64_t bytes = 0;
+  };
+  void publish_buffer(uint64_t seq, const void* address, uint64_t bytes);
+  PeerBuffer buffer_of(int rank, uint64_t seq) const;
+
+  // Whether this process may read every peer's memory with process_vm_readv
+  // (same user, no ptrace restriction). Call once every rank has attached.
+  // On false, *why says what failed.
+  bool can_read_peers(std::string* why) const;
+
   uint64_t barriers_passed() const { return epoch_; }
 
  private:
   struct Header;
   struct RankControl;
 
+  void init_local_rank();
   Header* header() const;
   RankControl* control(int rank) const;
   bool all_arrived(uint64_t epoch) const;
@@ -91,7 +127,11 @@ class ShmChannel {
   size_t slot_bytes_ = 0;
   size_t data_offset_ = 0;
   uint64_t epoch_ = 0;
+  int64_t slot_sets_taken_ = 0;
   int spin_iterations_ = 0;
+  // Peers read this through process_vm_readv to test access; on the heap so
+  // its address survives moves of the channel.
+  std::unique_ptr<uint64_t> probe_token_;
 };
 
 }  // namespace xdev::transport

@@ -5,30 +5,13 @@
 
 namespace xdev::transport {
 
-void ShmExecutor::check_descriptors(const OpDescriptor& mine,
-                                    const std::function<std::string(const OpDescriptor&)>& describe,
-                                    const std::string& what) const {
-  bool same = true;
-  for (int r = 0; r < channel_.world_size() && same; ++r) {
-    same = channel_.descriptor_of(r, mine.seq) == mine;
-  }
-  if (same) return;
-  std::string msg = "xdev: ranks called mismatched collectives at " + what + ":";
-  for (int r = 0; r < channel_.world_size(); ++r) {
-    msg += "\n  rank " + std::to_string(r) + ": " + describe(channel_.descriptor_of(r, mine.seq));
-  }
-  msg += "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "
-         "with the same op and options. The group is still usable.";
-  throw MismatchError(msg);
-}
-
 void ShmExecutor::barrier(const OpDescriptor& d, Clock::time_point deadline,
                           const std::string& what,
                           const std::function<std::string(const OpDescriptor&)>& describe) {
   channel_.publish(d);
-  ++windows_run_;  // every collective consumes at least one window slot, see run()
+  channel_.next_slot_set();
   channel_.barrier(deadline, what);
-  check_descriptors(d, describe, what);
+  channel_.check_same_descriptor(d, describe, what);
 }
 
 // Copies this rank's payload pieces of the window into its slot.
@@ -94,20 +77,20 @@ void ShmExecutor::run(const CollectiveRequest& req) {
   if (plan.num_windows() == 0) {
     // Nothing to move, but peers may disagree (they might have data): take
     // part in one barrier and the descriptor check like everyone else.
-    ++windows_run_;
+    channel_.next_slot_set();
     channel_.barrier(req.deadline, req.what);
-    check_descriptors(req.descriptor, req.describe, req.what);
+    channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
     return;
   }
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const plan::WindowPlan w = plan.window(k);
-    const int64_t parity = windows_run_++;
+    const int64_t parity = channel_.next_slot_set();
     const auto& stagers = w.schedule.stagers;
     if (std::find(stagers.begin(), stagers.end(), me) != stagers.end()) {
       stage(req, w, channel_.slot(parity, me));
     }
     channel_.barrier(req.deadline, req.what);
-    if (k == 0) check_descriptors(req.descriptor, req.describe, req.what);
+    if (k == 0) channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
     for (int phase = 1; phase <= w.schedule.num_phases; ++phase) {
       for (const plan::Step& s : w.schedule.steps) {
         if (s.actor == me && s.phase == phase) run_step(req, w, s, parity);

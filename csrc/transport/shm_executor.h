@@ -1,6 +1,7 @@
-// Runs a CollectivePlan over a ShmChannel: the CPU transport's half of "one
-// schedule, two transports". Torch-free: tensors arrive as raw pointers laid
-// out by a FlatLayout.
+// Runs a CollectivePlan over a ShmChannel by staging: every rank copies its
+// input into its shared slot and the schedule moves data between slots, one
+// window at a time. Works for any schedule and any tensor list. Torch-free:
+// tensors arrive as raw pointers laid out by a FlatLayout.
 #pragma once
 
 #include <cstdint>
@@ -14,13 +15,6 @@
 #include "shm_channel.h"
 
 namespace xdev::transport {
-
-// Ranks disagree about the collective (shape, dtype, op, algorithm, order).
-// Raised on every rank at the same point; the channel stays usable.
-class MismatchError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct CollectiveRequest {
   const plan::CollectivePlan* plan = nullptr;
@@ -37,9 +31,8 @@ struct CollectiveRequest {
 
 class ShmExecutor {
  public:
-  explicit ShmExecutor(ShmChannel channel) : channel_(std::move(channel)) {}
-
-  ShmChannel& channel() { return channel_; }
+  // The channel must outlive the executor.
+  explicit ShmExecutor(ShmChannel& channel) : channel_(channel) {}
 
   // Publishes the descriptor, then runs every window. The first barrier also
   // checks that all ranks published the same descriptor.
@@ -50,15 +43,11 @@ class ShmExecutor {
                const std::function<std::string(const OpDescriptor&)>& describe);
 
  private:
-  void check_descriptors(const OpDescriptor& mine,
-                         const std::function<std::string(const OpDescriptor&)>& describe,
-                         const std::string& what) const;
   void stage(const CollectiveRequest& req, const plan::WindowPlan& w, char* slot) const;
   void run_step(const CollectiveRequest& req, const plan::WindowPlan& w, const plan::Step& s,
                 int64_t parity) const;
 
-  ShmChannel channel_;
-  int64_t windows_run_ = 0;  // selects the slot set; advances identically on every rank
+  ShmChannel& channel_;
 };
 
 }  // namespace xdev::transport
