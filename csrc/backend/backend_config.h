@@ -17,8 +17,8 @@ struct BackendConfig {
   int64_t reduce_to_rank = 0;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   int64_t shm_slot_bytes = 256 << 10;  // per rank and slot set; see README "Performance"
-  bool single_copy = false;             // let peers read tensors in place (opt-in)
-  std::string hostname;               // this rank's host identity
+  bool single_copy = false;            // let peers read tensors in place (opt-in)
+  std::string hostname;                // this rank's host identity
   std::string group_name;
   bool debug = false;
 };

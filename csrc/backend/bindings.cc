@@ -79,8 +79,8 @@ py::dict describe(const XdevBackend& b) {
   const plan::Selection cuda = b.selection_for(int64_t{1} << 20, true);
   d["cuda_allreduce_plan"] = py::make_tuple(plan::to_string(cuda.algorithm), cuda.reason);
   const auto last = b.last_selection();
-  d["last_allreduce"] =
-      last.first.empty() ? py::object(py::none()) : py::object(py::make_tuple(last.first, last.second));
+  d["last_allreduce"] = last.first.empty() ? py::object(py::none())
+                                           : py::object(py::make_tuple(last.first, last.second));
   return d;
 }
 

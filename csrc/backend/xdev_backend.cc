@@ -126,7 +126,9 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   }
 }
 
-XdevBackend::~XdevBackend() { shutdown(); }
+XdevBackend::~XdevBackend() {
+  shutdown();
+}
 
 void XdevBackend::shutdown() {
   // Joining the worker and destroying Gloo wait on threads that may need the
@@ -198,8 +200,8 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
     single_copy_ = std::make_unique<transport::SingleCopyExecutor>(*channel_);
     single_copy_note_ = "on: ranks read each other's tensors with process_vm_readv";
   } else {
-    single_copy_note_ = mine_ok ? "off: a peer cannot read this host's ranks (see its log)"
-                                : "off: " + why;
+    single_copy_note_ =
+        mine_ok ? "off: a peer cannot read this host's ranks (see its log)" : "off: " + why;
   }
 }
 
@@ -255,9 +257,9 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
     default:
       s = "unknown collective";
   }
-  return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " +
-         std::to_string(d.total_elems) + " element(s), shape hash " +
-         std::to_string(d.shape_hash % 100000) + " (op #" + std::to_string(d.seq) + ")";
+  return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " + std::to_string(d.total_elems) +
+         " element(s), shape hash " + std::to_string(d.shape_hash % 100000) + " (op #" +
+         std::to_string(d.seq) + ")";
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const char* title,
@@ -298,83 +300,84 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
                                                              plan::Selection sel,
                                                              std::chrono::milliseconds timeout,
                                                              bool async_op) {
-  return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
-                 [this, tensors, op, sel, timeout]() {
-    // Work on contiguous tensors; copy back into non-contiguous ones at the end.
-    std::vector<at::Tensor> flat;
-    std::vector<plan::TensorDesc> descs;
-    for (const at::Tensor& t : tensors) {
-      flat.push_back(t.contiguous());
-      descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
-                       static_cast<size_t>(t.element_size()), t.numel()});
-    }
-    const auto deadline = deadline_for(timeout);
-    if (size_ > 1) {  // a world of one already holds its result
-      const uint64_t hash = shape_hash(tensors);
-      for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
-        const auto dtype = static_cast<kernels::DType>(group.dtype);
-        const auto packs = plan::make_packs(group.layout, group.elem_size, packing_);
-        const int64_t total = group.layout.total();
-        const bool single_copy = plan::use_single_copy(
-            sel.algorithm, total * static_cast<int64_t>(group.elem_size),
-            group.tensor_indices.size() == 1, single_copy_ != nullptr);
-        // Single copy runs the whole payload as one window: no slots to fill.
-        const int64_t window_elems =
-            single_copy ? std::max<int64_t>(total, 1)
-                        : config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
-        const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
-            sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs, total,
-            window_elems);
-        transport::OpDescriptor desc;
-        desc.seq = ++next_seq_;
-        desc.collective = static_cast<int32_t>(Collective::kAllreduce);
-        desc.reduce_op = static_cast<int32_t>(op);
-        desc.dtype = group.dtype;
-        desc.algorithm = static_cast<int32_t>(sel.algorithm);
-        desc.single_copy = single_copy ? 1 : 0;
-        desc.root = config_.reduce_to_rank;
-        desc.num_packs = static_cast<int64_t>(packs.size());
-        desc.num_tensors = static_cast<int64_t>(tensors.size());
-        desc.total_elems = total;
-        desc.shape_hash = hash;
-        const std::string what = "allreduce (op #" + std::to_string(desc.seq) + ")";
-        auto describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
-        if (single_copy) {
-          const plan::Schedule in_place =
-              plan::in_place_variant(cp.num_windows() > 0 ? cp.window(0).schedule
-                                                          : plan::Schedule{});
-          transport::SingleCopyRequest req;
-          req.schedule = &in_place;
-          req.data = static_cast<char*>(flat[group.tensor_indices[0]].data_ptr());
-          req.count = total;
-          req.dtype = dtype;
-          req.op = op;
-          req.descriptor = desc;
-          req.deadline = deadline;
-          req.what = what;
-          req.describe = describe;
-          single_copy_->run(req);
-          continue;
+  return enqueue(
+      c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
+      [this, tensors, op, sel, timeout]() {
+        // Work on contiguous tensors; copy back into non-contiguous ones at the end.
+        std::vector<at::Tensor> flat;
+        std::vector<plan::TensorDesc> descs;
+        for (const at::Tensor& t : tensors) {
+          flat.push_back(t.contiguous());
+          descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
+                           static_cast<size_t>(t.element_size()), t.numel()});
         }
-        transport::CollectiveRequest req;
-        req.plan = &cp;
-        req.layout = &group.layout;
-        for (size_t idx : group.tensor_indices) {
-          req.tensors.push_back(static_cast<char*>(flat[idx].data_ptr()));
+        const auto deadline = deadline_for(timeout);
+        if (size_ > 1) {  // a world of one already holds its result
+          const uint64_t hash = shape_hash(tensors);
+          for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
+            const auto dtype = static_cast<kernels::DType>(group.dtype);
+            const auto packs = plan::make_packs(group.layout, group.elem_size, packing_);
+            const int64_t total = group.layout.total();
+            const bool single_copy =
+                plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
+                                      group.tensor_indices.size() == 1, single_copy_ != nullptr);
+            // Single copy runs the whole payload as one window: no slots to fill.
+            const int64_t window_elems =
+                single_copy ? std::max<int64_t>(total, 1)
+                            : config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
+            const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
+                sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs, total,
+                window_elems);
+            transport::OpDescriptor desc;
+            desc.seq = ++next_seq_;
+            desc.collective = static_cast<int32_t>(Collective::kAllreduce);
+            desc.reduce_op = static_cast<int32_t>(op);
+            desc.dtype = group.dtype;
+            desc.algorithm = static_cast<int32_t>(sel.algorithm);
+            desc.single_copy = single_copy ? 1 : 0;
+            desc.root = config_.reduce_to_rank;
+            desc.num_packs = static_cast<int64_t>(packs.size());
+            desc.num_tensors = static_cast<int64_t>(tensors.size());
+            desc.total_elems = total;
+            desc.shape_hash = hash;
+            const std::string what = "allreduce (op #" + std::to_string(desc.seq) + ")";
+            auto describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+            if (single_copy) {
+              const plan::Schedule in_place = plan::in_place_variant(
+                  cp.num_windows() > 0 ? cp.window(0).schedule : plan::Schedule{});
+              transport::SingleCopyRequest req;
+              req.schedule = &in_place;
+              req.data = static_cast<char*>(flat[group.tensor_indices[0]].data_ptr());
+              req.count = total;
+              req.dtype = dtype;
+              req.op = op;
+              req.descriptor = desc;
+              req.deadline = deadline;
+              req.what = what;
+              req.describe = describe;
+              single_copy_->run(req);
+              continue;
+            }
+            transport::CollectiveRequest req;
+            req.plan = &cp;
+            req.layout = &group.layout;
+            for (size_t idx : group.tensor_indices) {
+              req.tensors.push_back(static_cast<char*>(flat[idx].data_ptr()));
+            }
+            req.dtype = dtype;
+            req.op = op;
+            req.descriptor = desc;
+            req.deadline = deadline;
+            req.what = what;
+            req.describe = describe;
+            executor_->run(req);
+          }
         }
-        req.dtype = dtype;
-        req.op = op;
-        req.descriptor = desc;
-        req.deadline = deadline;
-        req.what = what;
-        req.describe = describe;
-        executor_->run(req);
-      }
-    }
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
-    }
-  }, async_op);
+        for (size_t i = 0; i < tensors.size(); ++i) {
+          if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+        }
+      },
+      async_op);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::Tensor>& tensors,
@@ -397,16 +400,19 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::T
   auto inner = call(sum);
   const int world = size_;
   std::vector<at::Tensor> outs = tensors;
-  return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs, [inner, outs, world]() {
-    inner->wait();
-    for (const at::Tensor& t : outs) {
-      if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
-        t.div_(world, "trunc");
-      } else {
-        t.div_(world);
-      }
-    }
-  }, /*async_op=*/true);
+  return enqueue(
+      c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs,
+      [inner, outs, world]() {
+        inner->wait();
+        for (const at::Tensor& t : outs) {
+          if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+            t.div_(world, "trunc");
+          } else {
+            t.div_(world);
+          }
+        }
+      },
+      /*async_op=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
@@ -462,36 +468,39 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "xdev:broadcast", tensors, [this, tensors, root, opts]() {
-    // Broadcast moves bytes: any dtype works, tensors are laid out as bytes.
-    std::vector<at::Tensor> flat;
-    std::vector<int64_t> byte_counts;
-    for (const at::Tensor& t : tensors) {
-      flat.push_back(t.contiguous());
-      byte_counts.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
-    }
-    const plan::FlatLayout layout(byte_counts);
-    const plan::CollectivePlan cp =
-        plan::CollectivePlan::broadcast(size_, root, layout.total(), config_.shm_slot_bytes);
-    transport::CollectiveRequest req;
-    req.plan = &cp;
-    req.layout = &layout;
-    for (at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
-    req.dtype = kernels::DType::kUInt8;
-    req.descriptor.seq = ++next_seq_;
-    req.descriptor.collective = static_cast<int32_t>(Collective::kBroadcast);
-    req.descriptor.root = root;
-    req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
-    req.descriptor.total_elems = layout.total();
-    req.descriptor.shape_hash = shape_hash(tensors);
-    req.deadline = deadline_for(opts.timeout);
-    req.what = "broadcast (op #" + std::to_string(req.descriptor.seq) + ")";
-    req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
-    executor_->run(req);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
-    }
-  }, opts.asyncOp);
+  return enqueue(
+      c10d::OpType::BROADCAST, "xdev:broadcast", tensors,
+      [this, tensors, root, opts]() {
+        // Broadcast moves bytes: any dtype works, tensors are laid out as bytes.
+        std::vector<at::Tensor> flat;
+        std::vector<int64_t> byte_counts;
+        for (const at::Tensor& t : tensors) {
+          flat.push_back(t.contiguous());
+          byte_counts.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
+        }
+        const plan::FlatLayout layout(byte_counts);
+        const plan::CollectivePlan cp =
+            plan::CollectivePlan::broadcast(size_, root, layout.total(), config_.shm_slot_bytes);
+        transport::CollectiveRequest req;
+        req.plan = &cp;
+        req.layout = &layout;
+        for (at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
+        req.dtype = kernels::DType::kUInt8;
+        req.descriptor.seq = ++next_seq_;
+        req.descriptor.collective = static_cast<int32_t>(Collective::kBroadcast);
+        req.descriptor.root = root;
+        req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
+        req.descriptor.total_elems = layout.total();
+        req.descriptor.shape_hash = shape_hash(tensors);
+        req.deadline = deadline_for(opts.timeout);
+        req.what = "broadcast (op #" + std::to_string(req.descriptor.seq) + ")";
+        req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+        executor_->run(req);
+        for (size_t i = 0; i < tensors.size(); ++i) {
+          if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+        }
+      },
+      opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -501,13 +510,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   }
   // Queued behind every earlier native collective of this rank, so when it
   // completes they have completed too.
-  return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [this, opts]() {
-    transport::OpDescriptor d;
-    d.seq = ++next_seq_;
-    d.collective = static_cast<int32_t>(Collective::kBarrier);
-    executor_->barrier(d, deadline_for(opts.timeout), "barrier (op #" + std::to_string(d.seq) + ")",
-                       [this](const transport::OpDescriptor& x) { return describe_op(x); });
-  }, opts.asyncOp);
+  return enqueue(
+      c10d::OpType::BARRIER, "xdev:barrier", {},
+      [this, opts]() {
+        transport::OpDescriptor d;
+        d.seq = ++next_seq_;
+        d.collective = static_cast<int32_t>(Collective::kBarrier);
+        executor_->barrier(d, deadline_for(opts.timeout),
+                           "barrier (op #" + std::to_string(d.seq) + ")",
+                           [this](const transport::OpDescriptor& x) { return describe_op(x); });
+      },
+      opts.asyncOp);
 }
 
 // ---- Delegated collectives -------------------------------------------------
@@ -517,14 +530,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
   return fallback()->reduce(tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
   return fallback()->allgather(outputs, inputs, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output,
-                                                            at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
   return fallback()->_allgather_base(output, input, opts);
 }
@@ -570,9 +582,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   return fallback()->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(
-    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
-    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                          std::vector<int64_t>& output_split_sizes,
+                                                          std::vector<int64_t>& input_split_sizes,
+                                                          const c10d::AllToAllOptions& opts) {
   return fallback()->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 

@@ -58,9 +58,9 @@ class XdevBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
@@ -89,8 +89,7 @@ class XdevBackend : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
   // Introspection for torch_xdev.describe().
   const BackendConfig& config() const { return config_; }
@@ -131,8 +130,8 @@ class XdevBackend : public c10d::Backend {
   // caller waits anyway (async_op false) and nothing is queued. Errors become
   // DistBackendError; a peer failure poisons the group.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
-                                         std::vector<at::Tensor> outputs,
-                                         std::function<void()> fn, bool async_op);
+                                         std::vector<at::Tensor> outputs, std::function<void()> fn,
+                                         bool async_op);
 
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
   std::string describe_op(const transport::OpDescriptor& d) const;
@@ -152,8 +151,8 @@ class XdevBackend : public c10d::Backend {
   std::unique_ptr<transport::ShmExecutor> executor_;
   std::unique_ptr<transport::SingleCopyExecutor> single_copy_;
   std::string single_copy_note_;  // why single-copy is on or off
-  uint64_t next_seq_ = 0;                              // worker thread only
-  std::string poisoned_;                               // worker thread only
+  uint64_t next_seq_ = 0;         // worker thread only
+  std::string poisoned_;          // worker thread only
 
   mutable std::mutex log_mutex_;
   std::set<std::string> logged_;

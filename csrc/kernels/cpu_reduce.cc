@@ -27,7 +27,9 @@ inline uint32_t float_to_bits(float f) {
   return b;
 }
 
-inline float to_float(BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.bits) << 16); }
+inline float to_float(BFloat16 v) {
+  return bits_to_float(static_cast<uint32_t>(v.bits) << 16);
+}
 inline BFloat16 from_float_bf16(float f) {
   uint32_t b = float_to_bits(f);
   if ((b & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((b >> 16) | 0x40)};
@@ -50,7 +52,7 @@ inline Half from_float_half(float f) {
   const uint32_t b = float_to_bits(f);
   const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000u);
   const uint32_t abs = b & 0x7fffffffu;
-  if (abs > 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (abs > 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
   if (abs >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow -> inf
   if (abs < 0x38800000u) {
     // Result is subnormal in half: round abs * 2^24 to an integer, ties to even.
@@ -108,19 +110,27 @@ inline A wrap_mul(A a, A b) {
 
 struct SumOp {
   template <typename A>
-  static A apply(A a, A b) { return wrap_add(a, b); }
+  static A apply(A a, A b) {
+    return wrap_add(a, b);
+  }
 };
 struct ProductOp {
   template <typename A>
-  static A apply(A a, A b) { return wrap_mul(a, b); }
+  static A apply(A a, A b) {
+    return wrap_mul(a, b);
+  }
 };
 struct MinOp {
   template <typename A>
-  static A apply(A a, A b) { return b < a ? b : a; }
+  static A apply(A a, A b) {
+    return b < a ? b : a;
+  }
 };
 struct MaxOp {
   template <typename A>
-  static A apply(A a, A b) { return a < b ? b : a; }
+  static A apply(A a, A b) {
+    return a < b ? b : a;
+  }
 };
 
 // Elements per block: the accumulator block stays in L1 while every source

@@ -19,10 +19,7 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
         "hierarchical_copy needs an even number of ranks (two groups of N/2); got " +
         std::to_string(world_size));
   }
-  if (algorithm == Algorithm::kReduceToOne && (root < 0 || root >= world_size)) {
-    throw std::invalid_argument("reduce_to_rank must be in [0, " + std::to_string(world_size) +
-                                "); got " + std::to_string(root));
-  }
+  if (algorithm == Algorithm::kReduceToOne) check_root("reduce_to_rank", root, world_size);
   CollectivePlan p;
   p.algorithm_ = algorithm;
   p.world_size_ = world_size;
@@ -30,8 +27,9 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
   p.total_ = total;
   p.window_elems_ = window_elems;
   if (algorithm == Algorithm::kHierarchicalCopy) {
-    packs.erase(std::remove_if(packs.begin(), packs.end(), [](const Range& r) { return r.empty(); }),
-                packs.end());
+    packs.erase(
+        std::remove_if(packs.begin(), packs.end(), [](const Range& r) { return r.empty(); }),
+        packs.end());
     p.packs_ = std::move(packs);
   }
   const auto num_packs = static_cast<int64_t>(p.packs_.size());
@@ -55,10 +53,7 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
 CollectivePlan CollectivePlan::broadcast(int world_size, int root, int64_t total,
                                          int64_t window_elems) {
   if (window_elems < 1) throw std::invalid_argument("CollectivePlan: window_elems must be >= 1");
-  if (root < 0 || root >= world_size) {
-    throw std::invalid_argument("broadcast root must be in [0, " + std::to_string(world_size) +
-                                "); got " + std::to_string(root));
-  }
+  check_root("broadcast root", root, world_size);
   CollectivePlan p;
   p.is_broadcast_ = true;
   p.world_size_ = world_size;

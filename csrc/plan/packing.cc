@@ -127,8 +127,8 @@ void pack_group(const DtypeGroup& group, const std::vector<const void*>& tensors
   for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
     const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
     if (bytes == 0) continue;
-    std::memcpy(out + group.layout.offset(k) * group.elem_size,
-                tensors[group.tensor_indices[k]], bytes);
+    std::memcpy(out + group.layout.offset(k) * group.elem_size, tensors[group.tensor_indices[k]],
+                bytes);
   }
 }
 
@@ -137,8 +137,8 @@ void unpack_group(const DtypeGroup& group, const void* payload, const std::vecto
   for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
     const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
     if (bytes == 0) continue;
-    std::memcpy(tensors[group.tensor_indices[k]],
-                in + group.layout.offset(k) * group.elem_size, bytes);
+    std::memcpy(tensors[group.tensor_indices[k]], in + group.layout.offset(k) * group.elem_size,
+                bytes);
   }
 }
 

@@ -46,6 +46,15 @@ void check_world(int world_size) {
   if (world_size < 1) throw std::invalid_argument("schedule: world_size must be >= 1");
 }
 
+Schedule empty_schedule(int world_size, int num_phases, std::vector<int> stagers) {
+  check_world(world_size);
+  Schedule s;
+  s.world_size = world_size;
+  s.num_phases = num_phases;
+  s.stagers = std::move(stagers);
+  return s;
+}
+
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
                  bool finalize) {
   Step s;
@@ -72,6 +81,13 @@ Step copy_step(int phase, int actor, int source, Target target, Range r) {
 
 }  // namespace
 
+void check_root(const char* what, int root, int world_size) {
+  if (root < 0 || root >= world_size) {
+    throw std::invalid_argument(std::string(what) + " must be in [0, " +
+                                std::to_string(world_size) + "); got " + std::to_string(root));
+  }
+}
+
 Schedule hierarchical_copy_schedule(int world_size, const std::vector<PackSlice>& packs) {
   check_world(world_size);
   if (world_size % 2 != 0) {
@@ -81,10 +97,7 @@ Schedule hierarchical_copy_schedule(int world_size, const std::vector<PackSlice>
   }
   const int n = world_size;
   const int g = n / 2;
-  Schedule s;
-  s.world_size = n;
-  s.num_phases = 4;
-  s.stagers = all_ranks(n);
+  Schedule s = empty_schedule(n, 4, all_ranks(n));
   for (const PackSlice& p : packs) {
     if (p.range.empty()) continue;
     const int main0 = static_cast<int>(p.pack_id % n);
@@ -106,15 +119,8 @@ Schedule hierarchical_copy_schedule(int world_size, const std::vector<PackSlice>
 }
 
 Schedule reduce_to_one_schedule(int world_size, int root, Range range) {
-  check_world(world_size);
-  if (root < 0 || root >= world_size) {
-    throw std::invalid_argument("reduce_to_rank must be in [0, " + std::to_string(world_size) +
-                                "); got " + std::to_string(root));
-  }
-  Schedule s;
-  s.world_size = world_size;
-  s.num_phases = 2;
-  s.stagers = all_ranks(world_size);
+  check_root("reduce_to_rank", root, world_size);
+  Schedule s = empty_schedule(world_size, 2, all_ranks(world_size));
   if (range.empty()) return s;
   s.steps.push_back(reduce_step(1, root, all_ranks(world_size), Target::kStaging, range, true));
   for (int r = 0; r < world_size; ++r) {
@@ -124,22 +130,17 @@ Schedule reduce_to_one_schedule(int world_size, int root, Range range) {
 }
 
 Schedule flat_schedule(int world_size, Range range) {
-  check_world(world_size);
-  Schedule s;
-  s.world_size = world_size;
-  s.num_phases = 2;
-  s.stagers = all_ranks(world_size);
+  Schedule s = empty_schedule(world_size, 2, all_ranks(world_size));
   const int64_t total = range.size();
   if (total <= 0) return s;
   std::vector<Range> slices;
   for (int r = 0; r < world_size; ++r) {
-    slices.push_back({range.begin + total * r / world_size,
-                      range.begin + total * (r + 1) / world_size});
+    slices.push_back(
+        {range.begin + total * r / world_size, range.begin + total * (r + 1) / world_size});
   }
   for (int r = 0; r < world_size; ++r) {
     if (slices[r].empty()) continue;
-    s.steps.push_back(
-        reduce_step(1, r, all_ranks(world_size), Target::kStaging, slices[r], true));
+    s.steps.push_back(reduce_step(1, r, all_ranks(world_size), Target::kStaging, slices[r], true));
   }
   for (int r = 0; r < world_size; ++r) {
     for (int owner = 0; owner < world_size; ++owner) {
@@ -151,11 +152,7 @@ Schedule flat_schedule(int world_size, Range range) {
 }
 
 Schedule direct_schedule(int world_size, Range range) {
-  check_world(world_size);
-  Schedule s;
-  s.world_size = world_size;
-  s.num_phases = 1;
-  s.stagers = all_ranks(world_size);
+  Schedule s = empty_schedule(world_size, 1, all_ranks(world_size));
   if (range.empty()) return s;
   for (int r = 0; r < world_size; ++r) {
     s.steps.push_back(reduce_step(1, r, all_ranks(world_size), Target::kOutput, range, true));
@@ -164,15 +161,8 @@ Schedule direct_schedule(int world_size, Range range) {
 }
 
 Schedule broadcast_schedule(int world_size, int root, Range range) {
-  check_world(world_size);
-  if (root < 0 || root >= world_size) {
-    throw std::invalid_argument("broadcast root must be in [0, " + std::to_string(world_size) +
-                                "); got " + std::to_string(root));
-  }
-  Schedule s;
-  s.world_size = world_size;
-  s.num_phases = 1;
-  s.stagers = {root};
+  check_root("broadcast root", root, world_size);
+  Schedule s = empty_schedule(world_size, 1, {root});
   if (range.empty()) return s;
   for (int r = 0; r < world_size; ++r) {
     if (r != root) s.steps.push_back(copy_step(1, r, root, Target::kOutput, range));
@@ -182,7 +172,9 @@ Schedule broadcast_schedule(int world_size, int root, Range range) {
 
 namespace {
 
-bool overlaps(const Range& a, const Range& b) { return a.begin < b.end && b.begin < a.end; }
+bool overlaps(const Range& a, const Range& b) {
+  return a.begin < b.end && b.begin < a.end;
+}
 
 }  // namespace
 

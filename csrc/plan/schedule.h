@@ -55,6 +55,10 @@ struct Schedule {
   std::vector<Step> steps;
 };
 
+// Throws std::invalid_argument unless 0 <= root < world_size; `what` names
+// the option or argument in the message (e.g. "reduce_to_rank").
+void check_root(const char* what, int root, int world_size);
+
 // One pack's part of the current window, with its global pack index (which
 // decides the hierarchical plan's lead ranks).
 struct PackSlice {

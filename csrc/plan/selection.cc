@@ -4,7 +4,9 @@
 
 namespace xdev::plan {
 
-const char* to_string(DeviceKind d) { return d == DeviceKind::kCpu ? "cpu" : "cuda"; }
+const char* to_string(DeviceKind d) {
+  return d == DeviceKind::kCpu ? "cpu" : "cuda";
+}
 
 bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
                      bool available) {
@@ -74,8 +76,9 @@ Selection select_allreduce(const SelectionInput& in) {
   }
   if (in.payload_bytes * in.world_size <= kCpuDirectMaxBytesTimesRanks) {
     s.algorithm = Algorithm::kDirect;
-    s.reason = "single host, CPU, payload x ranks <= " +
-               std::to_string(kCpuDirectMaxBytesTimesRanks) + " bytes";
+    s.reason =
+        "single host, CPU, payload x ranks <= " + std::to_string(kCpuDirectMaxBytesTimesRanks) +
+        " bytes";
   } else if (in.payload_bytes < kCpuReduceToOneMaxBytes) {
     s.algorithm = Algorithm::kReduceToOne;
     s.reason = "single host, CPU, payload < " + std::to_string(kCpuReduceToOneMaxBytes) + " bytes";

@@ -42,8 +42,8 @@ LinkMatrix LinkMatrix::from_neighbors(const std::vector<std::vector<int>>& neigh
   for (int i = 0; i < m.n_; ++i) {
     for (int j : neighbors[i]) {
       if (j < 0 || j >= m.n_) {
-        throw std::invalid_argument("LinkMatrix: device " + std::to_string(i) +
-                                    " lists peer " + std::to_string(j) + " out of range");
+        throw std::invalid_argument("LinkMatrix: device " + std::to_string(i) + " lists peer " +
+                                    std::to_string(j) + " out of range");
       }
       if (j != i) m.set_links(i, j, std::max(1, m.links(i, j)));
     }
@@ -61,7 +61,9 @@ LinkMatrix LinkMatrix::fully_connected(int num_devices) {
   return m;
 }
 
-LinkMatrix LinkMatrix::dgx1() { return from_neighbors(dgx1_rows()); }
+LinkMatrix LinkMatrix::dgx1() {
+  return from_neighbors(dgx1_rows());
+}
 
 int LinkMatrix::links(int a, int b) const {
   if (a < 0 || b < 0 || a >= n_ || b >= n_) throw std::out_of_range("LinkMatrix: device index");

@@ -25,7 +25,9 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 
-size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+size_t round_up(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -45,8 +47,7 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nan
 }
 
 void futex_wake_all(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-            0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -59,10 +60,10 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
   std::atomic<int32_t> pid;
   char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - sizeof(std::atomic<int32_t>)];
-  OpDescriptor desc[2];         // indexed by op seq parity
-  uint64_t buffer_address[2];   // likewise: the buffer lent to peers
+  OpDescriptor desc[2];        // indexed by op seq parity
+  uint64_t buffer_address[2];  // likewise: the buffer lent to peers
   uint64_t buffer_bytes[2];
-  uint64_t probe_address;       // where this rank's probe token lives
+  uint64_t probe_address;  // where this rank's probe token lives
   uint64_t probe_token;
 };
 
@@ -78,14 +79,14 @@ struct alignas(kCacheLine) ShmChannel::Header {
 bool OpDescriptor::operator==(const OpDescriptor& o) const {
   return seq == o.seq && collective == o.collective && reduce_op == o.reduce_op &&
          dtype == o.dtype && algorithm == o.algorithm && single_copy == o.single_copy &&
-         root == o.root &&
-         num_packs == o.num_packs && num_tensors == o.num_tensors &&
+         root == o.root && num_packs == o.num_packs && num_tensors == o.num_tensors &&
          total_elems == o.total_elems && shape_hash == o.shape_hash;
 }
 
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {
   const size_t control = sizeof(Header) + sizeof(RankControl) * static_cast<size_t>(world_size);
-  return round_up(control, kPage) + 2 * static_cast<size_t>(world_size) * round_up(slot_bytes, kPage);
+  return round_up(control, kPage) +
+         2 * static_cast<size_t>(world_size) * round_up(slot_bytes, kPage);
 }
 
 ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
@@ -105,11 +106,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
     rc->arrived.store(0);
     rc->pid.store(0);
   }
-  ch.world_size_ = world_size;
-  ch.rank_ = rank;
-  ch.slot_bytes_ = slot_bytes;
-  ch.data_offset_ = h->data_offset;
-  ch.init_local_rank();
+  ch.init_local_rank(world_size, rank, slot_bytes);
   return ch;
 }
 
@@ -123,15 +120,15 @@ ShmChannel ShmChannel::attach(const std::string& name, int world_size, int rank,
     throw std::runtime_error("xdev shared memory: " + name +
                              " was made for another group shape or xdev version");
   }
-  ch.world_size_ = world_size;
-  ch.rank_ = rank;
-  ch.slot_bytes_ = slot_bytes;
-  ch.data_offset_ = h->data_offset;
-  ch.init_local_rank();
+  ch.init_local_rank(world_size, rank, slot_bytes);
   return ch;
 }
 
-void ShmChannel::init_local_rank() {
+void ShmChannel::init_local_rank(int world_size, int rank, size_t slot_bytes) {
+  world_size_ = world_size;
+  rank_ = rank;
+  slot_bytes_ = slot_bytes;
+  data_offset_ = header()->data_offset;
   RankControl* me = control(rank_);
   me->pid.store(static_cast<int32_t>(::getpid()));
   // Spinning only pays when every rank has a core of its own.
@@ -146,7 +143,9 @@ void ShmChannel::init_local_rank() {
   me->probe_address = reinterpret_cast<uint64_t>(probe_token_.get());
 }
 
-ShmChannel::Header* ShmChannel::header() const { return static_cast<Header*>(segment_.data()); }
+ShmChannel::Header* ShmChannel::header() const {
+  return static_cast<Header*>(segment_.data());
+}
 
 ShmChannel::RankControl* ShmChannel::control(int rank) const {
   return reinterpret_cast<RankControl*>(header() + 1) + rank;
@@ -227,7 +226,9 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   }
 }
 
-void ShmChannel::publish(const OpDescriptor& d) { control(rank_)->desc[d.seq & 1] = d; }
+void ShmChannel::publish(const OpDescriptor& d) {
+  control(rank_)->desc[d.seq & 1] = d;
+}
 
 OpDescriptor ShmChannel::descriptor_of(int rank, uint64_t seq) const {
   return control(rank)->desc[seq & 1];
@@ -243,8 +244,9 @@ void ShmChannel::check_same_descriptor(
   for (int r = 0; r < world_size_; ++r) {
     msg += "\n  rank " + std::to_string(r) + ": " + describe(descriptor_of(r, mine.seq));
   }
-  msg += "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "
-         "with the same op and options. The group is still usable.";
+  msg +=
+      "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "
+      "with the same op and options. The group is still usable.";
   throw MismatchError(msg);
 }
 
@@ -269,8 +271,8 @@ bool ShmChannel::can_read_peers(std::string* why) const {
     const ssize_t n = ::process_vm_readv(rc->pid.load(), &local, 1, &remote, 1, 0);
     if (n != static_cast<ssize_t>(sizeof got) || got != rc->probe_token) {
       const int err = errno;
-      *why = "process_vm_readv of rank " + std::to_string(r) + " failed: " +
-             (n < 0 ? std::string(std::strerror(err)) : std::string("wrong data"));
+      *why = "process_vm_readv of rank " + std::to_string(r) +
+             " failed: " + (n < 0 ? std::string(std::strerror(err)) : std::string("wrong data"));
       return false;
     }
   }

@@ -114,7 +114,8 @@ class ShmChannel {
   struct Header;
   struct RankControl;
 
-  void init_local_rank();
+  // Records this rank's place in the segment and publishes its pid and probe.
+  void init_local_rank(int world_size, int rank, size_t slot_bytes);
   Header* header() const;
   RankControl* control(int rank) const;
   bool all_arrived(uint64_t epoch) const;

@@ -15,18 +15,16 @@ void ShmExecutor::barrier(const OpDescriptor& d, Clock::time_point deadline,
 }
 
 // Copies this rank's payload pieces of the window into its slot.
-void ShmExecutor::stage(const CollectiveRequest& req, const plan::WindowPlan& w,
-                        char* slot) const {
+void ShmExecutor::stage(const CollectiveRequest& req, const plan::WindowPlan& w, char* slot) const {
   const size_t es = kernels::element_size(req.dtype);
   for (const plan::Segment& seg : w.segments) {
     int64_t slot_pos = seg.slot_begin;
-    req.layout->for_each_piece(
-        {seg.payload_begin, seg.payload_begin + seg.count},
-        [&](size_t t, int64_t offset, int64_t count) {
-          std::memcpy(slot + slot_pos * es, req.tensors[t] + offset * es,
-                      static_cast<size_t>(count) * es);
-          slot_pos += count;
-        });
+    req.layout->for_each_piece({seg.payload_begin, seg.payload_begin + seg.count},
+                               [&](size_t t, int64_t offset, int64_t count) {
+                                 std::memcpy(slot + slot_pos * es, req.tensors[t] + offset * es,
+                                             static_cast<size_t>(count) * es);
+                                 slot_pos += count;
+                               });
   }
 }
 
@@ -50,8 +48,8 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
     }
   };
   if (s.target == plan::Target::kStaging) {
-    apply(channel_.slot(parity, s.actor) + s.range.begin * static_cast<int64_t>(es),
-          s.range.begin, s.range.size());
+    apply(channel_.slot(parity, s.actor) + s.range.begin * static_cast<int64_t>(es), s.range.begin,
+          s.range.size());
     return;
   }
   // Output: map the slot range back through the window's segments to tensors.
@@ -61,12 +59,11 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
     if (hi <= lo) continue;
     const int64_t payload_lo = seg.payload_begin + (lo - seg.slot_begin);
     int64_t slot_pos = lo;
-    req.layout->for_each_piece({payload_lo, payload_lo + (hi - lo)},
-                               [&](size_t t, int64_t offset, int64_t count) {
-                                 apply(req.tensors[t] + offset * static_cast<int64_t>(es),
-                                       slot_pos, count);
-                                 slot_pos += count;
-                               });
+    req.layout->for_each_piece(
+        {payload_lo, payload_lo + (hi - lo)}, [&](size_t t, int64_t offset, int64_t count) {
+          apply(req.tensors[t] + offset * static_cast<int64_t>(es), slot_pos, count);
+          slot_pos += count;
+        });
   }
 }
 

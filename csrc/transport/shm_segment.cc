@@ -36,9 +36,13 @@ void* map_fd(int fd, size_t bytes, const std::string& name) {
 
 }  // namespace
 
-ShmSegment::~ShmSegment() { reset(); }
+ShmSegment::~ShmSegment() {
+  reset();
+}
 
-ShmSegment::ShmSegment(ShmSegment&& other) noexcept { *this = std::move(other); }
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept {
+  *this = std::move(other);
+}
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
   if (this != &other) {
@@ -102,12 +106,12 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
   FdGuard fd{::shm_open(name.c_str(), O_RDWR, 0)};
   if (fd.fd < 0) throw_errno("shm_open " + name, errno);
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd.fd, &st) != 0) throw_errno("fstat " + name, errno);
   if (static_cast<size_t>(st.st_size) != bytes) {
-    throw std::runtime_error("xdev shared memory: " + name + " has " +
-                             std::to_string(st.st_size) + " bytes, expected " +
-                             std::to_string(bytes) + " (ranks disagree on XDEV_SHM_SLOT_BYTES?)");
+    throw std::runtime_error("xdev shared memory: " + name + " has " + std::to_string(st.st_size) +
+                             " bytes, expected " + std::to_string(bytes) +
+                             " (ranks disagree on XDEV_SHM_SLOT_BYTES?)");
   }
   ShmSegment seg;
   seg.name_ = name;
@@ -131,7 +135,7 @@ int ShmSegment::remove_orphans() {
     long pid = 0;
     char rest[64];
     if (std::sscanf(e->d_name, "xdev-%ld-%63s", &pid, rest) != 2 || pid <= 0) continue;
-    struct stat st {};
+    struct stat st{};
     const std::string path = std::string("/dev/shm/") + e->d_name;
     if (::stat(path.c_str(), &st) != 0 || st.st_uid != me) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;

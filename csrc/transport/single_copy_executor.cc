@@ -2,8 +2,8 @@
 
 #include <sys/uio.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
 
@@ -81,7 +81,7 @@ void SingleCopyExecutor::run(const SingleCopyRequest& req) {
   const uint64_t es = kernels::element_size(req.dtype);
   channel_.publish(req.descriptor);
   channel_.publish_buffer(req.descriptor.seq, req.data, static_cast<uint64_t>(req.count) * es);
-  channel_.next_slot_set();  // unused, but keeps the count in step with staged ops
+  channel_.next_slot_set();                  // unused, but keeps the count in step with staged ops
   channel_.barrier(req.deadline, req.what);  // every tensor is ready and lent
   channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
   const plan::Schedule& sched = *req.schedule;

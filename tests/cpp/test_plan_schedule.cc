@@ -535,8 +535,8 @@ TEST(in_place_variants_allreduce_where_aliasing_is_safe) {
       if (world % 2 == 0) {
         std::vector<PackSlice> packs;
         for (int64_t i = 0; i < 5; ++i) packs.push_back({i, {elems * i / 5, elems * (i + 1) / 5}});
-        CHECK(in_place_allreduces(in_place_variant(hierarchical_copy_schedule(world, packs)),
-                                  elems));
+        CHECK(
+            in_place_allreduces(in_place_variant(hierarchical_copy_schedule(world, packs)), elems));
       }
     }
   }
