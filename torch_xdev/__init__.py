@@ -15,7 +15,14 @@ from typing import Any, Optional
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed as dist
 
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # typically: importing the source tree instead of the installed package
+    raise ImportError(
+        f"torch_xdev's C++ extension could not be loaded from {__path__[0]} ({e}). "
+        "Install with `pip install --no-build-isolation .` and run from outside the source "
+        "tree (e.g. `pytest tests`), or build in place with `python setup.py build_ext --inplace`."
+    ) from e
 from ._registration import BACKEND_NAME, backend_of, host_identity, register
 from .options import ALGORITHMS, ENV_KNOBS, Options
 

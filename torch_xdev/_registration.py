@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -16,12 +15,6 @@ from .options import Options, resolve_options
 
 BACKEND_NAME = "xdev"
 
-# c10d calls the creator once per device type of a group ("cpu", then "cuda"),
-# each time with a differently prefixed store. One XdevBackend serves every
-# device of its group, so the second call returns the first call's object.
-# Weak references: the cache never keeps a destroyed group alive.
-_backends_by_group: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-
 
 def host_identity() -> str:
     """The name ranks compare to find who shares their host (XDEV_HOSTNAME overrides)."""
@@ -29,10 +22,9 @@ def host_identity() -> str:
 
 
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
+    # One XdevBackend serves every device type of its group: c10d registers it
+    # for "cpu" and "cuda" and calls this creator once.
     group_id = str(dist_opts.group_id)
-    existing = _backends_by_group.get(group_id)
-    if existing is not None:
-        return existing
     options = resolve_options(pg_options)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     if options.reduce_to_rank >= size:
@@ -53,12 +45,11 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     config.reduce_to_rank = options.reduce_to_rank
     config.timeout = timeout
     config.shm_slot_bytes = options.shm_slot_bytes
+    config.single_copy = options.single_copy
     config.hostname = host_identity()
     config.group_name = group_id
     config.debug = options.debug
-    backend = _C.XdevBackend(store, rank, size, config, fallback)
-    _backends_by_group[group_id] = backend
-    return backend
+    return _C.XdevBackend(store, rank, size, config, fallback)
 
 
 def register() -> None:

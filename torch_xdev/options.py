@@ -7,7 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
-ALGORITHMS = ("auto", "hierarchical_copy", "reduce_to_one", "flat", "fallback")
+ALGORITHMS = ("auto", "hierarchical_copy", "reduce_to_one", "flat", "direct", "fallback")
 
 
 @dataclasses.dataclass
@@ -20,7 +20,8 @@ class Options:
     Attributes:
         algorithm: ``"auto"`` (default: chosen per call, see the README),
             ``"hierarchical_copy"`` (even world sizes only), ``"reduce_to_one"``,
-            ``"flat"`` (reduce-scatter + allgather) or ``"fallback"`` (Gloo).
+            ``"flat"`` (reduce-scatter + allgather), ``"direct"`` (every rank
+            reduces everything; one barrier) or ``"fallback"`` (Gloo).
         num_packs: packs for concat-and-split; ``None`` lets the algorithm
             choose (the world size for hierarchical copy), 0 disables it.
         agg_small_grads_max_bytes, agg_small_grads_max_group: small-tensor
@@ -30,6 +31,8 @@ class Options:
         timeout: per-collective timeout; ``None`` uses the group's timeout.
         shm_slot_bytes: staging bytes per rank and slot set; larger payloads
             are processed in windows of this size.
+        single_copy: let ranks read each other's tensors in place
+            (process_vm_readv) for large CPU allreduces, when the host allows it.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
@@ -40,7 +43,8 @@ class Options:
     bytes_per_pack: int = 0
     reduce_to_rank: int = 0
     timeout: Optional[Union[timedelta, float]] = None
-    shm_slot_bytes: int = 1 << 20
+    shm_slot_bytes: int = 256 << 10
+    single_copy: bool = False
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -67,7 +71,9 @@ class Options:
             if value < 0:
                 raise ValueError(f"Options.{name} must be >= 0; got {value}")
         if not isinstance(self.shm_slot_bytes, int) or self.shm_slot_bytes < 4096:
-            raise ValueError(f"Options.shm_slot_bytes must be an int >= 4096; got {self.shm_slot_bytes!r}")
+            raise ValueError(
+                f"Options.shm_slot_bytes must be an int >= 4096; got {self.shm_slot_bytes!r}"
+            )
         seconds = self.timeout_seconds()
         if seconds is not None and seconds <= 0:
             raise ValueError(f"Options.timeout must be positive; got {self.timeout!r}")
@@ -84,6 +90,15 @@ def _parse_int(text: str) -> int:
     return int(text, 0)
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
 def _parse_debug(text: str) -> bool:
     return text.strip().upper() in ("1", "INFO", "DEBUG", "TRUE", "YES")
 
@@ -98,6 +113,7 @@ ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("reduce_to_rank", "XDEV_REDUCE_TO_RANK", _parse_int),
     ("timeout", "XDEV_TIMEOUT", float),
     ("shm_slot_bytes", "XDEV_SHM_SLOT_BYTES", _parse_int),
+    ("single_copy", "XDEV_SINGLE_COPY", _parse_bool),
     ("debug", "XDEV_DEBUG", _parse_debug),
 )
 

@@ -1,0 +1,255 @@
+"""Data-parallel training of a small MLP with DistributedDataParallel on the xdev backend.
+
+Run it as a user would::
+
+    torchrun --nproc_per_node 4 examples/ddp_train.py
+    torchrun --nproc_per_node 4 examples/ddp_train.py --backend gloo   # for comparison
+
+Every rank draws its own batches of synthetic data (deterministically, from the seed, its rank
+and the step), so the run is reproducible while the ranks really do see different data; the
+targets come from a fixed random linear "teacher", so the loss falls. Rank 0 prints the loss of
+every step (averaged over the ranks), the final loss and the allreduce algorithm xdev chose.
+
+``train()`` is importable, so tests can run the same training without torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torch_xdev
+
+IN_FEATURES = 32
+HIDDEN = 64
+OUT_FEATURES = 10
+# The teacher does not depend on --seed: the task stays the same, only the student's
+# initialisation and the data stream change with the seed.
+TEACHER_SEED = 20240607
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What to train and how; the defaults are those of the command line."""
+
+    backend: str = "xdev"
+    steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.1
+    seed: int = 0
+    device: str = "cpu"
+    algorithm: str = "auto"
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    timeout: Optional[timedelta] = None  # of the process group; None: torch's default
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What ``train()`` hands back on every rank."""
+
+    model: nn.Module  # the trained module itself, not its DDP wrapper
+    losses: list[float]  # per step: this rank's loss before the update
+    mean_losses: list[float]  # per step: the loss averaged over all ranks
+    allreduce: Optional[tuple[str, str]]  # xdev's (algorithm, reason) for the gradients
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """The student: 32 -> 64 -> 64 -> 10 with ReLU; identical on every rank for one seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, OUT_FEATURES),
+    )
+
+
+def make_teacher() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random linear map whose outputs have about unit variance."""
+    gen = torch.Generator().manual_seed(TEACHER_SEED)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen) / IN_FEATURES**0.5
+    bias = 0.1 * torch.randn(OUT_FEATURES, generator=gen)
+    return weight, bias
+
+
+def make_batch(
+    teacher: tuple[torch.Tensor, torch.Tensor], seed: int, rank: int, step: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``rank`` at ``step``: different per rank and step, the same on every run."""
+    if not 0 <= rank < 1000:
+        raise ValueError(f"rank must be in [0, 1000) for the data seeding; got {rank}")
+    gen = torch.Generator().manual_seed((seed * 1000 + rank) * 1_000_003 + step)
+    weight, bias = teacher
+    x = torch.randn(batch_size, IN_FEATURES, generator=gen)
+    noise = 0.01 * torch.randn(batch_size, OUT_FEATURES, generator=gen)
+    return x, x @ weight.T + bias + noise
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, or ``cuda`` meaning this process's GPU (``LOCAL_RANK``) when there is one."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for, but CUDA is not available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    raise ValueError(f"device must be 'cpu' or 'cuda'; got {name!r}")
+
+
+def train(
+    config: TrainConfig,
+    *,
+    rank: int,
+    world_size: int,
+    store: Optional[dist.Store] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> TrainResult:
+    """Trains on ``world_size`` ranks, of which this process is ``rank``.
+
+    Creates the default process group (from ``store`` when given, otherwise from the
+    ``MASTER_ADDR``/``MASTER_PORT`` environment, as under torchrun) and destroys it before
+    returning. ``log`` receives rank 0's progress lines; other ranks print nothing.
+    """
+    device = resolve_device(config.device)
+    pg_options = None
+    if config.backend == torch_xdev.BACKEND_NAME:
+        pg_options = torch_xdev.Options(algorithm=config.algorithm)
+    dist.init_process_group(
+        config.backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        pg_options=pg_options,
+        timeout=config.timeout,
+    )
+    say = log if (log is not None and rank == 0) else (lambda line: None)
+    try:
+        return _train_loop(config, device, rank, world_size, say)
+    finally:
+        # The DDP wrapper died with _train_loop's frame (gc.collect() breaks the reference
+        # cycles DDP makes) while the process group was still registered, so the group's last
+        # reference goes away inside destroy_process_group(), whose destructor releases the GIL.
+        # Freeing DDP after destroy_process_group() instead lets its Reducer drop that last
+        # reference with the GIL held, and ~ProcessGroupGloo (also xdev's fallback engine) then
+        # joins a worker thread that may need the GIL to release a finished work's tensors: a
+        # deadlock (seen with plain backend="gloo" in torch 2.13).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _train_loop(
+    config: TrainConfig,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    say: Callable[[str], None],
+) -> TrainResult:
+    model = make_model(config.seed).to(device)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=config.find_unused_parameters,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+    )
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr)
+    teacher = make_teacher()
+    losses: list[float] = []
+    mean_losses: list[float] = []
+    allreduce: Optional[tuple[str, str]] = None
+    for step in range(config.steps):
+        x, y = make_batch(teacher, config.seed, rank, step, config.batch_size)
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        # Squared error summed over the outputs, averaged over the batch (nn.MSELoss would also
+        # average over the 10 outputs, and learn 10x slower at the same lr).
+        loss = (ddp(x) - y).pow(2).sum(dim=1).mean()
+        loss.backward()  # DDP's gradient allreduce runs (and is waited for) in here
+        if config.backend == torch_xdev.BACKEND_NAME:
+            # Read now, before the loss allreduce below replaces it.
+            allreduce = torch_xdev.describe()["last_allreduce"]
+        optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # SUM, then divide: Gloo has no AVG
+        mean /= world_size
+        losses.append(loss.item())
+        mean_losses.append(mean.item())
+        say(f"step {step:>2}  loss {mean_losses[-1]:.6f}")
+    if mean_losses:
+        say(f"final loss {mean_losses[-1]:.6f} (first {mean_losses[0]:.6f})")
+    if allreduce is not None:
+        say(f"xdev gradient allreduce: {allreduce[0]} ({allreduce[1]})")
+    elif config.backend != torch_xdev.BACKEND_NAME:
+        say(f"gradient allreduce: backend {config.backend} (torch_xdev.describe() is for xdev)")
+    return TrainResult(model=model, losses=losses, mean_losses=mean_losses, allreduce=allreduce)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="xdev", help="xdev (default) or gloo")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--algorithm",
+        choices=torch_xdev.ALGORITHMS,
+        default="auto",
+        help="xdev allreduce algorithm (ignored by other backends)",
+    )
+    parser.add_argument("--find-unused-parameters", action="store_true")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true")
+    parser.add_argument("--save", metavar="PATH", help="rank 0 saves the final state_dict here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print(
+            "run this under torchrun, e.g. torchrun --nproc_per_node 4 examples/ddp_train.py",
+            file=sys.stderr,
+        )
+        return 2
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = TrainConfig(
+        backend=args.backend,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        device=args.device,
+        algorithm=args.algorithm,
+        find_unused_parameters=args.find_unused_parameters,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
+    )
+    if rank == 0:
+        print(
+            f"training on {world_size} rank(s), backend {config.backend}, device "
+            f"{config.device}, {config.steps} steps of {config.batch_size} samples per rank",
+            flush=True,
+        )
+    result = train(config, rank=rank, world_size=world_size, log=lambda s: print(s, flush=True))
+    if args.save and rank == 0:
+        torch.save(result.model.state_dict(), args.save)
+        print(f"saved the final state_dict to {args.save}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

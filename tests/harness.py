@@ -1,0 +1,123 @@
+"""Runs a test function on N real processes, one per rank.
+
+``run_ranks(fn, world)`` spawns ``world`` processes; each sets up MASTER_ADDR /
+MASTER_PORT and calls ``fn(rank, world, *args)``. Whatever ``fn`` returns comes
+back as a list indexed by rank; an exception in any rank fails the test with
+every rank's traceback. Every wait is bounded: a rank that does not finish by
+the deadline is killed (by PID, only our own children) and the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    per_rank_env: Optional[list[dict[str, str]]],
+    results: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(env)
+    if per_rank_env is not None:
+        os.environ.update(per_rank_env[rank])
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = fn(rank, world, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    env: Optional[dict[str, str]] = None,
+    per_rank_env: Optional[list[dict[str, str]]] = None,
+    timeout: float = 240.0,
+    expect_dead: tuple[int, ...] = (),
+) -> list[Any]:
+    """Runs fn on ``world`` ranks and returns their results by rank.
+
+    Ranks in ``expect_dead`` are allowed to die without reporting (tests that
+    kill a rank on purpose); their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world, port, fn, args, env or {}, per_rank_env, results),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcomes) < world:
+            alive_missing = [r for r in range(world) if r not in outcomes and procs[r].is_alive()]
+            if not alive_missing and all(r in outcomes or r in expect_dead for r in range(world)):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+                outcomes[rank] = (ok, value)
+            except queue.Empty:
+                dead_silent = [
+                    r
+                    for r in range(world)
+                    if r not in outcomes and r not in expect_dead and not procs[r].is_alive()
+                ]
+                if dead_silent:
+                    # Drain what may still be in the pipe before declaring them dead.
+                    try:
+                        while True:
+                            rank, ok, value = results.get(timeout=0.5)
+                            outcomes[rank] = (ok, value)
+                    except queue.Empty:
+                        pass
+                    still = [r for r in dead_silent if r not in outcomes]
+                    if still:
+                        codes = {r: procs[r].exitcode for r in still}
+                        raise AssertionError(f"ranks died without a result: {codes}")
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world) if r not in outcomes and r not in expect_dead]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s")
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [outcomes[r][1] if r in outcomes else None for r in range(world)]

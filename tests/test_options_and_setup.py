@@ -1,0 +1,255 @@
+"""Options and env overrides, selection, init methods, several groups, delegation."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from torch_xdev.options import resolve_options
+from harness import free_port, run_ranks
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"num_packs": -1}, "num_packs"),
+        ({"algorithm": "ring"}, "algorithm"),
+        ({"agg_small_grads_max_bytes": -5}, "agg_small_grads_max_bytes"),
+        ({"agg_small_grads_max_group": -1}, "agg_small_grads_max_group"),
+        ({"bytes_per_pack": -1}, "bytes_per_pack"),
+        ({"reduce_to_rank": -1}, "reduce_to_rank"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"shm_slot_bytes": 100}, "shm_slot_bytes"),
+    ],
+)
+def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        torch_xdev.Options(**kwargs)
+
+
+def test_env_overrides_options() -> None:
+    env = {
+        "XDEV_ALGO": "reduce_to_one",
+        "XDEV_NUM_PACKS": "4",
+        "XDEV_TIMEOUT": "2.5",
+        "XDEV_DEBUG": "INFO",
+        "XDEV_BYTES_PER_PACK": "0x100",
+    }
+    o = resolve_options(torch_xdev.Options(algorithm="flat", num_packs=2), env)
+    assert (o.algorithm, o.num_packs, o.timeout_seconds(), o.debug, o.bytes_per_pack) == (
+        "reduce_to_one",
+        4,
+        2.5,
+        True,
+        256,
+    )
+    with pytest.raises(ValueError, match="num_packs"):
+        resolve_options(None, {"XDEV_NUM_PACKS": "-2"})
+    with pytest.raises(ValueError, match="XDEV_NUM_PACKS"):
+        resolve_options(None, {"XDEV_NUM_PACKS": "many"})
+    with pytest.raises(ValueError, match="algorithm"):
+        resolve_options(None, {"XDEV_ALGO": "ring"})
+    with pytest.raises(ValueError, match="torch_xdev.Options"):
+        resolve_options({"algorithm": "flat"}, {})  # type: ignore[arg-type]
+    # Every knob is documented in the README.
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for _, variable, _ in torch_xdev.ENV_KNOBS:
+        assert variable in readme, variable
+
+
+def _init_and_sum(rank: int, world: int, method: str, path: str) -> dict[str, Any]:
+    if method == "tcp":
+        dist.init_process_group(
+            "xdev",
+            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+        )
+    elif method == "file":
+        dist.init_process_group("xdev", init_method=f"file://{path}", rank=rank, world_size=world)
+    elif method == "store":
+        store = dist.TCPStore(
+            "127.0.0.1",
+            int(os.environ["MASTER_PORT"]),
+            world,
+            rank == 0,
+            timeout=timedelta(seconds=60),
+        )
+        dist.init_process_group("xdev", store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("xdev", init_method="env://", rank=rank, world_size=world)
+    t = torch.full((100,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((100,), float(sum(range(1, world + 1)))))
+    info = torch_xdev.describe()
+    dist.destroy_process_group()
+    return info
+
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file", "store"])
+def test_init_methods(method: str, tmp_path: Any) -> None:
+    infos = run_ranks(_init_and_sum, 2, method, str(tmp_path / "rendezvous"))
+    assert infos[0]["shared_memory"] and infos[0]["num_hosts"] == 1
+    assert infos[0]["fallback_backend"] == "gloo"
+
+
+def _several_groups(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    pairs = [dist.new_group([0, 1], backend="xdev"), dist.new_group([2, 3], backend="xdev")]
+    mine = pairs[0] if rank < 2 else pairs[1]
+    packed = dist.new_group(
+        backend="xdev", pg_options=torch_xdev.Options(algorithm="hierarchical_copy", num_packs=3)
+    )
+    names = []
+    for i in range(3):  # interleave the groups
+        t = torch.full((1000,), float(rank))
+        dist.all_reduce(t, group=mine)
+        partner_sum = float(sum(r for r in range(world) if (r < 2) == (rank < 2)))
+        assert torch.equal(t, torch.full((1000,), partner_sum))
+        u = torch.full((777,), float(rank + i))
+        dist.all_reduce(u, group=packed)
+        assert torch.equal(u, torch.full((777,), float(sum(r + i for r in range(world)))))
+        v = torch.ones(5)
+        dist.all_reduce(v)
+        assert torch.equal(v, torch.full((5,), float(world)))
+    for g in (None, mine, packed):
+        names.append(torch_xdev._registration.backend_of(g).shm_name)
+    assert torch_xdev.describe(packed)["algorithm"] == "hierarchical_copy"
+    assert torch_xdev.describe(mine)["world_size"] == 2
+    dist.destroy_process_group()
+    return names
+
+
+def test_several_groups_each_with_own_segment() -> None:
+    names = run_ranks(_several_groups, 4)
+    for per_rank in names:
+        assert len(set(per_rank)) == 3
+
+
+def _multi_host(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    info = torch_xdev.describe()
+    for op, expected in [
+        (dist.ReduceOp.SUM, 10.0),
+        (dist.ReduceOp.AVG, 2.5),
+        (dist.ReduceOp.MAX, 4.0),
+    ]:
+        t = torch.full((50,), float(rank + 1))
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t, torch.full((50,), expected)), (op, t[:3])
+    i = torch.full((9,), rank + 1, dtype=torch.int64)
+    dist.all_reduce(i, op=dist.ReduceOp.AVG)  # Gloo has no AVG: SUM then divide
+    assert torch.equal(i, torch.full((9,), 2, dtype=torch.int64))
+    last = torch_xdev.describe()["last_allreduce"]
+    b = torch.arange(4.0) if rank == 3 else torch.zeros(4)
+    dist.broadcast(b, src=3)
+    assert torch.equal(b, torch.arange(4.0))
+    dist.barrier()
+    with pytest.raises(ValueError, match="hosts"):
+        dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="hierarchical_copy"))
+    dist.destroy_process_group()
+    return {"info": info, "last": last}
+
+
+def test_ranks_on_two_hosts_use_the_fallback() -> None:
+    hosts = [{"XDEV_HOSTNAME": "host-a"}] * 2 + [{"XDEV_HOSTNAME": "host-b"}] * 2
+    results = run_ranks(_multi_host, 4, per_rank_env=hosts)
+    info = results[0]["info"]
+    assert info["num_hosts"] == 2 and info["local_world_size"] == 2
+    assert not info["shared_memory"]
+    assert results[0]["last"] == ("fallback", "ranks span 2 hosts")
+
+
+def _forced(rank: int, world: int, options: dict[str, Any]) -> str:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dist.new_group(backend="xdev", pg_options=torch_xdev.Options(**options))
+    except ValueError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+    return ""
+
+
+def test_hierarchical_copy_needs_even_world() -> None:
+    messages = run_ranks(_forced, 3, {"algorithm": "hierarchical_copy"})
+    assert all("even number of ranks" in m for m in messages), messages
+
+
+def test_reduce_to_rank_out_of_range() -> None:
+    messages = run_ranks(_forced, 2, {"algorithm": "reduce_to_one", "reduce_to_rank": 2})
+    assert all("reduce_to_rank" in m for m in messages), messages
+
+
+def _selection(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    seen = {}
+    for numel in (16, 1 << 14, 1 << 17):
+        dist.all_reduce(torch.ones(numel))
+        seen[numel * 4] = torch_xdev.describe()["last_allreduce"][0]
+    dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)  # no native kernel
+    seen["band"] = torch_xdev.describe()["last_allreduce"]
+    c = torch.ones(3, dtype=torch.complex64)
+    dist.all_reduce(c)
+    assert torch.equal(c, torch.full((3,), float(world), dtype=torch.complex64))
+    dist.destroy_process_group()
+    return seen
+
+
+def test_auto_selection_and_unsupported_ops_delegate(capfd: Any) -> None:
+    seen = run_ranks(_selection, 2, env={"XDEV_DEBUG": "INFO"})[0]
+    assert seen[64] == "direct" and seen[1 << 16] == "reduce_to_one" and seen[1 << 19] == "flat"
+    assert seen["band"][0] == "fallback" and "reduce op" in seen["band"][1]
+    err = capfd.readouterr().err
+    # The plan is logged once per group (not once per call).
+    assert err.count("[xdev] group") >= 1
+    assert err.count("allreduce on CPU tensors -> direct") == 2  # once per rank, not per call
+    assert "fallback engine: gloo" in err
+
+
+def _delegated(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    x = torch.full((4,), float(rank))
+    out = [torch.empty(4) for _ in range(world)]
+    dist.all_gather(out, x)
+    assert all(torch.equal(o, torch.full((4,), float(r))) for r, o in enumerate(out))
+    flat = torch.empty(4 * world)
+    dist.all_gather_into_tensor(flat, x)
+    assert torch.equal(flat, torch.cat([torch.full((4,), float(r)) for r in range(world)]))
+    red = torch.full((3,), float(rank + 1))
+    dist.reduce(red, dst=1)
+    if rank == 1:
+        assert torch.equal(red, torch.full((3,), float(sum(range(1, world + 1)))))
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2.0 * world) + rank)
+    assert torch.equal(rs, torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)))
+    a2a = torch.empty(world)
+    dist.all_to_all_single(a2a, torch.arange(float(world)) + 10 * rank)
+    assert torch.equal(a2a, torch.tensor([10.0 * r + rank for r in range(world)]))
+    g = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), g, dst=0)
+    if rank == 0:
+        assert all(torch.equal(t, torch.full((2,), float(r))) for r, t in enumerate(g))
+    s = torch.empty(2)
+    dist.scatter(
+        s, [torch.full((2,), float(r)) for r in range(world)] if rank == 0 else None, src=0
+    )
+    assert torch.equal(s, torch.full((2,), float(rank)))
+    if rank == 0:
+        dist.send(torch.arange(3.0), dst=1)
+    elif rank == 1:
+        r = torch.empty(3)
+        dist.recv(r, src=0)
+        assert torch.equal(r, torch.arange(3.0))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_delegated_collectives() -> None:
+    run_ranks(_delegated, 3)

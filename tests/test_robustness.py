@@ -1,0 +1,157 @@
+"""Failure modes: stuck and dead peers, mismatched calls, shared-memory hygiene."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from harness import run_ranks
+
+TIMEOUT_S = 3.0
+
+
+def _xdev_shm_mappings() -> list[tuple[str, str]]:
+    """(address range, path) of every xdev segment this process maps."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and "/xdev-" in parts[5]:
+                found.append((parts[0], parts[5]))
+    return found
+
+
+def _stuck_peer(rank: int, world: int) -> str:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))
+    message = ""
+    if rank != world - 1:  # the last rank never joins the allreduce
+        start = time.monotonic()
+        with pytest.raises(dist.DistBackendError) as info:
+            dist.all_reduce(torch.ones(10), group=group)
+        elapsed = time.monotonic() - start
+        message = str(info.value)
+        assert "timed out" in message and f"rank(s) {world - 1}" in message, message
+        assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + 10, elapsed
+        # The group is poisoned now: later calls fail at once instead of hanging.
+        with pytest.raises(dist.DistBackendError, match="unusable"):
+            dist.all_reduce(torch.ones(10), group=group)
+    dist.barrier()  # on Gloo: the stuck rank leaves only after the others saw their error
+    return message
+
+
+def test_stuck_peer_times_out_on_every_other_rank() -> None:
+    messages = run_ranks(_stuck_peer, 3, timeout=120)
+    assert all(m for m in messages[:2])
+
+
+def _dead_peer(rank: int, world: int, victim: int) -> dict[str, Any]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)
+    )
+    dist.all_reduce(torch.ones(3))  # everyone has mapped the segment
+    name = torch_xdev._registration.backend_of().shm_name
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(torch.ones(1 << 16))
+    # Noticed by the liveness check long before the 600 s timeout.
+    assert time.monotonic() - start < 30
+    assert f"rank {victim}" in str(info.value) and "exited" in str(info.value), str(info.value)
+    return {"name": name, "mapped": _xdev_shm_mappings()}
+
+
+def test_killed_rank_is_reported_and_leaves_no_segment() -> None:
+    results = run_ranks(_dead_peer, 3, 2, timeout=120, expect_dead=(2,))
+    name = results[0]["name"]
+    assert re.fullmatch(r"/xdev-\d+-[0-9a-f]{32}", name), name
+    # The name was unlinked once every rank had mapped it: nothing can leak.
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def _mismatch(rank: int, world: int) -> None:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
+    )
+    cases = [
+        torch.ones(10 + rank),  # shape
+        torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64),  # dtype
+        torch.ones(0 if rank == 0 else 5),  # empty on one rank only
+        torch.ones(4, 5) if rank == 0 else torch.ones(5, 4),  # same numel, other shape
+    ]
+    for t in cases:
+        with pytest.raises(dist.DistBackendError, match="mismatched collectives"):
+            dist.all_reduce(t)
+        # The group is still usable: a matching call right after works.
+        ok = torch.full((33,), float(rank + 1))
+        dist.all_reduce(ok)
+        assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        dist.all_reduce(torch.ones(8), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+    # One rank in a barrier, the other in an allreduce.
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        if rank == 0:
+            dist.barrier()
+        else:
+            dist.all_reduce(torch.ones(2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_mismatched_calls_fail_everywhere_and_group_survives() -> None:
+    run_ranks(_mismatch, 2, timeout=120)
+
+
+def _segment_hygiene(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    group_a = dist.new_group(backend="xdev")
+    group_b = dist.new_group(ranks=[0, 1], backend="xdev")
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4), group=group_a)
+    names = {torch_xdev._registration.backend_of(g).shm_name for g in (None, group_a)}
+    if rank in (0, 1):
+        names.add(torch_xdev._registration.backend_of(group_b).shm_name)
+    mapped = _xdev_shm_mappings()
+    modes = {
+        path: stat.S_IMODE(os.stat(f"/proc/self/map_files/{rng}").st_mode) for rng, path in mapped
+    }
+    dist.destroy_process_group(group_a)
+    dist.destroy_process_group(group_b) if rank in (0, 1) else None
+    dist.destroy_process_group()
+    return {"names": sorted(names), "modes": modes, "after_destroy": _xdev_shm_mappings()}
+
+
+def test_segments_private_unlinked_and_unmapped_on_destroy() -> None:
+    results = run_ranks(_segment_hygiene, 3)
+    for r, res in enumerate(results):
+        expected_groups = 3 if r in (0, 1) else 2
+        assert len(res["names"]) == expected_groups, res  # one segment per group
+        for name in res["names"]:
+            assert re.fullmatch(r"/xdev-\d+-[0-9a-f]{32}", name)
+            assert not os.path.exists("/dev/shm" + name)
+        assert res["modes"] and all(m == 0o600 for m in res["modes"].values()), res["modes"]
+        assert res["after_destroy"] == [], res["after_destroy"]
+
+
+def test_orphaned_segment_of_dead_creator_is_removed() -> None:
+    # A segment named after a pid that cannot exist, as a creator killed between
+    # create and unlink would leave it.
+    path = "/dev/shm/xdev-999999999-" + "0" * 32
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        assert torch_xdev._C.remove_orphaned_segments() >= 1
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
