@@ -98,10 +98,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   packing_.agg_small_grads_max_group = config_.agg_small_grads_max_group;
   packing_.bytes_per_pack = config_.bytes_per_pack;
   packing_.validate();
-  if (config_.reduce_to_rank < 0 || config_.reduce_to_rank >= size) {
-    throw std::invalid_argument("reduce_to_rank must be in [0, " + std::to_string(size) +
-                                ") for this group; got " + std::to_string(config_.reduce_to_rank));
-  }
+  plan::check_root("reduce_to_rank", static_cast<int>(config_.reduce_to_rank), size);
   if (config_.shm_slot_bytes < 4096) {
     throw std::invalid_argument("shm_slot_bytes must be >= 4096; got " +
                                 std::to_string(config_.shm_slot_bytes));
@@ -192,8 +189,12 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
   // all agree through the store, so the transport choice is the same on all.
   std::string why = "disabled by Options.single_copy / XDEV_SINGLE_COPY";
   const bool mine_ok = config_.single_copy && channel_->can_read_peers(&why);
-  const int64_t failures = store.add("xdev/cma/failures", mine_ok ? 0 : 1);
-  (void)failures;
+  if (config_.single_copy && !mine_ok) {
+    // Asked for explicitly, so say why it is refused, on the rank that knows.
+    std::fprintf(stderr, "[xdev] group '%s' rank %d: single copy unavailable, staying staged: %s\n",
+                 config_.group_name.c_str(), rank_, why.c_str());
+  }
+  store.add("xdev/cma/failures", mine_ok ? 0 : 1);
   if (store.add("xdev/cma/votes", 1) == size_) store.set("xdev/cma/done", "1");
   store.wait({"xdev/cma/done"});
   if (store.add("xdev/cma/failures", 0) == 0) {
