@@ -263,6 +263,17 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
          std::to_string(d.seq) + ")";
 }
 
+transport::OpContext XdevBackend::make_context(const transport::OpDescriptor& desc,
+                                               const char* name,
+                                               transport::Clock::time_point deadline) const {
+  transport::OpContext ctx;
+  ctx.descriptor = desc;
+  ctx.deadline = deadline;
+  ctx.what = std::string(name) + " (op #" + std::to_string(desc.seq) + ")";
+  ctx.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+  return ctx;
+}
+
 c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const char* title,
                                                     std::vector<at::Tensor> outputs,
                                                     std::function<void()> fn, bool async_op) {
@@ -341,8 +352,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
             desc.num_tensors = static_cast<int64_t>(tensors.size());
             desc.total_elems = total;
             desc.shape_hash = hash;
-            const std::string what = "allreduce (op #" + std::to_string(desc.seq) + ")";
-            auto describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+            const transport::OpContext ctx = make_context(desc, "allreduce", deadline);
             if (single_copy) {
               const plan::Schedule in_place = plan::in_place_variant(
                   cp.num_windows() > 0 ? cp.window(0).schedule : plan::Schedule{});
@@ -352,10 +362,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
               req.count = total;
               req.dtype = dtype;
               req.op = op;
-              req.descriptor = desc;
-              req.deadline = deadline;
-              req.what = what;
-              req.describe = describe;
+              req.ctx = ctx;
               single_copy_->run(req);
               continue;
             }
@@ -367,10 +374,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
             }
             req.dtype = dtype;
             req.op = op;
-            req.descriptor = desc;
-            req.deadline = deadline;
-            req.what = what;
-            req.describe = describe;
+            req.ctx = ctx;
             executor_->run(req);
           }
         }
@@ -487,15 +491,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
         req.layout = &layout;
         for (at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
         req.dtype = kernels::DType::kUInt8;
-        req.descriptor.seq = ++next_seq_;
-        req.descriptor.collective = static_cast<int32_t>(Collective::kBroadcast);
-        req.descriptor.root = root;
-        req.descriptor.num_tensors = static_cast<int64_t>(tensors.size());
-        req.descriptor.total_elems = layout.total();
-        req.descriptor.shape_hash = shape_hash(tensors);
-        req.deadline = deadline_for(opts.timeout);
-        req.what = "broadcast (op #" + std::to_string(req.descriptor.seq) + ")";
-        req.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+        transport::OpDescriptor desc;
+        desc.seq = ++next_seq_;
+        desc.collective = static_cast<int32_t>(Collective::kBroadcast);
+        desc.root = root;
+        desc.num_tensors = static_cast<int64_t>(tensors.size());
+        desc.total_elems = layout.total();
+        desc.shape_hash = shape_hash(tensors);
+        req.ctx = make_context(desc, "broadcast", deadline_for(opts.timeout));
         executor_->run(req);
         for (size_t i = 0; i < tensors.size(); ++i) {
           if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
@@ -514,12 +517,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   return enqueue(
       c10d::OpType::BARRIER, "xdev:barrier", {},
       [this, opts]() {
-        transport::OpDescriptor d;
-        d.seq = ++next_seq_;
-        d.collective = static_cast<int32_t>(Collective::kBarrier);
-        executor_->barrier(d, deadline_for(opts.timeout),
-                           "barrier (op #" + std::to_string(d.seq) + ")",
-                           [this](const transport::OpDescriptor& x) { return describe_op(x); });
+        transport::OpDescriptor desc;
+        desc.seq = ++next_seq_;
+        desc.collective = static_cast<int32_t>(Collective::kBarrier);
+        executor_->barrier(make_context(desc, "barrier", deadline_for(opts.timeout)));
       },
       opts.asyncOp);
 }

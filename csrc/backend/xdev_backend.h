@@ -135,6 +135,8 @@ class XdevBackend : public c10d::Backend {
 
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
   std::string describe_op(const transport::OpDescriptor& d) const;
+  transport::OpContext make_context(const transport::OpDescriptor& desc, const char* name,
+                                    transport::Clock::time_point deadline) const;
 
   BackendConfig config_;
   plan::Algorithm requested_ = plan::Algorithm::kAuto;

@@ -55,6 +55,15 @@ struct OpDescriptor {
   bool operator!=(const OpDescriptor& o) const { return !(*this == o); }
 };
 
+// What every native collective carries besides its data: its descriptor for
+// the mismatch check, its deadline, and how to name it in errors.
+struct OpContext {
+  OpDescriptor descriptor;
+  Clock::time_point deadline;
+  std::string what;  // e.g. "allreduce (op #12)"
+  std::function<std::string(const OpDescriptor&)> describe;
+};
+
 class ShmChannel {
  public:
   ShmChannel() = default;

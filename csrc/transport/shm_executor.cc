@@ -5,13 +5,11 @@
 
 namespace xdev::transport {
 
-void ShmExecutor::barrier(const OpDescriptor& d, Clock::time_point deadline,
-                          const std::string& what,
-                          const std::function<std::string(const OpDescriptor&)>& describe) {
-  channel_.publish(d);
+void ShmExecutor::barrier(const OpContext& ctx) {
+  channel_.publish(ctx.descriptor);
   channel_.next_slot_set();
-  channel_.barrier(deadline, what);
-  channel_.check_same_descriptor(d, describe, what);
+  channel_.barrier(ctx.deadline, ctx.what);
+  channel_.check_same_descriptor(ctx.descriptor, ctx.describe, ctx.what);
 }
 
 // Copies this rank's payload pieces of the window into its slot.
@@ -70,15 +68,13 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
 void ShmExecutor::run(const CollectiveRequest& req) {
   const plan::CollectivePlan& plan = *req.plan;
   const int me = channel_.rank();
-  channel_.publish(req.descriptor);
   if (plan.num_windows() == 0) {
     // Nothing to move, but peers may disagree (they might have data): take
     // part in one barrier and the descriptor check like everyone else.
-    channel_.next_slot_set();
-    channel_.barrier(req.deadline, req.what);
-    channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
+    barrier(req.ctx);
     return;
   }
+  channel_.publish(req.ctx.descriptor);
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const plan::WindowPlan w = plan.window(k);
     const int64_t parity = channel_.next_slot_set();
@@ -86,13 +82,13 @@ void ShmExecutor::run(const CollectiveRequest& req) {
     if (std::find(stagers.begin(), stagers.end(), me) != stagers.end()) {
       stage(req, w, channel_.slot(parity, me));
     }
-    channel_.barrier(req.deadline, req.what);
-    if (k == 0) channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
+    channel_.barrier(req.ctx.deadline, req.ctx.what);
+    if (k == 0) channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
     for (int phase = 1; phase <= w.schedule.num_phases; ++phase) {
       for (const plan::Step& s : w.schedule.steps) {
         if (s.actor == me && s.phase == phase) run_step(req, w, s, parity);
       }
-      if (phase < w.schedule.num_phases) channel_.barrier(req.deadline, req.what);
+      if (phase < w.schedule.num_phases) channel_.barrier(req.ctx.deadline, req.ctx.what);
     }
   }
 }

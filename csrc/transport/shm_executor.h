@@ -22,11 +22,7 @@ struct CollectiveRequest {
   std::vector<char*> tensors;  // contiguous data of each tensor; read and written in place
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
-  OpDescriptor descriptor;
-  Clock::time_point deadline;
-  std::string what;  // for error messages, e.g. "allreduce #12"
-  // Renders a descriptor for the mismatch message.
-  std::function<std::string(const OpDescriptor&)> describe;
+  OpContext ctx;
 };
 
 class ShmExecutor {
@@ -39,8 +35,7 @@ class ShmExecutor {
   void run(const CollectiveRequest& req);
 
   // A bare barrier of all ranks, with the same descriptor check.
-  void barrier(const OpDescriptor& d, Clock::time_point deadline, const std::string& what,
-               const std::function<std::string(const OpDescriptor&)>& describe);
+  void barrier(const OpContext& ctx);
 
  private:
   void stage(const CollectiveRequest& req, const plan::WindowPlan& w, char* slot) const;

@@ -47,7 +47,7 @@ void SingleCopyExecutor::read_peer(int rank, uint64_t seq, uint64_t offset, void
 void SingleCopyExecutor::run_step(const SingleCopyRequest& req, const plan::Step& s) {
   const int me = channel_.rank();
   const uint64_t es = kernels::element_size(req.dtype);
-  const uint64_t seq = req.descriptor.seq;
+  const uint64_t seq = req.ctx.descriptor.seq;
   if (s.kind == plan::StepKind::kCopy) {
     read_peer(s.sources[0], seq, s.range.begin * es, req.data + s.range.begin * es,
               s.range.size() * es);
@@ -79,19 +79,19 @@ void SingleCopyExecutor::run_step(const SingleCopyRequest& req, const plan::Step
 void SingleCopyExecutor::run(const SingleCopyRequest& req) {
   const int me = channel_.rank();
   const uint64_t es = kernels::element_size(req.dtype);
-  channel_.publish(req.descriptor);
-  channel_.publish_buffer(req.descriptor.seq, req.data, static_cast<uint64_t>(req.count) * es);
-  channel_.next_slot_set();                  // unused, but keeps the count in step with staged ops
-  channel_.barrier(req.deadline, req.what);  // every tensor is ready and lent
-  channel_.check_same_descriptor(req.descriptor, req.describe, req.what);
+  channel_.publish(req.ctx.descriptor);
+  channel_.publish_buffer(req.ctx.descriptor.seq, req.data, static_cast<uint64_t>(req.count) * es);
+  channel_.next_slot_set();  // unused, but keeps the count in step with staged ops
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // every tensor is ready and lent
+  channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
   const plan::Schedule& sched = *req.schedule;
   for (int phase = 1; phase <= sched.num_phases; ++phase) {
     for (const plan::Step& s : sched.steps) {
       if (s.actor == me && s.phase == phase) run_step(req, s);
     }
-    if (phase < sched.num_phases) channel_.barrier(req.deadline, req.what);
+    if (phase < sched.num_phases) channel_.barrier(req.ctx.deadline, req.ctx.what);
   }
-  channel_.barrier(req.deadline, req.what);  // no peer reads our tensor any more
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads our tensor any more
 }
 
 }  // namespace xdev::transport

@@ -25,10 +25,7 @@ struct SingleCopyRequest {
   int64_t count = 0;
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
-  OpDescriptor descriptor;
-  Clock::time_point deadline;
-  std::string what;
-  std::function<std::string(const OpDescriptor&)> describe;
+  OpContext ctx;
 };
 
 class SingleCopyExecutor {
