@@ -2,7 +2,7 @@
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import Backend, Store
 
 class BackendConfig:
     algorithm: str
@@ -19,14 +19,14 @@ class BackendConfig:
     debug: bool
     def __init__(self) -> None: ...
 
-class XdevBackend(dist.Backend):
+class XdevBackend(Backend):
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         rank: int,
         size: int,
         config: BackendConfig,
-        fallback: dist.Backend,
+        fallback: Any,  # a c10d Backend (ProcessGroupGloo); its stub does not say so
     ) -> None: ...
     def describe(self) -> dict[str, Any]: ...
     @property

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from . import _C
 from .options import Options, resolve_options
@@ -27,14 +28,10 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     group_id = str(dist_opts.group_id)
     options = resolve_options(pg_options)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    if options.reduce_to_rank >= size:
-        raise ValueError(
-            f"Options.reduce_to_rank must be in [0, {size}) for this group; got {options.reduce_to_rank}"
-        )
     seconds = options.timeout_seconds()
     timeout = timedelta(seconds=seconds) if seconds is not None else dist_opts.timeout
     store = dist_opts.store
-    fallback = dist.ProcessGroupGloo(dist.PrefixStore("xdev/gloo/", store), rank, size, timeout)
+    fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, timeout)
 
     config = _C.BackendConfig()
     config.algorithm = options.algorithm
@@ -53,7 +50,7 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
 
 
 def register() -> None:
-    if BACKEND_NAME.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
