@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/allreduce.py --nproc 2 [--sizes 4KiB:64MiB] [--dtype float32]
-        [--algorithms auto,flat,reduce_to_one,hierarchical_copy] [--iters N] [--warmup N]
+        [--algorithms auto,direct,flat,reduce_to_one,hierarchical_copy] [--iters N] [--warmup N]
         [--json out.json] [--slot-bytes B]
 
 Every rank runs one Gloo default group plus one xdev group per algorithm; each row is
