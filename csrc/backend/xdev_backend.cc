@@ -354,8 +354,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
             desc.shape_hash = hash;
             const transport::OpContext ctx = make_context(desc, "allreduce", deadline);
             if (single_copy) {
-              const plan::Schedule in_place = plan::in_place_variant(
-                  cp.num_windows() > 0 ? cp.window(0).schedule : plan::Schedule{});
+              // use_single_copy implies a non-empty payload: window 0 exists.
+              const plan::Schedule in_place = plan::in_place_variant(cp.window(0).schedule);
               transport::SingleCopyRequest req;
               req.schedule = &in_place;
               req.data = static_cast<char*>(flat[group.tensor_indices[0]].data_ptr());

@@ -92,9 +92,4 @@ void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int
   baseline::reduce_any(dtype, op, dst, sources, num_sources, count, divisor);
 }
 
-void divide_inplace(DType dtype, void* data, int64_t count, int64_t divisor) {
-  const void* src[1] = {data};
-  reduce(dtype, ReduceOp::kAvg, data, src, 1, count, divisor);
-}
-
 }  // namespace xdev::kernels

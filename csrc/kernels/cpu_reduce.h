@@ -23,7 +23,4 @@ const char* to_string(ReduceOp op);
 void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int num_sources,
             int64_t count, int64_t divisor);
 
-// Divides count elements in place (AVG over a world of one).
-void divide_inplace(DType dtype, void* data, int64_t count, int64_t divisor);
-
 }  // namespace xdev::kernels
