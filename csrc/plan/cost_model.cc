@@ -1,0 +1,447 @@
+#include "cost_model.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+namespace xdev::plan {
+
+MachineModel::MachineModel(std::string name, int num_devices)
+    : links(num_devices), name_(std::move(name)), n_(num_devices) {
+  if (num_devices < 1) throw std::invalid_argument("MachineModel: needs at least one device");
+  const auto pairs = static_cast<size_t>(n_) * n_;
+  routes_.assign(pairs, {});
+  latencies_.assign(pairs, 0.0);
+  has_route_.assign(pairs, false);
+  local_.assign(static_cast<size_t>(n_), {});
+}
+
+int MachineModel::add_resource(std::string name, double bytes_per_s) {
+  if (!(bytes_per_s > 0)) {
+    throw std::invalid_argument("MachineModel: resource '" + name + "' needs a bandwidth > 0");
+  }
+  resources_.push_back({std::move(name), bytes_per_s});
+  return static_cast<int>(resources_.size()) - 1;
+}
+
+Resource& MachineModel::resource(int id) {
+  if (id < 0 || id >= static_cast<int>(resources_.size())) {
+    throw std::out_of_range("MachineModel: resource id");
+  }
+  return resources_[static_cast<size_t>(id)];
+}
+
+namespace {
+
+size_t pair_index(int n, int from, int to) {
+  if (from < 0 || to < 0 || from >= n || to >= n) {
+    throw std::out_of_range("MachineModel: device index");
+  }
+  return static_cast<size_t>(from) * static_cast<size_t>(n) + static_cast<size_t>(to);
+}
+
+}  // namespace
+
+void MachineModel::set_route(int from, int to, std::vector<int> resources, double latency_s) {
+  const size_t i = pair_index(n_, from, to);
+  for (int r : resources) {
+    if (r < 0 || r >= static_cast<int>(resources_.size())) {
+      throw std::out_of_range("MachineModel: route names an unknown resource");
+    }
+  }
+  routes_[i] = std::move(resources);
+  latencies_[i] = latency_s;
+  has_route_[i] = true;
+}
+
+const std::vector<int>& MachineModel::route(int from, int to) const {
+  const size_t i = pair_index(n_, from, to);
+  if (!has_route_[i]) {
+    throw std::invalid_argument("MachineModel '" + name_ + "': no route from device " +
+                                std::to_string(from) + " to " + std::to_string(to));
+  }
+  return routes_[i];
+}
+
+double MachineModel::route_latency_s(int from, int to) const {
+  route(from, to);  // checks
+  return latencies_[pair_index(n_, from, to)];
+}
+
+bool MachineModel::has_route(int from, int to) const {
+  return has_route_[pair_index(n_, from, to)];
+}
+
+void MachineModel::set_local(int device, std::vector<int> resources) {
+  pair_index(n_, device, device);  // checks the index
+  local_[static_cast<size_t>(device)] = std::move(resources);
+}
+
+const std::vector<int>& MachineModel::local(int device) const {
+  pair_index(n_, device, device);
+  return local_[static_cast<size_t>(device)];
+}
+
+// ---------------------------------------------------------------------------
+// Simulation
+
+namespace {
+
+struct ActiveFlow {
+  int task = 0;
+  const Flow* flow = nullptr;
+  double remaining = 0;
+  double rate = 0;
+  double priority = 0;  // the class it is served in
+};
+
+// Progressive filling: every flow of a priority class grows its rate at the
+// same pace until one of its resources is full; classes are served in order,
+// and a flow that crosses a full resource gets nothing. Only the resources the
+// flows touch are visited, so an event costs about the number of active flows.
+//
+// `flows` is ordered by priority class (kFairShare: all in one class).
+void assign_rates(const std::vector<Resource>& resources, std::vector<ActiveFlow>& flows,
+                  std::vector<double>& capacity, std::vector<int>& users) {
+  capacity.resize(resources.size());
+  users.assign(resources.size(), 0);
+  for (size_t r = 0; r < resources.size(); ++r) capacity[r] = resources[r].bytes_per_s;
+  const auto full = [&](int r) {
+    const auto ri = static_cast<size_t>(r);
+    return capacity[ri] <= 1e-12 * resources[ri].bytes_per_s;
+  };
+  for (ActiveFlow& f : flows) f.rate = 0;
+
+  std::vector<size_t> unfrozen, still;
+  std::vector<int> touched;
+  size_t begin = 0;
+  while (begin < flows.size()) {
+    size_t end = begin;
+    while (end < flows.size() && flows[end].priority == flows[begin].priority) ++end;
+    unfrozen.clear();
+    for (size_t k = begin; k < end; ++k) {
+      const auto& rs = flows[k].flow->resources;
+      if (std::none_of(rs.begin(), rs.end(), full)) unfrozen.push_back(k);
+    }
+    while (!unfrozen.empty()) {
+      touched.clear();
+      for (size_t i : unfrozen) {
+        for (int r : flows[i].flow->resources) {
+          if (users[static_cast<size_t>(r)]++ == 0) touched.push_back(r);
+        }
+      }
+      double step = std::numeric_limits<double>::infinity();
+      for (int r : touched) {
+        const auto ri = static_cast<size_t>(r);
+        step = std::min(step, std::max(0.0, capacity[ri]) / users[ri]);
+      }
+      for (size_t i : unfrozen) flows[i].rate += step;
+      for (int r : touched) {
+        const auto ri = static_cast<size_t>(r);
+        capacity[ri] -= step * users[ri];
+        users[ri] = 0;
+      }
+      still.clear();
+      for (size_t i : unfrozen) {
+        const auto& rs = flows[i].flow->resources;
+        if (std::none_of(rs.begin(), rs.end(), full)) still.push_back(i);
+      }
+      if (still.size() == unfrozen.size()) break;  // cannot happen with finite capacities
+      unfrozen.swap(still);
+    }
+    begin = end;
+  }
+}
+
+}  // namespace
+
+SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy policy) {
+  const size_t n = p.tasks.size();
+  SimulationResult result;
+  result.start_s.assign(n, 0.0);
+  result.finish_s.assign(n, -1.0);
+
+  std::vector<int> waiting_on(n, 0);
+  std::vector<std::vector<int>> dependents(n);
+  for (size_t t = 0; t < n; ++t) {
+    for (int d : p.tasks[t].deps) {
+      if (d < 0 || static_cast<size_t>(d) >= t) {
+        throw std::invalid_argument("simulate: task " + std::to_string(t) +
+                                    " depends on a task that is not earlier");
+      }
+      ++waiting_on[t];
+      dependents[static_cast<size_t>(d)].push_back(static_cast<int>(t));
+    }
+    for (const Flow& f : p.tasks[t].flows) {
+      if (f.bytes > 0 && f.resources.empty()) {
+        throw std::invalid_argument("simulate: task '" + p.tasks[t].label +
+                                    "' moves bytes over no resource");
+      }
+      for (int r : f.resources) {
+        if (r < 0 || static_cast<size_t>(r) >= m.resources().size()) {
+          throw std::invalid_argument("simulate: task '" + p.tasks[t].label +
+                                      "' names an unknown resource");
+        }
+        if (!(m.resources()[static_cast<size_t>(r)].bytes_per_s > 0)) {
+          throw std::invalid_argument("simulate: resource '" +
+                                      m.resources()[static_cast<size_t>(r)].name +
+                                      "' has no bandwidth");
+        }
+      }
+    }
+  }
+
+  // Tasks whose dependencies are done, keyed by the time they may start.
+  std::multimap<double, int> starting;
+  std::vector<double> ready_at(n, 0.0);
+  for (size_t t = 0; t < n; ++t) {
+    if (waiting_on[t] == 0) starting.emplace(p.tasks[t].latency_s, static_cast<int>(t));
+  }
+  std::vector<ActiveFlow> active;
+  std::vector<double> capacity;  // scratch for assign_rates
+  std::vector<int> users;
+  std::vector<int> flows_left(n, 0);
+  double now = 0;
+  size_t done = 0;
+
+  auto finish = [&](int t) {
+    result.finish_s[static_cast<size_t>(t)] = now;
+    ++done;
+    for (int d : dependents[static_cast<size_t>(t)]) {
+      const auto di = static_cast<size_t>(d);
+      ready_at[di] = std::max(ready_at[di], now);
+      if (--waiting_on[di] == 0) starting.emplace(ready_at[di] + p.tasks[di].latency_s, d);
+    }
+  };
+
+  while (done < n) {
+    // Start everything due now; tasks without bytes end at once.
+    while (!starting.empty() && starting.begin()->first <= now) {
+      const int t = starting.begin()->second;
+      starting.erase(starting.begin());
+      result.start_s[static_cast<size_t>(t)] = now;
+      const Task& task = p.tasks[static_cast<size_t>(t)];
+      const double priority = policy == SharingPolicy::kOldestFirst ? task.priority : 0.0;
+      for (const Flow& f : task.flows) {
+        if (f.bytes <= 0) continue;
+        // Keep `active` ordered by priority; equal ones in arrival order.
+        const auto at =
+            std::upper_bound(active.begin(), active.end(), priority,
+                             [](double value, const ActiveFlow& a) { return value < a.priority; });
+        active.insert(at, {t, &f, f.bytes, 0, priority});
+        ++flows_left[static_cast<size_t>(t)];
+      }
+      if (flows_left[static_cast<size_t>(t)] == 0) finish(t);
+    }
+    if (done == n) break;
+    if (active.empty()) {
+      if (starting.empty()) throw std::logic_error("simulate: stuck with tasks left");
+      now = starting.begin()->first;
+      continue;
+    }
+    assign_rates(m.resources(), active, capacity, users);
+    double next =
+        starting.empty() ? std::numeric_limits<double>::infinity() : starting.begin()->first;
+    for (const ActiveFlow& f : active) {
+      if (f.rate > 0) next = std::min(next, now + f.remaining / f.rate);
+    }
+    const double dt = next - now;
+    now = next;
+    std::vector<ActiveFlow> still;
+    std::vector<int> ended;
+    for (ActiveFlow& f : active) {
+      f.remaining -= f.rate * dt;
+      // Relative tolerance: rates and sizes span many orders of magnitude.
+      if (f.remaining <= 1e-9 * f.flow->bytes) {
+        if (--flows_left[static_cast<size_t>(f.task)] == 0) ended.push_back(f.task);
+      } else {
+        still.push_back(f);
+      }
+    }
+    active.swap(still);
+    std::sort(ended.begin(), ended.end());
+    for (int t : ended) finish(t);
+  }
+  for (double f : result.finish_s) result.seconds = std::max(result.seconds, f);
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// Schedules as programs
+
+namespace {
+
+bool overlaps(const Range& a, const Range& b) {
+  return a.begin < b.end && b.begin < a.end;
+}
+
+struct SlotAccess {
+  int task = 0;
+  int phase = 0;
+  Range range;
+  bool write = false;
+};
+
+}  // namespace
+
+std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t window_elems,
+                               int64_t elem_bytes, const std::vector<int>& after, Program& p,
+                               const std::vector<Range>& packs, double priority_base) {
+  if (s.world_size != m.num_devices()) {
+    throw std::invalid_argument("append_window: schedule for " + std::to_string(s.world_size) +
+                                " ranks on a machine of " + std::to_string(m.num_devices()));
+  }
+  const int n = s.world_size;
+  const auto bytes = [&](const Range& r) { return static_cast<double>(r.size() * elem_bytes); };
+
+  // Local task numbers: stagers first, then steps in schedule order. Dependences are found in
+  // phase order (a step depends on earlier phases only) and may point at a later local number,
+  // so tasks are emitted afterwards in a topological order that keeps schedule order where it
+  // can: earlier in the schedule means earlier in the pipeline.
+  std::vector<Task> tasks;
+  std::vector<int> phase_of;
+  std::vector<std::vector<SlotAccess>> slot(static_cast<size_t>(n));
+  // A stager copies its input in piece by piece, cut where the steps' ranges
+  // begin and end, so that a pipelined executor can start on the first piece
+  // while later ones are still being copied.
+  std::vector<int64_t> cuts{0, window_elems};
+  for (const Step& step : s.steps) {
+    cuts.push_back(std::clamp<int64_t>(step.range.begin, 0, window_elems));
+    cuts.push_back(std::clamp<int64_t>(step.range.end, 0, window_elems));
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  for (int r : s.stagers) {
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const Range piece{cuts[i], cuts[i + 1]};
+      Task t;
+      t.label = "stage r" + std::to_string(r) + " [" + std::to_string(piece.begin) + "," +
+                std::to_string(piece.end) + ")";
+      t.device = r;
+      t.flows.push_back({m.local(r), 2 * bytes(piece)});  // read the input, write the slot
+      t.latency_s = m.step_latency_s;
+      t.priority = std::numeric_limits<double>::infinity();  // lowered to its first reader's
+      slot[static_cast<size_t>(r)].push_back({static_cast<int>(tasks.size()), 0, piece, true});
+      tasks.push_back(std::move(t));
+      phase_of.push_back(0);
+    }
+  }
+  const auto first_step = static_cast<int>(tasks.size());
+  for (const Step& step : s.steps) {
+    Task t;
+    t.device = step.actor;
+    t.label = std::string(step.kind == StepKind::kReduce ? "reduce" : "copy") + " p" +
+              std::to_string(step.phase) + " r" + std::to_string(step.actor) + " [" +
+              std::to_string(step.range.begin) + "," + std::to_string(step.range.end) + ")";
+    const double b = bytes(step.range);
+    double local_bytes = b;  // the write
+    double hop_latency = 0;
+    for (int src : step.sources) {
+      if (src == step.actor) {
+        local_bytes += b;
+      } else {
+        t.flows.push_back({m.route(src, step.actor), b});
+        hop_latency = std::max(hop_latency, m.route_latency_s(src, step.actor));
+      }
+    }
+    t.flows.push_back({m.local(step.actor), local_bytes});
+    t.latency_s = m.step_latency_s + hop_latency;
+    if (m.barrier_between_phases) t.latency_s += m.barrier_latency_s;
+    size_t ordinal = 0;
+    while (ordinal + 1 < packs.size() && packs[ordinal].end <= step.range.begin) ++ordinal;
+    t.priority = priority_base + static_cast<double>(ordinal) + step.phase;
+    tasks.push_back(std::move(t));
+    phase_of.push_back(step.phase);
+  }
+
+  std::vector<size_t> step_order(s.steps.size());
+  for (size_t i = 0; i < step_order.size(); ++i) step_order[i] = i;
+  std::sort(step_order.begin(), step_order.end(), [&](size_t a, size_t b) {
+    return std::pair(s.steps[a].phase, a) < std::pair(s.steps[b].phase, b);
+  });
+  std::vector<std::vector<int>> local_deps(tasks.size());
+  for (size_t k : step_order) {
+    const Step& step = s.steps[k];
+    const int id = first_step + static_cast<int>(k);
+    std::vector<int>& deps = local_deps[static_cast<size_t>(id)];
+    if (m.barrier_between_phases) {
+      // The whole latest earlier phase that has tasks.
+      for (int q = step.phase - 1; q >= 0 && deps.empty(); --q) {
+        for (size_t t = 0; t < tasks.size(); ++t) {
+          if (phase_of[t] == q) deps.push_back(static_cast<int>(t));
+        }
+      }
+    } else {
+      for (int src : step.sources) {
+        for (const SlotAccess& a : slot[static_cast<size_t>(src)]) {
+          if (a.write && a.phase < step.phase && overlaps(a.range, step.range)) {
+            deps.push_back(a.task);
+          }
+        }
+      }
+      if (step.target == Target::kStaging) {
+        for (const SlotAccess& a : slot[static_cast<size_t>(step.actor)]) {
+          if (a.phase < step.phase && overlaps(a.range, step.range)) deps.push_back(a.task);
+        }
+      }
+    }
+    for (int src : step.sources) {
+      slot[static_cast<size_t>(src)].push_back({id, step.phase, step.range, false});
+    }
+    if (step.target == Target::kStaging) {
+      slot[static_cast<size_t>(step.actor)].push_back({id, step.phase, step.range, true});
+    }
+  }
+
+  // Kahn's algorithm in schedule order, a staging piece just before the first
+  // step that reads it.
+  std::vector<double> key(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    key[t] = static_cast<int>(t) < first_step ? std::numeric_limits<double>::infinity()
+                                              : static_cast<double>(t);
+  }
+  for (size_t t = static_cast<size_t>(first_step); t < tasks.size(); ++t) {
+    for (int d : local_deps[t]) {
+      if (d >= first_step) continue;
+      const auto di = static_cast<size_t>(d);
+      key[di] = std::min(key[di], t - 0.5);
+      tasks[di].priority = std::min(tasks[di].priority, tasks[t].priority - 0.5);
+    }
+  }
+  std::vector<int> indegree(tasks.size(), 0);
+  std::vector<std::vector<int>> users(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    auto& deps = local_deps[t];
+    std::sort(deps.begin(), deps.end());
+    deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+    indegree[t] = static_cast<int>(deps.size());
+    for (int d : deps) users[static_cast<size_t>(d)].push_back(static_cast<int>(t));
+  }
+  std::set<std::pair<double, int>> ready;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    if (indegree[t] == 0) ready.insert({key[t], static_cast<int>(t)});
+  }
+  std::vector<int> global(tasks.size(), -1);
+  std::vector<int> ids;
+  while (!ready.empty()) {
+    const int t = ready.begin()->second;
+    ready.erase(ready.begin());
+    Task task = std::move(tasks[static_cast<size_t>(t)]);
+    for (int d : local_deps[static_cast<size_t>(t)]) {
+      task.deps.push_back(global[static_cast<size_t>(d)]);
+    }
+    if (task.deps.empty()) task.deps = after;
+    global[static_cast<size_t>(t)] = static_cast<int>(p.tasks.size());
+    ids.push_back(global[static_cast<size_t>(t)]);
+    p.tasks.push_back(std::move(task));
+    for (int u : users[static_cast<size_t>(t)]) {
+      if (--indegree[static_cast<size_t>(u)] == 0) ready.insert({key[static_cast<size_t>(u)], u});
+    }
+  }
+  if (ids.size() != tasks.size()) throw std::logic_error("append_window: dependence cycle");
+  return ids;
+}
+
+}  // namespace xdev::plan

@@ -1,0 +1,804 @@
+// Unit tests of the cost model (csrc/plan/cost_model.h) and the built-in machines
+// (csrc/plan/machines.h). Every expected time is computed by hand in the test, with the
+// arithmetic in a comment next to it; doubles are compared with a relative tolerance.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plan/cost_model.h"
+#include "plan/machines.h"
+#include "plan/schedule.h"
+#include "plan/topology.h"
+#include "plan_test_util.h"
+#include "test_harness.h"
+
+using namespace xdev::plan;  // NOLINT: test file, every name under test lives there
+
+namespace {
+
+bool near(double a, double b, double rel = 1e-9) {
+  return std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+void check_near(double a, double b, const char* what, const char* file, int line) {
+  if (!near(a, b)) {
+    std::ostringstream os;
+    os.precision(17);
+    os << what << a << " vs " << b;
+    xdev_test::fail(file, line, os.str());
+  }
+}
+
+#define CHECK_NEAR(a, b) \
+  check_near((a), (b), "CHECK_NEAR(" #a ", " #b ") failed: ", __FILE__, __LINE__)
+
+// A machine of `num_devices` devices whose memories are far faster than anything under test
+// (1e18 B/s), with no routes: tests add the resources and routes they need.
+MachineModel bare_machine(int num_devices) {
+  MachineModel m("bare", num_devices);
+  for (int d = 0; d < num_devices; ++d) {
+    m.set_local(d, {m.add_resource("mem" + std::to_string(d), 1e18)});
+  }
+  return m;
+}
+
+Task task(std::string label, std::vector<Flow> flows, std::vector<int> deps, double latency_s,
+          double priority = 0) {
+  Task t;
+  t.label = std::move(label);
+  t.flows = std::move(flows);
+  t.deps = std::move(deps);
+  t.latency_s = latency_s;
+  t.priority = priority;
+  return t;
+}
+
+// The index of the task with this label; -1 (and a failure) when there is none.
+int find_task(const Program& p, const std::string& label) {
+  for (size_t i = 0; i < p.tasks.size(); ++i) {
+    if (p.tasks[i].label == label) return static_cast<int>(i);
+  }
+  xdev_test::fail(__FILE__, __LINE__, "no task labelled '" + label + "'");
+  return -1;
+}
+
+// The staging copies of rank r, in program order: labelled "stage r<r>" (then, where a stager's
+// copy is cut into pieces, " [begin,end)").
+std::vector<int> stage_tasks(const Program& p, int r) {
+  const std::string name = "stage r" + std::to_string(r);
+  std::vector<int> ids;
+  for (size_t i = 0; i < p.tasks.size(); ++i) {
+    const std::string& label = p.tasks[i].label;
+    if (label.rfind(name, 0) == 0 && (label.size() == name.size() || label[name.size()] == ' ')) {
+      ids.push_back(static_cast<int>(i));
+    }
+  }
+  return ids;
+}
+
+// The one staging copy of rank r (a stager copies its window in one piece when every step
+// covers the whole window); -1 (and a failure) otherwise.
+int whole_stage(const Program& p, int r) {
+  const std::vector<int> ids = stage_tasks(p, r);
+  if (ids.size() == 1) return ids[0];
+  xdev_test::fail(__FILE__, __LINE__,
+                  "rank " + std::to_string(r) + " has " + std::to_string(ids.size()) +
+                      " staging tasks, expected 1");
+  return -1;
+}
+
+// Two GPUs with one NVLink between them and round numbers:
+//   NVLink 10e9 B/s per direction, 1e-6 s per NVLink read; memory 100e9 B/s;
+//   step latency 2e-6 s; no launch latency (append_window does not charge it anyway).
+MachineModel two_gpus() {
+  LinkMatrix links(2);
+  links.set_links(0, 1, 1);
+  GpuHostParams p;
+  p.nvlink_bytes_per_s = 10e9;
+  p.nvlink_latency_s = 1e-6;
+  p.pcie_bytes_per_s = 1e9;
+  p.pcie_latency_s = 7e-6;
+  p.memory_bytes_per_s = 100e9;
+  p.launch_latency_s = 0;
+  p.step_latency_s = 2e-6;
+  return gpu_host("two-gpus", links, p);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// simulate
+
+TEST(cost_one_transfer_is_latency_plus_bytes_over_bandwidth) {
+  MachineModel m = bare_machine(2);
+  const int link = m.add_resource("link 0->1", 10e9);
+  m.set_route(0, 1, {link}, 2e-6);
+  CHECK_EQ(m.route(0, 1), std::vector<int>{link});
+  CHECK_NEAR(m.route_latency_s(0, 1), 2e-6);
+  CHECK(m.has_route(0, 1));
+  CHECK(!m.has_route(1, 0));
+
+  Program p;
+  p.tasks.push_back(task("send", {{m.route(0, 1), 1e6}}, {}, m.route_latency_s(0, 1)));
+  for (SharingPolicy policy : {SharingPolicy::kFairShare, SharingPolicy::kOldestFirst}) {
+    const SimulationResult r = simulate(m, p, policy);
+    // 2e-6 + 1e6 / 10e9 = 2e-6 + 1e-4 = 1.02e-4
+    CHECK_NEAR(r.start_s[0], 2e-6);
+    CHECK_NEAR(r.finish_s[0], 1.02e-4);
+    CHECK_NEAR(r.seconds, 1.02e-4);
+  }
+}
+
+TEST(cost_tasks_without_bytes_end_when_they_start) {
+  MachineModel m = bare_machine(1);
+  Program p;
+  p.tasks.push_back(task("a", {}, {}, 3e-6));
+  p.tasks.push_back(task("b", {{m.local(0), 0}}, {0}, 4e-6));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  CHECK_NEAR(r.finish_s[0], 3e-6);
+  CHECK_NEAR(r.start_s[1], 7e-6);  // 3e-6 + 4e-6
+  CHECK_NEAR(r.finish_s[1], 7e-6);
+  CHECK_NEAR(r.seconds, 7e-6);
+
+  const SimulationResult empty = simulate(m, Program{}, SharingPolicy::kFairShare);
+  CHECK_EQ(empty.seconds, 0.0);
+  CHECK(empty.finish_s.empty());
+}
+
+TEST(cost_two_equal_transfers_share_a_link_fairly) {
+  MachineModel m = bare_machine(2);
+  const int link = m.add_resource("link 0->1", 10e9);
+  const double L = 2e-6, b = 1e6, bw = 10e9;
+  Program p;
+  p.tasks.push_back(task("x", {{{link}, b}}, {}, L));
+  p.tasks.push_back(task("y", {{{link}, b}}, {}, L));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  // Each at bw/2: L + b / (bw/2) = 2e-6 + 2e6 / 10e9 = 2e-6 + 2e-4 = 2.02e-4.
+  CHECK_NEAR(r.finish_s[0], L + 2 * b / bw);
+  CHECK_NEAR(r.finish_s[1], 2.02e-4);
+  CHECK_NEAR(r.seconds, 2.02e-4);
+}
+
+TEST(cost_unequal_transfers_share_then_the_big_one_takes_the_link) {
+  MachineModel m = bare_machine(2);
+  const int link = m.add_resource("link 0->1", 10e9);
+  const double L = 2e-6, bw = 10e9;
+  Program p;
+  p.tasks.push_back(task("small", {{{link}, 1e6}}, {}, L));
+  p.tasks.push_back(task("big", {{{link}, 3e6}}, {}, L));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  // Both at bw/2 until the small one is done: 1e6 / 5e9 = 2e-4 (= 2e6/bw).
+  CHECK_NEAR(r.finish_s[0], L + 2e6 / bw);  // 2.02e-4
+  CHECK_NEAR(r.finish_s[0], 2.02e-4);
+  // By then the big one moved 1e6; its other 2e6 go at bw: 2e-4 more, 4e-4 = 4e6/bw in all.
+  CHECK_NEAR(r.finish_s[1], L + 4e6 / bw);  // 4.02e-4
+  CHECK_NEAR(r.finish_s[1], 4.02e-4);
+  CHECK_NEAR(r.seconds, 4.02e-4);
+}
+
+TEST(cost_oldest_first_serves_lower_priority_values_first) {
+  MachineModel m = bare_machine(2);
+  const int link = m.add_resource("link 0->1", 10e9);
+  const double L = 2e-6, b = 1e6, bw = 10e9;
+  {
+    Program p;
+    p.tasks.push_back(task("first", {{{link}, b}}, {}, L, 0));
+    p.tasks.push_back(task("second", {{{link}, b}}, {}, L, 1));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kOldestFirst);
+    // first at bw: L + b/bw = 2e-6 + 1e-4; second waits for it, then b/bw more.
+    CHECK_NEAR(r.finish_s[0], L + b / bw);      // 1.02e-4
+    CHECK_NEAR(r.finish_s[1], L + 2 * b / bw);  // 2.02e-4
+    CHECK_NEAR(r.start_s[1], L);                // started (flows active) even while starved
+    // Fair share ignores priorities: both at bw/2, L + 2b/bw = 2.02e-4.
+    const SimulationResult fair = simulate(m, p, SharingPolicy::kFairShare);
+    CHECK_NEAR(fair.finish_s[0], L + 2 * b / bw);
+    CHECK_NEAR(fair.finish_s[1], L + 2 * b / bw);
+  }
+  {
+    // The first is the big one: it goes first whatever its size.
+    Program p;
+    p.tasks.push_back(task("big", {{{link}, 3e6}}, {}, L, 0));
+    p.tasks.push_back(task("small", {{{link}, 1e6}}, {}, L, 1));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kOldestFirst);
+    CHECK_NEAR(r.finish_s[0], L + 3e6 / bw);  // 3.02e-4
+    CHECK_NEAR(r.finish_s[1], L + 4e6 / bw);  // 4.02e-4
+  }
+  {
+    // The priority decides, not the program order: the later task has the lower value.
+    Program p;
+    p.tasks.push_back(task("late", {{{link}, b}}, {}, L, 5));
+    p.tasks.push_back(task("early", {{{link}, b}}, {}, L, 2));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kOldestFirst);
+    CHECK_NEAR(r.finish_s[1], L + b / bw);      // 1.02e-4
+    CHECK_NEAR(r.finish_s[0], L + 2 * b / bw);  // 2.02e-4
+  }
+  {
+    // Equal priorities share fairly: L + 2b/bw = 2.02e-4 for both.
+    Program p;
+    p.tasks.push_back(task("x", {{{link}, b}}, {}, L, 1));
+    p.tasks.push_back(task("y", {{{link}, b}}, {}, L, 1));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kOldestFirst);
+    CHECK_NEAR(r.finish_s[0], L + 2 * b / bw);
+    CHECK_NEAR(r.finish_s[1], L + 2 * b / bw);
+  }
+  {
+    // An older task bottlenecked elsewhere leaves the rest to a younger one: "old" crosses the
+    // shared link (10e9) and a slow one (2e9), so it runs at 2e9; "young" gets 10e9 - 2e9 = 8e9.
+    const int slow = m.add_resource("slow", 2e9);
+    Program p;
+    p.tasks.push_back(task("old", {{{link, slow}, 2e6}}, {}, 0, 0));
+    p.tasks.push_back(task("young", {{{link}, 8e6}}, {}, 0, 1));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kOldestFirst);
+    CHECK_NEAR(r.finish_s[0], 1e-3);  // 2e6 / 2e9
+    CHECK_NEAR(r.finish_s[1], 1e-3);  // 8e6 / 8e9
+  }
+}
+
+TEST(cost_chain_of_dependent_tasks_adds_up) {
+  MachineModel m = bare_machine(4);
+  const double L = 1e-6, b = 1e6, bw = 10e9;
+  const int l0 = m.add_resource("l0", bw), l1 = m.add_resource("l1", bw),
+            l2 = m.add_resource("l2", bw);
+  Program p;
+  p.tasks.push_back(task("A", {{{l0}, b}}, {}, L));
+  p.tasks.push_back(task("B", {{{l1}, b}}, {0}, L));
+  p.tasks.push_back(task("C", {{{l2}, b}}, {1}, L));
+  for (SharingPolicy policy : {SharingPolicy::kFairShare, SharingPolicy::kOldestFirst}) {
+    const SimulationResult r = simulate(m, p, policy);
+    // Each stage: L + b/bw = 1e-6 + 1e-4 = 1.01e-4.
+    CHECK_NEAR(r.start_s[0], 1e-6);
+    CHECK_NEAR(r.finish_s[0], 1.01e-4);
+    CHECK_NEAR(r.start_s[1], 1.02e-4);  // 1.01e-4 + L
+    CHECK_NEAR(r.finish_s[1], 2.02e-4);
+    CHECK_NEAR(r.start_s[2], 2.03e-4);
+    CHECK_NEAR(r.finish_s[2], 3.03e-4);
+    CHECK_NEAR(r.seconds, 3 * (L + b / bw));  // 3.03e-4
+  }
+}
+
+TEST(cost_diamond_waits_for_the_slower_branch) {
+  MachineModel m = bare_machine(4);
+  const double L = 1e-6, b = 1e6, bw = 10e9;  // b/bw = 1e-4
+  const int l0 = m.add_resource("l0", bw), l1 = m.add_resource("l1", bw),
+            l2 = m.add_resource("l2", bw), l3 = m.add_resource("l3", bw);
+  {
+    // B and C on their own links; C moves 2b.
+    Program p;
+    p.tasks.push_back(task("A", {{{l0}, b}}, {}, L));
+    p.tasks.push_back(task("B", {{{l1}, b}}, {0}, L));
+    p.tasks.push_back(task("C", {{{l2}, 2 * b}}, {0}, L));
+    p.tasks.push_back(task("D", {{{l3}, b}}, {1, 2}, L));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+    CHECK_NEAR(r.finish_s[0], L + b / bw);          // 1.01e-4
+    CHECK_NEAR(r.finish_s[1], 2 * L + 2 * b / bw);  // 2.02e-4
+    CHECK_NEAR(r.finish_s[2], 2 * L + 3 * b / bw);  // 3.02e-4
+    CHECK_NEAR(r.start_s[3], 3 * L + 3 * b / bw);   // 3.03e-4: after C, the later one
+    CHECK_NEAR(r.finish_s[3], 3 * L + 4 * b / bw);  // 4.03e-4
+    CHECK_NEAR(r.seconds, 4.03e-4);
+  }
+  {
+    // B and C share one link: both at bw/2 until B's b is done (2b/bw), C has b left at bw.
+    Program p;
+    p.tasks.push_back(task("A", {{{l0}, b}}, {}, L));
+    p.tasks.push_back(task("B", {{{l1}, b}}, {0}, L));
+    p.tasks.push_back(task("C", {{{l1}, 2 * b}}, {0}, L));
+    p.tasks.push_back(task("D", {{{l3}, b}}, {1, 2}, L));
+    const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+    CHECK_NEAR(r.finish_s[1], 2 * L + 3 * b / bw);  // 1.01e-4 + 1e-6 + 2e-4 = 3.02e-4
+    CHECK_NEAR(r.finish_s[2], 2 * L + 4 * b / bw);  // 3.02e-4 + 1e-4 = 4.02e-4
+    CHECK_NEAR(r.finish_s[3], 3 * L + 5 * b / bw);  // 4.02e-4 + 1e-6 + 1e-4 = 5.03e-4
+  }
+}
+
+TEST(cost_flow_over_two_resources_goes_at_the_slower) {
+  MachineModel m = bare_machine(2);
+  const int fast = m.add_resource("fast", 10e9), slow = m.add_resource("slow", 4e9);
+  m.set_route(0, 1, {fast, slow}, 0);
+  Program p;
+  p.tasks.push_back(task("x", {{m.route(0, 1), 2e6}}, {}, 1e-6));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  CHECK_NEAR(r.seconds, 1e-6 + 2e6 / 4e9);  // 1e-6 + 5e-4 = 5.01e-4
+}
+
+TEST(cost_max_min_gives_the_unbottlenecked_flow_the_rest) {
+  // f1 crosses X (10e9) and Y (4e9); f2 crosses X only. Progressive filling: both grow to
+  // min(10e9 / 2, 4e9 / 1) = 4e9, Y is full and f1 stops; X has 10e9 - 8e9 = 2e9 left, all f2's:
+  // f1 = 4e9, f2 = 6e9.
+  MachineModel m = bare_machine(2);
+  const int x = m.add_resource("X", 10e9), y = m.add_resource("Y", 4e9);
+  Program p;
+  p.tasks.push_back(task("f1", {{{x, y}, 2e6}}, {}, 0));
+  p.tasks.push_back(task("f2", {{{x}, 8e6}}, {}, 0));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  // f1: 2e6 / 4e9 = 5e-4. By then f2 moved 6e9 * 5e-4 = 3e6; its 5e6 left go at 10e9: 5e-4.
+  CHECK_NEAR(r.finish_s[0], 5e-4);
+  CHECK_NEAR(r.finish_s[1], 1e-3);
+
+  // The same rates with both flows in one task: it ends with the later one.
+  Program one;
+  one.tasks.push_back(task("both", {{{x, y}, 2e6}, {{x}, 8e6}}, {}, 0));
+  CHECK_NEAR(simulate(m, one, SharingPolicy::kFairShare).seconds, 1e-3);
+
+  // Three flows, two bottlenecks: g1 over {X}, g2 over {X, Y}, g3 over {Y}.
+  // Filling: min(10e9 / 2, 4e9 / 2) = 2e9 each; Y full, g2 and g3 stop at 2e9. X has 6e9 left:
+  // g1 = 8e9. Sizes so that all end together at 1e-3: 8e6, 2e6, 2e6.
+  Program three;
+  three.tasks.push_back(task("g1", {{{x}, 8e6}}, {}, 0));
+  three.tasks.push_back(task("g2", {{{x, y}, 2e6}}, {}, 0));
+  three.tasks.push_back(task("g3", {{{y}, 2e6}}, {}, 0));
+  const SimulationResult t = simulate(m, three, SharingPolicy::kFairShare);
+  for (int i = 0; i < 3; ++i) CHECK_NEAR(t.finish_s[static_cast<size_t>(i)], 1e-3);
+}
+
+TEST(cost_a_later_task_joins_the_sharing_when_it_starts) {
+  // x (2e6 bytes) starts at 0; y (1e6 bytes) at 1e-4, both on one 10e9 link, fair share.
+  // [0, 1e-4): x alone at 10e9 moves 1e6. Then both at 5e9: y's 1e6 and x's remaining 1e6
+  // both take 2e-4: both end at 3e-4.
+  MachineModel m = bare_machine(1);
+  const int link = m.add_resource("link", 10e9);
+  Program p;
+  p.tasks.push_back(task("x", {{{link}, 2e6}}, {}, 0));
+  p.tasks.push_back(task("y", {{{link}, 1e6}}, {}, 1e-4));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  CHECK_NEAR(r.start_s[1], 1e-4);
+  CHECK_NEAR(r.finish_s[0], 3e-4);
+  CHECK_NEAR(r.finish_s[1], 3e-4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// append_window
+
+TEST(cost_append_window_reduce_to_one_on_two_gpus) {
+  const MachineModel m = two_gpus();
+  CHECK(!m.barrier_between_phases);
+  const Schedule s = reduce_to_one_schedule(2, 0, {0, 1000});
+  Program p;
+  const std::vector<int> ids = append_window(m, s, 1000, 4, {}, p);
+  CHECK_EQ(ids.size(), size_t{5});  // 2 stagers + 1 reduce + 2 copies
+  CHECK_EQ(p.tasks.size(), size_t{5});
+
+  // The tasks, 4 bytes per element, b = 4000 bytes:
+  //  stage r0, r1: 2b = 8000 bytes over its memory (read input, write slot); latency 2e-6.
+  //  reduce by r0 of slots 0 and 1 into its slot: 4000 bytes over NVLink 1->0 and
+  //    4000 (own slot) + 4000 (write) = 8000 over memory 0; latency 2e-6 + 1e-6 (NVLink).
+  //  copy by r0 from slot 0: 8000 over memory 0; latency 2e-6.
+  //  copy by r1 from slot 0: 4000 over NVLink 0->1 and 4000 (write) over memory 1; 3e-6.
+  const int stage0 = whole_stage(p, 0), stage1 = whole_stage(p, 1);
+  const int reduce = find_task(p, "reduce p1 r0 [0,1000)");
+  const int copy0 = find_task(p, "copy p2 r0 [0,1000)");
+  const int copy1 = find_task(p, "copy p2 r1 [0,1000)");
+  if (stage0 < 0 || stage1 < 0 || reduce < 0 || copy0 < 0 || copy1 < 0) return;
+  const auto& red = p.tasks[static_cast<size_t>(reduce)];
+  CHECK_EQ(red.flows.size(), size_t{2});
+  CHECK_EQ(red.flows[0].resources, m.route(1, 0));
+  CHECK_NEAR(red.flows[0].bytes, 4000);
+  CHECK_EQ(red.flows[1].resources, m.local(0));
+  CHECK_NEAR(red.flows[1].bytes, 8000);
+  CHECK_NEAR(red.latency_s, 3e-6);
+  CHECK_NEAR(p.tasks[static_cast<size_t>(stage0)].flows.at(0).bytes, 8000);
+  CHECK_NEAR(p.tasks[static_cast<size_t>(copy0)].flows.at(0).bytes, 8000);
+  CHECK_EQ(p.tasks[static_cast<size_t>(copy1)].flows.size(), size_t{2});
+
+  const SimulationResult r = simulate(m, p, m.policy);
+  const auto fin = [&](int t) { return r.finish_s[static_cast<size_t>(t)]; };
+  // Stages: 2e-6 + 8000 / 100e9 = 2e-6 + 8e-8 = 2.08e-6.
+  CHECK_NEAR(fin(stage0), 2.08e-6);
+  CHECK_NEAR(fin(stage1), 2.08e-6);
+  // Reduce: starts 2.08e-6 + 3e-6 = 5.08e-6; its flows run side by side on different
+  // resources: max(4000 / 10e9, 8000 / 100e9) = max(4e-7, 8e-8) = 4e-7; ends 5.48e-6.
+  CHECK_NEAR(r.start_s[static_cast<size_t>(reduce)], 5.08e-6);
+  CHECK_NEAR(fin(reduce), 5.48e-6);
+  // copy r0: 5.48e-6 + 2e-6 + 8000 / 100e9 = 7.48e-6 + 8e-8 = 7.56e-6.
+  CHECK_NEAR(fin(copy0), 7.56e-6);
+  // copy r1: 5.48e-6 + 3e-6 + max(4000 / 10e9, 4000 / 100e9) = 8.48e-6 + 4e-7 = 8.88e-6.
+  CHECK_NEAR(fin(copy1), 8.88e-6);
+  CHECK_NEAR(r.seconds, 8.88e-6);
+
+  // A second window after the first: its stagers wait for every task of the first, so the
+  // whole thing takes twice as long: 2 * 8.88e-6 = 1.776e-5.
+  // Its priorities start at priority_base: reduce 10 + 0 + 1 = 11, stagers 11 - 0.5.
+  const std::vector<int> ids2 = append_window(m, s, 1000, 4, ids, p, {}, 10);
+  CHECK_EQ(ids2.size(), size_t{5});
+  for (int id : ids2) {
+    const Task& t = p.tasks[static_cast<size_t>(id)];
+    if (t.label.rfind("stage", 0) == 0) {
+      CHECK_EQ(t.deps, ids);
+      CHECK_NEAR(t.priority, 10.5);
+    }
+    if (t.label.rfind("reduce", 0) == 0) CHECK_NEAR(t.priority, 11);
+    if (t.label.rfind("copy", 0) == 0) CHECK_NEAR(t.priority, 12);
+  }
+  CHECK_NEAR(simulate(m, p, m.policy).seconds, 1.776e-5);
+}
+
+TEST(cost_append_window_phase_barriers_wait_for_the_whole_phase) {
+  // A hand-written schedule on two GPUs: phase 1, r0 reduces [0,500) and r1 reduces
+  // [500,1000) (each from both slots, into its slot); phase 2, each copies its own half out
+  // of its own slot. NVLink 0->1 slowed to 1e9 so that r1's reduce is the slow one.
+  MachineModel m = two_gpus();
+  m.resource(m.route(0, 1).at(0)).bytes_per_s = 1e9;
+  Schedule s;
+  s.world_size = 2;
+  s.num_phases = 2;
+  s.stagers = {0, 1};
+  const Range lo{0, 500}, hi{500, 1000};
+  Step step;
+  step.kind = StepKind::kReduce;
+  step.phase = 1;
+  step.sources = {0, 1};
+  step.target = Target::kStaging;
+  step.finalize = true;
+  step.actor = 0;
+  step.range = lo;
+  s.steps.push_back(step);
+  step.actor = 1;
+  step.range = hi;
+  s.steps.push_back(step);
+  step.kind = StepKind::kCopy;
+  step.phase = 2;
+  step.target = Target::kOutput;
+  step.finalize = false;
+  step.actor = 0;
+  step.sources = {0};
+  step.range = lo;
+  s.steps.push_back(step);
+  step.actor = 1;
+  step.sources = {1};
+  step.range = hi;
+  s.steps.push_back(step);
+
+  // Half a window: 500 elements * 4 = 2000 bytes.
+  //  stage r0, r1: each stager's copy is cut where the steps' ranges are, into [0,500) and
+  //    [500,1000): 4000 bytes each over its memory, latency 2e-6, both ready at 2e-6.
+  //    (Together 8000 bytes, the whole window read and written.) A piece takes the priority of
+  //    its first reader less 0.5.
+  //  reduce r0 [0,500): 2000 over NVLink 1->0 (10e9, 2e-7), 4000 over memory 0 (4e-8);
+  //    latency 3e-6. reduce r1 [500,1000): 2000 over NVLink 0->1 (1e9, 2e-6), 4000 over
+  //    memory 1 (4e-8); latency 3e-6. No resource in common.
+  //  copy r0 [0,500) from slot 0, copy r1 [500,1000) from slot 1: 4000 over their memory
+  //    (4e-8), latency 2e-6.
+  {
+    // Data flow, no packs: every step of phase t has priority t (reduces 1, copies 2), every
+    // piece 1 - 0.5 = 0.5, so a stager's two pieces share its memory: both end at
+    // 2e-6 + 8000 / 100e9 = 2.08e-6.
+    Program p;
+    append_window(m, s, 1000, 4, {}, p);
+    const std::vector<int> pieces0 = stage_tasks(p, 0), pieces1 = stage_tasks(p, 1);
+    CHECK_EQ(pieces0.size(), size_t{2});
+    CHECK_EQ(pieces1.size(), size_t{2});
+    const int piece0_lo = find_task(p, "stage r0 [0,500)");
+    const int piece0_hi = find_task(p, "stage r0 [500,1000)");
+    const int red0 = find_task(p, "reduce p1 r0 [0,500)");
+    const int red1 = find_task(p, "reduce p1 r1 [500,1000)");
+    const int copy0 = find_task(p, "copy p2 r0 [0,500)");
+    const int copy1 = find_task(p, "copy p2 r1 [500,1000)");
+    if (piece0_lo < 0 || piece0_hi < 0 || red0 < 0 || red1 < 0 || copy0 < 0 || copy1 < 0) return;
+    const auto prio = [&](int t) { return p.tasks[static_cast<size_t>(t)].priority; };
+    for (int piece : pieces0) {
+      CHECK_NEAR(p.tasks[static_cast<size_t>(piece)].flows.at(0).bytes, 4000);
+      CHECK_NEAR(prio(piece), 0.5);
+    }
+    CHECK_NEAR(prio(red0), 1);
+    CHECK_NEAR(prio(red1), 1);
+    CHECK_NEAR(prio(copy0), 2);
+    CHECK_NEAR(prio(copy1), 2);
+    const SimulationResult r = simulate(m, p, m.policy);
+    const auto at = [](const std::vector<double>& v, int t) { return v[static_cast<size_t>(t)]; };
+    CHECK_NEAR(at(r.finish_s, piece0_lo), 2.08e-6);
+    CHECK_NEAR(at(r.finish_s, piece0_hi), 2.08e-6);
+    CHECK_NEAR(at(r.start_s, red0), 5.08e-6);    // 2.08e-6 + 3e-6
+    CHECK_NEAR(at(r.finish_s, red0), 5.28e-6);   // + 2e-7
+    CHECK_NEAR(at(r.start_s, red1), 5.08e-6);    // 2.08e-6 + 3e-6
+    CHECK_NEAR(at(r.finish_s, red1), 7.08e-6);   // + 2e-6
+    CHECK_NEAR(at(r.start_s, copy0), 7.28e-6);   // 5.28e-6 + 2e-6: not waiting for reduce r1
+    CHECK_NEAR(at(r.finish_s, copy0), 7.32e-6);  // + 4e-8
+    CHECK_NEAR(at(r.start_s, copy1), 9.08e-6);   // 7.08e-6 + 2e-6
+    CHECK_NEAR(r.seconds, 9.12e-6);              // + 4e-8
+  }
+  {
+    // Data flow with packs [0,500) and [500,1000): priority = pack + phase, so reduce r0 1,
+    // reduce r1 2, copy r0 2, copy r1 3; piece [0,500) 1 - 0.5 = 0.5, piece [500,1000)
+    // 2 - 0.5 = 1.5. The first piece takes the memory first and ends at
+    // 2e-6 + 4000 / 100e9 = 2.04e-6, the second at 2.08e-6: reduce r0 starts earlier.
+    Program p;
+    append_window(m, s, 1000, 4, {}, p, {lo, hi});
+    const int piece0_lo = find_task(p, "stage r0 [0,500)");
+    const int piece0_hi = find_task(p, "stage r0 [500,1000)");
+    const int piece1_lo = find_task(p, "stage r1 [0,500)");
+    const int red0 = find_task(p, "reduce p1 r0 [0,500)");
+    const int red1 = find_task(p, "reduce p1 r1 [500,1000)");
+    const int copy0 = find_task(p, "copy p2 r0 [0,500)");
+    const int copy1 = find_task(p, "copy p2 r1 [500,1000)");
+    if (piece0_lo < 0 || piece0_hi < 0 || piece1_lo < 0 || red0 < 0 || red1 < 0 || copy0 < 0 ||
+        copy1 < 0) {
+      return;
+    }
+    const auto prio = [&](int t) { return p.tasks[static_cast<size_t>(t)].priority; };
+    CHECK_NEAR(prio(piece0_lo), 0.5);
+    CHECK_NEAR(prio(piece0_hi), 1.5);
+    CHECK_NEAR(prio(red0), 1);
+    CHECK_NEAR(prio(red1), 2);
+    CHECK_NEAR(prio(copy0), 2);
+    CHECK_NEAR(prio(copy1), 3);
+    const SimulationResult r = simulate(m, p, m.policy);
+    const auto at = [](const std::vector<double>& v, int t) { return v[static_cast<size_t>(t)]; };
+    CHECK_NEAR(at(r.finish_s, piece0_lo), 2.04e-6);
+    CHECK_NEAR(at(r.finish_s, piece1_lo), 2.04e-6);
+    CHECK_NEAR(at(r.finish_s, piece0_hi), 2.08e-6);
+    CHECK_NEAR(at(r.start_s, red0), 5.04e-6);    // 2.04e-6 + 3e-6: needs [0,500) only
+    CHECK_NEAR(at(r.finish_s, red0), 5.24e-6);   // + 2e-7
+    CHECK_NEAR(at(r.start_s, red1), 5.08e-6);    // 2.08e-6 + 3e-6
+    CHECK_NEAR(at(r.finish_s, red1), 7.08e-6);   // + 2e-6
+    CHECK_NEAR(at(r.start_s, copy0), 7.24e-6);   // 5.24e-6 + 2e-6
+    CHECK_NEAR(at(r.finish_s, copy0), 7.28e-6);  // + 4e-8
+    CHECK_NEAR(at(r.start_s, copy1), 9.08e-6);   // 7.08e-6 + 2e-6
+    CHECK_NEAR(r.seconds, 9.12e-6);              // + 4e-8
+  }
+  {
+    // Barriers (5e-6 each) between phases: every step is charged one and waits for the whole
+    // previous phase; the stagers (phase 0) are not charged.
+    m.barrier_between_phases = true;
+    m.barrier_latency_s = 5e-6;
+    Program p;
+    append_window(m, s, 1000, 4, {}, p);
+    std::vector<int> phase0 = stage_tasks(p, 0);
+    for (int t : stage_tasks(p, 1)) phase0.push_back(t);
+    std::sort(phase0.begin(), phase0.end());
+    CHECK_EQ(phase0.size(), size_t{4});
+    const int red0 = find_task(p, "reduce p1 r0 [0,500)");
+    const int red1 = find_task(p, "reduce p1 r1 [500,1000)");
+    const int copy0 = find_task(p, "copy p2 r0 [0,500)");
+    const int copy1 = find_task(p, "copy p2 r1 [500,1000)");
+    if (red0 < 0 || red1 < 0 || copy0 < 0 || copy1 < 0) return;
+    auto sorted_deps = [&](int t) {
+      std::vector<int> d = p.tasks[static_cast<size_t>(t)].deps;
+      std::sort(d.begin(), d.end());
+      return d;
+    };
+    const std::vector<int> phase1 = {std::min(red0, red1), std::max(red0, red1)};
+    CHECK_EQ(sorted_deps(red0), phase0);
+    CHECK_EQ(sorted_deps(red1), phase0);
+    CHECK_EQ(sorted_deps(copy0), phase1);
+    CHECK_EQ(sorted_deps(copy1), phase1);
+
+    const SimulationResult r = simulate(m, p, m.policy);
+    const auto at = [](const std::vector<double>& v, int t) { return v[static_cast<size_t>(t)]; };
+    // The barrier after phase 0 waits for the last piece (2.08e-6), so reduce r0 cannot start
+    // early: 2.08e-6 + 2e-6 + 1e-6 + 5e-6 = 10.08e-6.
+    CHECK_NEAR(at(r.start_s, red0), 10.08e-6);
+    CHECK_NEAR(at(r.start_s, red1), 10.08e-6);
+    CHECK_NEAR(at(r.finish_s, red0), 10.28e-6);  // + 2e-7
+    CHECK_NEAR(at(r.finish_s, red1), 12.08e-6);  // + 2e-6
+    // Both copies wait for reduce r1: 12.08e-6 + 2e-6 + 5e-6 = 19.08e-6 (copy r0 would start at
+    // 10.28e-6 + 7e-6 = 17.28e-6 if it waited for its data only).
+    CHECK_NEAR(at(r.start_s, copy0), 19.08e-6);
+    CHECK_NEAR(at(r.start_s, copy1), 19.08e-6);
+    CHECK_NEAR(r.seconds, 19.12e-6);  // + 4e-8
+  }
+}
+
+TEST(cost_append_window_on_a_cpu_host_shares_cores_and_memory) {
+  // cpu_host(2): cores 5e9 each (2 cores, 2 ranks: share 1), host memory 10e9, no latencies.
+  // Local flows of rank r cross {core r, memory}; a read of rank a's slot by rank b crosses
+  // {core b, memory}. Barrier phases, fair share.
+  CpuHostParams params;
+  params.cores = 2;
+  params.core_bytes_per_s = 5e9;
+  params.memory_bytes_per_s = 10e9;
+  params.launch_latency_s = 0;
+  params.barrier_latency_s = 0;
+  const MachineModel m = cpu_host(2, params);
+  Program p;
+  append_window(m, reduce_to_one_schedule(2, 0, {0, 1000}), 1000, 4, {}, p);
+  const SimulationResult r = simulate(m, p, m.policy);
+  // Phase 0: two stagers, 8000 bytes each, over their core (5e9) and the memory (10e9 / 2
+  // flows = 5e9): 8000 / 5e9 = 1.6e-6.
+  const int stage0 = whole_stage(p, 0), stage1 = whole_stage(p, 1);
+  if (stage0 < 0 || stage1 < 0) return;
+  CHECK_NEAR(r.finish_s[static_cast<size_t>(stage0)], 1.6e-6);
+  CHECK_NEAR(r.finish_s[static_cast<size_t>(stage1)], 1.6e-6);
+  // Phase 1: rank 0 reduces: 4000 (from slot 1) and 8000 (own slot + write), both over core 0:
+  // 2.5e9 each until the first ends at 4000 / 2.5e9 = 1.6e-6, then 4000 left at 5e9: 0.8e-6.
+  // Ends 1.6e-6 + 2.4e-6 = 4.0e-6 (12000 bytes through core 0 at 5e9).
+  CHECK_NEAR(r.finish_s[static_cast<size_t>(find_task(p, "reduce p1 r0 [0,1000)"))], 4.0e-6);
+  // Phase 2: copy r0 (8000 over {core 0, memory}) and copy r1 (4000 + 4000, both over
+  // {core 1, memory}). Filling: min(core0 5e9 / 1, core1 5e9 / 2, memory 10e9 / 3) = 2.5e9;
+  // core 1 full. Core 0 and memory have 2.5e9 left: copy r0 gets 5e9. All end after
+  // 8000 / 5e9 = 4000 / 2.5e9 = 1.6e-6: at 5.6e-6.
+  CHECK_NEAR(r.finish_s[static_cast<size_t>(find_task(p, "copy p2 r0 [0,1000)"))], 5.6e-6);
+  CHECK_NEAR(r.finish_s[static_cast<size_t>(find_task(p, "copy p2 r1 [0,1000)"))], 5.6e-6);
+  CHECK_NEAR(r.seconds, 5.6e-6);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+TEST(cost_errors_are_reported) {
+  MachineModel m = bare_machine(2);
+  const int link = m.add_resource("link", 10e9);
+
+  Program later;
+  later.tasks.push_back(task("a", {{{link}, 1e6}}, {1}, 0));
+  later.tasks.push_back(task("b", {{{link}, 1e6}}, {}, 0));
+  CHECK_THROWS(simulate(m, later, SharingPolicy::kFairShare), std::invalid_argument, "not earlier");
+  Program self;
+  self.tasks.push_back(task("a", {{{link}, 1e6}}, {0}, 0));
+  CHECK_THROWS(simulate(m, self, SharingPolicy::kFairShare), std::invalid_argument, "not earlier");
+  Program negative;
+  negative.tasks.push_back(task("a", {{{link}, 1e6}}, {-1}, 0));
+  CHECK_THROWS(simulate(m, negative, SharingPolicy::kOldestFirst), std::invalid_argument,
+               "not earlier");
+  Program nowhere;
+  nowhere.tasks.push_back(task("lost", {{{}, 1e6}}, {}, 0));
+  CHECK_THROWS(simulate(m, nowhere, SharingPolicy::kFairShare), std::invalid_argument, "lost");
+
+  CHECK_THROWS(m.set_route(0, 1, {link, 99}, 0), std::out_of_range, "unknown resource");
+  CHECK_THROWS(m.set_route(0, 1, {-1}, 0), std::out_of_range, "unknown resource");
+  CHECK(!m.has_route(0, 1));  // the failed calls set nothing
+  CHECK_THROWS(m.set_route(0, 2, {link}, 0), std::out_of_range, "device");
+  CHECK_THROWS(m.route(1, 0), std::invalid_argument, "no route");
+  CHECK_THROWS(m.route_latency_s(1, 0), std::invalid_argument, "no route");
+  CHECK_THROWS(m.local(2), std::out_of_range, "");
+  CHECK_THROWS(m.resource(99), std::out_of_range, "");
+
+  CHECK_THROWS(m.add_resource("zero", 0), std::invalid_argument, "zero");
+  CHECK_THROWS(m.add_resource("negative", -1e9), std::invalid_argument, "bandwidth");
+  CHECK_THROWS(m.add_resource("nan", std::numeric_limits<double>::quiet_NaN()),
+               std::invalid_argument, "bandwidth");
+  CHECK_THROWS(MachineModel("none", 0), std::invalid_argument, "");
+
+  // A schedule for another world size.
+  Program p;
+  CHECK_THROWS(append_window(two_gpus(), reduce_to_one_schedule(4, 0, {0, 10}), 10, 4, {}, p),
+               std::invalid_argument, "4 ranks");
+  // A schedule that needs a route the machine lacks.
+  MachineModel no_routes = bare_machine(2);
+  CHECK_THROWS(append_window(no_routes, reduce_to_one_schedule(2, 0, {0, 10}), 10, 4, {}, p),
+               std::invalid_argument, "no route");
+
+  CHECK_THROWS(builtin_machine("nope"), std::invalid_argument, "dgx1-v100");
+  CHECK_THROWS(builtin_machine("cpu-0"), std::invalid_argument, "cpu-<N>");
+  CHECK_THROWS(builtin_machine("cpu-"), std::invalid_argument, "dgx1-p100");
+  CHECK_THROWS(builtin_machine("cpu-x2"), std::invalid_argument, "pcie-8gpu");
+  CHECK_THROWS(builtin_machine("cpu-10000"), std::invalid_argument, "cpu-<N>");
+  CHECK_THROWS(cpu_host(0, CpuHostParams{}), std::invalid_argument, "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Built-in machines
+
+TEST(cost_dgx1_v100_links_double_eight_pairs) {
+  const LinkMatrix links = dgx1_v100_links();
+  const LinkMatrix mesh = LinkMatrix::dgx1();
+  CHECK_EQ(links.size(), 8);
+  const std::vector<std::pair<int, int>> doubled = {{0, 3}, {0, 4}, {1, 2}, {1, 5},
+                                                    {2, 3}, {4, 7}, {5, 6}, {6, 7}};
+  int total = 0;
+  for (int a = 0; a < 8; ++a) {
+    int per_gpu = 0;
+    for (int b = 0; b < 8; ++b) {
+      per_gpu += links.links(a, b);
+      CHECK_EQ(links.links(a, b), links.links(b, a));
+      const bool is_doubled = std::find(doubled.begin(), doubled.end(),
+                                        std::pair{std::min(a, b), std::max(a, b)}) != doubled.end();
+      const int expected = is_doubled ? 2 : (mesh.links(a, b) > 0 ? 1 : 0);
+      CHECK_EQ(links.links(a, b), expected);
+      if (a < b) total += links.links(a, b);
+    }
+    CHECK_EQ(per_gpu, 6);
+    CHECK_EQ(links.neighbors(a), mesh.neighbors(a));  // the same 4 neighbours
+  }
+  CHECK_EQ(total, 24);  // 16 cube-mesh pairs + 8 doubled
+}
+
+TEST(cost_dgx1_p100_is_the_cube_mesh_with_single_links) {
+  const MachineModel m = dgx1_p100();
+  const LinkMatrix mesh = LinkMatrix::dgx1();
+  CHECK_EQ(m.num_devices(), 8);
+  CHECK_EQ(m.name(), std::string("dgx1-p100"));
+  for (int a = 0; a < 8; ++a) {
+    int per_gpu = 0;
+    for (int b = 0; b < 8; ++b) {
+      CHECK_EQ(m.links.links(a, b), mesh.links(a, b));
+      CHECK(m.links.links(a, b) <= 1);
+      per_gpu += m.links.links(a, b);
+    }
+    CHECK_EQ(per_gpu, 4);
+  }
+  CHECK_EQ(m.route(0, 1).size(), size_t{1});
+  CHECK_NEAR(m.resources()[static_cast<size_t>(m.route(0, 1)[0])].bytes_per_s, 20e9);
+  CHECK_NEAR(m.resources()[static_cast<size_t>(m.local(0).at(0))].bytes_per_s, 732e9);
+}
+
+TEST(cost_dgx1_v100_routes) {
+  const MachineModel m = dgx1_v100();
+  const auto bw = [&](int id) { return m.resources()[static_cast<size_t>(id)].bytes_per_s; };
+  CHECK_EQ(m.num_devices(), 8);
+  CHECK_EQ(m.name(), std::string("dgx1-v100"));
+  // 0 -> 3: a doubled NVLink pair, one resource of 2 * 25e9.
+  CHECK_EQ(m.route(0, 3).size(), size_t{1});
+  CHECK_NEAR(bw(m.route(0, 3)[0]), 50e9);
+  // 0 -> 1: a single link.
+  CHECK_EQ(m.route(0, 1).size(), size_t{1});
+  CHECK_NEAR(bw(m.route(0, 1)[0]), 25e9);
+  // The two directions are separate resources.
+  CHECK(m.route(0, 3)[0] != m.route(3, 0)[0]);
+  // 0 -> 5: no NVLink, out of GPU 0's PCIe lane and into GPU 5's.
+  const std::vector<int>& pcie = m.route(0, 5);
+  CHECK_EQ(pcie.size(), size_t{2});
+  if (pcie.size() == 2) {
+    CHECK(pcie[0] != pcie[1]);
+    CHECK_NEAR(bw(pcie[0]), 12e9);
+    CHECK_NEAR(bw(pcie[1]), 12e9);
+    // 0 -> 6 leaves by the same lane, 4 -> 5 enters by the same lane.
+    CHECK_EQ(m.route(0, 6).at(0), pcie[0]);
+    CHECK_EQ(m.route(4, 5).size(), size_t{1});  // 4 and 5 are NVLink neighbours
+    CHECK_EQ(m.route(2, 5).at(1), pcie[1]);
+  }
+  CHECK_EQ(m.local(0).size(), size_t{1});
+  CHECK_NEAR(bw(m.local(0).at(0)), 900e9);
+  CHECK(m.local(0) != m.local(1));
+  CHECK(m.policy == SharingPolicy::kOldestFirst);
+  CHECK(!m.barrier_between_phases);
+  CHECK_NEAR(m.launch_latency_s, 8.4e-6);
+  CHECK_NEAR(m.step_latency_s, 3.4e-6);
+  CHECK_EQ(builtin_machine("dgx1-v100").name(), std::string("dgx1-v100"));
+  CHECK_EQ(builtin_machine("dgx1-p100").name(), std::string("dgx1-p100"));
+}
+
+TEST(cost_pcie_8gpu_routes_everything_over_pcie) {
+  const MachineModel m = pcie_8gpu();
+  CHECK_EQ(m.num_devices(), 8);
+  for (int a = 0; a < 8; ++a) {
+    for (int b = 0; b < 8; ++b) {
+      if (a == b) continue;
+      CHECK_EQ(m.links.links(a, b), 0);
+      CHECK_EQ(m.route(a, b).size(), size_t{2});
+    }
+  }
+  CHECK_NEAR(m.step_latency_s, 5.7e-6);
+  CHECK_EQ(builtin_machine("pcie-8gpu").name(), std::string("pcie-8gpu"));
+}
+
+TEST(cost_cpu_host_shares_cores_between_ranks) {
+  CpuHostParams params;
+  params.cores = 2;
+  params.core_bytes_per_s = 6e9;
+  params.memory_bytes_per_s = 20e9;
+  const MachineModel m = cpu_host(4, params);
+  const auto bw = [&](int id) { return m.resources()[static_cast<size_t>(id)].bytes_per_s; };
+  CHECK_EQ(m.num_devices(), 4);
+  CHECK(m.barrier_between_phases);
+  CHECK(m.policy == SharingPolicy::kFairShare);
+  CHECK_EQ(m.window_bytes, params.window_bytes);
+  // Every rank's local resources: its core (2 cores for 4 ranks: 6e9 * 0.5 = 3e9) and the
+  // host memory (shared by all).
+  for (int r = 0; r < 4; ++r) {
+    CHECK_EQ(m.local(r).size(), size_t{2});
+    if (m.local(r).size() != 2) continue;
+    CHECK_NEAR(bw(m.local(r)[0]), params.core_bytes_per_s * 0.5);
+    CHECK_NEAR(bw(m.local(r)[1]), 20e9);
+    CHECK_EQ(m.local(r)[1], m.local(0)[1]);
+    for (int a = 0; a < 4; ++a) {
+      // A read of a's slot by r uses r's core: the reader moves the bytes.
+      if (a != r) CHECK_EQ(m.route(a, r), m.local(r));
+      if (a != r) CHECK(m.links.links(a, r) == 1);
+    }
+  }
+  // As many cores as ranks (or more): each core at full speed.
+  const MachineModel two = cpu_host(2, params);
+  CHECK_NEAR(two.resources()[static_cast<size_t>(two.local(1).at(0))].bytes_per_s, 6e9);
+  params.cores = 8;
+  const MachineModel eight_cores = cpu_host(3, params);
+  CHECK_NEAR(eight_cores.resources()[static_cast<size_t>(eight_cores.local(2).at(0))].bytes_per_s,
+             6e9);
+  const MachineModel cpu3 = builtin_machine("cpu-3");
+  CHECK_EQ(cpu3.num_devices(), 3);
+  CHECK_EQ(cpu3.name(), std::string("cpu-3"));
+}
