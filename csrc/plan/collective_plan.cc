@@ -7,17 +7,22 @@ namespace xdev::plan {
 
 CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, int root,
                                          std::vector<Range> packs, int64_t total,
-                                         int64_t window_elems) {
-  if (algorithm != Algorithm::kHierarchicalCopy && algorithm != Algorithm::kReduceToOne &&
-      algorithm != Algorithm::kFlat && algorithm != Algorithm::kDirect) {
+                                         int64_t window_elems, std::vector<PackTree> trees) {
+  const bool hierarchical =
+      algorithm == Algorithm::kHierarchicalCopy || algorithm == Algorithm::kHierarchicalBalanced;
+  if (!hierarchical && algorithm != Algorithm::kReduceToOne && algorithm != Algorithm::kFlat &&
+      algorithm != Algorithm::kDirect) {
     throw std::invalid_argument(std::string("CollectivePlan: not a native algorithm: ") +
                                 to_string(algorithm));
   }
   if (window_elems < 1) throw std::invalid_argument("CollectivePlan: window_elems must be >= 1");
-  if (algorithm == Algorithm::kHierarchicalCopy && world_size % 2 != 0) {
-    throw std::invalid_argument(
-        "hierarchical_copy needs an even number of ranks (two groups of N/2); got " +
-        std::to_string(world_size));
+  if (hierarchical && world_size % 2 != 0) {
+    throw std::invalid_argument(std::string(to_string(algorithm)) +
+                                " needs an even number of ranks (two groups of N/2); got " +
+                                std::to_string(world_size));
+  }
+  if (algorithm == Algorithm::kHierarchicalBalanced && trees.empty()) {
+    throw std::invalid_argument("CollectivePlan: hierarchical_balanced needs its pack trees");
   }
   if (algorithm == Algorithm::kReduceToOne) check_root("reduce_to_rank", root, world_size);
   CollectivePlan p;
@@ -26,7 +31,8 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
   p.root_ = root;
   p.total_ = total;
   p.window_elems_ = window_elems;
-  if (algorithm == Algorithm::kHierarchicalCopy) {
+  p.trees_ = std::move(trees);
+  if (hierarchical) {
     packs.erase(
         std::remove_if(packs.begin(), packs.end(), [](const Range& r) { return r.empty(); }),
         packs.end());
@@ -36,8 +42,7 @@ CollectivePlan CollectivePlan::allreduce(Algorithm algorithm, int world_size, in
   if (total <= window_elems) {
     p.num_windows_ = total > 0 ? 1 : 0;
     p.split_ = Split::kContiguous;
-  } else if (algorithm == Algorithm::kHierarchicalCopy && num_packs > 1 &&
-             num_packs <= window_elems / 2) {
+  } else if (hierarchical && num_packs > 1 && num_packs <= window_elems / 2) {
     // Piece k of a pack of L elements is [L*k/K, L*(k+1)/K): at most L/K + 1
     // elements, so a window holds at most total/K + num_packs elements.
     const int64_t usable = window_elems - num_packs;
@@ -90,10 +95,13 @@ WindowPlan CollectivePlan::window(int64_t k) const {
     }
   }
   const Range whole{0, w.slot_elems};
+  w.packs = slices;
   if (is_broadcast_) {
     w.schedule = broadcast_schedule(world_size_, root_, whole);
   } else if (algorithm_ == Algorithm::kHierarchicalCopy) {
     w.schedule = hierarchical_copy_schedule(world_size_, slices);
+  } else if (algorithm_ == Algorithm::kHierarchicalBalanced) {
+    w.schedule = hierarchical_balanced_schedule(world_size_, trees_, slices);
   } else if (algorithm_ == Algorithm::kReduceToOne) {
     w.schedule = reduce_to_one_schedule(world_size_, root_, whole);
   } else if (algorithm_ == Algorithm::kDirect) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "balanced_plan.h"
 #include "packing.h"
 #include "schedule.h"
 
@@ -25,15 +26,18 @@ struct Segment {
 struct WindowPlan {
   std::vector<Segment> segments;  // payload -> slot, ascending slot offsets
   int64_t slot_elems = 0;         // elements staged in this window
+  std::vector<PackSlice> packs;   // the hierarchical plans' packs in this window, in slot order
   Schedule schedule;              // ranges are slot offsets
 };
 
 class CollectivePlan {
  public:
-  // algorithm must be a native one (hierarchical copy, reduce-to-one, flat, direct).
-  // packs matter to the hierarchical plan only.
+  // algorithm must be a native one (hierarchical copy or balanced, reduce-to-one, flat,
+  // direct). packs matter to the hierarchical plans only; the balanced plan also needs
+  // the tree of every pack (balanced_pack_trees).
   static CollectivePlan allreduce(Algorithm algorithm, int world_size, int root,
-                                  std::vector<Range> packs, int64_t total, int64_t window_elems);
+                                  std::vector<Range> packs, int64_t total, int64_t window_elems,
+                                  std::vector<PackTree> trees = {});
   static CollectivePlan broadcast(int world_size, int root, int64_t total, int64_t window_elems);
 
   Algorithm algorithm() const { return algorithm_; }
@@ -49,6 +53,7 @@ class CollectivePlan {
   int world_size_ = 0;
   int root_ = 0;
   std::vector<Range> packs_;
+  std::vector<PackTree> trees_;
   int64_t total_ = 0;
   int64_t window_elems_ = 0;
   int64_t num_windows_ = 0;

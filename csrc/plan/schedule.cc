@@ -11,6 +11,8 @@ const char* to_string(Algorithm a) {
       return "auto";
     case Algorithm::kHierarchicalCopy:
       return "hierarchical_copy";
+    case Algorithm::kHierarchicalBalanced:
+      return "hierarchical_balanced";
     case Algorithm::kReduceToOne:
       return "reduce_to_one";
     case Algorithm::kFlat:
@@ -24,13 +26,14 @@ const char* to_string(Algorithm a) {
 }
 
 Algorithm algorithm_from_string(const std::string& name) {
-  for (Algorithm a : {Algorithm::kAuto, Algorithm::kHierarchicalCopy, Algorithm::kReduceToOne,
-                      Algorithm::kFlat, Algorithm::kDirect, Algorithm::kFallback}) {
+  for (Algorithm a :
+       {Algorithm::kAuto, Algorithm::kHierarchicalCopy, Algorithm::kHierarchicalBalanced,
+        Algorithm::kReduceToOne, Algorithm::kFlat, Algorithm::kDirect, Algorithm::kFallback}) {
     if (name == to_string(a)) return a;
   }
   throw std::invalid_argument(
-      "algorithm must be one of 'auto', 'hierarchical_copy', 'reduce_to_one', 'flat', "
-      "'direct', 'fallback'; got '" +
+      "algorithm must be one of 'auto', 'hierarchical_copy', 'hierarchical_balanced', "
+      "'reduce_to_one', 'flat', 'direct', 'fallback'; got '" +
       name + "'");
 }
 

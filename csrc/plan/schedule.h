@@ -24,11 +24,12 @@ namespace xdev::plan {
 
 enum class Algorithm {
   kAuto,
-  kHierarchicalCopy,  // the seeds' DGX-1 plan: two groups of N/2, rotating mains per pack
-  kReduceToOne,       // sum on one root, everyone copies the result back
-  kFlat,              // reduce-scatter then allgather: rank r reduces slice r of each window
-  kDirect,            // every rank reduces the whole window itself: one barrier, for small payloads
-  kFallback,          // the inner engine (Gloo for CPU, NCCL for CUDA)
+  kHierarchicalCopy,      // the seeds' DGX-1 plan: two groups of N/2, rotating mains per pack
+  kHierarchicalBalanced,  // the same two levels with trees weighted by link capacity (below)
+  kReduceToOne,           // sum on one root, everyone copies the result back
+  kFlat,                  // reduce-scatter then allgather: rank r reduces slice r of each window
+  kDirect,    // every rank reduces the whole window itself: one barrier, for small payloads
+  kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
 };
 
 const char* to_string(Algorithm a);

@@ -11,8 +11,12 @@
 #include <utility>
 #include <vector>
 
+#include "plan/balanced_plan.h"
 #include "plan/collective_plan.h"
+#include "plan/machines.h"
 #include "plan/packing.h"
+#include "plan/predict.h"
+#include "plan/ring.h"
 #include "plan/schedule.h"
 #include "plan/selection.h"
 #include "plan/topology.h"
@@ -553,4 +557,152 @@ TEST(single_copy_only_for_large_single_buffers_of_in_place_plans) {
   CHECK(!use_single_copy(Algorithm::kFlat, big - 1, true, true));
   CHECK(!use_single_copy(Algorithm::kFlat, big, false, true));
   CHECK(!use_single_copy(Algorithm::kFlat, big, true, false));
+}
+
+// ---------------------------------------------------------------------------
+// Ring reference and the balanced hierarchical plan
+
+namespace {
+
+// Every transfer (a source other than the actor) crosses a direct link.
+bool uses_direct_links_only(const Schedule& s, const LinkMatrix& links) {
+  for (const Step& step : s.steps) {
+    for (int src : step.sources) {
+      if (src != step.actor && links.links(src, step.actor) == 0) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(find_rings_uses_every_link_the_cube_mesh_allows) {
+  // Rings come in pairs (a cycle and its reverse); P100 has 2 link-disjoint
+  // cycles (4 links per GPU), V100 3 (6 links per GPU: the whitepaper's "three
+  // interwoven rings").
+  CHECK_EQ(find_rings(LinkMatrix::dgx1()).size(), size_t{4});
+  CHECK_EQ(find_rings(dgx1_v100_links()).size(), size_t{6});
+  for (const LinkMatrix& links : {LinkMatrix::dgx1(), dgx1_v100_links()}) {
+    std::vector<int> used(64, 0);
+    for (const auto& ring : find_rings(links)) {
+      CHECK_EQ(ring.size(), size_t{8});
+      for (size_t i = 0; i < ring.size(); ++i) {
+        const int a = ring[i], b = ring[(i + 1) % ring.size()];
+        CHECK(links.links(a, b) > 0);
+        ++used[static_cast<size_t>(a * 8 + b)];
+      }
+    }
+    for (int a = 0; a < 8; ++a) {
+      for (int b = 0; b < 8; ++b) CHECK(used[static_cast<size_t>(a * 8 + b)] <= links.links(a, b));
+    }
+  }
+  // No links at all: one ring in rank order and its reverse, over whatever joins the devices.
+  CHECK_EQ(find_rings(LinkMatrix(8)).size(), size_t{2});
+}
+
+TEST(ring_allreduce_schedule_allreduces) {
+  for (int world = 1; world <= 8; ++world) {
+    const auto rings = find_rings(LinkMatrix::fully_connected(world));
+    for (int64_t elems : {0, 1, 5, 17, 300}) {
+      CHECK_EQ(check_allreduce(ring_allreduce_schedule(world, rings, {0, elems}), elems), kOk);
+    }
+  }
+  for (const LinkMatrix& links : {LinkMatrix::dgx1(), dgx1_v100_links()}) {
+    const Schedule s = ring_allreduce_schedule(8, find_rings(links), {0, 1000});
+    CHECK_EQ(check_allreduce(s, 1000), kOk);
+    CHECK(uses_direct_links_only(s, links));
+  }
+  CHECK_THROWS(ring_allreduce_schedule(3, {{0, 1}}, {0, 4}), std::invalid_argument, "every rank");
+}
+
+TEST(balanced_schedule_allreduces_on_any_even_world) {
+  std::mt19937 rng(7);
+  for (int world = 2; world <= 8; world += 2) {
+    for (int64_t num_packs : {1, world, 3 * world, 7 * world}) {
+      const auto trees = balanced_pack_trees(LinkMatrix::fully_connected(world), num_packs);
+      CHECK_EQ(trees.size(), static_cast<size_t>(num_packs));
+      for (int64_t elems : {0, 1, 3, 101, 1000}) {
+        const auto packs = random_tiling(rng, elems, static_cast<int>(num_packs));
+        const Schedule s = hierarchical_balanced_schedule(world, trees, slices_of(packs, 0));
+        CHECK_EQ(check_allreduce(s, elems), kOk);
+      }
+    }
+  }
+  CHECK_THROWS(balanced_pack_trees(LinkMatrix::fully_connected(3), 3), std::invalid_argument,
+               "even number");
+  LinkMatrix missing_partner = LinkMatrix::fully_connected(4);
+  missing_partner.set_links(1, 3, 0);
+  CHECK_THROWS(balanced_pack_trees(missing_partner, 4), std::invalid_argument, "partner");
+}
+
+TEST(every_hierarchical_plan_on_both_dgx1s_uses_direct_links_only) {
+  for (const LinkMatrix& links : {LinkMatrix::dgx1(), dgx1_v100_links()}) {
+    for (int64_t num_packs : {1, 8, 24, 48, 384}) {
+      const auto packs = equal_packs(5000, num_packs);
+      const Schedule copy = hierarchical_copy_schedule(8, slices_of(packs, 0));
+      CHECK(uses_direct_links_only(copy, links));
+      const Schedule balanced = hierarchical_balanced_schedule(
+          8, balanced_pack_trees(links, num_packs), slices_of(packs, 0));
+      CHECK_EQ(check_allreduce(balanced, 5000), kOk);
+      CHECK(uses_direct_links_only(balanced, links));
+    }
+  }
+}
+
+TEST(balanced_trees_load_every_v100_link_by_its_capacity) {
+  // 24 packs carry 7 link-loads each (6 tree edges + 1 cross, or 4 cross + 3 tree); the V100
+  // cube-mesh has 24 links, so a perfect assignment loads every link with 7 packs' worth.
+  const LinkBalance b = link_balance(dgx1_v100_links(), balanced_pack_trees(dgx1_v100_links(), 24));
+  CHECK(std::abs(b.ideal_load_per_link - 7.0) < 1e-9);
+  CHECK(std::abs(b.max_load_per_link - 7.0) < 1e-9);
+}
+
+TEST(balanced_plan_through_windows_covers_the_payload) {
+  std::mt19937 rng(31);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int world = 2 * static_cast<int>(uniform(rng, 1, 4));
+    const int64_t total = uniform(rng, 0, 3000);
+    const int64_t window = uniform(rng, 1, 400);
+    const int num_packs = static_cast<int>(uniform(rng, 1, 30));
+    auto trees = balanced_pack_trees(LinkMatrix::fully_connected(world), num_packs);
+    const auto plan =
+        CollectivePlan::allreduce(Algorithm::kHierarchicalBalanced, world, 0,
+                                  random_tiling(rng, total, num_packs), total, window, trees);
+    check_plan(plan, window, -1);
+  }
+  CHECK_THROWS(CollectivePlan::allreduce(Algorithm::kHierarchicalBalanced, 4, 0, {{0, 8}}, 8, 8),
+               std::invalid_argument, "pack trees");
+}
+
+TEST(model_choice_is_never_slower_than_a_candidate) {
+  for (const char* name : {"dgx1-v100", "dgx1-p100", "pcie-8gpu", "cpu-2", "cpu-3", "cpu-4"}) {
+    const MachineModel m = builtin_machine(name);
+    for (int64_t bytes : {int64_t{4} << 10, int64_t{256} << 10, int64_t{4} << 20}) {
+      const ModelChoice c = choose_allreduce(m, bytes, -1, true);
+      for (const Prediction& p : c.predictions) {
+        if (!p.candidate.ring_reference) CHECK(c.best.seconds <= p.seconds);
+      }
+      CHECK(!c.best.candidate.ring_reference);
+      CHECK(c.predictions.back().candidate.ring_reference);
+    }
+  }
+}
+
+TEST(balanced_plan_meets_its_targets_against_ring_on_dgx1_v100) {
+  // The model's claims in the README: at 64 MiB and above the balanced plan's busbw is at least
+  // ring's; at 256 KiB and below the hierarchical plans are at least 2x faster than ring.
+  const MachineModel m = dgx1_v100();
+  Candidate ring;
+  ring.ring_reference = true;
+  for (int64_t bytes : {int64_t{64} << 20}) {
+    const Prediction r = predict_allreduce(m, ring, bytes);
+    const Prediction b =
+        predict_allreduce(m, {Algorithm::kHierarchicalBalanced, 384, false}, bytes);
+    CHECK(b.busbw >= r.busbw);
+  }
+  for (int64_t bytes : {int64_t{4} << 10, int64_t{256} << 10}) {
+    const Prediction r = predict_allreduce(m, ring, bytes);
+    const Prediction b = predict_allreduce(m, {Algorithm::kHierarchicalBalanced, 8, false}, bytes);
+    CHECK(2 * b.seconds <= r.seconds);
+  }
 }

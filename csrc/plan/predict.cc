@@ -1,0 +1,186 @@
+#include "predict.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "balanced_plan.h"
+#include "collective_plan.h"
+#include "ring.h"
+
+namespace xdev::plan {
+
+std::string Candidate::label() const {
+  if (ring_reference) return "ring (reference)";
+  std::string s = to_string(algorithm);
+  if (algorithm == Algorithm::kHierarchicalCopy || algorithm == Algorithm::kHierarchicalBalanced) {
+    s += "/" + std::to_string(num_packs);
+  }
+  return s;
+}
+
+namespace {
+
+// Concat-and-split: P packs of floor(T/P) elements, the last one taking the rest.
+std::vector<Range> split_packs(int64_t total, int64_t num_packs) {
+  std::vector<Range> packs;
+  const int64_t p = std::max<int64_t>(1, num_packs);
+  const int64_t each = total / p;
+  for (int64_t i = 0; i < p; ++i) {
+    packs.push_back({i * each, i + 1 == p ? total : (i + 1) * each});
+  }
+  return packs;
+}
+
+}  // namespace
+
+Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t bytes,
+                          int64_t elem_bytes) {
+  if (elem_bytes < 1) throw std::invalid_argument("allreduce_program: elem_bytes must be >= 1");
+  if (bytes < 0) throw std::invalid_argument("allreduce_program: bytes must be >= 0");
+  const int n = m.num_devices();
+  const int64_t total = bytes / elem_bytes;
+  Program p;
+  Task launch;
+  launch.label = "launch";
+  launch.latency_s = m.launch_latency_s;
+  p.tasks.push_back(launch);
+  if (total == 0) return p;
+  const int64_t window_elems =
+      m.window_bytes > 0 ? std::max<int64_t>(1, m.window_bytes / elem_bytes) : total;
+
+  std::vector<Schedule> windows;
+  std::vector<int64_t> window_sizes;
+  std::vector<std::vector<Range>> window_packs;  // pipeline order of each window's packs
+  if (c.ring_reference) {
+    const auto rings = find_rings(m.links);
+    for (int64_t lo = 0; lo < total; lo += window_elems) {
+      const int64_t len = std::min(window_elems, total - lo);
+      windows.push_back(ring_allreduce_schedule(n, rings, {0, len}));
+      window_sizes.push_back(len);
+      window_packs.push_back({});
+    }
+  } else {
+    std::vector<PackTree> trees;
+    if (c.algorithm == Algorithm::kHierarchicalBalanced) {
+      trees = balanced_pack_trees(m.links, std::max<int64_t>(1, c.num_packs));
+    }
+    const CollectivePlan plan = CollectivePlan::allreduce(
+        c.algorithm, n, 0, split_packs(total, c.num_packs), total, window_elems, trees);
+    for (int64_t k = 0; k < plan.num_windows(); ++k) {
+      WindowPlan w = plan.window(k);
+      window_sizes.push_back(w.slot_elems);
+      std::vector<Range> packs;
+      for (const PackSlice& slice : w.packs) packs.push_back(slice.range);
+      window_packs.push_back(std::move(packs));
+      windows.push_back(std::move(w.schedule));
+    }
+  }
+
+  // Two sets of staging buffers: a window reuses the set of the window two
+  // before it. With barriers the executor finishes one window before staging
+  // the next.
+  std::vector<std::vector<int>> ids;
+  double priority = 0;
+  for (size_t k = 0; k < windows.size(); ++k) {
+    std::vector<int> after{0};
+    if (m.barrier_between_phases && k >= 1) after = ids[k - 1];
+    if (!m.barrier_between_phases && k >= 2) after = ids[k - 2];
+    ids.push_back(append_window(m, windows[k], window_sizes[k], elem_bytes, after, p,
+                                window_packs[k], priority));
+    priority += static_cast<double>(std::max<size_t>(1, window_packs[k].size()));
+  }
+  return p;
+}
+
+Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t bytes,
+                             int64_t elem_bytes) {
+  Prediction pr;
+  pr.candidate = c;
+  pr.bytes = bytes;
+  // With barriers, windows run one after another and all but the last are
+  // alike: simulate a few and scale, so large payloads cost no more to predict.
+  const int64_t window = m.window_bytes > 0 ? m.window_bytes / elem_bytes * elem_bytes : 0;
+  constexpr int64_t kSimulatedWindows = 8;
+  if (m.barrier_between_phases && window > 0 && bytes > 2 * kSimulatedWindows * window) {
+    const double some =
+        simulate(m, allreduce_program(m, c, kSimulatedWindows * window, elem_bytes), m.policy)
+            .seconds;
+    const double windows = static_cast<double>(bytes) / static_cast<double>(window);
+    pr.seconds = m.launch_latency_s + (some - m.launch_latency_s) * windows / kSimulatedWindows;
+  } else {
+    pr.seconds = simulate(m, allreduce_program(m, c, bytes, elem_bytes), m.policy).seconds;
+  }
+  const int n = m.num_devices();
+  pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
+  pr.busbw = n > 1 ? pr.algbw * 2.0 * (n - 1) / n : pr.algbw;
+  return pr;
+}
+
+std::vector<Candidate> runnable_candidates(const MachineModel& m) {
+  const int n = m.num_devices();
+  std::vector<Candidate> out;
+  out.push_back({Algorithm::kDirect, 0, false});
+  out.push_back({Algorithm::kReduceToOne, 0, false});
+  out.push_back({Algorithm::kFlat, 0, false});
+  if (n >= 2 && n % 2 == 0) {
+    for (int64_t packs : {int64_t{n}, int64_t{4} * n, int64_t{16} * n}) {
+      out.push_back({Algorithm::kHierarchicalCopy, packs, false});
+    }
+    bool balanced_ok = true;
+    try {
+      balanced_pack_trees(m.links, 1);
+    } catch (const std::invalid_argument&) {
+      balanced_ok = false;  // a rank without a direct link to its partner
+    }
+    if (balanced_ok) {
+      // Many small packs keep a pipeline full; few packs mean fewer steps for small payloads.
+      for (int64_t packs : {int64_t{n}, int64_t{3} * n, int64_t{12} * n, int64_t{48} * n}) {
+        out.push_back({Algorithm::kHierarchicalBalanced, packs, false});
+      }
+    }
+    if (m.barrier_between_phases) {
+      // An executor with a barrier per phase does not pipeline packs: one pack per rank.
+      out.erase(std::remove_if(out.begin(), out.end(),
+                               [n](const Candidate& c) { return c.num_packs > n; }),
+                out.end());
+    }
+  }
+  return out;
+}
+
+ModelChoice choose_allreduce(const MachineModel& m, int64_t bytes, int64_t num_packs,
+                             bool with_ring_reference) {
+  std::vector<Candidate> candidates = runnable_candidates(m);
+  if (num_packs >= 0) {
+    std::vector<Candidate> kept;
+    for (Candidate c : candidates) {
+      const bool hierarchical = c.algorithm == Algorithm::kHierarchicalCopy ||
+                                c.algorithm == Algorithm::kHierarchicalBalanced;
+      if (!hierarchical) {
+        kept.push_back(c);
+        continue;
+      }
+      c.num_packs = std::max<int64_t>(1, num_packs);
+      const bool seen = std::any_of(kept.begin(), kept.end(), [&](const Candidate& k) {
+        return k.algorithm == c.algorithm && k.num_packs == c.num_packs;
+      });
+      if (!seen) kept.push_back(c);
+    }
+    candidates = kept;
+  }
+  ModelChoice choice;
+  for (const Candidate& c : candidates) {
+    choice.predictions.push_back(predict_allreduce(m, c, bytes));
+    if (choice.predictions.size() == 1 || choice.predictions.back().seconds < choice.best.seconds) {
+      choice.best = choice.predictions.back();
+    }
+  }
+  if (with_ring_reference) {
+    Candidate ring;
+    ring.ring_reference = true;
+    choice.predictions.push_back(predict_allreduce(m, ring, bytes));
+  }
+  return choice;
+}
+
+}  // namespace xdev::plan
