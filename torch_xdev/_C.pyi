@@ -1,6 +1,6 @@
 # Type stub for the compiled extension (csrc/backend/bindings.cc).
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 from torch._C._distributed_c10d import Backend, Store
 
@@ -33,3 +33,84 @@ class XdevBackend(Backend):
     def shm_name(self) -> str: ...
 
 def remove_orphaned_segments() -> int: ...
+
+class plan:
+    """The submodule torch_xdev._C.plan (csrc/backend/plan_bindings.cc): the cost model.
+
+    Declared as a class because a single-file stub cannot declare a submodule; at run time
+    it is a module. Prediction and Choice exist for type checking only.
+    """
+
+    class MachineModel:
+        @property
+        def name(self) -> str: ...
+        @property
+        def num_devices(self) -> int: ...
+        @property
+        def source(self) -> str: ...
+        @property
+        def window_bytes(self) -> int: ...
+        @property
+        def launch_latency_s(self) -> float: ...
+        @property
+        def step_latency_s(self) -> float: ...
+        @property
+        def barrier_latency_s(self) -> float: ...
+        @property
+        def barrier_between_phases(self) -> bool: ...
+        def links(self) -> list[list[int]]: ...
+
+    class Prediction(TypedDict):
+        label: str  # "hierarchical_copy/8", "flat", "ring (reference)"
+        algorithm: str  # an algorithm name, or "ring" for the ring reference
+        num_packs: int
+        ring_reference: bool
+        bytes: int
+        seconds: float
+        algbw: float  # bytes/s
+        busbw: float  # bytes/s
+
+    class Choice(TypedDict):
+        best: plan.Prediction
+        predictions: list[plan.Prediction]
+
+    @staticmethod
+    def builtin_machine(name: str) -> plan.MachineModel: ...
+    @staticmethod
+    def builtin_machine_names() -> list[str]: ...
+    @staticmethod
+    def gpu_machine(
+        name: str,
+        links: list[list[int]],
+        nvlink_gbps: float = 25.0,
+        pcie_gbps: float = 12.0,
+        memory_gbps: float = 900.0,
+    ) -> plan.MachineModel: ...
+    @staticmethod
+    def cpu_machine(
+        ranks: int,
+        cores: int,
+        core_gbps: float,
+        memory_gbps: float,
+        launch_us: float,
+        barrier_us: float,
+        window_bytes: int,
+    ) -> plan.MachineModel: ...
+    @staticmethod
+    def predict(
+        machine: plan.MachineModel,
+        algorithm: str,
+        num_packs: int,
+        nbytes: int,
+        elem_bytes: int = 4,
+        ring_reference: bool = False,
+    ) -> plan.Prediction: ...
+    @staticmethod
+    def choose(
+        machine: plan.MachineModel,
+        nbytes: int,
+        num_packs: int = -1,
+        with_ring_reference: bool = True,
+    ) -> plan.Choice: ...
+    @staticmethod
+    def classify(links: list[list[int]]) -> str: ...

@@ -13,6 +13,7 @@
 #include "../plan/topology.h"
 #include "../transport/shm_segment.h"
 #include "backend_config.h"
+#include "plan_bindings.h"
 #include "xdev_backend.h"
 
 namespace py = pybind11;
@@ -126,4 +127,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
+
+  xdev::backend::bind_plan(m);
 }

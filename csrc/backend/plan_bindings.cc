@@ -1,0 +1,231 @@
+#include "plan_bindings.h"
+
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../plan/cost_model.h"
+#include "../plan/machines.h"
+#include "../plan/predict.h"
+#include "../plan/schedule.h"
+#include "../plan/topology.h"
+
+namespace py = pybind11;
+
+namespace xdev::backend {
+namespace {
+
+using Matrix = std::vector<std::vector<int64_t>>;
+
+// A LinkMatrix from a Python list of rows: square, symmetric, non-negative
+// (the diagonal is ignored). Throws std::invalid_argument (ValueError) naming
+// the first problem.
+plan::LinkMatrix link_matrix(const Matrix& rows) {
+  const size_t n = rows.size();
+  if (n == 0) throw std::invalid_argument("link matrix is empty");
+  if (n > 4096) throw std::invalid_argument("link matrix has too many devices");
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i].size() != n) {
+      throw std::invalid_argument("link matrix is not square: row " + std::to_string(i) + " has " +
+                                  std::to_string(rows[i].size()) + " entries, expected " +
+                                  std::to_string(n));
+    }
+  }
+  plan::LinkMatrix links(static_cast<int>(n));
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      const int64_t v = rows[i][j];
+      if (i == j) continue;
+      if (v < 0) {
+        throw std::invalid_argument("link matrix has a negative link count at [" +
+                                    std::to_string(i) + "][" + std::to_string(j) + "]");
+      }
+      if (v > 1024) {
+        throw std::invalid_argument("link matrix has an implausible link count " +
+                                    std::to_string(v) + " at [" + std::to_string(i) + "][" +
+                                    std::to_string(j) + "]");
+      }
+      if (rows[j][i] != v) {
+        throw std::invalid_argument("link matrix is not symmetric: [" + std::to_string(i) + "][" +
+                                    std::to_string(j) + "] = " + std::to_string(v) + " but [" +
+                                    std::to_string(j) + "][" + std::to_string(i) +
+                                    "] = " + std::to_string(rows[j][i]));
+      }
+      if (j > i) links.set_links(static_cast<int>(i), static_cast<int>(j), static_cast<int>(v));
+    }
+  }
+  return links;
+}
+
+double positive_gbps(double gbps, const char* what) {
+  if (!(gbps > 0) || !std::isfinite(gbps)) {
+    throw std::invalid_argument(std::string(what) + " must be a finite number > 0, got " +
+                                std::to_string(gbps));
+  }
+  return gbps * 1e9;
+}
+
+double non_negative_us(double us, const char* what) {
+  if (!(us >= 0) || !std::isfinite(us)) {
+    throw std::invalid_argument(std::string(what) + " must be a finite number >= 0, got " +
+                                std::to_string(us));
+  }
+  return us / 1e6;
+}
+
+py::dict to_dict(const plan::Prediction& p) {
+  py::dict d;
+  d["label"] = p.candidate.label();
+  d["algorithm"] = p.candidate.ring_reference ? std::string("ring")
+                                              : std::string(plan::to_string(p.candidate.algorithm));
+  d["num_packs"] = p.candidate.num_packs;
+  d["ring_reference"] = p.candidate.ring_reference;
+  d["bytes"] = p.bytes;
+  d["seconds"] = p.seconds;
+  d["algbw"] = p.algbw;
+  d["busbw"] = p.busbw;
+  return d;
+}
+
+void check_bytes(int64_t nbytes, int64_t elem_bytes) {
+  if (elem_bytes < 1) throw std::invalid_argument("elem_bytes must be >= 1");
+  if (nbytes < 0) throw std::invalid_argument("nbytes must be >= 0");
+}
+
+}  // namespace
+
+void bind_plan(py::module_& parent) {
+  py::module_ m = parent.def_submodule(
+      "plan", "The plan layer's cost model: machine models and predicted allreduce times.");
+
+  py::class_<plan::MachineModel>(m, "MachineModel")
+      .def_property_readonly("name", &plan::MachineModel::name)
+      .def_property_readonly("num_devices", &plan::MachineModel::num_devices)
+      .def_readonly("source", &plan::MachineModel::source)
+      .def_readonly("window_bytes", &plan::MachineModel::window_bytes)
+      .def_readonly("launch_latency_s", &plan::MachineModel::launch_latency_s)
+      .def_readonly("step_latency_s", &plan::MachineModel::step_latency_s)
+      .def_readonly("barrier_latency_s", &plan::MachineModel::barrier_latency_s)
+      .def_readonly("barrier_between_phases", &plan::MachineModel::barrier_between_phases)
+      .def(
+          "links",
+          [](const plan::MachineModel& mm) {
+            const int n = mm.links.size();
+            std::vector<std::vector<int>> rows(static_cast<size_t>(n),
+                                               std::vector<int>(static_cast<size_t>(n), 0));
+            for (int a = 0; a < n; ++a) {
+              for (int b = 0; b < n; ++b) {
+                rows[static_cast<size_t>(a)][static_cast<size_t>(b)] = mm.links.links(a, b);
+              }
+            }
+            return rows;
+          },
+          "Direct link counts per device pair (NVLinks; 1 per pair for a CPU host).")
+      .def("__repr__", [](const plan::MachineModel& mm) {
+        return "<MachineModel " + mm.name() + ": " + std::to_string(mm.num_devices()) + " devices>";
+      });
+
+  m.def("builtin_machine", &plan::builtin_machine, py::arg("name"),
+        "A built-in machine model: dgx1-p100, dgx1-v100, pcie-8gpu or cpu-<N>.");
+  m.def("builtin_machine_names", &plan::builtin_machine_names);
+
+  m.def(
+      "gpu_machine",
+      [](const std::string& name, const Matrix& links, double nvlink_gbps, double pcie_gbps,
+         double memory_gbps) {
+        plan::GpuHostParams p;
+        p.nvlink_bytes_per_s = positive_gbps(nvlink_gbps, "nvlink_gbps");
+        p.pcie_bytes_per_s = positive_gbps(pcie_gbps, "pcie_gbps");
+        p.memory_bytes_per_s = positive_gbps(memory_gbps, "memory_gbps");
+        plan::MachineModel mm = plan::gpu_host(name, link_matrix(links), p);
+        mm.source = "GPU host '" + name + "' from a link matrix: NVLink " +
+                    std::to_string(nvlink_gbps) + " GB/s per link and direction, PCIe " +
+                    std::to_string(pcie_gbps) + " GB/s, memory " + std::to_string(memory_gbps) +
+                    " GB/s";
+        return mm;
+      },
+      py::arg("name"), py::arg("links"), py::arg("nvlink_gbps") = 25.0, py::arg("pcie_gbps") = 12.0,
+      py::arg("memory_gbps") = 900.0,
+      "GPUs joined by an NVLink count matrix (square, symmetric, diagonal ignored); "
+      "bandwidths in GB/s (1e9 bytes/s).");
+
+  m.def(
+      "cpu_machine",
+      [](int ranks, int cores, double core_gbps, double memory_gbps, double launch_us,
+         double barrier_us, int64_t window_bytes) {
+        if (window_bytes < 0) throw std::invalid_argument("window_bytes must be >= 0");
+        plan::CpuHostParams p;
+        p.cores = cores;
+        p.core_bytes_per_s = positive_gbps(core_gbps, "core_gbps");
+        p.memory_bytes_per_s = positive_gbps(memory_gbps, "memory_gbps");
+        p.launch_latency_s = non_negative_us(launch_us, "launch_us");
+        p.barrier_latency_s = non_negative_us(barrier_us, "barrier_us");
+        p.window_bytes = window_bytes;
+        return plan::cpu_host(ranks, p);
+      },
+      py::arg("ranks"), py::arg("cores"), py::arg("core_gbps"), py::arg("memory_gbps"),
+      py::arg("launch_us"), py::arg("barrier_us"), py::arg("window_bytes"),
+      "One host's ranks exchanging through shared memory with the staged executor.");
+
+  m.def(
+      "predict",
+      [](const plan::MachineModel& mm, const std::string& algorithm, int64_t num_packs,
+         int64_t nbytes, int64_t elem_bytes, bool ring_reference) {
+        check_bytes(nbytes, elem_bytes);
+        plan::Candidate c;
+        c.algorithm = plan::algorithm_from_string(algorithm);
+        c.num_packs = num_packs;
+        c.ring_reference = ring_reference;
+        if (!ring_reference &&
+            (c.algorithm == plan::Algorithm::kAuto || c.algorithm == plan::Algorithm::kFallback)) {
+          throw std::invalid_argument("predict: '" + algorithm +
+                                      "' is not a plan the cost model can run; use choose() "
+                                      "for 'auto'");
+        }
+        plan::Prediction p;
+        {
+          py::gil_scoped_release no_gil;
+          p = plan::predict_allreduce(mm, c, nbytes, elem_bytes);
+        }
+        return to_dict(p);
+      },
+      py::arg("machine"), py::arg("algorithm"), py::arg("num_packs"), py::arg("nbytes"),
+      py::arg("elem_bytes") = 4, py::arg("ring_reference") = false,
+      "Predicted time of one allreduce candidate; a dict with label, algorithm, num_packs, "
+      "ring_reference, bytes, seconds, algbw and busbw (bytes/s).");
+
+  m.def(
+      "choose",
+      [](const plan::MachineModel& mm, int64_t nbytes, int64_t num_packs,
+         bool with_ring_reference) {
+        check_bytes(nbytes, 1);
+        plan::ModelChoice choice;
+        {
+          py::gil_scoped_release no_gil;
+          choice = plan::choose_allreduce(mm, nbytes, num_packs, with_ring_reference);
+        }
+        py::list predictions;
+        for (const plan::Prediction& p : choice.predictions) predictions.append(to_dict(p));
+        py::dict d;
+        d["best"] = to_dict(choice.best);
+        d["predictions"] = predictions;
+        return d;
+      },
+      py::arg("machine"), py::arg("nbytes"), py::arg("num_packs") = -1,
+      py::arg("with_ring_reference") = true,
+      "The fastest runnable candidate ('best') and every prediction behind the choice "
+      "('predictions', ring reference last).");
+
+  m.def(
+      "classify",
+      [](const Matrix& links) {
+        return std::string(plan::to_string(plan::classify(link_matrix(links))));
+      },
+      py::arg("links"), "'none', 'partial', 'fully_connected' or 'dgx1'.");
+}
+
+}  // namespace xdev::backend

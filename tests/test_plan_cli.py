@@ -1,0 +1,162 @@
+"""The cost-model CLI, `python -m torch_xdev.plan` (torch_xdev/plan.py, csrc/backend/plan_bindings.cc).
+
+Sizes stay at or below 1 MiB: the simulation of large payloads is slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torch_xdev
+from torch_xdev import plan
+
+# The ranks of a subprocess must import the torch_xdev this process tested (an in-place build
+# of the source tree, or the installed one).
+PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
+
+# nvidia-smi topo -m on a DGX-1 with V100: NV2 on 0-3, 0-4, 1-2, 1-5, 2-3, 4-7, 5-6, 6-7.
+DGX1_V100 = [
+    [0, 1, 1, 2, 2, 0, 0, 0],
+    [1, 0, 2, 1, 0, 2, 0, 0],
+    [1, 2, 0, 2, 0, 0, 1, 0],
+    [2, 1, 2, 0, 0, 0, 0, 1],
+    [2, 0, 0, 0, 0, 1, 1, 2],
+    [0, 2, 0, 0, 1, 0, 2, 1],
+    [0, 0, 1, 0, 1, 2, 0, 2],
+    [0, 0, 0, 1, 2, 1, 2, 0],
+]
+
+ROW = re.compile(
+    r"^\s*(?P<size>\d+)\s+(?P<label>\S+(?: \(reference\))?)\s+(?P<time>[\d.]+)\s+"
+    r"(?P<algbw>[\d.]+)\s+(?P<busbw>[\d.]+)\s*(?P<choice>\*?)$"
+)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "torch_xdev.plan", *args],
+        cwd=PACKAGE_ROOT,  # the repository root for an in-place build
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_table_marks_the_fastest_runnable_plan() -> None:
+    # x4 steps: each size costs about a second of simulation (the 384-pack balanced plan).
+    proc = run_cli("--topology", "dgx1-v100", "--sizes", "4KiB:1MiB:4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# machine: dgx1-v100 (8 devices)\n# source: DGX-1"), proc.stdout
+    by_size: dict[int, list[re.Match[str]]] = {}
+    for line in proc.stdout.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = ROW.match(line)
+        assert match is not None, f"unparsed line {line!r} in\n{proc.stdout}"
+        by_size.setdefault(int(match["size"]), []).append(match)
+    assert sorted(by_size) == [4096 << k for k in range(0, 9, 2)], proc.stdout
+    for size, matches in by_size.items():
+        chosen = [m for m in matches if m["choice"] == "*"]
+        assert len(chosen) == 1, (size, proc.stdout)
+        runnable = [m for m in matches if "reference" not in m["label"]]
+        assert [m["label"] for m in matches if m not in runnable] == ["ring (reference)"]
+        assert chosen[0] in runnable
+        # Rounding to 0.01 us is monotone, so the fastest stays the smallest.
+        assert float(chosen[0]["time"]) == min(float(m["time"]) for m in runnable), size
+        for m in matches:
+            algbw, busbw = float(m["algbw"]), float(m["busbw"])
+            assert busbw == pytest.approx(algbw * 2 * (8 - 1) / 8, abs=0.015), m.group(0)
+
+
+def test_topology_file_matches_builtin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    topo = tmp_path / "v100.json"
+    topo.write_text(json.dumps({"name": "my-dgx1", "nvlink": DGX1_V100}))
+    model = plan.load_topology_file(topo)
+    builtin = plan.machine("dgx1-v100")
+    assert model.name == "my-dgx1"
+    assert model.links() == builtin.links() == DGX1_V100
+    assert torch_xdev._C.plan.classify(DGX1_V100) == "dgx1"
+
+    out_file, out_builtin = tmp_path / "file.json", tmp_path / "builtin.json"
+    assert plan.main(["--topology", str(topo), "--sizes", "256KiB", "--json", str(out_file)]) == 0
+    assert "# machine: my-dgx1 (8 devices)" in capsys.readouterr().out
+    assert (
+        plan.main(["--topology", "dgx1-v100", "--sizes", "256KiB", "--json", str(out_builtin)]) == 0
+    )
+    from_file = json.loads(out_file.read_text())
+    from_builtin = json.loads(out_builtin.read_text())
+    assert len(from_file) == len(from_builtin) > 3
+    for a, b in zip(from_file, from_builtin):
+        assert a["size"] == 256 << 10
+        assert (a["label"], a["chosen"]) == (b["label"], b["chosen"])
+        for key in ("time_us", "algbw_gbps", "busbw_gbps"):
+            assert a[key] == pytest.approx(b[key], rel=1e-12), (a, b)
+
+
+@pytest.mark.parametrize(
+    "nvlink, problem",
+    [
+        ([[0, 1, 1], [1, 0, 1]], "not a square matrix: row 0 has 3 entries, but there are 2 rows"),
+        ([[0, 1], [2, 0]], "not symmetric: [0][1] = 1 but [1][0] = 2"),
+        ([[0, -1], [-1, 0]], "'nvlink'[0][1] is negative"),
+        ([[0, 1.5], [1.5, 0]], "must be an integer link count"),
+    ],
+)
+def test_bad_topology_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nvlink: object, problem: str
+) -> None:
+    topo = tmp_path / "bad.json"
+    topo.write_text(json.dumps({"nvlink": nvlink}))
+    assert plan.main(["--topology", str(topo), "--sizes", "4KiB"]) != 0
+    err = capsys.readouterr().err
+    assert str(topo) in err and problem in err, err
+
+
+def test_bad_topology_file_cli(tmp_path: Path) -> None:
+    topo = tmp_path / "bad.json"
+    topo.write_text(json.dumps({"name": "bad", "nvlink": [[0, 1, 1], [1, 0, 1]]}))
+    proc = run_cli("--topology", str(topo), "--sizes", "4KiB")
+    assert proc.returncode != 0
+    assert f"{topo}: 'nvlink' is not a square matrix" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_unknown_topology(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--topology", "dgx2", "--sizes", "4KiB"]) != 0
+    err = capsys.readouterr().err
+    assert "dgx2" in err and "dgx1-v100" in err, err
+
+
+@pytest.mark.parametrize(
+    "sizes, problem",
+    [
+        ("1KiB:bogus", "'bogus' is not a size"),
+        ("1KiB:1MiB:1", "factor F of A:B:F must be an integer >= 2"),
+        ("1MiB:1KiB", "start is larger than its end"),
+        ("4XiB", "unknown unit 'XiB'"),
+        ("6", "not a multiple of 4"),
+    ],
+)
+def test_bad_sizes(capsys: pytest.CaptureFixture[str], sizes: str, problem: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan.main(["--topology", "dgx1-v100", "--sizes", sizes])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --sizes" in err and problem in err, err
+
+
+def test_parse_sizes() -> None:
+    assert plan.parse_sizes("4KiB:1MiB") == [4096 << k for k in range(9)]
+    assert plan.parse_sizes("4K:64M:16") == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+    assert plan.parse_sizes("8,1K, 2MiB,1G") == [8, 1024, 2 << 20, 1 << 30]
+    assert plan.parse_sizes("4kib:12KiB") == [4096, 8192]

@@ -1,0 +1,470 @@
+"""Predicted allreduce times from the plan layer's cost model.
+
+Run as::
+
+    python -m torch_xdev.plan --topology dgx1-v100 --sizes 4KiB:1GiB \\
+        [--num-packs N] [--plot out.png] [--json out.json]
+
+For every payload size it prints, nccl-tests style, the predicted time, algbw and busbw
+of every candidate plan (and of the ring reference: NCCL's ring algorithm modelled with
+the same costs, never run by xdev), and marks with ``*`` the one ``algorithm="auto"``
+would choose by predicted time. The numbers come from ideal hardware figures; they
+predict the shape of each plan's cost on that wiring, not a measured time.
+
+``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``pcie-8gpu``,
+``cpu-<N>``) or the path of a topology file.
+
+Topology file
+-------------
+A JSON object (the same format ``XDEV_TOPO_FILE`` reads for CUDA)::
+
+    {
+      "name": "my-dgx1",
+      "nvlink": [[0, 1, 1, 2, 2, 0, 0, 0],
+                 [1, 0, 2, 1, 0, 2, 0, 0],
+                 [1, 2, 0, 2, 0, 0, 1, 0],
+                 [2, 1, 2, 0, 0, 0, 0, 1],
+                 [2, 0, 0, 0, 0, 1, 1, 2],
+                 [0, 2, 0, 0, 1, 0, 2, 1],
+                 [0, 0, 1, 0, 1, 2, 0, 2],
+                 [0, 0, 0, 1, 2, 1, 2, 0]],
+      "nvlink_gbps": 25.0,
+      "pcie_gbps": 12.0,
+      "memory_gbps": 900.0
+    }
+
+``nvlink``
+    Required. A square, symmetric matrix of non-negative integers: the number of
+    NVLinks between GPUs i and j (0: the pair talks over PCIe). The diagonal is
+    ignored. The example is a DGX-1 with V100 (``nvidia-smi topo -m``: NV1/NV2).
+``name``
+    Optional; defaults to the file's name without its extension.
+``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``
+    Optional bandwidths in GB/s (1e9 bytes/s): per NVLink and direction (default 25,
+    NVLink 2), per GPU's PCIe lane and direction (default 12) and of each GPU's memory
+    (default 900).
+
+Sizes
+-----
+``A:B`` is every power-of-two multiple of ``A`` from ``A`` up to ``B`` (``A``, ``2A``,
+``4A``, ...), ``A:B:F`` steps by a factor ``F`` instead, and ``A,B,C`` lists sizes.
+Units: ``B`` (or none), ``KiB``/``K``, ``MiB``/``M``, ``GiB``/``G`` (powers of 1024).
+Sizes are in bytes of float32 elements, so they must be multiples of 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TypedDict
+
+from ._C import plan as _plan
+
+MachineModel = _plan.MachineModel
+
+__all__ = [
+    "MachineModel",
+    "Row",
+    "format_table",
+    "load_topology_file",
+    "machine",
+    "main",
+    "parse_sizes",
+    "rows",
+    "size_rows",
+]
+
+ELEM_BYTES = 4  # float32
+MAX_SIZES = 256
+MAX_BYTES = 1 << 40
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
+_UNITS.update({"g": 1 << 30, "gib": 1 << 30})
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_FILE_KEYS = {"name", "nvlink", "nvlink_gbps", "pcie_gbps", "memory_gbps"}
+
+
+class Row(TypedDict):
+    """One line of the table (and one object of ``--json``)."""
+
+    size: int
+    label: str
+    algorithm: str
+    num_packs: int
+    ring_reference: bool
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    chosen: bool
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes
+
+
+def parse_size(text: str) -> int:
+    """``"4KiB"`` -> 4096. Raises ValueError on anything else than a count and a unit."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"'{text}' is not a size (examples: 4096, 4KiB, 64M, 1GiB)")
+    unit = match.group(2).lower()
+    if unit not in _UNITS:
+        raise ValueError(f"'{text}': unknown unit '{match.group(2)}' (use B, KiB, MiB or GiB)")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def _check_size(size: int, text: str) -> int:
+    if size <= 0:
+        raise ValueError(f"'{text}': sizes must be > 0")
+    if size % ELEM_BYTES != 0:
+        raise ValueError(f"'{text}' is {size} bytes, not a multiple of {ELEM_BYTES} (float32)")
+    if size > MAX_BYTES:
+        raise ValueError(f"'{text}' is larger than 1 TiB")
+    return size
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``A:B``, ``A:B:F`` or ``A,B,...`` as a list of byte counts (see the module doc)."""
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"'{text}': a range is A:B or A:B:F")
+        lo = _check_size(parse_size(parts[0]), parts[0])
+        hi = _check_size(parse_size(parts[1]), parts[1])
+        factor = 2
+        if len(parts) == 3:
+            if not parts[2].strip().isdigit() or int(parts[2]) < 2:
+                raise ValueError(f"'{text}': the factor F of A:B:F must be an integer >= 2")
+            factor = int(parts[2])
+        if lo > hi:
+            raise ValueError(f"'{text}': the range's start is larger than its end")
+        sizes = [lo]
+        while sizes[-1] * factor <= hi:
+            sizes.append(sizes[-1] * factor)
+    else:
+        sizes = [_check_size(parse_size(p), p) for p in text.split(",")]
+    if len(sizes) > MAX_SIZES:
+        raise ValueError(f"'{text}' gives {len(sizes)} sizes; at most {MAX_SIZES}")
+    return sizes
+
+
+def _sizes_arg(text: str) -> list[int]:
+    try:
+        return parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def format_size(size: int) -> str:
+    """4096 -> ``"4KiB"``; sizes that are not whole KiB/MiB/GiB stay in bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size}B"
+
+
+# ---------------------------------------------------------------------------------------
+# Machines
+
+
+def _gbps(data: dict[str, Any], key: str, path: str) -> float | None:
+    if key not in data:
+        return None
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{path}: '{key}' must be a number, got {json.dumps(value)}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{path}: '{key}' must be > 0, got {value}")
+    return float(value)
+
+
+def _link_matrix(value: Any, path: str) -> list[list[int]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{path}: 'nvlink' must be a non-empty list of rows (a square matrix)")
+    n = len(value)
+    matrix: list[list[int]] = []
+    for i, row in enumerate(value):
+        if not isinstance(row, list):
+            raise ValueError(f"{path}: 'nvlink' row {i} is not a list")
+        if len(row) != n:
+            raise ValueError(
+                f"{path}: 'nvlink' is not a square matrix: row {i} has {len(row)} entries, "
+                f"but there are {n} rows"
+            )
+        for j, count in enumerate(row):
+            if isinstance(count, bool) or not isinstance(count, int):
+                raise ValueError(
+                    f"{path}: 'nvlink'[{i}][{j}] must be an integer link count, "
+                    f"got {json.dumps(count)}"
+                )
+            if count < 0 and i != j:
+                raise ValueError(f"{path}: 'nvlink'[{i}][{j}] is negative ({count})")
+        matrix.append([0 if j == i else int(c) for j, c in enumerate(row)])
+    for i in range(n):
+        for j in range(i + 1, n):
+            if matrix[i][j] != matrix[j][i]:
+                raise ValueError(
+                    f"{path}: 'nvlink' is not symmetric: [{i}][{j}] = {matrix[i][j]} but "
+                    f"[{j}][{i}] = {matrix[j][i]}"
+                )
+    return matrix
+
+
+def load_topology_file(path: str | os.PathLike[str]) -> MachineModel:
+    """The GPU host a topology file describes (format: see the module doc).
+
+    Raises ValueError naming the file and the problem.
+    """
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: cannot read the topology file ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: the topology must be a JSON object with an 'nvlink' matrix")
+    unknown = sorted(set(data) - _FILE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(sorted(_FILE_KEYS))}"
+        )
+    if "nvlink" not in data:
+        raise ValueError(f"{where}: missing 'nvlink' (a square matrix of NVLink counts)")
+    links = _link_matrix(data["nvlink"], where)
+    name = data.get("name", Path(path).stem)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: 'name' must be a non-empty string")
+    bandwidths = {
+        key: value
+        for key in ("nvlink_gbps", "pcie_gbps", "memory_gbps")
+        if (value := _gbps(data, key, where)) is not None
+    }
+    try:
+        return _plan.gpu_machine(name, links, **bandwidths)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _looks_like_path(topology: str) -> bool:
+    return topology.endswith(".json") or os.sep in topology or os.path.isfile(topology)
+
+
+def machine(topology: str) -> MachineModel:
+    """A built-in machine by name, or the one a topology file describes."""
+    if _looks_like_path(topology):
+        return load_topology_file(topology)
+    try:
+        return _plan.builtin_machine(topology)
+    except ValueError as e:
+        raise ValueError(f"--topology {topology}: not a file, and {e}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Predictions
+
+
+def size_rows(model: MachineModel, size: int, num_packs: int = -1) -> list[Row]:
+    """Every candidate's prediction for one size, the ring reference last."""
+    choice = _plan.choose(model, size, num_packs, True)
+    best = choice["best"]["label"]
+    labels = [p["label"] for p in choice["predictions"]]
+    if labels.count(best) != 1:  # the C++ API promises best is one of the predictions
+        raise RuntimeError(f"choose({size}) chose '{best}', not once among {labels}")
+    return [
+        Row(
+            size=size,
+            label=p["label"],
+            algorithm=p["algorithm"],
+            num_packs=p["num_packs"],
+            ring_reference=p["ring_reference"],
+            time_us=p["seconds"] * 1e6,
+            algbw_gbps=p["algbw"] / 1e9,
+            busbw_gbps=p["busbw"] / 1e9,
+            chosen=p["label"] == best,
+        )
+        for p in choice["predictions"]
+    ]
+
+
+def rows(model: MachineModel, sizes: Sequence[int], num_packs: int = -1) -> list[Row]:
+    """Every candidate's prediction (ring reference included) for every size."""
+    return [r for size in sizes for r in size_rows(model, size, num_packs)]
+
+
+LABEL_WIDTH = len("hierarchical_balanced/9999")
+
+
+def format_header(model: MachineModel) -> str:
+    """The lines above the table: the machine, where its numbers come from, the columns."""
+    return "\n".join(
+        [
+            f"# machine: {model.name} ({model.num_devices} devices)",
+            f"# source: {model.source}",
+            "# predicted allreduce of float32 sums; * = the choice of algorithm=auto "
+            "(the ring reference is never chosen)",
+            "#",
+            f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
+            f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice",
+        ]
+    )
+
+
+def format_row(r: Row) -> str:
+    """One line of the table."""
+    line = (
+        f"  {r['size']:>10}  {r['label']:<{LABEL_WIDTH}}  {r['time_us']:>10.2f}  "
+        f"{r['algbw_gbps']:>11.2f}  {r['busbw_gbps']:>11.2f}  {'*' if r['chosen'] else ''}"
+    )
+    return line.rstrip()
+
+
+def format_table(model: MachineModel, table: Sequence[Row]) -> str:
+    """The nccl-tests-like text the CLI prints: a blank line between sizes."""
+    lines = [format_header(model)]
+    for i, r in enumerate(table):
+        if i > 0 and r["size"] != table[i - 1]["size"]:
+            lines.append("")
+        lines.append(format_row(r))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Plot
+
+
+def _import_pyplot() -> Any:
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def plot(model: MachineModel, table: Sequence[Row], path: str, pyplot: Any) -> None:
+    """busbw against size, one line per algorithm (its best num_packs at each size)."""
+    families: dict[str, dict[int, Row]] = {}
+    for r in table:
+        family = "ring (reference)" if r["ring_reference"] else r["algorithm"]
+        best = families.setdefault(family, {})
+        if r["size"] not in best or r["time_us"] < best[r["size"]]["time_us"]:
+            best[r["size"]] = r
+    fig, ax = pyplot.subplots(figsize=(9, 5.5))
+    for family, by_size in families.items():
+        sizes = sorted(by_size)
+        ring = family.startswith("ring")
+        packed = any(r["num_packs"] > 0 for r in table if r["algorithm"] == family)
+        ax.plot(
+            sizes,
+            [by_size[s]["busbw_gbps"] for s in sizes],
+            linestyle="--" if ring else "-",
+            color="black" if ring else None,
+            marker=None if ring else "o",
+            markersize=3,
+            label=f"{family} (best num_packs)" if packed and not ring else family,
+        )
+    chosen = [r for r in table if r["chosen"]]
+    ax.scatter(
+        [r["size"] for r in chosen],
+        [r["busbw_gbps"] for r in chosen],
+        s=80,
+        facecolors="none",
+        edgecolors="red",
+        zorder=3,
+        label="chosen (auto)",
+    )
+    sizes_all = sorted({r["size"] for r in table})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes_all)
+    ax.set_xticklabels([format_size(s) for s in sizes_all], rotation=45, ha="right")
+    ax.minorticks_off()
+    ax.set_xlabel("size (bytes, float32 allreduce)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"Predicted allreduce busbw on {model.name}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_xdev.plan",
+        description="Predicted allreduce times of xdev's plans (and NCCL's ring, for "
+        "reference) on a machine model.",
+        epilog="Topology file format and size syntax: see `pydoc torch_xdev.plan`.",
+    )
+    parser.add_argument(
+        "--topology",
+        required=True,
+        help="a built-in machine (dgx1-p100, dgx1-v100, pcie-8gpu, cpu-<N>) or a JSON "
+        "topology file",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes_arg,
+        default=_sizes_arg("4KiB:1GiB"),
+        help="A:B (powers of two), A:B:F (factor F) or A,B,... with units B, KiB, MiB, GiB "
+        "(default 4KiB:1GiB)",
+    )
+    parser.add_argument(
+        "--num-packs",
+        type=int,
+        default=-1,
+        help="restrict the hierarchical plans to this many packs (default: try several)",
+    )
+    parser.add_argument("--plot", metavar="PNG", help="plot busbw against size (matplotlib)")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.num_packs < -1:
+        parser.error("--num-packs must be >= 0 (or -1: try several)")
+    pyplot = None
+    if args.plot is not None:
+        pyplot = _import_pyplot()
+        if pyplot is None:
+            print("error: install matplotlib to plot (pip install matplotlib)", file=sys.stderr)
+            return 1
+    try:
+        model = machine(args.topology)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Printed size by size: large payloads on a CPU model take a while to simulate.
+    print(format_header(model), flush=True)
+    table: list[Row] = []
+    for i, size in enumerate(args.sizes):
+        table_rows = size_rows(model, size, args.num_packs)
+        block = "\n".join(format_row(r) for r in table_rows)
+        print(("\n" if i > 0 else "") + block, flush=True)
+        table += table_rows
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+    if pyplot is not None:
+        plot(model, table, args.plot, pyplot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
