@@ -34,9 +34,10 @@ def _digest(t: torch.Tensor) -> int:
 
 def _variants(algorithm: str, world: int) -> list[dict[str, Any]]:
     base: dict[str, Any] = {"algorithm": algorithm, "shm_slot_bytes": SMALL_SLOT}
-    if algorithm == "hierarchical_copy":
+    if algorithm in ("hierarchical_copy", "hierarchical_balanced"):
         return [
             base,  # num_packs = world size
+            {**base, "num_packs": 3 * world},
             {**base, "num_packs": 0},
             {**base, "num_packs": 3, "shm_slot_bytes": 1 << 20},
             {**base, "bytes_per_pack": 256},
@@ -103,14 +104,17 @@ GRID = [
     (2, "flat"),
     (2, "reduce_to_one"),
     (2, "hierarchical_copy"),
+    (2, "hierarchical_balanced"),
     (2, "direct"),
     (3, "flat"),
     (3, "direct"),
     (3, "reduce_to_one"),
     (4, "flat"),
     (4, "hierarchical_copy"),
+    (4, "hierarchical_balanced"),
     (4, "reduce_to_one"),
     (8, "hierarchical_copy"),
+    (8, "hierarchical_balanced"),
     (8, "auto"),
 ]
 

@@ -95,6 +95,7 @@ class plan:
         launch_us: float,
         barrier_us: float,
         window_bytes: int,
+        step_us: float = 0.0,
     ) -> plan.MachineModel: ...
     @staticmethod
     def predict(

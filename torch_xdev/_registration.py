@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -20,6 +21,41 @@ BACKEND_NAME = "xdev"
 def host_identity() -> str:
     """The name ranks compare to find who shares their host (XDEV_HOSTNAME overrides)."""
     return os.environ.get("XDEV_HOSTNAME") or socket.gethostname()
+
+
+# Fields of a cost-model file (benchmarks/calibrate.py --out) and the config fields they set.
+CPU_MODEL_FIELDS = {
+    "core_gbps": "cpu_core_gbps",
+    "memory_gbps": "cpu_memory_gbps",
+    "launch_us": "cpu_launch_us",
+    "barrier_us": "cpu_barrier_us",
+    "step_us": "cpu_step_us",
+}
+
+
+def apply_cpu_model_file(config: Any, path: str) -> None:
+    """Sets the CPU cost-model parameters of `config` from a calibration file (XDEV_CPU_MODEL)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"XDEV_CPU_MODEL={path!r}: cannot read a JSON cost model: {e}") from e
+    params = data.get("params", data) if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise ValueError(f"XDEV_CPU_MODEL={path!r}: expected a JSON object with 'params'")
+    for key, field in CPU_MODEL_FIELDS.items():
+        if key not in params:
+            continue
+        value = params[key]
+        if (
+            not isinstance(value, (int, float))
+            or value < 0
+            or (key.endswith("gbps") and value == 0)
+        ):
+            raise ValueError(
+                f"XDEV_CPU_MODEL={path!r}: {key} must be a positive number; got {value!r}"
+            )
+        setattr(config, field, float(value))
 
 
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
@@ -46,6 +82,9 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     config.hostname = host_identity()
     config.group_name = group_id
     config.debug = options.debug
+    model_file = os.environ.get("XDEV_CPU_MODEL")
+    if model_file:
+        apply_cpu_model_file(config, model_file)
     return _C.XdevBackend(store, rank, size, config, fallback)
 
 

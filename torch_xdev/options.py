@@ -7,7 +7,15 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
-ALGORITHMS = ("auto", "hierarchical_copy", "reduce_to_one", "flat", "direct", "fallback")
+ALGORITHMS = (
+    "auto",
+    "hierarchical_copy",
+    "hierarchical_balanced",
+    "reduce_to_one",
+    "flat",
+    "direct",
+    "fallback",
+)
 
 
 @dataclasses.dataclass
@@ -19,7 +27,9 @@ class Options:
 
     Attributes:
         algorithm: ``"auto"`` (default: chosen per call, see the README),
-            ``"hierarchical_copy"`` (even world sizes only), ``"reduce_to_one"``,
+            ``"hierarchical_copy"`` (the seeds' plan; even world sizes only),
+            ``"hierarchical_balanced"`` (the same two levels, trees balanced over the
+            links; even world sizes only), ``"reduce_to_one"``,
             ``"flat"`` (reduce-scatter + allgather), ``"direct"`` (every rank
             reduces everything; one barrier) or ``"fallback"`` (Gloo).
         num_packs: packs for concat-and-split; ``None`` lets the algorithm

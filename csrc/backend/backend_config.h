@@ -21,6 +21,15 @@ struct BackendConfig {
   std::string hostname;                // this rank's host identity
   std::string group_name;
   bool debug = false;
+
+  // The cost model of this host's shared-memory path that algorithm="auto"
+  // chooses by (plan::cpu_host). Defaults: fitted on the 2-core development
+  // machine by benchmarks/calibrate.py; XDEV_CPU_MODEL names a file it wrote.
+  double cpu_core_gbps = 5.0;
+  double cpu_memory_gbps = 10.0;
+  double cpu_launch_us = 10.0;
+  double cpu_barrier_us = 5.0;
+  double cpu_step_us = 0.0;
 };
 
 }  // namespace xdev::backend

@@ -77,6 +77,20 @@ py::dict describe(const XdevBackend& b) {
     per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
   }
   d["cpu_allreduce_plan"] = per_size;
+  if (const plan::MachineModel* m = b.cpu_model()) {
+    py::dict model;
+    model["name"] = m->name();
+    model["source"] = m->source;
+    model["core_gbps"] = c.cpu_core_gbps;
+    model["memory_gbps"] = c.cpu_memory_gbps;
+    model["launch_us"] = c.cpu_launch_us;
+    model["barrier_us"] = c.cpu_barrier_us;
+    model["step_us"] = c.cpu_step_us;
+    model["window_bytes"] = m->window_bytes;
+    d["cpu_cost_model"] = model;
+  } else {
+    d["cpu_cost_model"] = py::none();
+  }
   const plan::Selection cuda = b.selection_for(int64_t{1} << 20, true);
   d["cuda_allreduce_plan"] = py::make_tuple(plan::to_string(cuda.algorithm), cuda.reason);
   const auto last = b.last_selection();
@@ -107,7 +121,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("single_copy", &BackendConfig::single_copy)
       .def_readwrite("hostname", &BackendConfig::hostname)
       .def_readwrite("group_name", &BackendConfig::group_name)
-      .def_readwrite("debug", &BackendConfig::debug);
+      .def_readwrite("debug", &BackendConfig::debug)
+      .def_readwrite("cpu_core_gbps", &BackendConfig::cpu_core_gbps)
+      .def_readwrite("cpu_memory_gbps", &BackendConfig::cpu_memory_gbps)
+      .def_readwrite("cpu_launch_us", &BackendConfig::cpu_launch_us)
+      .def_readwrite("cpu_barrier_us", &BackendConfig::cpu_barrier_us)
+      .def_readwrite("cpu_step_us", &BackendConfig::cpu_step_us);
 
   py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
       .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <stdexcept>
+#include <thread>
 
 #include "../plan/collective_plan.h"
+#include "../plan/machines.h"
 #include "../plan/packing.h"
 
 namespace xdev::backend {
@@ -107,6 +109,17 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   plan::check_forced_algorithm(requested_, size, num_hosts_);
   if (num_hosts_ == 1 && size > 1 && requested_ != plan::Algorithm::kFallback) {
     open_shared_memory(*store);
+  }
+  if (executor_ != nullptr) {
+    plan::CpuHostParams params;
+    params.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    params.core_bytes_per_s = config_.cpu_core_gbps * 1e9;
+    params.memory_bytes_per_s = config_.cpu_memory_gbps * 1e9;
+    params.launch_latency_s = config_.cpu_launch_us * 1e-6;
+    params.barrier_latency_s = config_.cpu_barrier_us * 1e-6;
+    params.step_latency_s = config_.cpu_step_us * 1e-6;
+    params.window_bytes = config_.shm_slot_bytes;
+    cpu_model_ = std::make_unique<plan::MachineModel>(plan::cpu_host(size, params));
   }
   queue_ = std::make_unique<WorkQueue>();
   if (config_.debug && rank == 0) {
@@ -232,7 +245,32 @@ plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
   in.transport_available = !cuda && (executor_ != nullptr || size_ == 1);
   in.payload_bytes = payload;
   in.num_packs = config_.num_packs;
-  return plan::select_allreduce(in);
+  const bool by_model =
+      !cuda && cpu_model_ != nullptr && requested_ == plan::Algorithm::kAuto && num_hosts_ == 1;
+  if (!by_model) return plan::select_allreduce(in);
+  // Predict at the power of two at or above the payload, once per size class.
+  int64_t bucket = 4;
+  while (bucket < payload) bucket *= 2;
+  std::lock_guard<std::mutex> lock(model_mutex_);
+  auto it = model_choices_.find(bucket);
+  if (it == model_choices_.end()) {
+    in.payload_bytes = bucket;
+    in.model = cpu_model_.get();
+    it = model_choices_.emplace(bucket, plan::select_allreduce(in)).first;
+  }
+  return it->second;
+}
+
+const std::vector<plan::PackTree>& XdevBackend::pack_trees(int64_t num_packs) {
+  std::lock_guard<std::mutex> lock(model_mutex_);
+  auto it = pack_trees_.find(num_packs);
+  if (it == pack_trees_.end()) {
+    it = pack_trees_
+             .emplace(num_packs, plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(size_),
+                                                           std::max<int64_t>(1, num_packs)))
+             .first;
+  }
+  return it->second;
 }
 
 transport::Clock::time_point XdevBackend::deadline_for(std::chrono::milliseconds timeout) const {
@@ -328,7 +366,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
           const uint64_t hash = shape_hash(tensors);
           for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
             const auto dtype = static_cast<kernels::DType>(group.dtype);
-            const auto packs = plan::make_packs(group.layout, group.elem_size, packing_);
+            // The plan's pack count applies unless the user chose a packing.
+            plan::PackingOptions packing = packing_;
+            const bool user_packing =
+                packing_.num_packs > 0 || packing_.bytes_per_pack > 0 ||
+                (packing_.agg_small_grads_max_bytes > 0 && packing_.agg_small_grads_max_group > 0);
+            if (!user_packing && sel.num_packs > 0) packing.num_packs = sel.num_packs;
+            const auto packs = plan::make_packs(group.layout, group.elem_size, packing);
             const int64_t total = group.layout.total();
             const bool single_copy =
                 plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
@@ -339,7 +383,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
                             : config_.shm_slot_bytes / static_cast<int64_t>(group.elem_size);
             const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
                 sel.algorithm, size_, static_cast<int>(config_.reduce_to_rank), packs, total,
-                window_elems);
+                window_elems,
+                sel.algorithm == plan::Algorithm::kHierarchicalBalanced
+                    ? pack_trees(static_cast<int64_t>(packs.size()))
+                    : std::vector<plan::PackTree>{});
             transport::OpDescriptor desc;
             desc.seq = ++next_seq_;
             desc.collective = static_cast<int32_t>(Collective::kAllreduce);

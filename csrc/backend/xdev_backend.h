@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
+#include "../plan/balanced_plan.h"
+#include "../plan/cost_model.h"
 #include "../plan/schedule.h"
 #include "../plan/selection.h"
 #include "../transport/shm_executor.h"
@@ -104,6 +106,8 @@ class XdevBackend : public c10d::Backend {
   std::pair<std::string, std::string> last_selection() const;
   // The algorithm and reason an allreduce of this many bytes would get.
   plan::Selection selection_for(int64_t payload_bytes, bool cuda) const;
+  // The model auto chooses CPU plans by; null without a native CPU path.
+  const plan::MachineModel* cpu_model() const { return cpu_model_.get(); }
 
  private:
   enum class Collective : int32_t { kAllreduce = 1, kBroadcast = 2, kBarrier = 3 };
@@ -155,6 +159,14 @@ class XdevBackend : public c10d::Backend {
   std::string single_copy_note_;  // why single-copy is on or off
   uint64_t next_seq_ = 0;         // worker thread only
   std::string poisoned_;          // worker thread only
+
+  // Model choices are cached per power-of-two payload size; balanced-plan
+  // trees per pack count.
+  std::unique_ptr<plan::MachineModel> cpu_model_;
+  mutable std::mutex model_mutex_;
+  mutable std::map<int64_t, plan::Selection> model_choices_;
+  std::map<int64_t, std::vector<plan::PackTree>> pack_trees_;
+  const std::vector<plan::PackTree>& pack_trees(int64_t num_packs);
 
   mutable std::mutex log_mutex_;
   std::set<std::string> logged_;

@@ -98,6 +98,7 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
   m.launch_latency_s = params.launch_latency_s;
   m.barrier_between_phases = true;
   m.barrier_latency_s = params.barrier_latency_s;
+  m.step_latency_s = params.step_latency_s;
   m.policy = SharingPolicy::kFairShare;
   m.window_bytes = params.window_bytes;
   // A rank's core copies what it reads; with more ranks than cores each gets

@@ -43,6 +43,7 @@ struct CpuHostParams {
   double memory_bytes_per_s = 10e9;   // the whole host's memory bandwidth
   double launch_latency_s = 10e-6;    // per collective call
   double barrier_latency_s = 5e-6;    // one barrier of all ranks
+  double step_latency_s = 0;          // to start one step (loop and call overhead)
   int64_t window_bytes = 256 * 1024;  // staging slot per rank
 };
 

@@ -1,6 +1,9 @@
 #include "selection.h"
 
+#include <cstdio>
 #include <stdexcept>
+
+#include "predict.h"
 
 namespace xdev::plan {
 
@@ -25,11 +28,12 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) 
                                 std::to_string(num_hosts) +
                                 " hosts; use algorithm='auto' or 'fallback'");
   }
-  if (requested == Algorithm::kHierarchicalCopy && world_size % 2 != 0) {
-    throw std::invalid_argument(
-        "algorithm='hierarchical_copy' needs an even number of ranks (two groups of N/2); "
-        "got " +
-        std::to_string(world_size));
+  if ((requested == Algorithm::kHierarchicalCopy ||
+       requested == Algorithm::kHierarchicalBalanced) &&
+      world_size % 2 != 0) {
+    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
+                                "' needs an even number of ranks (two groups of N/2); got " +
+                                std::to_string(world_size));
   }
 }
 
@@ -57,8 +61,37 @@ Selection select_allreduce(const SelectionInput& in) {
   }
   if (in.requested != Algorithm::kAuto) {
     s.algorithm = in.requested;
-    s.num_packs = in.requested == Algorithm::kHierarchicalCopy ? hier_packs : 0;
+    const bool hierarchical = in.requested == Algorithm::kHierarchicalCopy ||
+                              in.requested == Algorithm::kHierarchicalBalanced;
+    s.num_packs = hierarchical ? hier_packs : 0;
     s.reason = std::string("algorithm='") + to_string(in.requested) + "' requested";
+    return s;
+  }
+  if (in.model != nullptr) {
+    if (in.model->num_devices() != in.world_size) {
+      throw std::invalid_argument("select_allreduce: model of " +
+                                  std::to_string(in.model->num_devices()) + " devices for " +
+                                  std::to_string(in.world_size) + " ranks");
+    }
+    const ModelChoice choice = choose_allreduce(*in.model, in.payload_bytes, in.num_packs);
+    s.algorithm = choice.best.candidate.algorithm;
+    s.num_packs = choice.best.candidate.num_packs;
+    s.predicted_s = choice.best.seconds;
+    // The runner-up says how close the call was.
+    const Prediction* second = nullptr;
+    for (const Prediction& p : choice.predictions) {
+      if (p.candidate.label() == choice.best.candidate.label()) continue;
+      if (second == nullptr || p.seconds < second->seconds) second = &p;
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "model '%s': %s predicted %.1f us", in.model->name().c_str(),
+                  choice.best.candidate.label().c_str(), choice.best.seconds * 1e6);
+    s.reason = buf;
+    if (second != nullptr) {
+      std::snprintf(buf, sizeof buf, ", next %s %.1f us", second->candidate.label().c_str(),
+                    second->seconds * 1e6);
+      s.reason += buf;
+    }
     return s;
   }
   if (in.device == DeviceKind::kCuda) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cost_model.h"
 #include "schedule.h"
 #include "topology.h"
 
@@ -20,8 +21,9 @@ enum class DeviceKind { kCpu, kCuda };
 
 const char* to_string(DeviceKind d);
 
-// CPU allreduce by size (auto). Measured on a 2-core machine with 2, 4 and 8
-// ranks (README, "How an allreduce is chosen"):
+// CPU allreduce by size (auto) when no machine model is given. With a model
+// (the backend always gives one) the choice is the plan the model predicts
+// fastest. The size rule, measured on a 2-core machine with 2, 4 and 8 ranks:
 //   payload x ranks <= kCpuDirectMaxBytesTimesRanks: direct (one barrier);
 //   payload < kCpuReduceToOneMaxBytes: reduce-to-one (only the root works, so
 //     ranks that outnumber the cores mostly sleep);
@@ -48,12 +50,16 @@ struct SelectionInput {
   bool op_supported = true;         // the reduce op and dtype have native kernels
   int64_t payload_bytes = 0;
   int64_t num_packs = -1;  // -1: not set by the user
+  // For algorithm="auto" on one host: choose by predicted time on this model
+  // (its device count must be world_size). Null: the size rule above.
+  const MachineModel* model = nullptr;
 };
 
 struct Selection {
   Algorithm algorithm = Algorithm::kFallback;
-  int64_t num_packs = 0;  // hierarchical plan only; 0 = one pack per tensor
+  int64_t num_packs = 0;  // hierarchical plans only; 0 = one pack per tensor
   std::string reason;
+  double predicted_s = 0;  // by the model, when it chose; else 0
 };
 
 // Throws std::invalid_argument when a forced algorithm cannot run on this job
