@@ -3,8 +3,8 @@
 Usage::
 
     python benchmarks/allreduce.py --nproc 2 [--sizes 4KiB:64MiB] [--dtype float32]
-        [--algorithms auto,direct,flat,reduce_to_one,hierarchical_copy] [--iters N] [--warmup N]
-        [--json out.json] [--slot-bytes B]
+        [--algorithms auto,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced]
+        [--iters N] [--warmup N] [--json out.json] [--slot-bytes B]
 
 Every rank runs one Gloo default group plus one xdev group per algorithm; each row is
 the slowest rank's mean time per ``all_reduce``. Before timing an xdev algorithm its
@@ -52,7 +52,7 @@ TOLERANCES = {
     "int32": (0.0, 0.0),
     "int64": (0.0, 0.0),
 }
-DEFAULT_ALGORITHMS = "auto,direct,flat,reduce_to_one,hierarchical_copy"
+DEFAULT_ALGORITHMS = "auto,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced"
 TARGET_ROW_SECONDS = 0.5
 MIN_ITERS = 5
 MAX_ITERS = 200
@@ -335,8 +335,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for algorithm in (a.strip() for a in args.algorithms.split(",") if a.strip()):
         if algorithm not in torch_xdev.ALGORITHMS:
             sys.exit(f"unknown algorithm {algorithm!r}; choose from {torch_xdev.ALGORITHMS}")
-        if algorithm == "hierarchical_copy" and args.nproc % 2:
-            print(f"# note: skipping hierarchical_copy (needs an even nproc, got {args.nproc})")
+        if algorithm.startswith("hierarchical") and args.nproc % 2:
+            print(f"# note: skipping {algorithm} (needs an even nproc, got {args.nproc})")
             continue
         if algorithm not in algorithms:
             algorithms.append(algorithm)
