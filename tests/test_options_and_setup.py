@@ -201,6 +201,7 @@ def _selection(rank: int, world: int) -> dict[str, Any]:
         model["barrier_us"],
         model["window_bytes"],
         model["step_us"],
+        model["sleeping_barrier_us"],
     )
     for numel in (16, 1 << 14, 1 << 17):
         dist.all_reduce(torch.ones(numel))

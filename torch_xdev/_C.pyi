@@ -17,6 +17,12 @@ class BackendConfig:
     hostname: str
     group_name: str
     debug: bool
+    cpu_core_gbps: float
+    cpu_memory_gbps: float
+    cpu_launch_us: float
+    cpu_barrier_us: float
+    cpu_step_us: float
+    cpu_sleeping_barrier_us: float
     def __init__(self) -> None: ...
 
 class XdevBackend(Backend):
@@ -96,6 +102,7 @@ class plan:
         barrier_us: float,
         window_bytes: int,
         step_us: float = 0.0,
+        sleeping_barrier_us: float = 8.6,
     ) -> plan.MachineModel: ...
     @staticmethod
     def predict(

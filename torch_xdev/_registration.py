@@ -30,6 +30,7 @@ CPU_MODEL_FIELDS = {
     "launch_us": "cpu_launch_us",
     "barrier_us": "cpu_barrier_us",
     "step_us": "cpu_step_us",
+    "sleeping_barrier_us": "cpu_sleeping_barrier_us",
 }
 
 

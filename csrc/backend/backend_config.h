@@ -24,12 +24,14 @@ struct BackendConfig {
 
   // The cost model of this host's shared-memory path that algorithm="auto"
   // chooses by (plan::cpu_host). Defaults: fitted on the 2-core development
-  // machine by benchmarks/calibrate.py; XDEV_CPU_MODEL names a file it wrote.
-  double cpu_core_gbps = 5.0;
-  double cpu_memory_gbps = 10.0;
-  double cpu_launch_us = 10.0;
-  double cpu_barrier_us = 5.0;
+  // machine by benchmarks/calibrate.py (docs/calibration.md), where memory, not
+  // a core, is the bottleneck; XDEV_CPU_MODEL names a file it wrote.
+  double cpu_core_gbps = 2000.0;
+  double cpu_memory_gbps = 27.5;
+  double cpu_launch_us = 59.0;
+  double cpu_barrier_us = 0.01;
   double cpu_step_us = 0.0;
+  double cpu_sleeping_barrier_us = 8.6;
 };
 
 }  // namespace xdev::backend

@@ -86,6 +86,7 @@ py::dict describe(const XdevBackend& b) {
     model["launch_us"] = c.cpu_launch_us;
     model["barrier_us"] = c.cpu_barrier_us;
     model["step_us"] = c.cpu_step_us;
+    model["sleeping_barrier_us"] = c.cpu_sleeping_barrier_us;
     model["window_bytes"] = m->window_bytes;
     d["cpu_cost_model"] = model;
   } else {
@@ -126,7 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("cpu_memory_gbps", &BackendConfig::cpu_memory_gbps)
       .def_readwrite("cpu_launch_us", &BackendConfig::cpu_launch_us)
       .def_readwrite("cpu_barrier_us", &BackendConfig::cpu_barrier_us)
-      .def_readwrite("cpu_step_us", &BackendConfig::cpu_step_us);
+      .def_readwrite("cpu_step_us", &BackendConfig::cpu_step_us)
+      .def_readwrite("cpu_sleeping_barrier_us", &BackendConfig::cpu_sleeping_barrier_us);
 
   py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
       .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,

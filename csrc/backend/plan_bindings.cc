@@ -156,7 +156,7 @@ void bind_plan(py::module_& parent) {
   m.def(
       "cpu_machine",
       [](int ranks, int cores, double core_gbps, double memory_gbps, double launch_us,
-         double barrier_us, int64_t window_bytes, double step_us) {
+         double barrier_us, int64_t window_bytes, double step_us, double sleeping_barrier_us) {
         if (window_bytes < 0) throw std::invalid_argument("window_bytes must be >= 0");
         plan::CpuHostParams p;
         p.cores = cores;
@@ -166,11 +166,12 @@ void bind_plan(py::module_& parent) {
         p.barrier_latency_s = non_negative_us(barrier_us, "barrier_us");
         p.window_bytes = window_bytes;
         p.step_latency_s = non_negative_us(step_us, "step_us");
+        p.sleeping_barrier_latency_s = non_negative_us(sleeping_barrier_us, "sleeping_barrier_us");
         return plan::cpu_host(ranks, p);
       },
       py::arg("ranks"), py::arg("cores"), py::arg("core_gbps"), py::arg("memory_gbps"),
       py::arg("launch_us"), py::arg("barrier_us"), py::arg("window_bytes"),
-      py::arg("step_us") = 0.0,
+      py::arg("step_us") = 0.0, py::arg("sleeping_barrier_us") = 8.6,
       "One host's ranks exchanging through shared memory with the staged executor.");
 
   m.def(

@@ -118,6 +118,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     params.launch_latency_s = config_.cpu_launch_us * 1e-6;
     params.barrier_latency_s = config_.cpu_barrier_us * 1e-6;
     params.step_latency_s = config_.cpu_step_us * 1e-6;
+    params.sleeping_barrier_latency_s = config_.cpu_sleeping_barrier_us * 1e-6;
     params.window_bytes = config_.shm_slot_bytes;
     cpu_model_ = std::make_unique<plan::MachineModel>(plan::cpu_host(size, params));
   }

@@ -95,9 +95,15 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
   if (params.cores < 1) throw std::invalid_argument("cpu_host: needs at least one core");
   MachineModel m("cpu-" + std::to_string(ranks), ranks);
   m.links = LinkMatrix::fully_connected(ranks);
-  m.launch_latency_s = params.launch_latency_s;
+  // More ranks than cores: the executor's barrier sleeps in the kernel instead of spinning
+  // (ShmChannel::init_local_rank sets spin_iterations_ to 0) and every rank's per-call and
+  // per-barrier work is time-shared with the others on its core. Measured on 2 cores
+  // (docs/calibration.md), both costs grow about with the square of the oversubscription.
+  const double over = std::max(1.0, static_cast<double>(ranks) / params.cores);
+  m.launch_latency_s = params.launch_latency_s * over * over;
   m.barrier_between_phases = true;
-  m.barrier_latency_s = params.barrier_latency_s;
+  m.barrier_latency_s = ranks > params.cores ? params.sleeping_barrier_latency_s * over * over
+                                             : params.barrier_latency_s;
   m.step_latency_s = params.step_latency_s;
   m.policy = SharingPolicy::kFairShare;
   m.window_bytes = params.window_bytes;

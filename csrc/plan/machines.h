@@ -37,12 +37,17 @@ LinkMatrix dgx1_v100_links();
 // 8 GPUs with no NVLink: every transfer crosses PCIe Gen3 x16.
 MachineModel pcie_8gpu();
 
+// Defaults: fitted on the 2-core development machine (docs/calibration.md).
 struct CpuHostParams {
   int cores = 2;
-  double core_bytes_per_s = 5e9;      // one core's copy / reduce throughput
-  double memory_bytes_per_s = 10e9;   // the whole host's memory bandwidth
-  double launch_latency_s = 10e-6;    // per collective call
-  double barrier_latency_s = 5e-6;    // one barrier of all ranks
+  double core_bytes_per_s = 2000e9;    // one core's copy / reduce throughput
+  double memory_bytes_per_s = 27.5e9;  // the whole host's memory bandwidth
+  double launch_latency_s = 59e-6;     // per collective call; * (ranks / cores)^2 above one
+  double barrier_latency_s =
+      0.01e-6;  // one barrier of all ranks, each on a core of its own (spins)
+  // One barrier with more ranks than cores, where it sleeps (futex), at ranks == cores; it
+  // grows with (ranks / cores)^2 (docs/calibration.md).
+  double sleeping_barrier_latency_s = 8.6e-6;
   double step_latency_s = 0;          // to start one step (loop and call overhead)
   int64_t window_bytes = 256 * 1024;  // staging slot per rank
 };

@@ -1,0 +1,631 @@
+"""Calibrate the CPU cost model (torch_xdev._C.plan.cpu_machine) against measured allreduces.
+
+Usage::
+
+    python benchmarks/calibrate.py [--results FILE ...] [--out benchmarks/results/cpu_model.json]
+    python benchmarks/calibrate.py --run [--nproc 2 4] [--sizes 1MiB:64MiB] [--run-dir DIR]
+
+Reads the JSON files of benchmarks/allreduce.py (by default every
+benchmarks/results/allreduce_<N>ranks.json there is; with ``--run``, the files that a fresh run
+of benchmarks/allreduce.py for each ``--nproc`` writes to ``--run-dir``, plus any ``--results``)
+and fits ONE parameter set of the CPU machine model to every measured xdev row of an explicit
+algorithm (not "auto") of every rank count: core_gbps, memory_gbps, launch_us, barrier_us,
+step_us and sleeping_barrier_us.
+The cores are the files' ``cpu_count``, the window their ``slot_bytes`` (262144 by default).
+
+The fit minimises the weighted mean of squared log errors log(predicted / measured) over the
+rows of at least ``--min-fit-bytes`` (1 MiB); smaller rows take part with ``--small-weight``
+(0 by default: shown for information only). The optimiser is a deterministic Nelder-Mead in
+log space with restarts, multi-started from a few fixed points (no scipy).
+
+Prints the fitted parameters and a prediction-versus-measurement table, and saves both as
+JSON (``--out``). See docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, NotRequired, Optional, Sequence, TypedDict
+
+import torch_xdev
+from torch_xdev._C import plan
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_OUT = RESULTS / "cpu_model.json"
+DEFAULT_WINDOW_BYTES = 256 << 10  # torch_xdev.Options.shm_slot_bytes
+MIB = 1 << 20
+ELEM_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+ALGORITHMS = ("direct", "reduce_to_one", "flat", "hierarchical_copy", "hierarchical_balanced")
+HIERARCHICAL = ("hierarchical_copy", "hierarchical_balanced")
+
+# The fitted parameters, their search bounds and the starting points of the multi-start.
+PARAM_NAMES = (
+    "core_gbps",
+    "memory_gbps",
+    "launch_us",
+    "barrier_us",
+    "step_us",
+    "sleeping_barrier_us",
+)
+BOUNDS: dict[str, tuple[float, float]] = {
+    "core_gbps": (0.05, 2000.0),
+    "memory_gbps": (0.05, 20000.0),
+    "launch_us": (0.01, 1e5),
+    "barrier_us": (0.01, 1e5),
+    "step_us": (0.001, 1e4),
+    "sleeping_barrier_us": (0.01, 1e5),
+}
+STARTS: tuple[tuple[float, float, float, float, float, float], ...] = (
+    (5.0, 10.0, 10.0, 5.0, 0.1, 10.0),  # csrc/plan/machines.h CpuHostParams defaults
+    (20.0, 20.0, 30.0, 20.0, 1.0, 20.0),
+    (10.0, 200.0, 100.0, 50.0, 10.0, 50.0),
+)
+
+
+class Params(TypedDict):
+    """A CPU machine model: the arguments of plan.cpu_machine except the rank count."""
+
+    cores: int
+    window_bytes: int
+    core_gbps: float
+    memory_gbps: float
+    launch_us: float
+    barrier_us: float
+    step_us: float
+    sleeping_barrier_us: float  # a barrier with more ranks than cores (it sleeps)
+
+
+class FitResult(Params):
+    """fit()'s answer: the parameters, and how well and at what cost they were found."""
+
+    loss: float  # weighted mean of squared log errors
+    rms_log_error: float
+    evaluations: int  # objective evaluations
+    rows: int  # rows with a weight > 0
+
+
+class Measurement(TypedDict):
+    ranks: int
+    algorithm: str
+    size_bytes: int
+    time_us: float
+    elem_bytes: NotRequired[int]  # 4 when absent
+    weight: NotRequired[float]  # 1 when absent; 0 leaves the row out of the fit
+
+
+class Loaded(TypedDict):
+    measurements: list[Measurement]
+    cores: int
+    window_bytes: int
+    sources: list[str]
+
+
+class TableRow(TypedDict):
+    ranks: int
+    algorithm: str
+    size_bytes: int
+    measured_us: float
+    predicted_us: float
+    error_pct: float  # 100 * (predicted / measured - 1)
+    in_criterion: bool  # size >= min_fit_bytes
+
+
+# ---------------------------------------------------------------------------
+# The model
+
+
+def machine(params: Params, ranks: int) -> plan.MachineModel:
+    return plan.cpu_machine(
+        ranks,
+        params["cores"],
+        params["core_gbps"],
+        params["memory_gbps"],
+        params["launch_us"],
+        params["barrier_us"],
+        params["window_bytes"],
+        params["step_us"],
+        params["sleeping_barrier_us"],
+    )
+
+
+def num_packs(algorithm: str, ranks: int) -> int:
+    """What the backend uses by default: one pack per rank for the hierarchical plans."""
+    return ranks if algorithm in HIERARCHICAL else 0
+
+
+def predict_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: int = 4) -> float:
+    """The model's time for one allreduce of `size` bytes, in microseconds."""
+    m = machine(params, ranks)
+    return (
+        1e6 * plan.predict(m, algorithm, num_packs(algorithm, ranks), size, elem_bytes)["seconds"]
+    )
+
+
+def _predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
+    machines: dict[int, plan.MachineModel] = {}
+    out: list[float] = []
+    for row in measurements:
+        n = row["ranks"]
+        if n not in machines:
+            machines[n] = machine(params, n)
+        p = plan.predict(
+            machines[n],
+            row["algorithm"],
+            num_packs(row["algorithm"], n),
+            row["size_bytes"],
+            row.get("elem_bytes", 4),
+        )
+        out.append(1e6 * p["seconds"])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The optimiser: Nelder-Mead in log space, deterministic
+
+
+Vector = list[float]
+
+
+def nelder_mead(
+    f: Callable[[Vector], float],
+    x0: Vector,
+    step: float,
+    project: Callable[[Vector], Vector] = lambda x: x,
+    ftol: float = 1e-6,
+    xtol: float = 1e-3,
+    max_evals: int = 500,
+) -> tuple[Vector, float, int]:
+    """Minimises f from x0 with the standard coefficients (1, 2, 0.5, 0.5).
+
+    The initial simplex is x0 plus `step` along each axis; every point is passed through
+    `project` (e.g. onto a box). Stops when the simplex's values differ by less than
+    ftol * (1 + |best|), or its extent is below xtol, or after max_evals evaluations.
+    Returns (best x, f(best x), evaluations).
+    """
+    n = len(x0)
+    simplex: list[Vector] = [project(list(x0))]
+    for i in range(n):
+        x = list(x0)
+        x[i] += step
+        simplex.append(project(x))
+    values = [f(x) for x in simplex]
+    evals = n + 1
+
+    def order() -> None:
+        nonlocal simplex, values
+        ranked = sorted(range(n + 1), key=lambda k: (values[k], k))
+        simplex = [simplex[k] for k in ranked]
+        values = [values[k] for k in ranked]
+
+    while evals < max_evals:
+        order()
+        extent = max(abs(simplex[k][i] - simplex[0][i]) for k in range(1, n + 1) for i in range(n))
+        if values[-1] - values[0] <= ftol * (1.0 + abs(values[0])) or extent < xtol:
+            break
+        centroid = [sum(simplex[k][i] for k in range(n)) / n for i in range(n)]
+        worst = simplex[-1]
+
+        def towards(t: float) -> Vector:
+            return project([c + t * (w - c) for c, w in zip(centroid, worst)])
+
+        reflected = towards(-1.0)
+        fr = f(reflected)
+        evals += 1
+        if fr < values[0]:
+            expanded = towards(-2.0)
+            fe = f(expanded)
+            evals += 1
+            if fe < fr:
+                simplex[-1], values[-1] = expanded, fe
+            else:
+                simplex[-1], values[-1] = reflected, fr
+            continue
+        if fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+            continue
+        contracted = towards(-0.5) if fr < values[-1] else towards(0.5)
+        fc = f(contracted)
+        evals += 1
+        if fc < min(fr, values[-1]):
+            simplex[-1], values[-1] = contracted, fc
+            continue
+        best = simplex[0]
+        for k in range(1, n + 1):
+            simplex[k] = project([b + 0.5 * (x - b) for b, x in zip(best, simplex[k])])
+            values[k] = f(simplex[k])
+            evals += 1
+    order()
+    return simplex[0], values[0], evals
+
+
+# ---------------------------------------------------------------------------
+# The fit
+
+
+def _to_params(x: Vector, cores: int, window_bytes: int) -> Params:
+    values = {}
+    for name, xi in zip(PARAM_NAMES, x):
+        lo, hi = BOUNDS[name]
+        values[name] = min(hi, max(lo, math.exp(xi)))
+    return Params(
+        cores=cores,
+        window_bytes=window_bytes,
+        core_gbps=values["core_gbps"],
+        memory_gbps=values["memory_gbps"],
+        launch_us=values["launch_us"],
+        barrier_us=values["barrier_us"],
+        step_us=values["step_us"],
+        sleeping_barrier_us=values["sleeping_barrier_us"],
+    )
+
+
+def _clamp(x: Vector) -> Vector:
+    return [
+        min(math.log(BOUNDS[name][1]), max(math.log(BOUNDS[name][0]), xi))
+        for name, xi in zip(PARAM_NAMES, x)
+    ]
+
+
+def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
+    """Weighted mean of squared log errors, log(predicted / measured)."""
+    rows = [(m, m.get("weight", 1.0)) for m in measurements]
+    rows = [(m, w) for m, w in rows if w > 0]
+    if not rows:
+        raise ValueError("no measurements with a weight > 0")
+    predicted = _predict_all(params, [m for m, _ in rows])
+    total = sum(w for _, w in rows)
+    return sum(w * math.log(p / m["time_us"]) ** 2 for (m, w), p in zip(rows, predicted)) / total
+
+
+def fit(
+    measurements: Sequence[Measurement],
+    cores: int,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    starts: Sequence[Sequence[float]] = STARTS,
+    max_evals: int = 2400,
+) -> FitResult:
+    """One parameter set for all measurements (any rank counts, explicit algorithms).
+
+    Minimises loss_of() over PARAM_NAMES in log
+    space within BOUNDS: Nelder-Mead from each of `starts` (at most max_evals / len(starts)
+    evaluations each), restarted from its best point with a smaller simplex until a restart
+    no longer improves; the best of all wins. Deterministic.
+    """
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    for m in measurements:
+        if m["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"not an algorithm the model can predict: {m['algorithm']!r}")
+        if not m["time_us"] > 0:
+            raise ValueError(f"measured time must be > 0: {m}")
+    fitted = [m for m in measurements if m.get("weight", 1.0) > 0]
+    if not fitted:
+        raise ValueError("no measurements with a weight > 0")
+    evaluations = 0
+    cache: dict[tuple[float, ...], float] = {}
+
+    def objective(x: Vector) -> float:
+        nonlocal evaluations
+        key = tuple(round(v, 9) for v in x)
+        if key not in cache:
+            evaluations += 1
+            cache[key] = loss_of(_to_params(x, cores, window_bytes), fitted)
+        return cache[key]
+
+    budget = max(1, max_evals // max(1, len(starts)))
+    best_x: Optional[Vector] = None
+    best_f = math.inf
+    for start in starts:
+        x = _clamp([math.log(v) for v in start])
+        fx = objective(x)
+        used, step = 0, 1.0
+        # Restart from the best point with a fresh, smaller simplex until that stops paying.
+        while used < budget and step >= 0.03:
+            nx, nf, n = nelder_mead(objective, x, step, _clamp, max_evals=budget - used)
+            used += n
+            gained = fx - nf
+            if nf < fx:
+                x, fx = nx, nf
+            if gained <= 1e-6 * (1.0 + abs(fx)):
+                break
+            step /= 2
+        if fx < best_f:
+            best_x, best_f = x, fx
+    assert best_x is not None
+    params = _to_params(best_x, cores, window_bytes)
+    loss = loss_of(params, fitted)
+    return FitResult(
+        **params,
+        loss=loss,
+        rms_log_error=math.sqrt(loss),
+        evaluations=evaluations,
+        rows=len(fitted),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Measurements
+
+
+def default_result_files() -> list[Path]:
+    def ranks_of(p: Path) -> int:
+        digits = p.name.removeprefix("allreduce_").removesuffix("ranks.json")
+        return int(digits) if digits.isdigit() else 1 << 30
+
+    return sorted(RESULTS.glob("allreduce_*ranks.json"), key=lambda p: (ranks_of(p), p.name))
+
+
+def load_results(
+    paths: Sequence[Path], min_fit_bytes: int = MIB, small_weight: float = 0.0
+) -> Loaded:
+    """The xdev rows of explicit algorithms in benchmarks/allreduce.py JSON files.
+
+    Rows below min_fit_bytes get weight small_weight. All files must agree on cpu_count and
+    slot_bytes (one machine, one window).
+    """
+    measurements: list[Measurement] = []
+    cores: Optional[int] = None
+    window: Optional[int] = None
+    sources: list[str] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        meta: dict[str, Any] = data["metadata"]
+        file_cores = int(meta["cpu_count"])
+        file_window = int(meta.get("slot_bytes") or DEFAULT_WINDOW_BYTES)
+        if cores is not None and (file_cores, file_window) != (cores, window):
+            raise SystemExit(
+                f"{path}: cpu_count {file_cores} / slot_bytes {file_window} differ from the "
+                f"other files' {cores} / {window}; calibrate one machine and window at a time"
+            )
+        cores, window = file_cores, file_window
+        dtype = str(meta.get("dtype", "float32"))
+        if dtype not in ELEM_BYTES:
+            raise SystemExit(f"{path}: unknown dtype {dtype!r}")
+        ranks = int(meta["nproc"])
+        sources.append(str(path))
+        for row in data["rows"]:
+            if row.get("backend_base", str(row["backend"]).split("/")[0]) != "xdev":
+                continue
+            algorithm = row.get("algorithm")
+            if algorithm not in ALGORITHMS:  # "auto", "fallback", None
+                continue
+            if algorithm in HIERARCHICAL and ranks % 2:
+                continue
+            size = int(row["size_bytes"])
+            measurements.append(
+                Measurement(
+                    ranks=ranks,
+                    algorithm=str(algorithm),
+                    size_bytes=size,
+                    time_us=float(row["time_us"]),
+                    elem_bytes=ELEM_BYTES[dtype],
+                    weight=1.0 if size >= min_fit_bytes else small_weight,
+                )
+            )
+    if cores is None or window is None:
+        raise SystemExit("no result files: run benchmarks/allreduce.py first, or pass --run")
+    return Loaded(measurements=measurements, cores=cores, window_bytes=window, sources=sources)
+
+
+def run_benchmarks(nprocs: Sequence[int], sizes: str, algorithms: str, out_dir: Path) -> list[Path]:
+    """Runs benchmarks/allreduce.py once per rank count; returns the files it wrote."""
+    paths: list[Path] = []
+    for n in nprocs:
+        path = out_dir / f"allreduce_{n}ranks.json"
+        command = [
+            sys.executable,
+            str(HERE / "allreduce.py"),
+            "--nproc",
+            str(n),
+            "--sizes",
+            sizes,
+            "--algorithms",
+            algorithms,
+            "--json",
+            str(path),
+        ]
+        print("# running " + " ".join(command[1:]), flush=True)
+        done = subprocess.run(command)
+        if done.returncode != 0:
+            raise SystemExit(f"benchmarks/allreduce.py --nproc {n} failed ({done.returncode})")
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------
+# Report
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def table(
+    params: Params, measurements: Sequence[Measurement], min_fit_bytes: int
+) -> list[TableRow]:
+    ordered = sorted(
+        measurements,
+        key=lambda m: (m["ranks"], ALGORITHMS.index(m["algorithm"]), m["size_bytes"]),
+    )
+    predicted = _predict_all(params, ordered)
+    return [
+        TableRow(
+            ranks=m["ranks"],
+            algorithm=m["algorithm"],
+            size_bytes=m["size_bytes"],
+            measured_us=m["time_us"],
+            predicted_us=p,
+            error_pct=100.0 * (p / m["time_us"] - 1.0),
+            in_criterion=m["size_bytes"] >= min_fit_bytes,
+        )
+        for m, p in zip(ordered, predicted)
+    ]
+
+
+def print_table(rows: Sequence[TableRow], title: str) -> None:
+    print(title)
+    print(
+        f"{'ranks':>5}  {'algorithm':<21} {'size':>7} {'measured(us)':>13} "
+        f"{'predicted(us)':>13} {'error':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['ranks']:>5}  {r['algorithm']:<21} {format_size(r['size_bytes']):>7} "
+            f"{r['measured_us']:>13.1f} {r['predicted_us']:>13.1f} {r['error_pct']:>+7.1f}%"
+        )
+
+
+def at_bound(params: Params) -> list[str]:
+    """The fitted parameters within a factor 2 of a search bound: the data do not pin them."""
+    out = []
+    for name in PARAM_NAMES:
+        lo, hi = BOUNDS[name]
+        value = float(params[name])  # type: ignore[literal-required]
+        if value <= lo * 2 or value >= hi / 2:
+            out.append(f"{name} ({'lower' if value <= lo * 2 else 'upper'})")
+    return out
+
+
+def print_params(result: FitResult) -> None:
+    print(
+        f"# fitted CPU model: cores {result['cores']}  window {result['window_bytes']} B  "
+        f"core {result['core_gbps']:.3f} GB/s  memory {result['memory_gbps']:.3f} GB/s  "
+        f"launch {result['launch_us']:.2f} us  barrier {result['barrier_us']:.2f} us  "
+        f"step {result['step_us']:.3f} us  "
+        f"sleeping barrier {result['sleeping_barrier_us']:.2f} us"
+    )
+    print(
+        f"# {result['rows']} rows fitted, rms log error {result['rms_log_error']:.4f}, "
+        f"{result['evaluations']} model evaluations"
+    )
+    bound = at_bound(result)
+    if bound:
+        print("# at a search bound (these rows do not determine it): " + ", ".join(bound))
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--results",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="benchmarks/allreduce.py JSON files (default: benchmarks/results/allreduce_*ranks.json)",
+    )
+    parser.add_argument("--run", action="store_true", help="run benchmarks/allreduce.py first")
+    parser.add_argument(
+        "--nproc", nargs="+", type=int, default=[2, 4], help="rank counts for --run (default 2 4)"
+    )
+    parser.add_argument(
+        "--sizes", default="1MiB:64MiB", help="sizes for --run (default 1MiB:64MiB)"
+    )
+    parser.add_argument(
+        "--algorithms",
+        default=None,
+        help="algorithms for --run (default: every explicit one this build runs)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=RESULTS,
+        help="where --run writes allreduce_<N>ranks.json (default benchmarks/results)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output ({DEFAULT_OUT})")
+    parser.add_argument(
+        "--min-fit-bytes",
+        type=int,
+        default=MIB,
+        help="rows of at least this size are fitted and judged (default 1 MiB)",
+    )
+    parser.add_argument(
+        "--small-weight",
+        type=float,
+        default=0.0,
+        help="fit weight of the rows below --min-fit-bytes (default 0: shown only)",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=25.0, help="acceptance: |error| in %% (default 25)"
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a fitted row is outside --tolerance"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.small_weight < 0 or args.min_fit_bytes < 0 or args.tolerance <= 0:
+        sys.exit("--small-weight and --min-fit-bytes must be >= 0, --tolerance > 0")
+    paths: list[Path] = list(args.results or [])
+    if args.run:
+        algorithms = args.algorithms or ",".join(
+            a for a in ALGORITHMS if a in torch_xdev.ALGORITHMS
+        )
+        paths += run_benchmarks(args.nproc, args.sizes, algorithms, args.run_dir)
+    elif not paths:
+        paths = default_result_files()
+    loaded = load_results(paths, args.min_fit_bytes, args.small_weight)
+    measurements = loaded["measurements"]
+    if not any(m.get("weight", 1.0) > 0 for m in measurements):
+        sys.exit(f"no xdev rows of an explicit algorithm >= {args.min_fit_bytes} bytes to fit")
+    print("# measurements: " + ", ".join(loaded["sources"]))
+    result = fit(measurements, loaded["cores"], loaded["window_bytes"])
+    print_params(result)
+    rows = table(result, measurements, args.min_fit_bytes)
+    big = [r for r in rows if r["in_criterion"]]
+    small = [r for r in rows if not r["in_criterion"]]
+    print_table(big, f"# sizes >= {format_size(args.min_fit_bytes)} (the fit criterion)")
+    if small:
+        weight = f"fit weight {args.small_weight:g}" if args.small_weight > 0 else "not fitted"
+        print_table(
+            small, f"# sizes < {format_size(args.min_fit_bytes)}: outside the criterion, {weight}"
+        )
+    worst = max(big, key=lambda r: abs(r["error_pct"])) if big else None
+    max_error = abs(worst["error_pct"]) if worst else 0.0
+    within = max_error <= args.tolerance
+    if worst is not None:
+        print(
+            f"# max |error| at >= {format_size(args.min_fit_bytes)}: {max_error:.1f}% "
+            f"({worst['ranks']} ranks, {worst['algorithm']}, {format_size(worst['size_bytes'])}); "
+            f"every row within {args.tolerance:g}%: {'yes' if within else 'no'} "
+            f"({sum(abs(r['error_pct']) <= args.tolerance for r in big)}/{len(big)})"
+        )
+    out: dict[str, Any] = {
+        "params": {
+            k: result[k]  # type: ignore[literal-required]
+            for k in ("cores", "window_bytes", *PARAM_NAMES)
+        },
+        "fit": {
+            "loss": result["loss"],
+            "rms_log_error": result["rms_log_error"],
+            "evaluations": result["evaluations"],
+            "rows": result["rows"],
+            "min_fit_bytes": args.min_fit_bytes,
+            "small_weight": args.small_weight,
+        },
+        "summary": {
+            "at_bound": at_bound(result),
+            "max_abs_error_pct": max_error,
+            "tolerance_pct": args.tolerance,
+            "within_tolerance": within,
+        },
+        "sources": loaded["sources"],
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"# wrote {args.out}")
+    return 1 if args.strict and not within else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""benchmarks/calibrate.py: the fit recovers a model from data the model itself produced.
+
+The parameters may not be identifiable (a memory bandwidth that never binds can take any large
+value), so the test compares predictions, not parameters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MIB = 1 << 20
+SIZES = [MIB << k for k in range(5)]  # 1 .. 16 MiB
+ALGORITHMS = ["flat", "reduce_to_one"]
+RANKS = [2, 4]
+
+
+def load_calibrate() -> ModuleType:
+    try:
+        import torch_xdev._C  # noqa: F401
+    except ImportError as e:  # not built, or torch missing
+        pytest.skip(f"torch_xdev._C cannot be imported: {e}")
+    spec = importlib.util.spec_from_file_location("calibrate", BENCHMARKS / "calibrate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["calibrate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def calibrate() -> ModuleType:
+    return load_calibrate()
+
+
+def synthetic(calibrate: ModuleType, truth: dict) -> list[dict]:
+    return [
+        {
+            "ranks": n,
+            "algorithm": a,
+            "size_bytes": s,
+            "time_us": calibrate.predict_us(truth, n, a, s),
+        }
+        for n in RANKS
+        for a in ALGORITHMS
+        for s in SIZES
+    ]
+
+
+def test_fit_recovers_synthetic_predictions(calibrate: ModuleType) -> None:
+    # Neither the defaults nor a start point: core-bound at 2 ranks, memory-bound at 4.
+    truth = {
+        "cores": 2,
+        "window_bytes": 256 << 10,
+        "core_gbps": 8.0,
+        "memory_gbps": 14.0,
+        "launch_us": 40.0,
+        "barrier_us": 12.0,
+        "step_us": 0.5,
+        "sleeping_barrier_us": 30.0,
+    }
+    data = synthetic(calibrate, truth)
+    result = calibrate.fit(data, truth["cores"], truth["window_bytes"])
+    assert result["cores"] == 2 and result["window_bytes"] == 256 << 10
+    assert result["rows"] == len(data)
+    worst = 0.0
+    for row in data:
+        predicted = calibrate.predict_us(result, row["ranks"], row["algorithm"], row["size_bytes"])
+        error = abs(predicted / row["time_us"] - 1.0)
+        worst = max(worst, error)
+        assert error < 0.05, (row, predicted, result)
+    assert result["rms_log_error"] < 0.05
+    assert worst < 0.05
+
+
+def test_fit_is_deterministic_and_weights_count(calibrate: ModuleType) -> None:
+    truth = {
+        "cores": 2,
+        "window_bytes": 256 << 10,
+        "core_gbps": 6.0,
+        "memory_gbps": 30.0,
+        "launch_us": 20.0,
+        "barrier_us": 5.0,
+        "step_us": 0.0,
+        "sleeping_barrier_us": 15.0,
+    }
+    data = [r for r in synthetic(calibrate, truth) if r["ranks"] == 2]
+    # A wild row with weight 0 must not move the fit.
+    data.append({"ranks": 2, "algorithm": "flat", "size_bytes": MIB, "time_us": 1e6, "weight": 0.0})
+    kwargs = {"starts": calibrate.STARTS[:1], "max_evals": 400}
+    a = calibrate.fit(data, 2, 256 << 10, **kwargs)
+    b = calibrate.fit(data, 2, 256 << 10, **kwargs)
+    assert a == b
+    assert a["rows"] == len(data) - 1
+    assert a["rms_log_error"] < 0.05
+
+
+def test_fit_rejects_auto_and_empty_input(calibrate: ModuleType) -> None:
+    with pytest.raises(ValueError):
+        calibrate.fit(
+            [{"ranks": 2, "algorithm": "auto", "size_bytes": MIB, "time_us": 100.0}], 2, 1 << 18
+        )
+    with pytest.raises(ValueError):
+        calibrate.fit([], 2, 1 << 18)
