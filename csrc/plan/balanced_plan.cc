@@ -328,19 +328,6 @@ LinkBalance link_balance(const LinkMatrix& links, const std::vector<PackTree>& t
 
 namespace {
 
-Step make_step(StepKind kind, int phase, int actor, std::vector<int> sources, Target target,
-               Range r, bool finalize) {
-  Step s;
-  s.kind = kind;
-  s.phase = phase;
-  s.actor = actor;
-  s.sources = std::move(sources);
-  s.target = target;
-  s.range = r;
-  s.finalize = finalize;
-  return s;
-}
-
 std::vector<int> children_of(const std::vector<int>& parent, int v) {
   std::vector<int> c;
   for (size_t u = 0; u < parent.size(); ++u) {
@@ -371,8 +358,8 @@ int reduce_up(Schedule& s, const std::vector<int>& parent, const std::vector<int
     if (kids.empty()) continue;
     std::vector<int> sources{v};
     sources.insert(sources.end(), kids.begin(), kids.end());
-    s.steps.push_back(make_step(StepKind::kReduce, base + subtree_height(parent, v) - 1, v, sources,
-                                Target::kStaging, r, finalize_at_root && v == root));
+    s.steps.push_back(reduce_step(base + subtree_height(parent, v) - 1, v, sources,
+                                  Target::kStaging, r, finalize_at_root && v == root));
   }
   return subtree_height(parent, root);
 }
@@ -388,16 +375,16 @@ int copy_down(Schedule& s, const std::vector<int>& parent, const std::vector<int
   for (int v : members) {
     const int p = parent[static_cast<size_t>(v)];
     if (p < 0) {
-      s.steps.push_back(make_step(StepKind::kCopy, base, v, {v}, Target::kOutput, r, false));
+      s.steps.push_back(copy_step(base, v, v, Target::kOutput, r));
       continue;
     }
     const int phase = base + depth_of(parent, v) - 1;
     if (keep_in_slot || !children_of(parent, v).empty()) {
-      s.steps.push_back(make_step(StepKind::kCopy, phase, v, {p}, Target::kStaging, r, false));
-      s.steps.push_back(make_step(StepKind::kCopy, phase + 1, v, {v}, Target::kOutput, r, false));
+      s.steps.push_back(copy_step(phase, v, p, Target::kStaging, r));
+      s.steps.push_back(copy_step(phase + 1, v, v, Target::kOutput, r));
       last = std::max(last, phase + 1);
     } else {
-      s.steps.push_back(make_step(StepKind::kCopy, phase, v, {p}, Target::kOutput, r, false));
+      s.steps.push_back(copy_step(phase, v, p, Target::kOutput, r));
       last = std::max(last, phase);
     }
   }
@@ -439,10 +426,8 @@ Schedule hierarchical_balanced_schedule(int world_size, const std::vector<PackTr
       const int at[2] = {a, b};
       for (int h = 0; h < 2; ++h) {
         if (half[h].empty()) continue;
-        s.steps.push_back(
-            make_step(StepKind::kReduce, top + 1, at[h], {a, b}, Target::kStaging, half[h], true));
-        s.steps.push_back(make_step(StepKind::kCopy, top + 2, at[1 - h], {at[h]}, Target::kStaging,
-                                    half[h], false));
+        s.steps.push_back(reduce_step(top + 1, at[h], {a, b}, Target::kStaging, half[h], true));
+        s.steps.push_back(copy_step(top + 2, at[1 - h], at[h], Target::kStaging, half[h]));
       }
       copy_down(s, t.parent[0], members[0], p.range, top + 3, false);
       copy_down(s, t.parent[1], members[1], p.range, top + 3, false);
@@ -456,16 +441,15 @@ Schedule hierarchical_balanced_schedule(int world_size, const std::vector<PackTr
       const bool one_per_group = g == 1;
       for (int i : lead) {
         const int partner = (i + g) % n;
-        s.steps.push_back(make_step(StepKind::kReduce, 1, i,
-                                    {std::min(i, partner), std::max(i, partner)}, Target::kStaging,
-                                    half[h], one_per_group));
+        s.steps.push_back(reduce_step(1, i, {std::min(i, partner), std::max(i, partner)},
+                                      Target::kStaging, half[h], one_per_group));
       }
       const int top = 1 + reduce_up(s, parent, lead, half[h], 2, true);
       copy_down(s, parent, lead, half[h], top + 1, true);
       for (int i : lead) {
         // i holds the total in its slot from phase top + depth(i) on.
-        s.steps.push_back(make_step(StepKind::kCopy, top + depth_of(parent, i) + 1, (i + g) % n,
-                                    {i}, Target::kOutput, half[h], false));
+        s.steps.push_back(
+            copy_step(top + depth_of(parent, i) + 1, (i + g) % n, i, Target::kOutput, half[h]));
       }
     }
   }

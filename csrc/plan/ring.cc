@@ -126,14 +126,7 @@ Schedule ring_allreduce_schedule(int world_size, const std::vector<std::vector<i
   const int64_t total = range.size();
   if (total <= 0) return s;
   if (n == 1) {  // nothing to pass around: the rank's own input is the total
-    Step st;
-    st.kind = StepKind::kReduce;
-    st.phase = 1;
-    st.sources = {0};
-    st.target = Target::kOutput;
-    st.range = range;
-    st.finalize = true;
-    s.steps.push_back(st);
+    s.steps.push_back(reduce_step(1, 0, {0}, Target::kOutput, range, true));
     return s;
   }
   const auto num_rings = static_cast<int64_t>(rings.size());
@@ -149,29 +142,17 @@ Schedule ring_allreduce_schedule(int world_size, const std::vector<std::vector<i
       for (int j = 0; j < n; ++j) {
         const Range r = chunk(mod(j - t));
         if (r.empty()) continue;
-        Step st;
-        st.kind = StepKind::kReduce;
-        st.phase = t;
-        st.actor = ring[static_cast<size_t>(j)];
-        st.sources = {ring[static_cast<size_t>(mod(j - 1))], st.actor};
-        st.target = Target::kStaging;
-        st.range = r;
-        st.finalize = t == n - 1;
-        s.steps.push_back(st);
+        const int actor = ring[static_cast<size_t>(j)];
+        s.steps.push_back(reduce_step(t, actor, {ring[static_cast<size_t>(mod(j - 1))], actor},
+                                      Target::kStaging, r, t == n - 1));
       }
     }
     for (int t = 1; t < n; ++t) {
       for (int j = 0; j < n; ++j) {
         const Range r = chunk(mod(j + 1 - t));
         if (r.empty()) continue;
-        Step st;
-        st.kind = StepKind::kCopy;
-        st.phase = n - 1 + t;
-        st.actor = ring[static_cast<size_t>(j)];
-        st.sources = {ring[static_cast<size_t>(mod(j - 1))]};
-        st.target = Target::kStaging;
-        st.range = r;
-        s.steps.push_back(st);
+        s.steps.push_back(copy_step(n - 1 + t, ring[static_cast<size_t>(j)],
+                                    ring[static_cast<size_t>(mod(j - 1))], Target::kStaging, r));
       }
     }
     // Each total goes to the output the phase after the rank has it (one
@@ -181,14 +162,8 @@ Schedule ring_allreduce_schedule(int world_size, const std::vector<std::vector<i
         // t = 0: the chunk this rank finalised; t >= 1: the one it copied in allgather step t.
         const Range r = chunk(mod(j + 1 - t));
         if (r.empty()) continue;
-        Step st;
-        st.kind = StepKind::kCopy;
-        st.phase = n + t;
-        st.actor = ring[static_cast<size_t>(j)];
-        st.sources = {st.actor};
-        st.target = Target::kOutput;
-        st.range = r;
-        s.steps.push_back(st);
+        const int actor = ring[static_cast<size_t>(j)];
+        s.steps.push_back(copy_step(n + t, actor, actor, Target::kOutput, r));
       }
     }
   }

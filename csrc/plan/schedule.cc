@@ -58,6 +58,8 @@ Schedule empty_schedule(int world_size, int num_phases, std::vector<int> stagers
   return s;
 }
 
+}  // namespace
+
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
                  bool finalize) {
   Step s;
@@ -81,8 +83,6 @@ Step copy_step(int phase, int actor, int source, Target target, Range r) {
   s.range = r;
   return s;
 }
-
-}  // namespace
 
 void check_root(const char* what, int root, int world_size) {
   if (root < 0 || root >= world_size) {

@@ -56,6 +56,11 @@ struct Schedule {
   std::vector<Step> steps;
 };
 
+// A reduce of `sources` (in this order) over r, and a copy from one source.
+Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
+                 bool finalize);
+Step copy_step(int phase, int actor, int source, Target target, Range r);
+
 // Throws std::invalid_argument unless 0 <= root < world_size; `what` names
 // the option or argument in the message (e.g. "reduce_to_rank").
 void check_root(const char* what, int root, int world_size);
