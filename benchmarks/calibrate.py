@@ -34,6 +34,7 @@ from typing import Any, Callable, NotRequired, Optional, Sequence, TypedDict
 
 import torch_xdev
 from torch_xdev._C import plan
+from torch_xdev.plan import format_size
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -440,13 +441,6 @@ def run_benchmarks(nprocs: Sequence[int], sizes: str, algorithms: str, out_dir: 
 
 # ---------------------------------------------------------------------------
 # Report
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
 
 
 def table(

@@ -84,15 +84,23 @@ std::vector<int> root_at(const TreeShape& t, int root, int world_size) {
   return parent;
 }
 
-int tree_height(const TreeShape& t, int root, int world_size) {
-  const std::vector<int> parent = root_at(t, root, world_size);
+// Steps from v up to the root of its tree (parent: -1 at roots and outside the group).
+int depth_of(const std::vector<int>& parent, int v) {
+  int d = 0;
+  for (int u = v; parent[static_cast<size_t>(u)] >= 0; u = parent[static_cast<size_t>(u)]) ++d;
+  return d;
+}
+
+int height_of(const std::vector<int>& parent) {
   int height = 0;
-  for (int v = 0; v < world_size; ++v) {
-    int d = 0;
-    for (int u = v; parent[static_cast<size_t>(u)] >= 0; u = parent[static_cast<size_t>(u)]) ++d;
-    height = std::max(height, d);
+  for (size_t v = 0; v < parent.size(); ++v) {
+    height = std::max(height, depth_of(parent, static_cast<int>(v)));
   }
   return height;
+}
+
+int tree_height(const TreeShape& t, int root, int world_size) {
+  return height_of(root_at(t, root, world_size));
 }
 
 // The root of least height (lowest rank on ties).
@@ -131,20 +139,6 @@ struct Option {
   std::vector<std::pair<Edge, double>> adds;
   int hops = 0;
 };
-
-// Tree parent arrays in one PackTree: parents of group 0 in parent[0], group 1 in parent[1].
-int height_of(const std::vector<int>& parent) {
-  int height = 0;
-  for (size_t v = 0; v < parent.size(); ++v) {
-    int d = 0;
-    for (int u = static_cast<int>(v); parent[static_cast<size_t>(u)] >= 0;
-         u = parent[static_cast<size_t>(u)]) {
-      ++d;
-    }
-    height = std::max(height, d);
-  }
-  return height;
-}
 
 int root_of(const std::vector<int>& parent, const std::vector<int>& members) {
   for (int m : members) {
@@ -334,12 +328,6 @@ std::vector<int> children_of(const std::vector<int>& parent, int v) {
     if (parent[u] == v) c.push_back(static_cast<int>(u));
   }
   return c;
-}
-
-int depth_of(const std::vector<int>& parent, int v) {
-  int d = 0;
-  for (int u = v; parent[static_cast<size_t>(u)] >= 0; u = parent[static_cast<size_t>(u)]) ++d;
-  return d;
 }
 
 int subtree_height(const std::vector<int>& parent, int v) {
