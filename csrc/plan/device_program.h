@@ -1,0 +1,53 @@
+// Device programs: one window of a CollectivePlan, seen from one rank, as a flat
+// list of contiguous element moves that a GPU kernel runs without consulting
+// the plan.
+//
+// Pure C++17 and plain old data, so the same struct is read by the CUDA
+// window kernel (csrc/transport/cuda_executor.cu) and by the host reference
+// interpreter of the unit tests. The GPU path works on one contiguous tensor
+// per collective (the backend flattens coalesced lists), so every move is
+// "n source ranges -> one destination range" with element offsets.
+//
+// Ordering contract with the kernel: the ops of one phase run concurrently
+// (different thread blocks may be in different ops), and phases are separated
+// by a barrier of every rank. So within a phase no op of a rank may read what
+// another op of the same rank writes; compile_device_program checks that, and
+// find_schedule_hazard already forbids it across ranks.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "collective_plan.h"
+
+namespace xdev::plan {
+
+constexpr int kMaxDeviceRanks = 16;   // ranks of one host the GPU path supports
+constexpr int kMaxDevicePhases = 8;   // every native schedule has at most 4
+constexpr int32_t kSourceInput = -1;  // a source that is the rank's own tensor
+
+struct DeviceOp {
+  int32_t phase = 0;          // 0: staging, then 1..num_phases
+  int32_t is_reduce = 0;      // 0: copy sources[0]; 1: reduce all sources in order
+  int32_t finalize = 0;       // produces a total: AVG divides here
+  int32_t dst_is_output = 0;  // 1: the rank's tensor; 0: the rank's own staging slot
+  int32_t num_sources = 0;
+  int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kSourceInput
+  int64_t src_offset = 0;                 // elements from the start of every source
+  int64_t dst_offset = 0;                 // elements from the start of the destination
+  int64_t count = 0;
+};
+
+struct DeviceProgram {
+  int num_phases = 0;
+  std::vector<DeviceOp> ops;         // ordered by phase
+  std::vector<int32_t> phase_begin;  // ops of phase p: [phase_begin[p], phase_begin[p + 1])
+};
+
+// The ops `rank` runs in window w of a single-tensor payload (payload offset ==
+// tensor element offset). Copies of a slot range onto itself are dropped.
+// Throws std::invalid_argument when the window does not fit the limits above
+// or when two ops of one phase would race on the rank's own slot.
+DeviceProgram compile_device_program(const WindowPlan& w, int rank);
+
+}  // namespace xdev::plan
