@@ -122,3 +122,20 @@ class plan:
     ) -> plan.Choice: ...
     @staticmethod
     def classify(links: list[list[int]]) -> str: ...
+
+class topology:
+    """The submodule torch_xdev._C.topology (csrc/backend/topology_bindings.cc).
+
+    Declared as a class because a single-file stub cannot declare a submodule; at run time
+    it is a module. NvlinkReport exists for type checking only.
+    """
+
+    class NvlinkReport(TypedDict):
+        links: list[list[int]]  # NVLinks per pair of local ranks; 0 on a shared GPU
+        available: bool  # NVML loaded, initialised and knew every GPU
+        note: str  # what was found, or why nothing was
+
+    @staticmethod
+    def probe_nvlinks(bus_ids: list[str]) -> topology.NvlinkReport: ...
+    @staticmethod
+    def classify_gpus(nvlink: list[list[int]], reachable: list[list[int]]) -> str: ...

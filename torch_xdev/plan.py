@@ -43,6 +43,9 @@ A JSON object (the same format ``XDEV_TOPO_FILE`` reads for CUDA)::
     Optional bandwidths in GB/s (1e9 bytes/s): per NVLink and direction (default 25,
     NVLink 2), per GPU's PCIe lane and direction (default 12) and of each GPU's memory
     (default 900).
+``reachable``, ``gpus``, ``source``, ``class``, ``note``
+    Optional; read by ``XDEV_TOPO_FILE`` and written by ``python -m torch_xdev.topology``
+    (the parser is ``torch_xdev.topology.load_topology_file``). The cost model ignores them.
 
 Sizes
 -----
@@ -57,13 +60,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any, Sequence, TypedDict
 
+from . import topology as _topology
 from ._C import plan as _plan
 
 MachineModel = _plan.MachineModel
@@ -87,7 +89,6 @@ MAX_BYTES = 1 << 40
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
 _UNITS.update({"g": 1 << 30, "gib": 1 << 30})
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
-_FILE_KEYS = {"name", "nvlink", "nvlink_gbps", "pcie_gbps", "memory_gbps"}
 
 
 class Row(TypedDict):
@@ -173,84 +174,24 @@ def format_size(size: int) -> str:
 # Machines
 
 
-def _gbps(data: dict[str, Any], key: str, path: str) -> float | None:
-    if key not in data:
-        return None
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{path}: '{key}' must be a number, got {json.dumps(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{path}: '{key}' must be > 0, got {value}")
-    return float(value)
-
-
-def _link_matrix(value: Any, path: str) -> list[list[int]]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{path}: 'nvlink' must be a non-empty list of rows (a square matrix)")
-    n = len(value)
-    matrix: list[list[int]] = []
-    for i, row in enumerate(value):
-        if not isinstance(row, list):
-            raise ValueError(f"{path}: 'nvlink' row {i} is not a list")
-        if len(row) != n:
-            raise ValueError(
-                f"{path}: 'nvlink' is not a square matrix: row {i} has {len(row)} entries, "
-                f"but there are {n} rows"
-            )
-        for j, count in enumerate(row):
-            if isinstance(count, bool) or not isinstance(count, int):
-                raise ValueError(
-                    f"{path}: 'nvlink'[{i}][{j}] must be an integer link count, "
-                    f"got {json.dumps(count)}"
-                )
-            if count < 0 and i != j:
-                raise ValueError(f"{path}: 'nvlink'[{i}][{j}] is negative ({count})")
-        matrix.append([0 if j == i else int(c) for j, c in enumerate(row)])
-    for i in range(n):
-        for j in range(i + 1, n):
-            if matrix[i][j] != matrix[j][i]:
-                raise ValueError(
-                    f"{path}: 'nvlink' is not symmetric: [{i}][{j}] = {matrix[i][j]} but "
-                    f"[{j}][{i}] = {matrix[j][i]}"
-                )
-    return matrix
-
-
 def load_topology_file(path: str | os.PathLike[str]) -> MachineModel:
-    """The GPU host a topology file describes (format: see the module doc).
+    """The GPU host a topology file describes (format: see ``torch_xdev.topology``).
 
     Raises ValueError naming the file and the problem.
     """
+    topo = _topology.load_topology_file(path)
     where = str(path)
+    if not topo["nvlink"]:
+        raise ValueError(f"{where}: 'nvlink' is empty; a machine model needs at least one GPU")
+    bandwidths: dict[str, float] = {}
+    if "nvlink_gbps" in topo:
+        bandwidths["nvlink_gbps"] = topo["nvlink_gbps"]
+    if "pcie_gbps" in topo:
+        bandwidths["pcie_gbps"] = topo["pcie_gbps"]
+    if "memory_gbps" in topo:
+        bandwidths["memory_gbps"] = topo["memory_gbps"]
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: cannot read the topology file ({e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: the topology must be a JSON object with an 'nvlink' matrix")
-    unknown = sorted(set(data) - _FILE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(sorted(_FILE_KEYS))}"
-        )
-    if "nvlink" not in data:
-        raise ValueError(f"{where}: missing 'nvlink' (a square matrix of NVLink counts)")
-    links = _link_matrix(data["nvlink"], where)
-    name = data.get("name", Path(path).stem)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}: 'name' must be a non-empty string")
-    bandwidths = {
-        key: value
-        for key in ("nvlink_gbps", "pcie_gbps", "memory_gbps")
-        if (value := _gbps(data, key, where)) is not None
-    }
-    try:
-        return _plan.gpu_machine(name, links, **bandwidths)
+        return _plan.gpu_machine(topo["name"], topo["nvlink"], **bandwidths)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -14,6 +14,7 @@
 #include "../transport/shm_segment.h"
 #include "backend_config.h"
 #include "plan_bindings.h"
+#include "topology_bindings.h"
 #include "xdev_backend.h"
 
 namespace py = pybind11;
@@ -150,4 +151,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
 
   xdev::backend::bind_plan(m);
+  xdev::backend::bind_topology(m);
 }

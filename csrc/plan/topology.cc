@@ -117,4 +117,38 @@ TopologyClass classify(const LinkMatrix& m) {
   return TopologyClass::kPartial;
 }
 
+TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable) {
+  if (nvlink.size() != reachable.size()) {
+    throw std::invalid_argument(
+        "classify_gpus: the NVLink matrix has " + std::to_string(nvlink.size()) +
+        " ranks but the reachability matrix has " + std::to_string(reachable.size()));
+  }
+  const int n = nvlink.size();
+  if (n == 0) return TopologyClass::kNone;
+  // The DGX-1 test looks at NVLinks only: hierarchical copy relies on the
+  // cube-mesh's direct links, which peer access over PCIe does not give.
+  if (is_dgx1_like(nvlink)) return TopologyClass::kDgx1;
+  int connected_pairs = 0;
+  for (int i = 0; i < n; ++i) {
+    for (int j = i + 1; j < n; ++j) {
+      const bool peer = reachable.links(i, j) > 0 && reachable.links(j, i) > 0;
+      connected_pairs += (nvlink.links(i, j) > 0 || peer) ? 1 : 0;
+    }
+  }
+  if (connected_pairs == n * (n - 1) / 2) return TopologyClass::kFullyConnected;
+  return connected_pairs == 0 ? TopologyClass::kNone : TopologyClass::kPartial;
+}
+
+LinkMatrix reachable_from_links(const LinkMatrix& nvlink) {
+  const int n = nvlink.size();
+  LinkMatrix reachable(n);
+  for (int i = 0; i < n; ++i) {
+    reachable.set_links(i, i, 1);
+    for (int j = i + 1; j < n; ++j) {
+      if (nvlink.links(i, j) > 0 || nvlink.links(j, i) > 0) reachable.set_links(i, j, 1);
+    }
+  }
+  return reachable;
+}
+
 }  // namespace xdev::plan

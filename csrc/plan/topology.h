@@ -57,4 +57,19 @@ bool is_dgx1_like(const LinkMatrix& m);
 
 TopologyClass classify(const LinkMatrix& m);
 
+// Classifies the GPUs of one host. Both matrices are indexed by local rank (two
+// ranks may share one GPU). `nvlink` counts NVLinks per pair (0: none, or not
+// known, e.g. without NVML); `reachable` is > 0 where the pair can access each
+// other's memory (CUDA peer access, or the same GPU). DGX-1 iff
+// is_dgx1_like(nvlink), so reachability alone never makes a DGX-1; otherwise
+// fully connected if every pair is reachable or NVLinked, partial if some pair
+// is, else none. No ranks at all is kNone (there is nothing to connect); one
+// rank is kFullyConnected. Throws std::invalid_argument if the sizes differ.
+TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable);
+
+// Reachability as the links imply it: 1 where nvlink has a link, and on the
+// diagonal (a GPU reaches its own memory). For injected topologies that give
+// no reachability matrix.
+LinkMatrix reachable_from_links(const LinkMatrix& nvlink);
+
 }  // namespace xdev::plan
