@@ -1,0 +1,277 @@
+#include "cuda_executor.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../kernels/cuda_reduce.cuh"
+
+namespace xdev::transport {
+namespace {
+
+constexpr int kThreads = 512;
+// Half an H100: the GPU barrier needs every block resident, and two groups'
+// kernels (or a user's kernels) must fit beside each other.
+constexpr int kMaxBlocks = 64;
+
+// This rank's own counters for the grid-wide part of the barrier; never
+// shared with peers.
+struct GridSync {
+  unsigned long long arrived;   // blocks that reached a barrier, over all kernels
+  unsigned long long released;  // the last epoch block 0 saw every rank reach
+  unsigned int aborted;         // a wait timed out: every block leaves the kernel
+};
+
+struct WindowParams {
+  const plan::DeviceOp* ops;
+  int32_t phase_begin[plan::kMaxDevicePhases + 2];
+  int32_t num_phases;
+  int32_t rank;
+  int32_t world_size;
+  char* slots[plan::kMaxDeviceRanks];        // this window's slot of every rank
+  uint64_t* inboxes[plan::kMaxDeviceRanks];  // every rank's inbox, mapped here
+  GridSync* grid;
+  char* tensor;
+  uint64_t epoch_base;  // this window's barriers are epoch_base + 1 .. + num_phases
+  int64_t avg_divisor;  // world size for AVG, 0 otherwise
+  uint64_t timeout_ns;
+  unsigned int* error;  // host-mapped
+};
+
+// Scoped acquire/release accesses (PTX ISA 6.0, sm_70+).
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins (with a growing sleep, so ranks sharing a GPU leave it some issue
+// slots) until ready() or the timeout; false on timeout.
+template <typename Ready>
+__device__ bool wait_until(Ready ready, uint64_t timeout_ns) {
+  if (ready()) return true;
+  const uint64_t start = now_ns();
+  unsigned int sleep_ns = 32;
+  while (!ready()) {
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 1024) sleep_ns *= 2;
+    if (now_ns() - start > timeout_ns) return false;
+  }
+  return true;
+}
+
+__device__ void abort_kernel(const WindowParams& p, unsigned int code) {
+  atomicExch_system(p.error, code);
+  atomicExch(&p.grid->aborted, 1u);
+  store_release_gpu(&p.grid->released, ~0ull);  // frees blocks waiting for block 0
+}
+
+// Barrier of every block of every rank. Memory ordering:
+//  1. __syncthreads orders every thread's writes of the phase before thread 0
+//     of its block (CTA scope); thread 0's release add to `arrived` publishes
+//     them at GPU scope (release is cumulative).
+//  2. Block 0's thread 0 acquires `arrived` == all blocks, so every write of
+//     this rank's phase happens-before its system-scope release stores of the
+//     epoch into every rank's inbox (again cumulative).
+//  3. A peer's block 0 acquires that epoch at system scope, then releases
+//     `released` at GPU scope; the peer's other blocks acquire it and
+//     __syncthreads, so every peer thread's later reads of our slot happen
+//     after our writes. Writes are only ever to a rank's own slot and tensor;
+//     reads of peers only follow a barrier, which is what the plans promise.
+// Returns false when the kernel must stop (a wait timed out).
+__device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
+  __shared__ int keep_going;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    GridSync* g = p.grid;
+    add_release_gpu(&g->arrived, 1);
+    bool ok = true;
+    if (blockIdx.x == 0) {
+      const unsigned long long all_blocks = epoch * gridDim.x;
+      ok = wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, p.timeout_ns);
+      if (!ok) abort_kernel(p, 1u);
+      for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, epoch);
+      for (int r = 0; ok && r < p.world_size; ++r) {
+        const uint64_t* word = p.inboxes[p.rank] + r;
+        ok = wait_until([&] { return load_acquire_sys(word) >= epoch; }, p.timeout_ns);
+        if (!ok) abort_kernel(p, 2u + static_cast<unsigned int>(r));  // 2 + the missing rank
+      }
+      if (ok) store_release_gpu(&g->released, epoch);
+    } else {
+      ok = wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, p.timeout_ns);
+      if (!ok) abort_kernel(p, 1u);
+    }
+    keep_going = ok && atomicAdd(&g->aborted, 0u) == 0u;
+  }
+  __syncthreads();
+  return keep_going != 0;
+}
+
+template <typename T, kernels::ReduceOp Op>
+__global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int phase = 0; phase <= p.num_phases; ++phase) {
+    for (int i = p.phase_begin[phase]; i < p.phase_begin[phase + 1]; ++i) {
+      const plan::DeviceOp& op = p.ops[i];
+      T* dst = reinterpret_cast<T*>(op.dst_is_output ? p.tensor : p.slots[p.rank]) + op.dst_offset;
+      if (!op.is_reduce) {
+        const char* src = op.sources[0] == plan::kSourceInput ? p.tensor : p.slots[op.sources[0]];
+        kernels::cuda::copy_bytes(reinterpret_cast<char*>(dst),
+                                  src + op.src_offset * static_cast<int64_t>(sizeof(T)),
+                                  op.count * static_cast<int64_t>(sizeof(T)), tid, nthreads);
+        continue;
+      }
+      const T* srcs[plan::kMaxDeviceRanks];
+      for (int s = 0; s < op.num_sources; ++s) {
+        srcs[s] = reinterpret_cast<const T*>(p.slots[op.sources[s]]) + op.src_offset;
+      }
+      kernels::cuda::reduce_elements<T, Op>(dst, srcs, op.num_sources, op.count,
+                                            op.finalize ? p.avg_divisor : 0, tid, nthreads);
+    }
+    if (phase < p.num_phases && !barrier_all_ranks(p, p.epoch_base + phase + 1)) return;
+  }
+}
+
+}  // namespace
+
+CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout)
+    : channel_(channel) {
+  timeout_ns_ = static_cast<uint64_t>(std::max<int64_t>(1, peer_timeout.count())) * 1000000ull;
+  CudaDeviceGuard guard(channel.device());
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),
+             "cudaDeviceGetAttribute");
+  // At most half the SMs: the barrier needs every block resident at once, and
+  // another kernel running beside ours must not keep some of them waiting.
+  num_blocks_ = std::max(1, std::min(sms / 2, kMaxBlocks));
+  try {
+    check_cuda(cudaMalloc(&grid_sync_, sizeof(GridSync)), "cudaMalloc");
+    check_cuda(cudaMemset(grid_sync_, 0, sizeof(GridSync)), "cudaMemset");
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(unsigned int),
+                             cudaHostAllocMapped),
+               "cudaHostAlloc");
+    *error_host_ = 0;
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_host_, 0),
+               "cudaHostGetDevicePointer");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } catch (...) {
+    if (grid_sync_ != nullptr) cudaFree(grid_sync_);
+    if (error_host_ != nullptr) cudaFreeHost(error_host_);
+    throw;
+  }
+}
+
+CudaExecutor::~CudaExecutor() {
+  int previous = -1;
+  cudaGetDevice(&previous);
+  cudaSetDevice(channel_.device());
+  for (auto& entry : cache_) {
+    for (DeviceWindow& w : entry.second) cudaFree(w.ops);
+  }
+  if (grid_sync_ != nullptr) cudaFree(grid_sync_);
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  cudaGetLastError();
+  if (previous >= 0) cudaSetDevice(previous);
+}
+
+std::string CudaExecutor::device_error() const {
+  const unsigned int code = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
+  if (code == 0) return {};
+  if (code == 1) return "a GPU barrier timed out waiting for this rank's own thread blocks";
+  return "a GPU barrier timed out waiting for rank " + std::to_string(code - 2) +
+         " (did it exit, or run a different collective?)";
+}
+
+const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
+    const CudaPlanKey& key, const plan::CollectivePlan& plan) {
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return it->second;
+  // Bounded: a job with ever-changing sizes rebuilds instead of growing.
+  constexpr size_t kMaxCachedWindows = 4096;
+  if (cached_windows_ + static_cast<size_t>(plan.num_windows()) > kMaxCachedWindows) {
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
+    for (auto& entry : cache_) {
+      for (DeviceWindow& w : entry.second) cudaFree(w.ops);
+    }
+    cache_.clear();
+    cached_windows_ = 0;
+  }
+  std::vector<DeviceWindow> windows;
+  try {
+    for (int64_t k = 0; k < plan.num_windows(); ++k) {
+      const plan::DeviceProgram prog =
+          plan::compile_device_program(plan.window(k), channel_.rank());
+      DeviceWindow w;
+      w.num_phases = prog.num_phases;
+      w.phase_begin = prog.phase_begin;
+      const size_t bytes = std::max<size_t>(1, prog.ops.size()) * sizeof(plan::DeviceOp);
+      check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.ops), bytes), "cudaMalloc");
+      windows.push_back(w);
+      if (!prog.ops.empty()) {
+        check_cuda(cudaMemcpy(w.ops, prog.ops.data(), prog.ops.size() * sizeof(plan::DeviceOp),
+                              cudaMemcpyHostToDevice),
+                   "cudaMemcpy");
+      }
+    }
+  } catch (...) {
+    for (DeviceWindow& w : windows) cudaFree(w.ops);
+    throw;
+  }
+  cached_windows_ += windows.size();
+  return cache_.emplace(key, std::move(windows)).first->second;
+}
+
+void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
+                             kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream) {
+  const std::string failed = device_error();
+  if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
+  CudaDeviceGuard guard(channel_.device());
+  const std::vector<DeviceWindow>& windows = programs(key, plan);
+  WindowParams p{};
+  p.rank = channel_.rank();
+  p.world_size = channel_.world_size();
+  for (int r = 0; r < p.world_size; ++r) p.inboxes[r] = channel_.inbox(r);
+  p.grid = static_cast<GridSync*>(grid_sync_);
+  p.tensor = static_cast<char*>(tensor);
+  p.avg_divisor = op == kernels::ReduceOp::kAvg ? p.world_size : 0;
+  p.timeout_ns = timeout_ns_;
+  p.error = error_device_;
+  for (const DeviceWindow& w : windows) {
+    p.ops = w.ops;
+    p.num_phases = w.num_phases;
+    std::copy(w.phase_begin.begin(), w.phase_begin.end(), p.phase_begin);
+    const int64_t parity = windows_run_++ & 1;
+    for (int r = 0; r < p.world_size; ++r) p.slots[r] = channel_.slot(parity, r);
+    p.epoch_base = epoch_;
+    epoch_ += static_cast<uint64_t>(w.num_phases);
+    kernels::cuda::dispatch(dtype, op, [&](auto type_tag, auto op_tag) {
+      using T = typename decltype(type_tag)::type;
+      constexpr kernels::ReduceOp kOp = decltype(op_tag)::value;
+      window_kernel<T, kOp><<<num_blocks_, kThreads, 0, stream>>>(p);
+    });
+    check_cuda(cudaGetLastError(), "launching the xdev allreduce kernel");
+  }
+}
+
+}  // namespace xdev::transport

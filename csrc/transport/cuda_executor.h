@@ -1,0 +1,89 @@
+// Runs a CollectivePlan's allreduce on GPUs over a CudaIpcChannel: one kernel
+// launch per window, which stages the rank's tensor into its slot, runs the
+// rank's steps reading peers' slots straight over NVLink / PCIe (no copy into
+// a local buffer first), and passes a barrier of every rank between phases.
+//
+// The barrier lives on the GPU (flags in IPC memory), so the host only
+// launches: no host round trip per phase. Its memory-ordering argument is
+// next to the kernel in cuda_executor.cu.
+//
+// Torch-free; the caller owns streams and the ordering with its own work.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/collective_plan.h"
+#include "../plan/device_program.h"
+#include "cuda_ipc_channel.h"
+
+namespace xdev::transport {
+
+// What identifies a plan's device programs in the cache: everything
+// CollectivePlan::allreduce was built from (programs are in elements, so the
+// dtype does not matter).
+struct CudaPlanKey {
+  int algorithm = 0;
+  int root = 0;
+  int64_t total = 0;
+  int64_t window_elems = 0;
+  std::vector<int64_t> pack_bounds;  // begin, end of every pack
+  std::vector<int> tree_ids;         // the balanced plan's trees, flattened; empty otherwise
+
+  bool operator<(const CudaPlanKey& o) const {
+    return std::tie(algorithm, root, total, window_elems, pack_bounds, tree_ids) <
+           std::tie(o.algorithm, o.root, o.total, o.window_elems, o.pack_bounds, o.tree_ids);
+  }
+};
+
+class CudaExecutor {
+ public:
+  // peer_timeout bounds every wait of a kernel for a peer; a kernel that gives
+  // up records it (device_error) and exits.
+  CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout);
+  ~CudaExecutor();  // never throws
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
+  // Enqueues every window of plan on stream for the contiguous `tensor` (its
+  // elements are the payload; read and written in place) and returns. Every
+  // rank must run the same plans in the same order.
+  void allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
+                 kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
+
+  // Empty while healthy; otherwise what a kernel reported (which peer it gave
+  // up waiting for). Once set, the channel's barrier counters disagree across
+  // ranks: the group must be recreated.
+  std::string device_error() const;
+
+  int num_blocks() const { return num_blocks_; }
+
+ private:
+  struct DeviceWindow {
+    plan::DeviceOp* ops = nullptr;  // device memory
+    int32_t num_phases = 0;
+    std::vector<int32_t> phase_begin;
+  };
+  const std::vector<DeviceWindow>& programs(const CudaPlanKey& key,
+                                            const plan::CollectivePlan& plan);
+
+  CudaIpcChannel& channel_;
+  uint64_t timeout_ns_ = 0;
+  int num_blocks_ = 0;
+  void* grid_sync_ = nullptr;             // device: this rank's block counters
+  unsigned int* error_host_ = nullptr;    // pinned, mapped: a kernel's report
+  unsigned int* error_device_ = nullptr;  // the same word as the device sees it
+  uint64_t epoch_ = 0;                    // barriers passed by every kernel so far
+  int64_t windows_run_ = 0;               // slot sets alternate by window
+  std::map<CudaPlanKey, std::vector<DeviceWindow>> cache_;
+  size_t cached_windows_ = 0;
+};
+
+}  // namespace xdev::transport
