@@ -27,6 +27,8 @@ from harness import free_port, run_ranks
         ({"reduce_to_rank": -1}, "reduce_to_rank"),
         ({"timeout": -1.0}, "timeout"),
         ({"shm_slot_bytes": 100}, "shm_slot_bytes"),
+        ({"cuda_slot_bytes": -1}, "cuda_slot_bytes"),
+        ({"cuda_slot_bytes": 4097}, "cuda_slot_bytes"),
     ],
 )
 def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
@@ -98,6 +100,12 @@ def test_init_methods(method: str, tmp_path: Any) -> None:
     infos = run_ranks(_init_and_sum, 2, method, str(tmp_path / "rendezvous"))
     assert infos[0]["shared_memory"] and infos[0]["num_hosts"] == 1
     assert infos[0]["fallback_backend"] == "gloo"
+    cuda = infos[0]["cuda"]
+    if not torch_xdev._C.built_with_cuda:
+        # A CPU-only build says so, and CUDA tensors would go to Gloo.
+        assert cuda["built"] is False and "no CUDA path" in cuda["note"]
+        assert cuda["fallback_backend"] == "gloo"
+    assert set(infos[0]["cuda_allreduce_plan"]) == {4 << 10, 1 << 20, 64 << 20}
 
 
 def _several_groups(rank: int, world: int) -> list[str]:
@@ -275,3 +283,19 @@ def _delegated(rank: int, world: int) -> None:
 
 def test_delegated_collectives() -> None:
     run_ranks(_delegated, 3)
+
+
+def _init_with_topology(rank: int, world: int) -> str:
+    try:
+        dist.init_process_group("xdev", rank=rank, world_size=world)
+    except ValueError as e:
+        return str(e)
+    dist.destroy_process_group()
+    return ""
+
+
+def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
+    bad = tmp_path / "topo.json"
+    bad.write_text('{"nvlink": [[0, 1], [2, 0]]}')  # not symmetric
+    errors = run_ranks(_init_with_topology, 1, env={"XDEV_TOPO_FILE": str(bad)})
+    assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]

@@ -14,6 +14,10 @@ class BackendConfig:
     timeout: timedelta
     shm_slot_bytes: int
     single_copy: bool
+    cuda_slot_bytes: int
+    topo_file: str
+    topo_nvlink: list[list[int]]
+    topo_reachable: list[list[int]]
     hostname: str
     group_name: str
     debug: bool
@@ -33,12 +37,15 @@ class XdevBackend(Backend):
         size: int,
         config: BackendConfig,
         fallback: Any,  # a c10d Backend (ProcessGroupGloo); its stub does not say so
+        cuda_fallback: Any = None,  # ProcessGroupNCCL for CUDA tensors, or None
     ) -> None: ...
     def describe(self) -> dict[str, Any]: ...
     @property
     def shm_name(self) -> str: ...
 
 def remove_orphaned_segments() -> int: ...
+
+built_with_cuda: bool
 
 class plan:
     """The submodule torch_xdev._C.plan (csrc/backend/plan_bindings.cc): the cost model.

@@ -14,6 +14,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from . import _C
 from .options import Options, resolve_options
+from .topology import load_topology_file
 
 BACKEND_NAME = "xdev"
 
@@ -59,6 +60,32 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
         setattr(config, field, float(value))
 
 
+def apply_topology_file(config: Any, path: str) -> None:
+    """Injects the GPU link matrix of a topology file (XDEV_TOPO_FILE) into `config`."""
+    try:
+        topo = load_topology_file(path)
+    except ValueError as e:
+        raise ValueError(f"XDEV_TOPO_FILE: {e}") from e
+    config.topo_file = str(path)
+    config.topo_nvlink = [list(row) for row in topo["nvlink"]]
+    config.topo_reachable = [list(row) for row in topo["reachable"]]
+
+
+def _make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """PyTorch's NCCL backend on its own prefix of our store, for CUDA tensors xdev delegates.
+
+    None where torch has no NCCL or sees no GPU; CUDA tensors then go to Gloo. Creating it is
+    cheap: NCCL builds its communicators at the first collective that uses them.
+    """
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return ProcessGroupNCCL(PrefixStore("xdev/nccl/", store), rank, size, options)
+
+
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     # One XdevBackend serves every device type of its group: c10d registers it
     # for "cpu" and "cuda" and calls this creator once.
@@ -69,6 +96,7 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     timeout = timedelta(seconds=seconds) if seconds is not None else dist_opts.timeout
     store = dist_opts.store
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, timeout)
+    cuda_fallback = _make_nccl(store, rank, size, timeout)
 
     config = _C.BackendConfig()
     config.algorithm = options.algorithm
@@ -80,13 +108,17 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     config.timeout = timeout
     config.shm_slot_bytes = options.shm_slot_bytes
     config.single_copy = options.single_copy
+    config.cuda_slot_bytes = options.cuda_slot_bytes
     config.hostname = host_identity()
     config.group_name = group_id
     config.debug = options.debug
     model_file = os.environ.get("XDEV_CPU_MODEL")
     if model_file:
         apply_cpu_model_file(config, model_file)
-    return _C.XdevBackend(store, rank, size, config, fallback)
+    topo_file = os.environ.get("XDEV_TOPO_FILE")
+    if topo_file:
+        apply_topology_file(config, topo_file)
+    return _C.XdevBackend(store, rank, size, config, fallback, cuda_fallback)
 
 
 def register() -> None:

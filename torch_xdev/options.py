@@ -41,6 +41,9 @@ class Options:
         timeout: per-collective timeout; ``None`` uses the group's timeout.
         shm_slot_bytes: staging bytes per rank and slot set; larger payloads
             are processed in windows of this size.
+        cuda_slot_bytes: GPU staging bytes per rank and slot set (each rank
+            allocates two); larger CUDA payloads run in windows of this size.
+            A multiple of 256, at least 4096.
         single_copy: let ranks read each other's tensors in place
             (process_vm_readv) for large CPU allreduces, when the host allows it.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
@@ -54,6 +57,7 @@ class Options:
     reduce_to_rank: int = 0
     timeout: Optional[Union[timedelta, float]] = None
     shm_slot_bytes: int = 256 << 10
+    cuda_slot_bytes: int = 32 << 20
     single_copy: bool = False
     debug: bool = False
 
@@ -83,6 +87,15 @@ class Options:
         if not isinstance(self.shm_slot_bytes, int) or self.shm_slot_bytes < 4096:
             raise ValueError(
                 f"Options.shm_slot_bytes must be an int >= 4096; got {self.shm_slot_bytes!r}"
+            )
+        if (
+            not isinstance(self.cuda_slot_bytes, int)
+            or self.cuda_slot_bytes < 4096
+            or self.cuda_slot_bytes % 256 != 0
+        ):
+            raise ValueError(
+                "Options.cuda_slot_bytes must be an int >= 4096 and a multiple of 256; "
+                f"got {self.cuda_slot_bytes!r}"
             )
         seconds = self.timeout_seconds()
         if seconds is not None and seconds <= 0:
@@ -123,6 +136,7 @@ ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("reduce_to_rank", "XDEV_REDUCE_TO_RANK", _parse_int),
     ("timeout", "XDEV_TIMEOUT", float),
     ("shm_slot_bytes", "XDEV_SHM_SLOT_BYTES", _parse_int),
+    ("cuda_slot_bytes", "XDEV_CUDA_SLOT_BYTES", _parse_int),
     ("single_copy", "XDEV_SINGLE_COPY", _parse_bool),
     ("debug", "XDEV_DEBUG", _parse_debug),
 )

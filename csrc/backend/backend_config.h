@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace xdev::backend {
 
@@ -18,7 +19,12 @@ struct BackendConfig {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   int64_t shm_slot_bytes = 256 << 10;  // per rank and slot set; see README "Performance"
   bool single_copy = false;            // let peers read tensors in place (opt-in)
-  std::string hostname;                // this rank's host identity
+  int64_t cuda_slot_bytes = 32 << 20;  // per rank and slot set, in GPU memory (x2 per rank)
+  // XDEV_TOPO_FILE: an injected GPU link matrix, rows = local ranks (empty: detect).
+  std::string topo_file;
+  std::vector<std::vector<int64_t>> topo_nvlink;
+  std::vector<std::vector<int64_t>> topo_reachable;  // optional; empty: where nvlink > 0
+  std::string hostname;                              // this rank's host identity
   std::string group_name;
   bool debug = false;
 

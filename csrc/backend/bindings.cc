@@ -50,6 +50,44 @@ PYBIND11_DECLARE_HOLDER_TYPE(T, xdev::backend::GilReleasingHolder<T>, true)
 namespace xdev::backend {
 namespace {
 
+py::list matrix_rows(const plan::LinkMatrix& m) {
+  py::list rows;
+  for (int i = 0; i < m.size(); ++i) {
+    py::list row;
+    for (int j = 0; j < m.size(); ++j) row.append(i == j ? 0 : m.links(i, j));
+    rows.append(row);
+  }
+  return rows;
+}
+
+// The CUDA half: what the first CUDA collective found (None-valued before it).
+py::dict describe_cuda(const XdevBackend& b) {
+  py::dict d;
+  const CudaCollectives* cuda = b.cuda();
+  const CudaGroupInfo* info = cuda ? cuda->info() : nullptr;
+  d["built"] = cuda != nullptr;
+  d["initialized"] = info != nullptr;
+  d["cuda_slot_bytes"] = b.config().cuda_slot_bytes;
+  const std::string fallback = b.cuda_fallback_name();
+  d["fallback_backend"] = fallback.empty() ? py::object(py::none()) : py::object(py::str(fallback));
+  if (info == nullptr) {
+    d["note"] = cuda == nullptr ? "this build of torch_xdev has no CUDA path (CPU-only torch, or "
+                                  "no GPU): CUDA tensors go to the fallback engine"
+                                : "decided by the group's first collective on CUDA tensors";
+    return d;
+  }
+  d["device"] = info->device;
+  d["gpus"] = info->gpus;
+  d["topology_class"] = plan::to_string(info->topology);
+  d["topology_source"] = info->topology_source;
+  d["nvlink"] = matrix_rows(info->nvlink);
+  d["reachable"] = matrix_rows(info->reachable);
+  d["ranks_share_gpu"] = info->ranks_share_gpu;
+  d["transport"] = info->transport;
+  d["transport_note"] = info->transport_note;
+  return d;
+}
+
 py::dict describe(const XdevBackend& b) {
   const BackendConfig& c = b.config();
   py::dict d;
@@ -93,8 +131,13 @@ py::dict describe(const XdevBackend& b) {
   } else {
     d["cpu_cost_model"] = py::none();
   }
-  const plan::Selection cuda = b.selection_for(int64_t{1} << 20, true);
-  d["cuda_allreduce_plan"] = py::make_tuple(plan::to_string(cuda.algorithm), cuda.reason);
+  d["cuda"] = describe_cuda(b);
+  py::dict cuda_per_size;
+  for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
+    const plan::Selection s = b.selection_for(bytes, true);
+    cuda_per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
+  }
+  d["cuda_allreduce_plan"] = cuda_per_size;
   const auto last = b.last_selection();
   d["last_allreduce"] = last.first.empty() ? py::object(py::none())
                                            : py::object(py::make_tuple(last.first, last.second));
@@ -121,6 +164,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("timeout", &BackendConfig::timeout)
       .def_readwrite("shm_slot_bytes", &BackendConfig::shm_slot_bytes)
       .def_readwrite("single_copy", &BackendConfig::single_copy)
+      .def_readwrite("cuda_slot_bytes", &BackendConfig::cuda_slot_bytes)
+      .def_readwrite("topo_file", &BackendConfig::topo_file)
+      .def_readwrite("topo_nvlink", &BackendConfig::topo_nvlink)
+      .def_readwrite("topo_reachable", &BackendConfig::topo_reachable)
       .def_readwrite("hostname", &BackendConfig::hostname)
       .def_readwrite("group_name", &BackendConfig::group_name)
       .def_readwrite("debug", &BackendConfig::debug)
@@ -133,22 +180,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
       .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,
-                       c10d::Backend* fallback) {
+                       c10d::Backend* fallback, c10d::Backend* cuda_fallback) {
              TORCH_CHECK_VALUE(store != nullptr, "store must not be None");
              TORCH_CHECK_VALUE(fallback != nullptr, "fallback must not be None");
              // Take our own references on objects Python also holds.
              auto store_ref = c10::intrusive_ptr<c10d::Store>::reclaim_copy(store);
              auto fallback_ref = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(fallback);
-             return GilReleasingHolder<XdevBackend>(
-                 c10::make_intrusive<XdevBackend>(store_ref, rank, size, config, fallback_ref));
+             c10::intrusive_ptr<c10d::Backend> cuda_ref;
+             if (cuda_fallback != nullptr) {
+               cuda_ref = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(cuda_fallback);
+             }
+             return GilReleasingHolder<XdevBackend>(c10::make_intrusive<XdevBackend>(
+                 store_ref, rank, size, config, fallback_ref, cuda_ref));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
-           py::arg("fallback"), py::call_guard<py::gil_scoped_release>())
+           py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
       .def_property_readonly("shm_name", &XdevBackend::shm_name);
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
+
+#ifdef XDEV_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
 
   xdev::backend::bind_plan(m);
   xdev::backend::bind_topology(m);

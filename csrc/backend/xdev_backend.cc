@@ -15,6 +15,16 @@
 namespace xdev::backend {
 namespace {
 
+std::exception_ptr as_dist_error(const std::string& msg) {
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+}  // namespace
+
 std::optional<kernels::DType> native_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
@@ -55,8 +65,6 @@ std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op) {
   }
 }
 
-// FNV-1a over every tensor's dtype and sizes: two ranks with equal hashes
-// almost surely pass the same shapes, and a mismatch is caught on all ranks.
 uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint64_t v) {
@@ -79,19 +87,20 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
-std::exception_ptr as_dist_error(const std::string& msg) {
-  try {
-    C10_THROW_ERROR(DistBackendError, msg);
-  } catch (...) {
-    return std::current_exception();
-  }
+#ifndef XDEV_WITH_CUDA
+std::unique_ptr<CudaCollectives> make_cuda_collectives(XdevBackend&) {
+  return nullptr;  // this build has no CUDA: CUDA tensors go to the fallback engines
 }
-
-}  // namespace
+#endif
 
 XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                         BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback)
-    : c10d::Backend(rank, size), config_(std::move(config)), fallback_(std::move(fallback)) {
+                         BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback,
+                         c10::intrusive_ptr<c10d::Backend> cuda_fallback)
+    : c10d::Backend(rank, size),
+      config_(std::move(config)),
+      store_(store),
+      cuda_fallback_(std::move(cuda_fallback)),
+      fallback_(std::move(fallback)) {
   TORCH_CHECK(fallback_, "xdev: a fallback backend is required");
   fallback_name_ = fallback_->getBackendName();
   requested_ = plan::algorithm_from_string(config_.algorithm);
@@ -122,6 +131,11 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     params.window_bytes = config_.shm_slot_bytes;
     cpu_model_ = std::make_unique<plan::MachineModel>(plan::cpu_host(size, params));
   }
+  if (config_.cuda_slot_bytes < 4096 || config_.cuda_slot_bytes % 256 != 0) {
+    throw std::invalid_argument("cuda_slot_bytes must be a multiple of 256 and >= 4096; got " +
+                                std::to_string(config_.cuda_slot_bytes));
+  }
+  cuda_ = make_cuda_collectives(*this);
   queue_ = std::make_unique<WorkQueue>();
   if (config_.debug && rank == 0) {
     const plan::Selection small = selection_for(1, false);
@@ -153,17 +167,54 @@ void XdevBackend::shutdown() {
   }
   if (!queue) return;
   queue.reset();  // runs what is queued, then joins the worker
+  if (cuda_) cuda_->shutdown();
   single_copy_.reset();
   executor_.reset();
   channel_.reset();
   fallback_->shutdown();
+  if (cuda_fallback_) cuda_fallback_->shutdown();
   std::lock_guard<std::mutex> lock(queue_mutex_);
-  fallback_.reset();  // Gloo's destructor joins its threads: do it without the GIL
+  fallback_.reset();
+  cuda_fallback_.reset();  // Gloo's destructor joins its threads: do it without the GIL
 }
 
 c10d::Backend* XdevBackend::fallback() const {
   TORCH_CHECK(fallback_, "xdev: this process group has been destroyed");
   return fallback_.get();
+}
+
+c10d::Backend* XdevBackend::fallback_for(const at::Tensor& tensor) {
+  c10d::Backend* gloo = fallback();
+  if (!tensor.is_cuda() || !cuda_fallback_) return gloo;
+  if (cuda_ != nullptr) {
+    // NCCL refuses two ranks on one GPU; the first CUDA collective finds out.
+    const CudaGroupInfo& info = cuda_->ensure_ready(tensor.get_device());
+    if (info.ranks_share_gpu) return gloo;
+  }
+  return cuda_fallback_.get();
+}
+
+c10d::Backend* XdevBackend::fallback_for(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.is_cuda()) return fallback_for(t);
+  }
+  return fallback();
+}
+
+c10d::Backend* XdevBackend::p2p_engine(const std::vector<at::Tensor>& tensors) {
+  const bool any_cuda =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
+  if (!any_cuda || !cuda_fallback_) return fallback();
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  return info != nullptr && info->ranks_share_gpu ? fallback() : cuda_fallback_.get();
+}
+
+std::string XdevBackend::cuda_fallback_name() const {
+  if (!cuda_fallback_) return fallback_name_;
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  if (cuda_ && info == nullptr) return "";
+  return info != nullptr && info->ranks_share_gpu ? fallback_name_
+                                                  : cuda_fallback_->getBackendName();
 }
 
 void XdevBackend::rendezvous_hosts(c10d::Store& store) {
@@ -242,8 +293,13 @@ plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
   in.world_size = size_;
   in.num_hosts = num_hosts_;
   in.device = cuda ? plan::DeviceKind::kCuda : plan::DeviceKind::kCpu;
-  // The CUDA transport is not built yet: CUDA tensors go to the fallback.
   in.transport_available = !cuda && (executor_ != nullptr || size_ == 1);
+  if (cuda) {
+    const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+    // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
+    in.transport_available = info != nullptr && info->transport;
+    if (info != nullptr) in.topology = info->topology;
+  }
   in.payload_bytes = payload;
   in.num_packs = config_.num_packs;
   const bool by_model =
@@ -287,7 +343,9 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
           kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
           kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " via " +
           plan::to_string(static_cast<plan::Algorithm>(d.algorithm)) +
-          (d.single_copy ? " (single copy)" : " (staged)");
+          (d.device == 1   ? " on CUDA tensors"
+           : d.single_copy ? " (single copy)"
+                           : " (staged)");
       break;
     case Collective::kBroadcast:
       s = "broadcast from rank " + std::to_string(d.root);
@@ -317,6 +375,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const cha
                                                     std::vector<at::Tensor> outputs,
                                                     std::function<void()> fn, bool async_op) {
   auto work = c10::make_intrusive<XdevWork>(rank_, type, title, std::move(outputs));
+  enqueue_work(work, std::move(fn), async_op);
+  return work;
+}
+
+void XdevBackend::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
+                               bool async_op) {
   std::lock_guard<std::mutex> lock(queue_mutex_);
   TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
   auto task = [this, work, fn = std::move(fn)] {
@@ -343,7 +407,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::enqueue(c10d::OpType type, const cha
   } else {
     queue_->run_inline_or_submit(std::move(task));
   }
-  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Tensor> tensors,
@@ -436,36 +499,47 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
+  c10d::Backend* engine = fallback_for(tensors);
   auto call = [&](const c10d::AllreduceOptions& o) {
     if (coalesced) {
       c10d::AllreduceCoalescedOptions co;
       co.reduceOp = o.reduceOp;
       co.timeout = o.timeout;
-      return fallback()->allreduce_coalesced(tensors, co);
+      return engine->allreduce_coalesced(tensors, co);
     }
-    return fallback()->allreduce(tensors, o);
+    return engine->allreduce(tensors, o);
   };
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) return call(opts);
-  // Gloo has no AVG: SUM through the fallback, then divide on our worker
-  // thread, so the returned Work completes only once the division is done.
+  const bool has_avg = engine->getBackendName() == "nccl";
+  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG || has_avg) return call(opts);
+  // Gloo has no AVG: SUM through it, then divide.
   c10d::AllreduceOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto inner = call(sum);
   const int world = size_;
   std::vector<at::Tensor> outs = tensors;
-  return enqueue(
-      c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs,
-      [inner, outs, world]() {
-        inner->wait();
-        for (const at::Tensor& t : outs) {
-          if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
-            t.div_(world, "trunc");
-          } else {
-            t.div_(world);
-          }
-        }
-      },
-      /*async_op=*/true);
+  auto wait_and_divide = [inner, outs, world]() {
+    inner->wait();
+    for (const at::Tensor& t : outs) {
+      if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+        t.div_(world, "trunc");
+      } else {
+        t.div_(world);
+      }
+    }
+  };
+  const bool cuda =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
+  if (cuda) {
+    // On CUDA tensors, wait() orders the caller's current stream after the
+    // SUM, so dividing right here on that stream is ordered too. Synchronous,
+    // but rare (ranks sharing a GPU without a native path).
+    wait_and_divide();
+    return inner;
+  }
+  // On the worker thread, so the returned Work completes only once the
+  // division is done.
+  return enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs, wait_and_divide,
+                 /*async_op=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
@@ -482,6 +556,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                       "xdev allreduce: only dense (strided) tensors are supported");
     native_ok = native_ok && native_dtype(t.scalar_type()).has_value();
   }
+  if (device.is_cuda() && cuda_ != nullptr && size_ > 1) {
+    // Collective on first use: every rank learns the GPUs and the transport.
+    cuda_->ensure_ready(device.index());
+  }
   plan::Selection sel = selection_for(payload_bytes(tensors), device.is_cuda());
   if (!native_ok && sel.algorithm != plan::Algorithm::kFallback) {
     sel.algorithm = plan::Algorithm::kFallback;
@@ -497,6 +575,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                plan::to_string(sel.algorithm) + " (" + sel.reason + ")");
   if (sel.algorithm == plan::Algorithm::kFallback) {
     return fallback_allreduce(tensors, opts, coalesced);
+  }
+  if (device.is_cuda()) {
+    TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it
+    return cuda_->allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout);
   }
   return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp);
 }
@@ -517,7 +599,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
   }
-  if (!native) return fallback()->broadcast(tensors, opts);
+  if (!native) return fallback_for(tensors)->broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
   const int root = static_cast<int>(opts.rootRank);
@@ -557,7 +639,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
   if (executor_ == nullptr) {
-    if (size_ == 1) return enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, [] {}, false);
+    if (size_ == 1) {
+      return enqueue(
+          c10d::OpType::BARRIER, "xdev:barrier", {},
+          [this] {
+            if (cuda_ && cuda_->info()) cuda_->synchronize();
+          },
+          false);
+    }
     return fallback()->barrier(opts);
   }
   // Queued behind every earlier native collective of this rank, so when it
@@ -565,6 +654,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   return enqueue(
       c10d::OpType::BARRIER, "xdev:barrier", {},
       [this, opts]() {
+        // Like NCCL's barrier, it also waits for this rank's GPU collectives.
+        if (cuda_ && cuda_->info()) cuda_->synchronize();
         transport::OpDescriptor desc;
         desc.seq = ++next_seq_;
         desc.collective = static_cast<int32_t>(Collective::kBarrier);
@@ -577,87 +668,88 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
-  return fallback()->reduce(tensors, opts);
+  return fallback_for(tensors)->reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  return fallback()->allgather(outputs, inputs, opts);
+  return fallback_for(inputs)->allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return fallback()->_allgather_base(output, input, opts);
+  return fallback_for(input)->_allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallback()->allgather_coalesced(outputs, inputs, opts);
+  return fallback_for(inputs)->allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallback()->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return fallback_for(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  return fallback()->gather(outputs, inputs, opts);
+  return fallback_for(inputs)->gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  return fallback()->scatter(outputs, inputs, opts);
+  return fallback_for(outputs)->scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallback()->reduce_scatter(outputs, inputs, opts);
+  return fallback_for(outputs)->reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return fallback()->_reduce_scatter_base(output, input, opts);
+  return fallback_for(input)->_reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallback()->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return fallback_for(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
-  return fallback()->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return fallback_for(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                            opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  return fallback()->alltoall(outputs, inputs, opts);
+  return fallback_for(inputs)->alltoall(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                  int tag) {
-  return fallback()->send(tensors, dst_rank, tag);
+  return p2p_engine(tensors)->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                  int tag) {
-  return fallback()->recv(tensors, src_rank, tag);
+  return p2p_engine(tensors)->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                           int tag) {
-  return fallback()->recvAnysource(tensors, tag);
+  return p2p_engine(tensors)->recvAnysource(tensors, tag);
 }
 
 }  // namespace xdev::backend

@@ -3,8 +3,10 @@
 // Thin by design: it turns c10d calls into plans (csrc/plan) and runs them on
 // the shared-memory transport (csrc/transport) from one worker thread, or
 // hands them to the fallback engine (Gloo, built in Python on a PrefixStore of
-// our store). Native today: allreduce, allreduce_coalesced, broadcast and
-// barrier on CPU tensors of one host; everything else is delegated.
+// our store). Native: allreduce, allreduce_coalesced, broadcast and barrier
+// on CPU tensors of one host, and allreduce on CUDA tensors of one host whose
+// GPUs reach each other (cuda_collectives.h); everything else is delegated,
+// CUDA tensors to NCCL where it can run them.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -26,6 +28,8 @@
 #include "../transport/shm_executor.h"
 #include "../transport/single_copy_executor.h"
 #include "backend_config.h"
+#include "cuda_collectives.h"
+#include "tensor_helpers.h"
 #include "work_queue.h"
 #include "xdev_work.h"
 
@@ -33,8 +37,11 @@ namespace xdev::backend {
 
 class XdevBackend : public c10d::Backend {
  public:
+  // fallback runs CPU tensors (Gloo); cuda_fallback, when given, runs CUDA
+  // tensors (NCCL) unless ranks share a GPU, where Gloo takes them too.
   XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-              BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback);
+              BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback,
+              c10::intrusive_ptr<c10d::Backend> cuda_fallback = {});
   ~XdevBackend() override;
 
   const std::string getBackendName() const override { return "xdev"; }
@@ -108,8 +115,16 @@ class XdevBackend : public c10d::Backend {
   plan::Selection selection_for(int64_t payload_bytes, bool cuda) const;
   // The model auto chooses CPU plans by; null without a native CPU path.
   const plan::MachineModel* cpu_model() const { return cpu_model_.get(); }
+  // The CUDA side: null in builds without CUDA; info() null before the first
+  // CUDA collective.
+  CudaCollectives* cuda() const { return cuda_.get(); }
+  // The engine that runs delegated collectives on CUDA tensors ("" before the
+  // first CUDA collective decides it).
+  std::string cuda_fallback_name() const;
 
  private:
+  friend class CudaCollectivesImpl;  // the CUDA glue runs collectives through enqueue()
+
   enum class Collective : int32_t { kAllreduce = 1, kBroadcast = 2, kBarrier = 3 };
 
   void rendezvous_hosts(c10d::Store& store);
@@ -136,6 +151,9 @@ class XdevBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs, std::function<void()> fn,
                                          bool async_op);
+  // The same for a Work the caller made (the CUDA glue's, which knows streams).
+  void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
+                    bool async_op);
 
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
   std::string describe_op(const transport::OpDescriptor& d) const;
@@ -146,6 +164,17 @@ class XdevBackend : public c10d::Backend {
   plan::Algorithm requested_ = plan::Algorithm::kAuto;
   plan::PackingOptions packing_;
   c10d::Backend* fallback() const;  // throws once the group is shut down
+  // The engine for a delegated collective on these tensors: NCCL for CUDA
+  // tensors where it can run them, else Gloo.
+  c10d::Backend* fallback_for(const std::vector<at::Tensor>& tensors);
+  c10d::Backend* fallback_for(const at::Tensor& tensor);
+  // The same for send/recv, which only two ranks call: no group rendezvous, so
+  // before the first CUDA collective it assumes one GPU per rank.
+  c10d::Backend* p2p_engine(const std::vector<at::Tensor>& tensors);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> cuda_fallback_;
+  std::unique_ptr<CudaCollectives> cuda_;  // destroyed in shutdown(), before the queue
 
   c10::intrusive_ptr<c10d::Backend> fallback_;
   std::string fallback_name_;

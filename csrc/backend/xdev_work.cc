@@ -3,10 +3,11 @@
 namespace xdev::backend {
 
 XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
-                   std::vector<at::Tensor> outputs)
+                   std::vector<at::Tensor> outputs, std::vector<c10::Device> devices)
     : c10d::Work(rank, op_type, profiling_title, outputs),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors())) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
+                                                       std::move(devices))) {}
 
 void XdevWork::complete() {
   finish();

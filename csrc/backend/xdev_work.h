@@ -14,10 +14,14 @@ namespace xdev::backend {
 
 class XdevWork : public c10d::Work {
  public:
+  // devices: where the outputs live, for a future with CUDA stream semantics
+  // (empty for CPU tensors).
   XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
-           std::vector<at::Tensor> outputs);
+           std::vector<at::Tensor> outputs, std::vector<c10::Device> devices = {});
 
-  void complete();
+  // Called on the thread that ran the collective (the CUDA work marks its
+  // future with its stream current, see CudaWork).
+  virtual void complete();
   void fail(std::exception_ptr error);
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }

@@ -79,8 +79,8 @@ struct alignas(kCacheLine) ShmChannel::Header {
 bool OpDescriptor::operator==(const OpDescriptor& o) const {
   return seq == o.seq && collective == o.collective && reduce_op == o.reduce_op &&
          dtype == o.dtype && algorithm == o.algorithm && single_copy == o.single_copy &&
-         root == o.root && num_packs == o.num_packs && num_tensors == o.num_tensors &&
-         total_elems == o.total_elems && shape_hash == o.shape_hash;
+         device == o.device && root == o.root && num_packs == o.num_packs &&
+         num_tensors == o.num_tensors && total_elems == o.total_elems && shape_hash == o.shape_hash;
 }
 
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {

@@ -45,6 +45,7 @@ struct OpDescriptor {
   int32_t dtype = 0;
   int32_t algorithm = 0;
   int32_t single_copy = 0;  // 1: peers read tensors in place, 0: staged
+  int32_t device = 0;       // 0: CPU tensors, 1: CUDA tensors
   int64_t root = 0;
   int64_t num_packs = 0;
   int64_t num_tensors = 0;

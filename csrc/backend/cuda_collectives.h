@@ -1,0 +1,66 @@
+// The backend's CUDA side, behind an interface so that XdevBackend compiles
+// (and CPU builds link) without CUDA. The implementation, CudaCollectivesImpl
+// in csrc/backend/cuda/, is built only when torch has CUDA; it is the thin
+// torch glue around the torch-free CUDA transport (csrc/transport/cuda_*).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/selection.h"
+#include "../plan/topology.h"
+
+namespace xdev::backend {
+
+class XdevBackend;
+
+// What every rank of the group agreed on about its GPUs (identical on all ranks).
+struct CudaGroupInfo {
+  int device = -1;                // this rank's CUDA device
+  std::vector<std::string> gpus;  // PCI bus id of every rank's GPU, by rank
+  plan::LinkMatrix nvlink;        // NVLinks between the ranks' GPUs
+  plan::LinkMatrix reachable;     // 1 where the two ranks' GPUs can access each other
+  plan::TopologyClass topology = plan::TopologyClass::kNone;
+  std::string topology_source;   // "nvml", "XDEV_TOPO_FILE", or why there are no NVLinks
+  bool ranks_share_gpu = false;  // NCCL refuses this: CUDA fallback is Gloo then
+  bool transport = false;        // the CUDA IPC channel is open on every rank
+  std::string transport_note;    // why it is on or off
+};
+
+class CudaCollectives {
+ public:
+  virtual ~CudaCollectives() = default;
+
+  // Collective over the group, through the Store only: learns every rank's
+  // GPU, agrees on the topology and opens the IPC transport where every GPU
+  // reaches every other. The first call does the work; later calls return
+  // the same info (a call for another device throws). Thread-safe.
+  virtual const CudaGroupInfo& ensure_ready(int device) = 0;
+
+  // Null until ensure_ready has succeeded.
+  virtual const CudaGroupInfo* info() const = 0;
+
+  // Native allreduce of CUDA tensors (one device, native dtypes; may mix
+  // dtypes). Stream semantics as ProcessGroupNCCL.
+  virtual c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors,
+                                                   kernels::ReduceOp op, plan::Selection sel,
+                                                   std::chrono::milliseconds timeout) = 0;
+
+  // Blocks the host until every GPU collective launched so far has finished,
+  // and throws if a GPU barrier gave up on a peer.
+  virtual void synchronize() = 0;
+
+  // Frees the transport (after synchronize); idempotent, never throws.
+  virtual void shutdown() noexcept = 0;
+};
+
+// Null when this build has no CUDA (or torch sees no GPU).
+std::unique_ptr<CudaCollectives> make_cuda_collectives(XdevBackend& backend);
+
+}  // namespace xdev::backend

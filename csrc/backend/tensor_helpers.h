@@ -1,0 +1,27 @@
+// Small torch-side helpers shared by the CPU and CUDA halves of the backend.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+
+namespace xdev::backend {
+
+// The kernels' dtype for a torch dtype; nullopt where no native kernel exists.
+std::optional<kernels::DType> native_dtype(at::ScalarType t);
+
+// The kernels' op for a c10d op; nullopt for ops without a native kernel.
+std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op);
+
+// FNV-1a over every tensor's dtype and sizes: two ranks with equal hashes
+// almost surely pass the same shapes, and a mismatch is caught on all ranks.
+uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
+
+int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
+
+}  // namespace xdev::backend
