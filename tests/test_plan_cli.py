@@ -16,22 +16,12 @@ import pytest
 
 import torch_xdev
 from torch_xdev import plan
+from topologies import DGX1_V100
 
 # The ranks of a subprocess must import the torch_xdev this process tested (an in-place build
 # of the source tree, or the installed one).
 PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
 
-# nvidia-smi topo -m on a DGX-1 with V100: NV2 on 0-3, 0-4, 1-2, 1-5, 2-3, 4-7, 5-6, 6-7.
-DGX1_V100 = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-]
 
 ROW = re.compile(
     r"^\s*(?P<size>\d+)\s+(?P<label>\S+(?: \(reference\))?)\s+(?P<time>[\d.]+)\s+"
