@@ -65,27 +65,40 @@ CudaIpcChannel::CudaIpcChannel(int rank, int world_size, int device, size_t slot
   }
   CudaDeviceGuard guard(device);
   const size_t bytes = kInboxBytes + 2 * slot_bytes;
+  const std::string my_key = key_prefix + std::to_string(rank);
+  std::string handle_hex;
   try {
     check_cuda(cudaMalloc(&local_, bytes), "cudaMalloc (xdev staging buffer)");
-    // Inbox words start at 0: epoch 0 is "no barrier reached yet".
+    // Inbox words start at 0 ("no barrier reached yet"), and must be 0 before
+    // any peer can map the buffer and write them.
     check_cuda(cudaMemset(local_, 0, kInboxBytes), "cudaMemset");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     cudaIpcMemHandle_t handle;
     check_cuda(cudaIpcGetMemHandle(&handle, local_), "cudaIpcGetMemHandle");
-    publish(key_prefix + std::to_string(rank), to_hex(&handle, sizeof(handle)));
+    handle_hex = to_hex(&handle, sizeof(handle));
+  } catch (...) {
+    publish(my_key, "");  // peers waiting for our handle fail instead of hanging
+    release();
+    throw;
+  }
+  publish(my_key, handle_hex);
+  try {
     bases_.assign(static_cast<size_t>(world_size), nullptr);
     bases_[rank] = local_;
     for (int r = 0; r < world_size; ++r) {
       if (r == rank) continue;
+      const std::string peer_hex = fetch(key_prefix + std::to_string(r));
+      if (peer_hex.empty()) {
+        throw CudaError("CUDA IPC: rank " + std::to_string(r) +
+                        " could not allocate or export its staging buffer (see its log)");
+      }
       cudaIpcMemHandle_t peer;
-      from_hex(fetch(key_prefix + std::to_string(r)), &peer, sizeof(peer));
+      from_hex(peer_hex, &peer, sizeof(peer));
       void* mapped = nullptr;
       check_cuda(cudaIpcOpenMemHandle(&mapped, peer, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle (a peer's xdev staging buffer)");
       bases_[r] = static_cast<char*>(mapped);
     }
-    // The memset must be done before any peer's kernel can write our inbox;
-    // peers launch only after the host barrier that follows this constructor.
-    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   } catch (...) {
     release();
     throw;
