@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -393,7 +394,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
           sel.algorithm, b_.size_, static_cast<int>(b_.config_.reduce_to_rank), packs, total,
           window_elems,
-          balanced ? b_.pack_trees(static_cast<int64_t>(packs.size()))
+          balanced ? pack_trees(static_cast<int64_t>(packs.size()))
                    : std::vector<plan::PackTree>{});
 
       transport::OpDescriptor desc;
@@ -435,7 +436,28 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
   }
 
+  // The balanced plan's trees follow the GPUs' NVLinks where any are known
+  // (every pair counts as one link otherwise). Op thread only.
+  const std::vector<plan::PackTree>& pack_trees(int64_t num_packs) {
+    auto it = pack_trees_.find(num_packs);
+    if (it != pack_trees_.end()) return it->second;
+    plan::LinkMatrix links = info_->nvlink;
+    bool any = false;
+    for (int i = 0; i < links.size(); ++i) any = any || !links.neighbors(i).empty();
+    const int64_t packs = std::max<int64_t>(1, num_packs);
+    std::vector<plan::PackTree> trees;
+    try {
+      trees = plan::balanced_pack_trees(any ? links : plan::LinkMatrix::fully_connected(b_.size_),
+                                        packs);
+    } catch (const std::invalid_argument&) {
+      // NVLinks too sparse for the two-level trees: weigh every pair alike.
+      trees = plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(b_.size_), packs);
+    }
+    return pack_trees_.emplace(num_packs, std::move(trees)).first->second;
+  }
+
   XdevBackend& b_;
+  std::map<int64_t, std::vector<plan::PackTree>> pack_trees_;
   mutable std::mutex mutex_;
   std::optional<CudaGroupInfo> info_;
   std::optional<c10::cuda::CUDAStream> stream_;
