@@ -176,25 +176,29 @@ def random_input(count: int, dtype: torch.dtype, rank: int, size_index: int) -> 
     return torch.randint(-100, 100, (count,), generator=gen, dtype=dtype)
 
 
-def check_against_gloo(
-    cfg: Config, name: str, group: Any, data: torch.Tensor, expected: torch.Tensor
+def check_result(
+    cfg: Config, name: str, group: Any, data: torch.Tensor, expected: torch.Tensor, reference: str
 ) -> None:
-    """Aborts (on every rank together) when ``group``'s allreduce disagrees with Gloo's."""
+    """Aborts (on every rank together) when ``group``'s allreduce disagrees with the reference's.
+
+    ``data`` may be a CPU or CUDA tensor; the verdict is exchanged over the default (Gloo)
+    group.
+    """
     got = data.clone()
     dist.all_reduce(got, group=group)
     rtol, atol = TOLERANCES[cfg.dtype]
     ok = torch.allclose(got, expected, rtol=rtol, atol=atol)
     err = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
-    verdict = torch.tensor([1.0 if ok else 0.0, err], dtype=torch.float64)
-    flags = verdict[:1].clone()
+    flags = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    errs = verdict[1:].clone()
+    errs = torch.tensor([err], dtype=torch.float64)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     if flags.item() < 1.0:
+        where = "CUDA, " if data.is_cuda else ""
         raise RuntimeError(
             f"correctness check failed: {name} at {format_size(data.numel() * data.element_size())}"
-            f" ({cfg.dtype}) differs from gloo; max |diff| over ranks = {errs.item():.3g}"
-            f" (rtol={rtol}, atol={atol})"
+            f" ({where}{cfg.dtype}) differs from {reference}; max |diff| over ranks ="
+            f" {errs.item():.3g} (rtol={rtol}, atol={atol})"
         )
 
 
@@ -277,7 +281,7 @@ def run_rank(rank: int, cfg: Config) -> None:
         gloo_time: Optional[float] = None
         for name, group in groups:
             if name != "gloo":
-                check_against_gloo(cfg, name, group, data, expected)
+                check_result(cfg, name, group, data, expected, "gloo")
             for _ in range(cfg.warmup):
                 dist.all_reduce(tensor, group=group)
             iters = choose_iters(cfg, tensor, group)
@@ -373,27 +377,6 @@ def measure_cuda_copy(
         torch.cuda.empty_cache()
     dist.broadcast(values, src=0)  # default group: Gloo, CPU tensor
     return float(values[0]), {size: float(values[1 + i]) for i, size in enumerate(cfg.sizes)}
-
-
-def check_cuda_result(
-    cfg: Config, name: str, group: Any, data: torch.Tensor, expected: torch.Tensor
-) -> None:
-    """Aborts (on every rank together) when ``group``'s allreduce disagrees with the reference's."""
-    got = data.clone()
-    dist.all_reduce(got, group=group)
-    rtol, atol = TOLERANCES[cfg.dtype]
-    ok = torch.allclose(got, expected, rtol=rtol, atol=atol)
-    err = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
-    flags = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    errs = torch.tensor([err], dtype=torch.float64)
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    if flags.item() < 1.0:
-        raise RuntimeError(
-            f"correctness check failed: {name} at {format_size(data.numel() * data.element_size())}"
-            f" ({cfg.dtype}, CUDA) differs from {cfg.reference}; max |diff| over ranks ="
-            f" {errs.item():.3g} (rtol={rtol}, atol={atol})"
-        )
 
 
 def cuda_timed_loop(tensor: torch.Tensor, group: Any, iters: int) -> float:
@@ -500,7 +483,7 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
             ran: Optional[str] = None
             label = name
             if name != cfg.reference:
-                check_cuda_result(cfg, name, group, data, expected)
+                check_result(cfg, name, group, data, expected, cfg.reference)
                 last = torch_xdev.describe(group)["last_allreduce"]
                 ran = None if last is None else str(last[0])
                 if ran != name.split("/")[1]:
