@@ -88,6 +88,16 @@ py::dict describe_cuda(const XdevBackend& b) {
   return d;
 }
 
+// The plan an allreduce of 4 KiB, 1 MiB and 64 MiB would get: {bytes: (algorithm, reason)}.
+py::dict plan_by_size(const XdevBackend& b, bool cuda) {
+  py::dict per_size;
+  for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
+    const plan::Selection s = b.selection_for(bytes, cuda);
+    per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
+  }
+  return per_size;
+}
+
 py::dict describe(const XdevBackend& b) {
   const BackendConfig& c = b.config();
   py::dict d;
@@ -110,12 +120,7 @@ py::dict describe(const XdevBackend& b) {
   d["single_copy_note"] = b.single_copy_note();
   d["fallback_backend"] = b.fallback_name();
   d["cpu_topology"] = plan::to_string(plan::TopologyClass::kFullyConnected);
-  py::dict per_size;
-  for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
-    const plan::Selection s = b.selection_for(bytes, false);
-    per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
-  }
-  d["cpu_allreduce_plan"] = per_size;
+  d["cpu_allreduce_plan"] = plan_by_size(b, false);
   if (const plan::MachineModel* m = b.cpu_model()) {
     py::dict model;
     model["name"] = m->name();
@@ -132,12 +137,7 @@ py::dict describe(const XdevBackend& b) {
     d["cpu_cost_model"] = py::none();
   }
   d["cuda"] = describe_cuda(b);
-  py::dict cuda_per_size;
-  for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
-    const plan::Selection s = b.selection_for(bytes, true);
-    cuda_per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
-  }
-  d["cuda_allreduce_plan"] = cuda_per_size;
+  d["cuda_allreduce_plan"] = plan_by_size(b, true);
   const auto last = b.last_selection();
   d["last_allreduce"] = last.first.empty() ? py::object(py::none())
                                            : py::object(py::make_tuple(last.first, last.second));

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
@@ -23,5 +25,10 @@ std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op);
 uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
+
+// Every rank says whether its part of a setup failed; returns how many did,
+// the same number on every rank, once all have voted. Keys under `prefix`.
+int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
+                                    int world_size);
 
 }  // namespace xdev::backend

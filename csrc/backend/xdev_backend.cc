@@ -87,6 +87,14 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
+                                    int world_size) {
+  store.add(prefix + "failures", failed ? 1 : 0);
+  if (store.add(prefix + "votes", 1) == world_size) store.set(prefix + "voted", "1");
+  store.wait({prefix + "voted"});
+  return store.add(prefix + "failures", 0);
+}
+
 #ifndef XDEV_WITH_CUDA
 std::unique_ptr<CudaCollectives> make_cuda_collectives(XdevBackend&) {
   return nullptr;  // this build has no CUDA: CUDA tensors go to the fallback engines
@@ -174,8 +182,9 @@ void XdevBackend::shutdown() {
   fallback_->shutdown();
   if (cuda_fallback_) cuda_fallback_->shutdown();
   std::lock_guard<std::mutex> lock(queue_mutex_);
+  // Gloo's destructor joins its threads (NCCL's its watchdog): do it without the GIL.
   fallback_.reset();
-  cuda_fallback_.reset();  // Gloo's destructor joins its threads: do it without the GIL
+  cuda_fallback_.reset();
 }
 
 c10d::Backend* XdevBackend::fallback() const {
@@ -259,10 +268,7 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
     std::fprintf(stderr, "[xdev] group '%s' rank %d: single copy unavailable, staying staged: %s\n",
                  config_.group_name.c_str(), rank_, why.c_str());
   }
-  store.add("xdev/cma/failures", mine_ok ? 0 : 1);
-  if (store.add("xdev/cma/votes", 1) == size_) store.set("xdev/cma/done", "1");
-  store.wait({"xdev/cma/done"});
-  if (store.add("xdev/cma/failures", 0) == 0) {
+  if (count_failures_across_ranks(store, "xdev/cma/", !mine_ok, size_) == 0) {
     single_copy_ = std::make_unique<transport::SingleCopyExecutor>(*channel_);
     single_copy_note_ = "on: ranks read each other's tensors with process_vm_readv";
   } else {
@@ -293,12 +299,13 @@ plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
   in.world_size = size_;
   in.num_hosts = num_hosts_;
   in.device = cuda ? plan::DeviceKind::kCuda : plan::DeviceKind::kCpu;
-  in.transport_available = !cuda && (executor_ != nullptr || size_ == 1);
   if (cuda) {
     const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
     // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
     in.transport_available = info != nullptr && info->transport;
     if (info != nullptr) in.topology = info->topology;
+  } else {
+    in.transport_available = executor_ != nullptr || size_ == 1;
   }
   in.payload_bytes = payload;
   in.num_packs = config_.num_packs;
@@ -328,6 +335,34 @@ const std::vector<plan::PackTree>& XdevBackend::pack_trees(int64_t num_packs) {
              .first;
   }
   return it->second;
+}
+
+plan::PackingOptions XdevBackend::packing_for(const plan::Selection& sel) const {
+  // The plan's pack count applies unless the user chose a packing.
+  plan::PackingOptions packing = packing_;
+  const bool user_packing =
+      packing_.num_packs > 0 || packing_.bytes_per_pack > 0 ||
+      (packing_.agg_small_grads_max_bytes > 0 && packing_.agg_small_grads_max_group > 0);
+  if (!user_packing && sel.num_packs > 0) packing.num_packs = sel.num_packs;
+  return packing;
+}
+
+transport::OpDescriptor XdevBackend::allreduce_descriptor(kernels::ReduceOp op, int32_t dtype,
+                                                          const plan::Selection& sel,
+                                                          int64_t num_packs, int64_t num_tensors,
+                                                          int64_t total, uint64_t hash) {
+  transport::OpDescriptor desc;
+  desc.seq = ++next_seq_;
+  desc.collective = static_cast<int32_t>(Collective::kAllreduce);
+  desc.reduce_op = static_cast<int32_t>(op);
+  desc.dtype = dtype;
+  desc.algorithm = static_cast<int32_t>(sel.algorithm);
+  desc.root = config_.reduce_to_rank;
+  desc.num_packs = num_packs;
+  desc.num_tensors = num_tensors;
+  desc.total_elems = total;
+  desc.shape_hash = hash;
+  return desc;
 }
 
 transport::Clock::time_point XdevBackend::deadline_for(std::chrono::milliseconds timeout) const {
@@ -430,13 +465,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
           const uint64_t hash = shape_hash(tensors);
           for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
             const auto dtype = static_cast<kernels::DType>(group.dtype);
-            // The plan's pack count applies unless the user chose a packing.
-            plan::PackingOptions packing = packing_;
-            const bool user_packing =
-                packing_.num_packs > 0 || packing_.bytes_per_pack > 0 ||
-                (packing_.agg_small_grads_max_bytes > 0 && packing_.agg_small_grads_max_group > 0);
-            if (!user_packing && sel.num_packs > 0) packing.num_packs = sel.num_packs;
-            const auto packs = plan::make_packs(group.layout, group.elem_size, packing);
+            const auto packs = plan::make_packs(group.layout, group.elem_size, packing_for(sel));
             const int64_t total = group.layout.total();
             const bool single_copy =
                 plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
@@ -451,18 +480,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
                 sel.algorithm == plan::Algorithm::kHierarchicalBalanced
                     ? pack_trees(static_cast<int64_t>(packs.size()))
                     : std::vector<plan::PackTree>{});
-            transport::OpDescriptor desc;
-            desc.seq = ++next_seq_;
-            desc.collective = static_cast<int32_t>(Collective::kAllreduce);
-            desc.reduce_op = static_cast<int32_t>(op);
-            desc.dtype = group.dtype;
-            desc.algorithm = static_cast<int32_t>(sel.algorithm);
+            transport::OpDescriptor desc =
+                allreduce_descriptor(op, group.dtype, sel, static_cast<int64_t>(packs.size()),
+                                     static_cast<int64_t>(tensors.size()), total, hash);
             desc.single_copy = single_copy ? 1 : 0;
-            desc.root = config_.reduce_to_rank;
-            desc.num_packs = static_cast<int64_t>(packs.size());
-            desc.num_tensors = static_cast<int64_t>(tensors.size());
-            desc.total_elems = total;
-            desc.shape_hash = hash;
             const transport::OpContext ctx = make_context(desc, "allreduce", deadline);
             if (single_copy) {
               // use_single_copy implies a non-empty payload: window 0 exists.

@@ -156,6 +156,14 @@ class XdevBackend : public c10d::Backend {
                     bool async_op);
 
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
+  // The packing of an allreduce run by sel: the user's if they chose one,
+  // else sel's pack count.
+  plan::PackingOptions packing_for(const plan::Selection& sel) const;
+  // The descriptor of one dtype group's allreduce; takes the next sequence
+  // number (op thread only).
+  transport::OpDescriptor allreduce_descriptor(kernels::ReduceOp op, int32_t dtype,
+                                               const plan::Selection& sel, int64_t num_packs,
+                                               int64_t num_tensors, int64_t total, uint64_t hash);
   std::string describe_op(const transport::OpDescriptor& d) const;
   transport::OpContext make_context(const transport::OpDescriptor& desc, const char* name,
                                     transport::Clock::time_point deadline) const;

@@ -335,10 +335,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       executor_.reset();
       channel_.reset();
     }
-    store.add(key + "failures", why.empty() ? 0 : 1);
-    if (store.add(key + "votes", 1) == b_.size_) store.set(key + "voted", "1");
-    store.wait({key + "voted"});
-    const int64_t failures = store.add(key + "failures", 0);
+    const int64_t failures = count_failures_across_ranks(store, key, !why.empty(), b_.size_);
     if (failures == 0) {
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
@@ -382,12 +379,7 @@ class CudaCollectivesImpl : public CudaCollectives {
         for (const at::Tensor& t : members) pieces.push_back(t.reshape({-1}));
         flat = at::cat(pieces);
       }
-      plan::PackingOptions packing = b_.packing_;
-      const bool user_packing =
-          packing.num_packs > 0 || packing.bytes_per_pack > 0 ||
-          (packing.agg_small_grads_max_bytes > 0 && packing.agg_small_grads_max_group > 0);
-      if (!user_packing && sel.num_packs > 0) packing.num_packs = sel.num_packs;
-      const auto packs = plan::make_packs(group.layout, group.elem_size, packing);
+      const auto packs = plan::make_packs(group.layout, group.elem_size, b_.packing_for(sel));
       const int64_t window_elems =
           b_.config_.cuda_slot_bytes / static_cast<int64_t>(group.elem_size);
       const bool balanced = sel.algorithm == plan::Algorithm::kHierarchicalBalanced;
@@ -397,18 +389,10 @@ class CudaCollectivesImpl : public CudaCollectives {
           balanced ? pack_trees(static_cast<int64_t>(packs.size()))
                    : std::vector<plan::PackTree>{});
 
-      transport::OpDescriptor desc;
-      desc.seq = ++b_.next_seq_;
-      desc.collective = static_cast<int32_t>(XdevBackend::Collective::kAllreduce);
-      desc.reduce_op = static_cast<int32_t>(op);
-      desc.dtype = group.dtype;
-      desc.algorithm = static_cast<int32_t>(sel.algorithm);
+      transport::OpDescriptor desc =
+          b_.allreduce_descriptor(op, group.dtype, sel, static_cast<int64_t>(packs.size()),
+                                  static_cast<int64_t>(tensors.size()), total, hash);
       desc.device = 1;
-      desc.root = b_.config_.reduce_to_rank;
-      desc.num_packs = static_cast<int64_t>(packs.size());
-      desc.num_tensors = static_cast<int64_t>(tensors.size());
-      desc.total_elems = total;
-      desc.shape_hash = hash;
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
       b_.executor_->barrier(b_.make_context(desc, "allreduce", deadline));
