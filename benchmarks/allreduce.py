@@ -756,12 +756,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     return launch(cfg)
 
 
-def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
-    settings = cuda_settings(args)
-    results = Path(__file__).resolve().parent / "results"
-    # Not allreduce_*ranks.json: benchmarks/calibrate.py fits the CPU model to those files.
-    default_json = results / f"cuda_allreduce_{args.nproc}ranks.json"
-    cfg = Config(
+def make_config(
+    args: argparse.Namespace, algorithms: list[str], json_name: str, **mode_fields: Any
+) -> Config:
+    """The Config both modes share, plus the mode's own fields; JSON under results/ by default."""
+    default_json = Path(__file__).resolve().parent / "results" / json_name
+    return Config(
         nproc=args.nproc,
         sizes=args.sizes,
         dtype=args.dtype,
@@ -770,12 +770,25 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         warmup=args.warmup,
         json_path=str(args.json or default_json),
         slot_bytes=args.slot_bytes,
+        port=free_port(),
+        **mode_fields,
+    )
+
+
+def iters_text(cfg: Config) -> str:
+    return str(cfg.iters) if cfg.iters is not None else f"auto ({MIN_ITERS}..{MAX_ITERS})"
+
+
+def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
+    # Not allreduce_*ranks.json: benchmarks/calibrate.py fits the CPU model to those files.
+    cfg = make_config(
+        args,
+        algorithms,
+        f"cuda_allreduce_{args.nproc}ranks.json",
         memcpy_gbps=0.0,
         memcpy_us={},
-        port=free_port(),
-        **settings,
+        **cuda_settings(args),
     )
-    iters_text = cfg.iters if cfg.iters is not None else f"auto ({MIN_ITERS}..{MAX_ITERS})"
     print(f"# torch-xdev allreduce benchmark (CUDA)  nproc={cfg.nproc}  dtype={cfg.dtype}")
     print(
         f"# torch {torch.__version__} (CUDA {torch.version.cuda})  torch_xdev"
@@ -788,7 +801,7 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
             " measure that, not its algorithms"
         )
     print(
-        f"# iters {iters_text}  warmup {cfg.warmup}  cuda_slot_bytes"
+        f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  cuda_slot_bytes"
         f" {cfg.cuda_slot_bytes or 'default'}  topo_file {cfg.topo_file or '-'}"
         f"  sizes {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
     )
@@ -801,29 +814,21 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
 
 
 def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
-    default_json = Path(__file__).resolve().parent / "results" / f"allreduce_{args.nproc}ranks.json"
     memcpy_gbps, memcpy_us = measure_memcpy(args.sizes)
-    cfg = Config(
-        nproc=args.nproc,
-        sizes=args.sizes,
-        dtype=args.dtype,
-        algorithms=algorithms,
-        iters=args.iters,
-        warmup=args.warmup,
-        json_path=str(args.json or default_json),
-        slot_bytes=args.slot_bytes,
+    cfg = make_config(
+        args,
+        algorithms,
+        f"allreduce_{args.nproc}ranks.json",
         memcpy_gbps=memcpy_gbps,
         memcpy_us=memcpy_us,
-        port=free_port(),
     )
-    iters_text = cfg.iters if cfg.iters is not None else f"auto ({MIN_ITERS}..{MAX_ITERS})"
     print(f"# torch-xdev allreduce benchmark  nproc={cfg.nproc}  dtype={cfg.dtype}")
     print(
         f"# torch {torch.__version__}  torch_xdev {torch_xdev.__version__}  cpus {os.cpu_count()}"
     )
     print(f"# single-core memcpy ({format_size(MEMCPY_BYTES)} copy_): {memcpy_gbps:.2f} GB/s")
     print(
-        f"# iters {iters_text}  warmup {cfg.warmup}  slot_bytes {cfg.slot_bytes or 'default'}"
+        f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  slot_bytes {cfg.slot_bytes or 'default'}"
         f"  sizes {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
     )
     print("# time = slowest rank's mean per call; busbw = algbw*2(n-1)/n; vs_gloo = speedup")
