@@ -204,7 +204,7 @@ std::string CudaExecutor::device_error() const {
 }
 
 const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
-    const CudaPlanKey& key, const plan::CollectivePlan& plan) {
+    const CudaPlanKey& key, const plan::CollectivePlan& plan, cudaStream_t stream) {
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   // Bounded: a job with ever-changing sizes rebuilds instead of growing.
@@ -229,9 +229,13 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
       check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.ops), bytes), "cudaMalloc");
       windows.push_back(w);
       if (!prog.ops.empty()) {
-        check_cuda(cudaMemcpy(w.ops, prog.ops.data(), prog.ops.size() * sizeof(plan::DeviceOp),
-                              cudaMemcpyHostToDevice),
-                   "cudaMemcpy");
+        // On the kernels' stream: a plain cudaMemcpy from pageable memory may
+        // return before the bytes land, and our non-blocking stream would not
+        // wait for it. Pageable sources are staged before this call returns.
+        check_cuda(cudaMemcpyAsync(w.ops, prog.ops.data(),
+                                   prog.ops.size() * sizeof(plan::DeviceOp),
+                                   cudaMemcpyHostToDevice, stream),
+                   "cudaMemcpyAsync");
       }
     }
   } catch (...) {
@@ -247,7 +251,7 @@ void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan&
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
   CudaDeviceGuard guard(channel_.device());
-  const std::vector<DeviceWindow>& windows = programs(key, plan);
+  const std::vector<DeviceWindow>& windows = programs(key, plan, stream);
   WindowParams p{};
   p.rank = channel_.rank();
   p.world_size = channel_.world_size();

@@ -72,7 +72,7 @@ class CudaExecutor {
     std::vector<int32_t> phase_begin;
   };
   const std::vector<DeviceWindow>& programs(const CudaPlanKey& key,
-                                            const plan::CollectivePlan& plan);
+                                            const plan::CollectivePlan& plan, cudaStream_t stream);
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;

@@ -10,11 +10,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
+#include <string>
 
 #include "../../plan/collective_plan.h"
 #include "../../plan/packing.h"
@@ -103,24 +104,31 @@ std::string lower(std::string s) {
   return s;
 }
 
+// "n v00 v01 ... v(n-1)(n-1)": a Store value. No iostreams here: some CUDA
+// images build extensions with a compiler whose static libstdc++ leaves the
+// stream locale uninitialised inside a shared object.
 std::string matrix_to_string(const plan::LinkMatrix& m) {
-  std::ostringstream os;
-  os << m.size();
+  std::string text = std::to_string(m.size());
   for (int i = 0; i < m.size(); ++i) {
-    for (int j = 0; j < m.size(); ++j) os << ' ' << m.links(i, j);
+    for (int j = 0; j < m.size(); ++j) text += ' ' + std::to_string(m.links(i, j));
   }
-  return os.str();
+  return text;
 }
 
 plan::LinkMatrix matrix_from_string(const std::string& text) {
-  std::istringstream is(text);
-  int n = 0;
-  is >> n;
+  const char* p = text.c_str();
+  char* end = nullptr;
+  auto next = [&]() {
+    const long v = std::strtol(p, &end, 10);
+    TORCH_CHECK(end != p, "xdev: malformed link matrix in the Store: '", text, "'");
+    p = end;
+    return static_cast<int>(v);
+  };
+  const int n = next();
   plan::LinkMatrix m(n);
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
-      int v = 0;
-      is >> v;
+      const int v = next();
       if (i < j) m.set_links(i, j, v);
     }
   }
