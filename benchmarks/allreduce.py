@@ -23,7 +23,8 @@ with it), and every backend's host overhead: the mean wall time of one
 ``all_reduce(t, async_op=True)`` call on a 4 KiB tensor. ``--topo-file`` passes a GPU link
 matrix to xdev (``XDEV_TOPO_FILE``), e.g. a DGX-1 matrix to make ``auto`` run
 hierarchical_copy on ranks sharing one GPU. Ranks sharing a GPU are time-sliced by the
-driver, so their xdev times measure that, not the algorithms. The reduction kernels alone,
+driver, so their xdev times measure that, not the algorithms, unless an MPS daemon runs
+(``nvidia-cuda-mps-control -d``), which lets their kernels run at once. The reduction kernels alone,
 against the copy bandwidth, are benchmarked by ``benchmarks/cuda_kernels.py``.
 """
 
@@ -327,6 +328,12 @@ def run_rank(rank: int, cfg: Config) -> None:
 CUDA_COLUMNS = table_columns("ref", "copy")
 
 
+def mps_pipe_directory() -> Optional[str]:
+    """The pipe directory of a running CUDA MPS control daemon, or None."""
+    pipes = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    return str(pipes) if (pipes / "control").exists() else None
+
+
 def format_cuda_row(row: dict[str, Any]) -> str:
     return table_row(row, "vs_reference", "algbw_vs_copy", "copy_us")
 
@@ -577,6 +584,7 @@ def write_cuda_json(
         "reference": cfg.reference,
         "reference_note": cfg.reference_note,
         "ranks_share_gpu": cfg.ranks_share_gpu,
+        "mps_pipe_directory": mps_pipe_directory(),
         "gpu": torch.cuda.get_device_name(device),
         "device_count": torch.cuda.device_count(),
         "copy_gbps": copy_gbps,
@@ -796,10 +804,15 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     )
     print(f"# reference: {cfg.reference_note}")
     if cfg.ranks_share_gpu:
-        print(
-            "# note: ranks sharing a GPU are time-sliced by the driver; xdev's times below"
-            " measure that, not its algorithms"
-        )
+        mps = mps_pipe_directory()
+        if mps is not None:
+            print(f"# note: an MPS daemon is running ({mps}): ranks sharing a GPU run concurrently")
+        else:
+            print(
+                "# note: ranks sharing a GPU are time-sliced by the driver (no MPS daemon found);"
+                " each GPU barrier waits about one time slice, so xdev's times below measure"
+                " that, not its algorithms (start `nvidia-cuda-mps-control -d` to avoid it)"
+            )
     print(
         f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  cuda_slot_bytes"
         f" {cfg.cuda_slot_bytes or 'default'}  topo_file {cfg.topo_file or '-'}"
