@@ -104,9 +104,9 @@ std::string lower(std::string s) {
   return s;
 }
 
-// "n v00 v01 ... v(n-1)(n-1)": a Store value. No iostreams here: some CUDA
-// images build extensions with a compiler whose static libstdc++ leaves the
-// stream locale uninitialised inside a shared object.
+// "n v00 v01 ... v(n-1)(n-1)": a Store value. No iostreams: on the H100 image
+// we test on, the compiler links libstdc++ statically into the extension, and
+// there `std::ostringstream << int` segfaulted.
 std::string matrix_to_string(const plan::LinkMatrix& m) {
   std::string text = std::to_string(m.size());
   for (int i = 0; i < m.size(); ++i) {
