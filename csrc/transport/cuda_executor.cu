@@ -232,8 +232,7 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
         // On the kernels' stream: a plain cudaMemcpy from pageable memory may
         // return before the bytes land, and our non-blocking stream would not
         // wait for it. Pageable sources are staged before this call returns.
-        check_cuda(cudaMemcpyAsync(w.ops, prog.ops.data(),
-                                   prog.ops.size() * sizeof(plan::DeviceOp),
+        check_cuda(cudaMemcpyAsync(w.ops, prog.ops.data(), prog.ops.size() * sizeof(plan::DeviceOp),
                                    cudaMemcpyHostToDevice, stream),
                    "cudaMemcpyAsync");
       }
