@@ -227,6 +227,26 @@ def choose_iters(cfg: Config, tensor: torch.Tensor, group: Any) -> int:
     return max(MIN_ITERS, min(MAX_ITERS, wanted))
 
 
+def timing_row(
+    cfg: Config, size: int, count: int, name: str, label: str, iters: int, seconds: float
+) -> dict[str, Any]:
+    """The fields every table row has, CPU or CUDA: what ran, how long, at what bandwidth."""
+    algbw = size / seconds / 1e9
+    n = cfg.nproc
+    return {
+        "size_bytes": size,
+        "count": count,
+        "dtype": cfg.dtype,
+        "backend": label,
+        "backend_base": name.split("/")[0],
+        "algorithm": name.split("/")[1] if "/" in name else None,
+        "iters": iters,
+        "time_us": seconds * 1e6,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * 2 * (n - 1) / n,
+    }
+
+
 def table_columns(reference: str, baseline: str) -> str:
     """The nccl-tests style header; ``reference`` and ``baseline`` name the two ratio columns."""
     return (
@@ -269,7 +289,6 @@ def run_rank(rank: int, cfg: Config) -> None:
 
     dtype = DTYPES[cfg.dtype]
     element_size = torch.empty((), dtype=dtype).element_size()
-    n = cfg.nproc
     rows: list[dict[str, Any]] = []
     if rank == 0:
         print(COLUMNS, flush=True)
@@ -294,21 +313,11 @@ def run_rank(rank: int, cfg: Config) -> None:
                 label = f"{name}({picked})"
             if gloo_time is None:
                 gloo_time = seconds
-            algbw = size / seconds / 1e9
-            row = {
-                "size_bytes": size,
-                "count": count,
-                "dtype": cfg.dtype,
-                "backend": label,
-                "backend_base": name.split("/")[0],
-                "algorithm": name.split("/")[1] if "/" in name else None,
+            row = timing_row(cfg, size, count, name, label, iters, seconds)
+            row |= {
                 "auto_picked": picked,
-                "iters": iters,
-                "time_us": seconds * 1e6,
-                "algbw_gbps": algbw,
-                "busbw_gbps": algbw * 2 * (n - 1) / n,
                 "vs_gloo": gloo_time / seconds,
-                "algbw_vs_memcpy": algbw / cfg.memcpy_gbps,
+                "algbw_vs_memcpy": row["algbw_gbps"] / cfg.memcpy_gbps,
                 "memcpy_us": cfg.memcpy_us[size],
             }
             rows.append(row)
@@ -477,7 +486,6 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
 
     dtype = DTYPES[cfg.dtype]
     element_size = torch.empty((), dtype=dtype).element_size()
-    n = cfg.nproc
     rows: list[dict[str, Any]] = []
     for size_index, size in enumerate(cfg.sizes):
         count = size // element_size
@@ -501,24 +509,13 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
             seconds = cuda_timed_loop(tensor, group, iters)
             if reference_time is None:
                 reference_time = seconds
-            algbw = size / seconds / 1e9
-            row = {
-                "device": "cuda",
-                "size_bytes": size,
-                "count": count,
-                "dtype": cfg.dtype,
-                "backend": label,
-                "backend_base": name.split("/")[0],
-                "algorithm": name.split("/")[1] if "/" in name else None,
+            row = {"device": "cuda"} | timing_row(cfg, size, count, name, label, iters, seconds)
+            row |= {
                 "ran": ran,
                 "auto_picked": ran if name == "xdev/auto" else None,
-                "iters": iters,
-                "time_us": seconds * 1e6,
-                "algbw_gbps": algbw,
-                "busbw_gbps": algbw * 2 * (n - 1) / n,
                 "reference": cfg.reference,
                 "vs_reference": reference_time / seconds,
-                "algbw_vs_copy": algbw / copy_gbps,
+                "algbw_vs_copy": row["algbw_gbps"] / copy_gbps,
                 "copy_us": copy_us[size],
             }
             rows.append(row)
