@@ -80,16 +80,16 @@ const char* to_string(ReduceOp op) {
 }
 
 void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int num_sources,
-            int64_t count, int64_t divisor) {
+            int64_t count, int64_t divisor, void* dst2) {
   if (num_sources < 1) throw std::invalid_argument("reduce: needs at least one source");
   if (count <= 0) return;
   if (op != ReduceOp::kAvg) divisor = 0;
 #if defined(XDEV_HAVE_AVX2_KERNELS)
   // The CPU's features do not change while we run: decide once.
   static const bool use_avx2 = __builtin_cpu_supports("avx2");
-  if (use_avx2) return avx2::reduce_any(dtype, op, dst, sources, num_sources, count, divisor);
+  if (use_avx2) return avx2::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor);
 #endif
-  baseline::reduce_any(dtype, op, dst, sources, num_sources, count, divisor);
+  baseline::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor);
 }
 
 }  // namespace xdev::kernels

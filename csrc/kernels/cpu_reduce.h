@@ -3,7 +3,6 @@
 // Sources are combined in the listed order with one accumulator per element,
 // so the same inputs give the same bits every time. fp16 and bf16 accumulate
 // in fp32 and round once at the end; integers wrap like torch's integer ops.
-// dst may alias any source (in-place reduction into a staging slot).
 #pragma once
 
 #include <cstddef>
@@ -18,9 +17,12 @@ size_t element_size(DType t);
 const char* to_string(DType t);
 const char* to_string(ReduceOp op);
 
-// Reduces num_sources arrays of count elements into dst. divisor > 0 divides
-// the result by it (AVG's final step; integers truncate toward zero).
+// Reduces num_sources arrays of count elements into dst, and into dst2 too
+// when it is not null. dst and dst2 may each be one of the sources exactly
+// (same address: an in-place reduction) but must not partly overlap a source
+// or each other. divisor > 0 divides the result by it (AVG's final step;
+// integers truncate toward zero).
 void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int num_sources,
-            int64_t count, int64_t divisor);
+            int64_t count, int64_t divisor, void* dst2 = nullptr);
 
 }  // namespace xdev::kernels
