@@ -311,11 +311,26 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
     cuts.push_back(std::clamp<int64_t>(step.range.begin, 0, window_elems));
     cuts.push_back(std::clamp<int64_t>(step.range.end, 0, window_elems));
   }
+  for (const auto& ranges : s.staged_ranges) {
+    for (const Range& r : ranges) {
+      cuts.push_back(std::clamp<int64_t>(r.begin, 0, window_elems));
+      cuts.push_back(std::clamp<int64_t>(r.end, 0, window_elems));
+    }
+  }
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  // With staged_ranges a rank stages only the pieces inside its ranges.
+  const auto staged = [&](int r, const Range& piece) {
+    if (s.staged_ranges.empty()) return true;
+    for (const Range& x : s.staged_ranges[static_cast<size_t>(r)]) {
+      if (x.begin <= piece.begin && piece.end <= x.end) return true;
+    }
+    return false;
+  };
   for (int r : s.stagers) {
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {
       const Range piece{cuts[i], cuts[i + 1]};
+      if (!staged(r, piece)) continue;
       Task t;
       t.label = "stage r" + std::to_string(r) + " [" + std::to_string(piece.begin) + "," +
                 std::to_string(piece.end) + ")";
@@ -336,10 +351,10 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
               std::to_string(step.phase) + " r" + std::to_string(step.actor) + " [" +
               std::to_string(step.range.begin) + "," + std::to_string(step.range.end) + ")";
     const double b = bytes(step.range);
-    double local_bytes = b;  // the write
+    double local_bytes = step.also_output ? 2 * b : b;  // the writes
     double hop_latency = 0;
     for (int src : step.sources) {
-      if (src == step.actor) {
+      if (src == step.actor || src == kOwnInput) {
         local_bytes += b;
       } else {
         t.flows.push_back({m.route(src, step.actor), b});
@@ -375,6 +390,7 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
       }
     } else {
       for (int src : step.sources) {
+        if (src == kOwnInput) continue;  // the actor's tensor: ready from the start
         for (const SlotAccess& a : slot[static_cast<size_t>(src)]) {
           if (a.write && a.phase < step.phase && overlaps(a.range, step.range)) {
             deps.push_back(a.task);
@@ -388,7 +404,8 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
       }
     }
     for (int src : step.sources) {
-      slot[static_cast<size_t>(src)].push_back({id, step.phase, step.range, false});
+      if (src != kOwnInput)
+        slot[static_cast<size_t>(src)].push_back({id, step.phase, step.range, false});
     }
     if (step.target == Target::kStaging) {
       slot[static_cast<size_t>(step.actor)].push_back({id, step.phase, step.range, true});

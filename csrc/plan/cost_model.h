@@ -72,7 +72,10 @@ class MachineModel {
   double barrier_latency_s = 0;         // one such barrier
   SharingPolicy policy = SharingPolicy::kFairShare;
   int64_t window_bytes = 0;  // staging capacity per rank and window; 0 = unlimited
-  std::string source;        // where the numbers come from, for the CLI and docs
+  // The executor runs schedules in their forward_own_input form (the staged CPU
+  // executor does), so predictions model that form.
+  bool forwards_own_input = false;
+  std::string source;  // where the numbers come from, for the CLI and docs
 
  private:
   std::string name_;

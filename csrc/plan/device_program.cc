@@ -70,6 +70,16 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
   if (rank < 0 || rank >= sched.world_size) {
     throw std::invalid_argument("device program: rank out of range");
   }
+  // The GPU window kernel stages whole windows and has one destination per op.
+  bool forwarded = !sched.staged_ranges.empty();
+  for (const Step& s : sched.steps) {
+    forwarded = forwarded || s.also_output ||
+                std::find(s.sources.begin(), s.sources.end(), kOwnInput) != s.sources.end();
+  }
+  if (forwarded) {
+    throw std::invalid_argument(
+        "device program: schedules in forward_own_input form run on the CPU executor only");
+  }
   DeviceProgram p;
   p.num_phases = sched.num_phases;
   p.phase_begin.push_back(0);

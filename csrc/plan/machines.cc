@@ -107,6 +107,7 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
   m.step_latency_s = params.step_latency_s;
   m.policy = SharingPolicy::kFairShare;
   m.window_bytes = params.window_bytes;
+  m.forwards_own_input = true;
   // A rank's core copies what it reads; with more ranks than cores each gets
   // its share of the cores' time.
   const double share = std::min(1.0, static_cast<double>(params.cores) / ranks);

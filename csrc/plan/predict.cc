@@ -72,7 +72,8 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
       std::vector<Range> packs;
       for (const PackSlice& slice : w.packs) packs.push_back(slice.range);
       window_packs.push_back(std::move(packs));
-      windows.push_back(std::move(w.schedule));
+      windows.push_back(m.forwards_own_input ? forward_own_input(w.schedule)
+                                             : std::move(w.schedule));
     }
   }
 

@@ -1,5 +1,6 @@
 #include "schedule.h"
 
+#include <algorithm>
 #include <numeric>
 #include <stdexcept>
 
@@ -59,6 +60,17 @@ Schedule empty_schedule(int world_size, int num_phases, std::vector<int> stagers
 }
 
 }  // namespace
+
+bool operator==(const Step& a, const Step& b) {
+  return a.kind == b.kind && a.phase == b.phase && a.actor == b.actor && a.sources == b.sources &&
+         a.target == b.target && a.range == b.range && a.finalize == b.finalize &&
+         a.also_output == b.also_output;
+}
+
+bool operator==(const Schedule& a, const Schedule& b) {
+  return a.world_size == b.world_size && a.num_phases == b.num_phases && a.stagers == b.stagers &&
+         a.staged_ranges == b.staged_ranges && a.steps == b.steps;
+}
 
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
                  bool finalize) {
@@ -189,7 +201,12 @@ std::string find_schedule_hazard(const Schedule& s) {
     if (a.phase < 1 || a.phase > s.num_phases) return "step " + std::to_string(i) + ": bad phase";
     if (a.sources.empty()) return "step " + std::to_string(i) + ": no sources";
     for (int src : a.sources) {
-      if (!in_world(src)) return "step " + std::to_string(i) + ": source out of range";
+      if (src != kOwnInput && !in_world(src)) {
+        return "step " + std::to_string(i) + ": source out of range";
+      }
+    }
+    if (a.also_output && a.target != Target::kStaging) {
+      return "step " + std::to_string(i) + ": also_output on a step that writes the output";
     }
     if (a.kind == StepKind::kCopy && a.sources.size() != 1) {
       return "step " + std::to_string(i) + ": a copy has exactly one source";
@@ -211,6 +228,133 @@ std::string find_schedule_hazard(const Schedule& s) {
     }
   }
   return {};
+}
+
+namespace {
+
+bool writes_output(const Step& s) {
+  return s.target == Target::kOutput || s.also_output;
+}
+
+// Whether a step other than `self`, by `actor`, writes its slot (to_slot) or its
+// output over r in a phase before `phase` (or up to and including it: inclusive).
+bool actor_writes(const std::vector<Step>& steps, size_t self, int actor, bool to_slot, Range r,
+                  int phase, bool inclusive) {
+  for (size_t j = 0; j < steps.size(); ++j) {
+    const Step& t = steps[j];
+    if (j == self || t.actor != actor || !overlaps(t.range, r)) continue;
+    if (t.phase > phase || (t.phase == phase && !inclusive)) continue;
+    if (to_slot ? t.target == Target::kStaging : writes_output(t)) return true;
+  }
+  return false;
+}
+
+// Adds r to a sorted list of disjoint ranges, merging what touches it.
+void add_range(std::vector<Range>& set, Range r) {
+  if (r.empty()) return;
+  std::vector<Range> merged;
+  for (const Range& x : set) {
+    if (x.end < r.begin || r.end < x.begin) {
+      merged.push_back(x);
+    } else {
+      r = {std::min(r.begin, x.begin), std::max(r.end, x.end)};
+    }
+  }
+  merged.push_back(r);
+  std::sort(merged.begin(), merged.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  set = std::move(merged);
+}
+
+}  // namespace
+
+Schedule forward_own_input(const Schedule& s) {
+  Schedule out = s;
+  std::vector<Step>& steps = out.steps;
+  const auto is_stager = [&](int r) {
+    return std::find(s.stagers.begin(), s.stagers.end(), r) != s.stagers.end();
+  };
+  // 1. Reads of the actor's own slot that still holds its staged input, while
+  // its tensor is still untouched, read the tensor.
+  for (size_t i = 0; i < steps.size(); ++i) {
+    Step& step = steps[i];
+    for (int& src : step.sources) {
+      if (src != step.actor || !is_stager(src)) continue;
+      if (actor_writes(s.steps, i, step.actor, true, step.range, step.phase, false)) continue;
+      if (actor_writes(s.steps, i, step.actor, false, step.range, step.phase, true)) continue;
+      src = kOwnInput;
+    }
+  }
+  // 2. A copy of the actor's own slot into its output joins the step that last
+  // wrote that slot range, unless the tensor is read or written in between.
+  std::vector<char> dropped(steps.size(), 0);
+  for (size_t c = 0; c < steps.size(); ++c) {
+    const Step& copy = steps[c];
+    if (copy.kind != StepKind::kCopy || copy.target != Target::kOutput) continue;
+    if (copy.sources[0] == kOwnInput) {  // the tensor onto itself
+      dropped[c] = 1;
+      continue;
+    }
+    if (copy.sources[0] != copy.actor) continue;
+    size_t writer = steps.size();
+    for (size_t j = 0; j < steps.size(); ++j) {
+      const Step& t = steps[j];
+      if (t.actor != copy.actor || t.target != Target::kStaging || t.phase >= copy.phase ||
+          !overlaps(t.range, copy.range)) {
+        continue;
+      }
+      if (writer == steps.size() || t.phase > steps[writer].phase) writer = j;
+    }
+    if (writer == steps.size() || !(steps[writer].range == copy.range)) continue;
+    bool tensor_busy = false;
+    for (size_t j = 0; j < steps.size() && !tensor_busy; ++j) {
+      const Step& t = steps[j];
+      if (j == c || j == writer || t.actor != copy.actor || !overlaps(t.range, copy.range) ||
+          t.phase < steps[writer].phase) {
+        continue;
+      }
+      const bool reads_tensor =
+          std::find(t.sources.begin(), t.sources.end(), kOwnInput) != t.sources.end();
+      tensor_busy = (reads_tensor || writes_output(t)) && t.phase <= copy.phase;
+      // The slot range must keep the writer's values until the copy.
+      tensor_busy = tensor_busy || (t.target == Target::kStaging && t.phase < copy.phase);
+    }
+    if (tensor_busy) continue;
+    steps[writer].also_output = true;
+    dropped[c] = 1;
+  }
+  std::vector<Step> kept;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (!dropped[i]) kept.push_back(steps[i]);
+  }
+  steps = std::move(kept);
+  // 3. A rank stages what is read from its slot before it writes there itself.
+  out.staged_ranges.assign(static_cast<size_t>(s.world_size), {});
+  for (const Step& step : steps) {
+    for (int src : step.sources) {
+      if (src == kOwnInput || !is_stager(src)) continue;
+      std::vector<Range> pristine{step.range};
+      for (const Step& t : steps) {
+        if (t.actor != src || t.target != Target::kStaging || t.phase >= step.phase) continue;
+        std::vector<Range> rest;
+        for (const Range& p : pristine) {
+          if (!overlaps(p, t.range)) {
+            rest.push_back(p);
+            continue;
+          }
+          if (p.begin < t.range.begin) rest.push_back({p.begin, t.range.begin});
+          if (t.range.end < p.end) rest.push_back({t.range.end, p.end});
+        }
+        pristine = std::move(rest);
+      }
+      for (const Range& p : pristine) add_range(out.staged_ranges[static_cast<size_t>(src)], p);
+    }
+  }
+  out.stagers.clear();
+  for (int r = 0; r < s.world_size; ++r) {
+    if (!out.staged_ranges[static_cast<size_t>(r)].empty()) out.stagers.push_back(r);
+  }
+  return out;
 }
 
 Schedule in_place_variant(const Schedule& s) {

@@ -37,6 +37,10 @@ const char* to_string(Algorithm a);
 Algorithm algorithm_from_string(const std::string& name);
 
 enum class StepKind { kReduce, kCopy };
+
+// A Step source that is the actor's own tensor rather than a slot. Only
+// forward_own_input introduces it; the builders below never do.
+constexpr int kOwnInput = -1;
 enum class Target { kStaging, kOutput };
 
 struct Step {
@@ -47,14 +51,24 @@ struct Step {
   Target target = Target::kOutput;
   Range range;            // element offsets within the window
   bool finalize = false;  // produces a total: AVG divides here
+  // A staging step whose values also go to the actor's output (forward_own_input
+  // folds the copy that followed it into it).
+  bool also_output = false;
 };
+
+bool operator==(const Step& a, const Step& b);
 
 struct Schedule {
   int world_size = 0;
   int num_phases = 0;
   std::vector<int> stagers;  // ranks that copy their input in during phase 0
+  // Empty: every stager stages the whole window. Otherwise one entry per rank:
+  // the slot ranges (ascending, disjoint) it stages; stagers are the ranks with any.
+  std::vector<std::vector<Range>> staged_ranges;
   std::vector<Step> steps;
 };
+
+bool operator==(const Schedule& a, const Schedule& b);
 
 // A reduce of `sources` (in this order) over r, and a copy from one source.
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
@@ -105,6 +119,20 @@ Schedule broadcast_schedule(int world_size, int root, Range range);
 // Throws std::invalid_argument when that aliasing would let a rank overwrite
 // data a peer still reads in the same phase (the direct plan does).
 Schedule in_place_variant(const Schedule& s);
+
+// The schedule for an executor that allreduces in place (each rank's output is
+// its input tensor) and can read that tensor directly, as the staged CPU
+// executor does. Three rewrites, each removing a pass over memory:
+//   - a step that reads the actor's own slot while it still holds the staged
+//     input reads the tensor instead (kOwnInput);
+//   - a copy of the actor's own slot into its output is folded into the step
+//     that last wrote that slot range (also_output), when nothing reads the
+//     tensor in between;
+//   - each rank stages only the slot ranges that are read before it overwrites
+//     them (staged_ranges).
+// Every sum keeps its sources in the same order, so results are bitwise those
+// of s.
+Schedule forward_own_input(const Schedule& s);
 
 // Empty when the schedule is well formed: ranks in range, every step's target
 // written by no other step of its phase, no slot range both written and read

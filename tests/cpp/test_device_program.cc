@@ -125,3 +125,10 @@ TEST(device_program_rejects_too_many_ranks) {
       CollectivePlan::allreduce(Algorithm::kFlat, kMaxDeviceRanks + 2, 0, {}, 100, 1 << 20);
   CHECK_THROWS(compile_device_program(plan.window(0), 0), std::invalid_argument, "at most");
 }
+
+TEST(device_program_rejects_cpu_only_forwarded_schedules) {
+  const CollectivePlan plan = CollectivePlan::allreduce(Algorithm::kFlat, 2, 0, {}, 100, 1 << 20);
+  WindowPlan w = plan.window(0);
+  w.schedule = forward_own_input(w.schedule);
+  CHECK_THROWS(compile_device_program(w, 0), std::invalid_argument, "CPU executor only");
+}

@@ -41,8 +41,11 @@ bool operator==(const Value& a, const Value& b) {
 
 struct SimState {
   std::vector<std::vector<Value>> slot;  // [rank][element]
-  std::vector<std::vector<Value>> out;   // [rank][element]
-  std::string error;                     // first violation found; empty when none
+  // [rank][element]: the rank's tensor, input and output at once (collectives run in place),
+  // so it starts as the rank's own input.
+  std::vector<std::vector<Value>> out;
+  std::vector<std::vector<char>> out_written;  // [rank][element]: a step wrote the tensor there
+  std::string error;                           // first violation found; empty when none
 };
 
 std::string where(int phase, size_t step, int64_t element) {
@@ -51,8 +54,9 @@ std::string where(int phase, size_t step, int64_t element) {
 }
 
 // Executes s over a window of `elems` elements the way the backend does: phase 0 stages the
-// stagers' inputs; within a phase steps run concurrently, so they all read the slots as they were
-// when the phase began, and their writes land together when it ends.
+// stagers' inputs (only their staged_ranges when the schedule has them); within a phase steps run
+// concurrently, so they all read the slots and tensors as they were when the phase began, and
+// their writes land together when it ends.
 SimState simulate(const Schedule& s, int64_t elems) {
   SimState st;
   const std::string hazard = find_schedule_hazard(s);
@@ -67,16 +71,29 @@ SimState simulate(const Schedule& s, int64_t elems) {
   const auto n = static_cast<size_t>(s.world_size);
   const auto e_count = static_cast<size_t>(elems);
   st.slot.assign(n, std::vector<Value>(e_count));
-  st.out.assign(n, std::vector<Value>(e_count));
+  st.out.resize(n);
+  st.out_written.assign(n, std::vector<char>(e_count, 0));
+  for (size_t r = 0; r < n; ++r) st.out[r].assign(e_count, Value{uint64_t{1} << r, 0});
+  if (!s.staged_ranges.empty() && s.staged_ranges.size() != n) {
+    st.error = "staged_ranges must have one entry per rank";
+    return st;
+  }
   for (int r : s.stagers) {
     if (r < 0 || r >= s.world_size) {
       st.error = "stager out of range";
       return st;
     }
-    for (Value& v : st.slot[r]) v = {uint64_t{1} << r, 0};
+    std::vector<Range> staged{{0, elems}};
+    if (!s.staged_ranges.empty()) staged = s.staged_ranges[static_cast<size_t>(r)];
+    for (const Range& range : staged) {
+      for (int64_t e = std::max<int64_t>(0, range.begin); e < std::min(range.end, elems); ++e) {
+        st.slot[r][e] = {uint64_t{1} << r, 0};
+      }
+    }
   }
   for (int phase = 1; phase <= s.num_phases; ++phase) {
     const auto snapshot = st.slot;
+    const auto tensors = st.out;
     // Two writes to one element in one phase would race; the result would depend on timing.
     std::vector<std::vector<char>> written(2 * n, std::vector<char>(e_count, 0));
     for (size_t i = 0; i < s.steps.size(); ++i) {
@@ -87,12 +104,12 @@ SimState simulate(const Schedule& s, int64_t elems) {
         return st;
       }
       const bool to_slot = step.target == Target::kStaging;
-      auto& target = to_slot ? st.slot[step.actor] : st.out[step.actor];
-      auto& marks = written[2 * static_cast<size_t>(step.actor) + (to_slot ? 0 : 1)];
+      const bool to_out = !to_slot || step.also_output;
+      const auto actor = static_cast<size_t>(step.actor);
       for (int64_t e = step.range.begin; e < step.range.end; ++e) {
         Value v;
         for (int src : step.sources) {
-          const Value& in = snapshot[src][e];
+          const Value& in = src == kOwnInput ? tensors[actor][e] : snapshot[src][e];
           if (in.mask == 0) {
             st.error = where(phase, i, e) + "reads slot " + std::to_string(src) + " unwritten";
             return st;
@@ -113,12 +130,17 @@ SimState simulate(const Schedule& s, int64_t elems) {
           v.finalized += in.finalized;
         }
         if (step.kind == StepKind::kReduce && step.finalize) ++v.finalized;
-        if (marks[e]) {
-          st.error = where(phase, i, e) + "written twice in one phase";
-          return st;
+        for (const bool slot_side : {true, false}) {
+          if (slot_side ? !to_slot : !to_out) continue;
+          auto& marks = written[2 * actor + (slot_side ? 0 : 1)];
+          if (marks[e]) {
+            st.error = where(phase, i, e) + "written twice in one phase";
+            return st;
+          }
+          marks[e] = 1;
+          (slot_side ? st.slot[actor] : st.out[actor])[e] = v;
+          if (!slot_side) st.out_written[actor][e] = 1;
         }
-        marks[e] = 1;
-        target[e] = v;
       }
     }
   }
@@ -147,10 +169,10 @@ std::string check_allreduce(const Schedule& s, int64_t elems) {
 std::string check_broadcast(const Schedule& s, int64_t elems, int root) {
   const SimState st = simulate(s, elems);
   if (!st.error.empty()) return st.error;
+  const Value want{uint64_t{1} << root, 0};
   for (int r = 0; r < s.world_size; ++r) {
-    const Value want = r == root ? Value{} : Value{uint64_t{1} << root, 0};
     for (int64_t e = 0; e < elems; ++e) {
-      if (!(st.out[r][e] == want)) {
+      if (!(st.out[r][e] == want) || (r == root && st.out_written[r][e])) {
         return "rank " + std::to_string(r) + " element " + std::to_string(e) + ": mask " +
                std::to_string(st.out[r][e].mask);
       }
@@ -705,4 +727,145 @@ TEST(balanced_plan_meets_its_targets_against_ring_on_dgx1_v100) {
     const Prediction b = predict_allreduce(m, {Algorithm::kHierarchicalBalanced, 8, false}, bytes);
     CHECK(2 * b.seconds <= r.seconds);
   }
+}
+
+namespace {
+
+int64_t staged_elems(const Schedule& s, int64_t elems) {
+  int64_t total = 0;
+  for (int r : s.stagers) {
+    if (s.staged_ranges.empty()) {
+      total += elems;
+      continue;
+    }
+    for (const Range& range : s.staged_ranges[static_cast<size_t>(r)]) total += range.size();
+  }
+  return total;
+}
+
+// Empty when forward_own_input(s) still allreduces (or broadcasts), stages no more than s, and
+// every reduce keeps s's source order (kOwnInput standing for the actor), so the bits agree.
+std::string check_forwarded(const Schedule& s, int64_t elems, int broadcast_root = -1) {
+  const Schedule f = forward_own_input(s);
+  const std::string result =
+      broadcast_root >= 0 ? check_broadcast(f, elems, broadcast_root) : check_allreduce(f, elems);
+  if (!result.empty()) return "forwarded: " + result;
+  if (staged_elems(f, elems) > staged_elems(s, elems)) return "forwarded stages more";
+  size_t reduces = 0;
+  for (const Step& step : f.steps) {
+    if (step.kind != StepKind::kReduce) continue;
+    ++reduces;
+    std::vector<int> original = step.sources;
+    for (int& src : original) src = src == kOwnInput ? step.actor : src;
+    bool found = false;
+    for (const Step& o : s.steps) {
+      found = found || (o.kind == StepKind::kReduce && o.actor == step.actor &&
+                        o.phase == step.phase && o.range == step.range && o.sources == original);
+    }
+    if (!found) return "a forwarded reduce changed its sources";
+  }
+  size_t original_reduces = 0;
+  for (const Step& step : s.steps) original_reduces += step.kind == StepKind::kReduce ? 1 : 0;
+  if (reduces != original_reduces) return "forwarded reduce count differs";
+  return {};
+}
+
+}  // namespace
+
+TEST(simulator_catches_reads_of_an_overwritten_tensor) {
+  // Rank 0 copies rank 1's slot into its tensor, then reads the tensor as its input: rank 1
+  // would be counted twice.
+  Schedule s;
+  s.world_size = 2;
+  s.num_phases = 2;
+  s.stagers = {1};
+  s.steps.push_back(make_step(StepKind::kCopy, 1, 0, {1}, Target::kOutput));
+  s.steps.push_back(make_step(StepKind::kReduce, 2, 0, {kOwnInput, 1}, Target::kStaging, true));
+  CHECK(reports(simulate(s, 4).error, "twice"));
+  // A rank that stages only part of its slot leaves the rest unwritten for its readers.
+  Schedule partial = hand_reduce_to_one();
+  partial.staged_ranges = {{{0, 4}}, {{0, 4}}, {{0, 2}}};
+  CHECK(reports(check_allreduce(partial, 4), "unwritten"));
+}
+
+TEST(forwarded_flat_on_two_ranks_stages_half_and_reads_its_own_tensor) {
+  const Schedule f = forward_own_input(flat_schedule(2, {0, 10}));
+  CHECK_EQ(check_allreduce(f, 10), kOk);
+  // Each rank stages only the half its peer reduces.
+  CHECK_EQ(f.staged_ranges.size(), size_t{2});
+  CHECK_EQ(f.staged_ranges[0].size(), size_t{1});
+  CHECK_EQ(f.staged_ranges[0][0], (Range{5, 10}));
+  CHECK_EQ(f.staged_ranges[1][0], (Range{0, 5}));
+  // Phase 1: rank r sums its own tensor and the peer's slot, in rank order, into its slot and
+  // its tensor; phase 2: one copy of the peer's half. Nothing else.
+  CHECK_EQ(f.steps.size(), size_t{4});
+  for (const Step& step : f.steps) {
+    if (step.kind == StepKind::kReduce) {
+      CHECK(step.also_output);
+      CHECK_EQ(step.sources[static_cast<size_t>(step.actor)], kOwnInput);
+    } else {
+      CHECK_EQ(step.phase, 2);
+      CHECK(step.sources[0] != step.actor);
+    }
+  }
+}
+
+TEST(forwarded_reduce_to_one_root_stages_nothing) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int root = 0; root < world; ++root) {
+      const Schedule f = forward_own_input(reduce_to_one_schedule(world, root, {0, 9}));
+      CHECK(std::find(f.stagers.begin(), f.stagers.end(), root) == f.stagers.end());
+      CHECK_EQ(f.stagers.size(), static_cast<size_t>(world - 1));
+      for (const Step& step : f.steps) CHECK(step.actor != root || step.kind == StepKind::kReduce);
+    }
+  }
+}
+
+TEST(forwarded_schedules_allreduce_with_the_same_sums) {
+  std::mt19937 rng(5);
+  for (int world = 1; world <= 8; ++world) {
+    for (int64_t elems : {0, 1, 5, 17, 64}) {
+      CHECK_EQ(check_forwarded(flat_schedule(world, {0, elems}), elems), kOk);
+      CHECK_EQ(check_forwarded(direct_schedule(world, {0, elems}), elems), kOk);
+      for (int root = 0; root < world; ++root) {
+        CHECK_EQ(check_forwarded(reduce_to_one_schedule(world, root, {0, elems}), elems), kOk);
+        CHECK_EQ(check_forwarded(broadcast_schedule(world, root, {0, elems}), elems, root), kOk);
+      }
+      const auto rings = find_rings(LinkMatrix::fully_connected(world));
+      CHECK_EQ(check_forwarded(ring_allreduce_schedule(world, rings, {0, elems}), elems), kOk);
+    }
+  }
+  for (int world = 2; world <= 8; world += 2) {
+    const auto trees = balanced_pack_trees(LinkMatrix::fully_connected(world), 3 * world);
+    for (int trial = 0; trial < 60; ++trial) {
+      const int64_t elems = uniform(rng, 0, 40);
+      const int num_packs = static_cast<int>(uniform(rng, 1, 20));
+      const auto slices = slices_of(random_tiling(rng, elems, num_packs), uniform(rng, 0, 20));
+      CHECK_EQ(check_forwarded(hierarchical_copy_schedule(world, slices), elems), kOk);
+      const auto packs = random_tiling(rng, elems, 3 * world);
+      CHECK_EQ(
+          check_forwarded(hierarchical_balanced_schedule(world, trees, slices_of(packs, 0)), elems),
+          kOk);
+    }
+  }
+}
+
+TEST(forwarding_keeps_a_copy_when_the_tensor_is_read_in_between) {
+  // Rank 0 overwrites its slot with rank 1's data while it also sums its own tensor into its
+  // output; folding the later copy-out into the overwrite would write the tensor twice in
+  // phase 1. The forwarded schedule must end exactly as the original does.
+  Schedule s;
+  s.world_size = 2;
+  s.num_phases = 2;
+  s.stagers = {0, 1};
+  s.steps.push_back(make_step(StepKind::kCopy, 1, 0, {1}, Target::kStaging));
+  s.steps.push_back(make_step(StepKind::kReduce, 1, 0, {0, 1}, Target::kOutput, true));
+  s.steps.push_back(make_step(StepKind::kCopy, 2, 0, {0}, Target::kOutput));
+  const Schedule f = forward_own_input(s);
+  CHECK_EQ(f.steps.size(), s.steps.size());
+  const SimState want = simulate(s, 4);
+  const SimState got = simulate(f, 4);
+  CHECK_EQ(want.error, kOk);
+  CHECK_EQ(got.error, kOk);
+  CHECK(got.out == want.out);
 }
