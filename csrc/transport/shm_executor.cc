@@ -12,57 +12,91 @@ void ShmExecutor::barrier(const OpContext& ctx) {
   channel_.check_same_descriptor(ctx.descriptor, ctx.describe, ctx.what);
 }
 
-// Copies this rank's payload pieces of the window into its slot.
-void ShmExecutor::stage(const CollectiveRequest& req, const plan::WindowPlan& w, char* slot) const {
-  const size_t es = kernels::element_size(req.dtype);
+namespace {
+
+// Calls fn(slot_offset, tensor_data, count) for every contiguous piece of the
+// payload that slot range r of window w holds, in slot order.
+template <typename Fn>
+void for_each_payload_piece(const CollectiveRequest& req, const plan::WindowPlan& w, plan::Range r,
+                            Fn&& fn) {
+  const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
   for (const plan::Segment& seg : w.segments) {
-    int64_t slot_pos = seg.slot_begin;
-    req.layout->for_each_piece({seg.payload_begin, seg.payload_begin + seg.count},
+    const int64_t lo = std::max(r.begin, seg.slot_begin);
+    const int64_t hi = std::min(r.end, seg.slot_begin + seg.count);
+    if (hi <= lo) continue;
+    int64_t slot_pos = lo;
+    const int64_t payload_lo = seg.payload_begin + (lo - seg.slot_begin);
+    req.layout->for_each_piece({payload_lo, payload_lo + (hi - lo)},
                                [&](size_t t, int64_t offset, int64_t count) {
-                                 std::memcpy(slot + slot_pos * es, req.tensors[t] + offset * es,
-                                             static_cast<size_t>(count) * es);
+                                 fn(slot_pos, req.tensors[t] + offset * es, count);
                                  slot_pos += count;
                                });
   }
 }
 
+bool reads_own_input(const plan::Step& s) {
+  return std::find(s.sources.begin(), s.sources.end(), plan::kOwnInput) != s.sources.end();
+}
+
+}  // namespace
+
+const plan::Schedule& ShmExecutor::forwarded(const plan::Schedule& s) {
+  if (!have_last_ || !(s == last_schedule_)) {
+    last_schedule_ = s;
+    last_forwarded_ = plan::forward_own_input(s);
+    have_last_ = true;
+  }
+  return last_forwarded_;
+}
+
+// Copies this rank's payload pieces of the window's staged ranges into its slot.
+void ShmExecutor::stage(const CollectiveRequest& req, const plan::WindowPlan& w,
+                        const plan::Schedule& sched, char* slot) const {
+  const size_t es = kernels::element_size(req.dtype);
+  const auto copy_in = [&](int64_t slot_pos, const char* data, int64_t count) {
+    std::memcpy(slot + slot_pos * static_cast<int64_t>(es), data, static_cast<size_t>(count) * es);
+  };
+  if (sched.staged_ranges.empty()) {
+    for_each_payload_piece(req, w, {0, w.slot_elems}, copy_in);
+    return;
+  }
+  for (const plan::Range& r : sched.staged_ranges[static_cast<size_t>(channel_.rank())]) {
+    for_each_payload_piece(req, w, r, copy_in);
+  }
+}
+
 void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan& w,
                            const plan::Step& s, int64_t parity) const {
-  const size_t es = kernels::element_size(req.dtype);
+  const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
   const int64_t divisor =
       (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
   const int n = static_cast<int>(s.sources.size());
   std::vector<const void*> sources(static_cast<size_t>(n));
-  // Applies the step to one contiguous piece [slot_lo, slot_lo + count) whose
-  // destination is dst.
-  auto apply = [&](char* dst, int64_t slot_lo, int64_t count) {
+  char* const own_slot = channel_.slot(parity, s.actor);
+  // Applies the step to slot elements [slot_lo, slot_lo + count), whose payload
+  // lives at tensor (null where the slot holds no payload).
+  auto apply = [&](int64_t slot_lo, char* tensor, int64_t count) {
     for (int i = 0; i < n; ++i) {
-      sources[i] = channel_.slot(parity, s.sources[i]) + slot_lo * static_cast<int64_t>(es);
+      sources[i] = s.sources[i] == plan::kOwnInput
+                       ? tensor
+                       : channel_.slot(parity, s.sources[i]) + slot_lo * es;
     }
+    char* dst = s.target == plan::Target::kOutput ? tensor : own_slot + slot_lo * es;
+    char* also = s.also_output ? tensor : nullptr;
+    const auto bytes = static_cast<size_t>(count * es);
     if (s.kind == plan::StepKind::kCopy) {
-      if (dst != sources[0]) std::memcpy(dst, sources[0], static_cast<size_t>(count) * es);
+      if (dst != sources[0]) std::memcpy(dst, sources[0], bytes);
+      if (also != nullptr) std::memcpy(also, dst, bytes);
     } else {
-      kernels::reduce(req.dtype, req.op, dst, sources.data(), n, count, divisor);
+      kernels::reduce(req.dtype, req.op, dst, sources.data(), n, count, divisor, also);
     }
   };
-  if (s.target == plan::Target::kStaging) {
-    apply(channel_.slot(parity, s.actor) + s.range.begin * static_cast<int64_t>(es), s.range.begin,
-          s.range.size());
+  if (s.target == plan::Target::kStaging && !s.also_output && !reads_own_input(s)) {
+    // Slot to slot: the whole range, payload or not.
+    apply(s.range.begin, nullptr, s.range.size());
     return;
   }
-  // Output: map the slot range back through the window's segments to tensors.
-  for (const plan::Segment& seg : w.segments) {
-    const int64_t lo = std::max(s.range.begin, seg.slot_begin);
-    const int64_t hi = std::min(s.range.end, seg.slot_begin + seg.count);
-    if (hi <= lo) continue;
-    const int64_t payload_lo = seg.payload_begin + (lo - seg.slot_begin);
-    int64_t slot_pos = lo;
-    req.layout->for_each_piece(
-        {payload_lo, payload_lo + (hi - lo)}, [&](size_t t, int64_t offset, int64_t count) {
-          apply(req.tensors[t] + offset * static_cast<int64_t>(es), slot_pos, count);
-          slot_pos += count;
-        });
-  }
+  for_each_payload_piece(req, w, s.range, apply);
 }
 
 void ShmExecutor::run(const CollectiveRequest& req) {
@@ -77,18 +111,19 @@ void ShmExecutor::run(const CollectiveRequest& req) {
   channel_.publish(req.ctx.descriptor);
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const plan::WindowPlan w = plan.window(k);
+    const plan::Schedule& sched = forwarded(w.schedule);
     const int64_t parity = channel_.next_slot_set();
-    const auto& stagers = w.schedule.stagers;
+    const auto& stagers = sched.stagers;
     if (std::find(stagers.begin(), stagers.end(), me) != stagers.end()) {
-      stage(req, w, channel_.slot(parity, me));
+      stage(req, w, sched, channel_.slot(parity, me));
     }
     channel_.barrier(req.ctx.deadline, req.ctx.what);
     if (k == 0) channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
-    for (int phase = 1; phase <= w.schedule.num_phases; ++phase) {
-      for (const plan::Step& s : w.schedule.steps) {
+    for (int phase = 1; phase <= sched.num_phases; ++phase) {
+      for (const plan::Step& s : sched.steps) {
         if (s.actor == me && s.phase == phase) run_step(req, w, s, parity);
       }
-      if (phase < w.schedule.num_phases) channel_.barrier(req.ctx.deadline, req.ctx.what);
+      if (phase < sched.num_phases) channel_.barrier(req.ctx.deadline, req.ctx.what);
     }
   }
 }

@@ -1,7 +1,9 @@
-// Runs a CollectivePlan over a ShmChannel by staging: every rank copies its
-// input into its shared slot and the schedule moves data between slots, one
-// window at a time. Works for any schedule and any tensor list. Torch-free:
-// tensors arrive as raw pointers laid out by a FlatLayout.
+// Runs a CollectivePlan over a ShmChannel by staging: ranks copy their inputs
+// into their shared slots and the schedule moves data between slots, one
+// window at a time. Works for any schedule and any tensor list. Each window
+// runs in its plan::forward_own_input form: a rank reads its own contribution
+// from its tensor and stages only what peers read. Torch-free: tensors arrive
+// as raw pointers laid out by a FlatLayout.
 #pragma once
 
 #include <cstdint>
@@ -38,11 +40,18 @@ class ShmExecutor {
   void barrier(const OpContext& ctx);
 
  private:
-  void stage(const CollectiveRequest& req, const plan::WindowPlan& w, char* slot) const;
+  void stage(const CollectiveRequest& req, const plan::WindowPlan& w, const plan::Schedule& sched,
+             char* slot) const;
   void run_step(const CollectiveRequest& req, const plan::WindowPlan& w, const plan::Step& s,
                 int64_t parity) const;
+  // forward_own_input of w's schedule; windows of one plan mostly repeat, so
+  // the last one is kept.
+  const plan::Schedule& forwarded(const plan::Schedule& s);
 
   ShmChannel& channel_;
+  plan::Schedule last_schedule_;
+  plan::Schedule last_forwarded_;
+  bool have_last_ = false;
 };
 
 }  // namespace xdev::transport
