@@ -21,7 +21,7 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 
@@ -74,6 +74,7 @@ struct alignas(kCacheLine) ShmChannel::Header {
   uint64_t slot_bytes;
   uint64_t data_offset;
   alignas(kCacheLine) std::atomic<uint32_t> wake_word;  // bumped whenever a barrier completes
+  std::atomic<uint32_t> sleepers;  // ranks inside futex_wait's loop: only then is a wake needed
 };
 
 bool OpDescriptor::operator==(const OpDescriptor& o) const {
@@ -100,6 +101,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
   h->slot_bytes = slot_bytes;
   h->data_offset = round_up(sizeof(Header) + sizeof(RankControl) * world_size, kPage);
   h->wake_word.store(0);
+  h->sleepers.store(0);
   auto* ranks = reinterpret_cast<RankControl*>(h + 1);
   for (int r = 0; r < world_size; ++r) {
     auto* rc = new (&ranks[r]) RankControl();
@@ -196,13 +198,21 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   control(rank_)->arrived.store(epoch, std::memory_order_seq_cst);
   if (all_arrived(epoch)) {
     wake->fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(wake);
+    // A rank that registers as a sleeper after this load sees every arrival
+    // (all seq_cst) before it waits, so skipping the system call is safe.
+    if (header()->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(wake);
     return;
   }
   for (int i = 0; i < spin_iterations_; ++i) {
     cpu_relax();
     if (all_arrived(epoch)) return;
   }
+  std::atomic<uint32_t>* sleepers = &header()->sleepers;
+  sleepers->fetch_add(1, std::memory_order_seq_cst);
+  struct Unregister {
+    std::atomic<uint32_t>* sleepers;
+    ~Unregister() { sleepers->fetch_sub(1, std::memory_order_seq_cst); }
+  } unregister{sleepers};
   auto next_liveness_check = Clock::now() + std::chrono::milliseconds(200);
   for (;;) {
     const uint32_t seen = wake->load(std::memory_order_seq_cst);
