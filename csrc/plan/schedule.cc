@@ -266,25 +266,82 @@ void add_range(std::vector<Range>& set, Range r) {
   set = std::move(merged);
 }
 
-}  // namespace
-
-Schedule forward_own_input(const Schedule& s) {
-  Schedule out = s;
-  std::vector<Step>& steps = out.steps;
-  const auto is_stager = [&](int r) {
-    return std::find(s.stagers.begin(), s.stagers.end(), r) != s.stagers.end();
-  };
-  // 1. Reads of the actor's own slot that still holds its staged input, while
-  // its tensor is still untouched, read the tensor.
+// Rewrite 1 of forward_own_input for the ranks marked in `forward`: reads of the
+// actor's own slot that still holds its staged input, while its tensor is still
+// untouched, read the tensor.
+std::vector<Step> forward_reads(const Schedule& s, const std::vector<char>& forward) {
+  std::vector<Step> steps = s.steps;
   for (size_t i = 0; i < steps.size(); ++i) {
     Step& step = steps[i];
     for (int& src : step.sources) {
-      if (src != step.actor || !is_stager(src)) continue;
+      if (src != step.actor || !forward[static_cast<size_t>(src)]) continue;
       if (actor_writes(s.steps, i, step.actor, true, step.range, step.phase, false)) continue;
       if (actor_writes(s.steps, i, step.actor, false, step.range, step.phase, true)) continue;
       src = kOwnInput;
     }
   }
+  return steps;
+}
+
+// Rewrite 3: a stager stages what is read from its slot before it writes there.
+std::vector<std::vector<Range>> ranges_to_stage(const Schedule& s, const std::vector<Step>& steps) {
+  std::vector<std::vector<Range>> staged(static_cast<size_t>(s.world_size));
+  for (const Step& step : steps) {
+    for (int src : step.sources) {
+      if (src == kOwnInput ||
+          std::find(s.stagers.begin(), s.stagers.end(), src) == s.stagers.end()) {
+        continue;
+      }
+      std::vector<Range> pristine{step.range};
+      for (const Step& t : steps) {
+        if (t.actor != src || t.target != Target::kStaging || t.phase >= step.phase) continue;
+        std::vector<Range> rest;
+        for (const Range& p : pristine) {
+          if (!overlaps(p, t.range)) {
+            rest.push_back(p);
+            continue;
+          }
+          if (p.begin < t.range.begin) rest.push_back({p.begin, t.range.begin});
+          if (t.range.end < p.end) rest.push_back({t.range.end, p.end});
+        }
+        pristine = std::move(rest);
+      }
+      for (const Range& p : pristine) add_range(staged[static_cast<size_t>(src)], p);
+    }
+  }
+  return staged;
+}
+
+int64_t total_size(const std::vector<Range>& ranges) {
+  int64_t total = 0;
+  for (const Range& r : ranges) total += r.size();
+  return total;
+}
+
+}  // namespace
+
+Schedule forward_own_input(const Schedule& s) {
+  const auto n = static_cast<size_t>(s.world_size);
+  Schedule out = s;
+  std::vector<char> forward(n, 1);
+  std::vector<Step>& steps = out.steps;
+  steps = forward_reads(s, forward);
+  // Staging runs on every rank at once, so a window's staging takes as long as
+  // its busiest stager's. A rank that would stage less than half of that (the
+  // reduce-to-one root, which would stage nothing) gains nothing while it
+  // waits, and would pay for reading its tensor from memory later, in a phase
+  // the others wait for. Such ranks keep staging and reading their slots.
+  std::vector<std::vector<Range>> staged = ranges_to_stage(s, steps);
+  int64_t busiest = 0;
+  for (const auto& ranges : staged) busiest = std::max(busiest, total_size(ranges));
+  bool changed = false;
+  for (size_t r = 0; r < n; ++r) {
+    if (2 * total_size(staged[r]) < busiest) {
+      forward[r] = 0;
+      changed = true;
+    }
+  }
+  if (changed) steps = forward_reads(s, forward);
   // 2. A copy of the actor's own slot into its output joins the step that last
   // wrote that slot range, unless the tensor is read or written in between.
   std::vector<char> dropped(steps.size(), 0);
@@ -328,28 +385,7 @@ Schedule forward_own_input(const Schedule& s) {
     if (!dropped[i]) kept.push_back(steps[i]);
   }
   steps = std::move(kept);
-  // 3. A rank stages what is read from its slot before it writes there itself.
-  out.staged_ranges.assign(static_cast<size_t>(s.world_size), {});
-  for (const Step& step : steps) {
-    for (int src : step.sources) {
-      if (src == kOwnInput || !is_stager(src)) continue;
-      std::vector<Range> pristine{step.range};
-      for (const Step& t : steps) {
-        if (t.actor != src || t.target != Target::kStaging || t.phase >= step.phase) continue;
-        std::vector<Range> rest;
-        for (const Range& p : pristine) {
-          if (!overlaps(p, t.range)) {
-            rest.push_back(p);
-            continue;
-          }
-          if (p.begin < t.range.begin) rest.push_back({p.begin, t.range.begin});
-          if (t.range.end < p.end) rest.push_back({t.range.end, p.end});
-        }
-        pristine = std::move(rest);
-      }
-      for (const Range& p : pristine) add_range(out.staged_ranges[static_cast<size_t>(src)], p);
-    }
-  }
+  out.staged_ranges = ranges_to_stage(s, steps);
   out.stagers.clear();
   for (int r = 0; r < s.world_size; ++r) {
     if (!out.staged_ranges[static_cast<size_t>(r)].empty()) out.stagers.push_back(r);

@@ -130,6 +130,9 @@ Schedule in_place_variant(const Schedule& s);
 //     tensor in between;
 //   - each rank stages only the slot ranges that are read before it overwrites
 //     them (staged_ranges).
+// A rank whose staging would shrink below half of the busiest stager's (the
+// reduce-to-one root) keeps staging and reading its slot: staging runs on all
+// ranks at once, so it would save nothing there and pay later.
 // Every sum keeps its sources in the same order, so results are bitwise those
 // of s.
 Schedule forward_own_input(const Schedule& s);

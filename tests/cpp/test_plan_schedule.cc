@@ -810,13 +810,19 @@ TEST(forwarded_flat_on_two_ranks_stages_half_and_reads_its_own_tensor) {
   }
 }
 
-TEST(forwarded_reduce_to_one_root_stages_nothing) {
-  for (int world = 1; world <= 8; ++world) {
+TEST(forwarded_reduce_to_one_root_keeps_staging_and_writes_its_tensor_once) {
+  for (int world = 2; world <= 8; ++world) {
     for (int root = 0; root < world; ++root) {
       const Schedule f = forward_own_input(reduce_to_one_schedule(world, root, {0, 9}));
-      CHECK(std::find(f.stagers.begin(), f.stagers.end(), root) == f.stagers.end());
-      CHECK_EQ(f.stagers.size(), static_cast<size_t>(world - 1));
-      for (const Step& step : f.steps) CHECK(step.actor != root || step.kind == StepKind::kReduce);
+      // Forwarding would leave the root nothing to stage while the others stage the window,
+      // so it keeps staging its own and reads its slot.
+      CHECK_EQ(f.stagers.size(), static_cast<size_t>(world));
+      for (const auto& ranges : f.staged_ranges) CHECK_EQ(ranges, (std::vector<Range>{{0, 9}}));
+      for (const Step& step : f.steps) {
+        CHECK(std::find(step.sources.begin(), step.sources.end(), kOwnInput) == step.sources.end());
+        // The root's copy-out is folded into its reduce.
+        if (step.actor == root) CHECK(step.kind == StepKind::kReduce && step.also_output);
+      }
     }
   }
 }
