@@ -50,6 +50,10 @@ import torch.multiprocessing as mp
 
 import torch_xdev
 
+# Which build runs: run from a checkout, `python benchmarks/allreduce.py` imports the installed
+# package (sys.path starts at benchmarks/), not an in-place build; set PYTHONPATH to the
+# checkout for that. The header says which one it got.
+XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 DTYPES = {
     "float32": torch.float32,
@@ -592,6 +596,7 @@ def write_cuda_json(
         "torch_version": torch.__version__,
         "torch_cuda_version": torch.version.cuda,
         "torch_xdev_version": torch_xdev.__version__,
+        "torch_xdev_path": XDEV_PATH,
         "cpu_count": os.cpu_count(),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -614,6 +619,7 @@ def write_json(cfg: Config, rows: list[dict[str, Any]]) -> None:
         "slot_bytes": cfg.slot_bytes,
         "torch_version": torch.__version__,
         "torch_xdev_version": torch_xdev.__version__,
+        "torch_xdev_path": XDEV_PATH,
         "cpu_count": os.cpu_count(),
         "memcpy_gbps": cfg.memcpy_gbps,
         "memcpy_bytes": MEMCPY_BYTES,
@@ -799,6 +805,7 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         f"# torch {torch.__version__} (CUDA {torch.version.cuda})  torch_xdev"
         f" {torch_xdev.__version__}  GPUs {torch.cuda.device_count()}"
     )
+    print(f"# torch_xdev from {XDEV_PATH}")
     print(f"# reference: {cfg.reference_note}")
     if cfg.ranks_share_gpu:
         mps = mps_pipe_directory()
@@ -836,6 +843,7 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     print(
         f"# torch {torch.__version__}  torch_xdev {torch_xdev.__version__}  cpus {os.cpu_count()}"
     )
+    print(f"# torch_xdev from {XDEV_PATH}")
     print(f"# single-core memcpy ({format_size(MEMCPY_BYTES)} copy_): {memcpy_gbps:.2f} GB/s")
     print(
         f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  slot_bytes {cfg.slot_bytes or 'default'}"
