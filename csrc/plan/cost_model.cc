@@ -404,8 +404,9 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
       }
     }
     for (int src : step.sources) {
-      if (src != kOwnInput)
+      if (src != kOwnInput) {
         slot[static_cast<size_t>(src)].push_back({id, step.phase, step.range, false});
+      }
     }
     if (step.target == Target::kStaging) {
       slot[static_cast<size_t>(step.actor)].push_back({id, step.phase, step.range, true});

@@ -73,8 +73,7 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
   // The GPU window kernel stages whole windows and has one destination per op.
   bool forwarded = !sched.staged_ranges.empty();
   for (const Step& s : sched.steps) {
-    forwarded = forwarded || s.also_output ||
-                std::find(s.sources.begin(), s.sources.end(), kOwnInput) != s.sources.end();
+    forwarded = forwarded || s.also_output || reads_own_input(s);
   }
   if (forwarded) {
     throw std::invalid_argument(

@@ -72,6 +72,10 @@ bool operator==(const Schedule& a, const Schedule& b) {
          a.staged_ranges == b.staged_ranges && a.steps == b.steps;
 }
 
+bool reads_own_input(const Step& s) {
+  return std::find(s.sources.begin(), s.sources.end(), kOwnInput) != s.sources.end();
+}
+
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
                  bool finalize) {
   Step s;
@@ -370,9 +374,7 @@ Schedule forward_own_input(const Schedule& s) {
           t.phase < steps[writer].phase) {
         continue;
       }
-      const bool reads_tensor =
-          std::find(t.sources.begin(), t.sources.end(), kOwnInput) != t.sources.end();
-      tensor_busy = (reads_tensor || writes_output(t)) && t.phase <= copy.phase;
+      tensor_busy = (reads_own_input(t) || writes_output(t)) && t.phase <= copy.phase;
       // The slot range must keep the writer's values until the copy.
       tensor_busy = tensor_busy || (t.target == Target::kStaging && t.phase < copy.phase);
     }

@@ -58,6 +58,9 @@ struct Step {
 
 bool operator==(const Step& a, const Step& b);
 
+// Whether one of the step's sources is kOwnInput (the actor's tensor).
+bool reads_own_input(const Step& s);
+
 struct Schedule {
   int world_size = 0;
   int num_phases = 0;

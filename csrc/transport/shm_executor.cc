@@ -34,17 +34,13 @@ void for_each_payload_piece(const CollectiveRequest& req, const plan::WindowPlan
   }
 }
 
-bool reads_own_input(const plan::Step& s) {
-  return std::find(s.sources.begin(), s.sources.end(), plan::kOwnInput) != s.sources.end();
-}
-
 }  // namespace
 
 const plan::Schedule& ShmExecutor::forwarded(const plan::Schedule& s) {
-  if (!have_last_ || !(s == last_schedule_)) {
+  // The empty initial last_schedule_ (world size 0) matches no real schedule.
+  if (!(s == last_schedule_)) {
     last_schedule_ = s;
     last_forwarded_ = plan::forward_own_input(s);
-    have_last_ = true;
   }
   return last_forwarded_;
 }
@@ -91,7 +87,7 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
       kernels::reduce(req.dtype, req.op, dst, sources.data(), n, count, divisor, also);
     }
   };
-  if (s.target == plan::Target::kStaging && !s.also_output && !reads_own_input(s)) {
+  if (s.target == plan::Target::kStaging && !s.also_output && !plan::reads_own_input(s)) {
     // Slot to slot: the whole range, payload or not.
     apply(s.range.begin, nullptr, s.range.size());
     return;

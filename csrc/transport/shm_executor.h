@@ -51,7 +51,6 @@ class ShmExecutor {
   ShmChannel& channel_;
   plan::Schedule last_schedule_;
   plan::Schedule last_forwarded_;
-  bool have_last_ = false;
 };
 
 }  // namespace xdev::transport
