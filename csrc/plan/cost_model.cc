@@ -398,7 +398,7 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
         }
       }
       if (step.target == Target::kStaging) {
-        for (const SlotAccess& a : slot[static_cast<size_t>(step.actor)]) {
+        for (const SlotAccess& a : slot[static_cast<size_t>(written_slot(step))]) {
           if (a.phase < step.phase && overlaps(a.range, step.range)) deps.push_back(a.task);
         }
       }
@@ -409,7 +409,7 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
       }
     }
     if (step.target == Target::kStaging) {
-      slot[static_cast<size_t>(step.actor)].push_back({id, step.phase, step.range, true});
+      slot[static_cast<size_t>(written_slot(step))].push_back({id, step.phase, step.range, true});
     }
   }
 

@@ -73,11 +73,12 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
   // The GPU window kernel stages whole windows and has one destination per op.
   bool forwarded = !sched.staged_ranges.empty();
   for (const Step& s : sched.steps) {
-    forwarded = forwarded || s.also_output || reads_own_input(s);
+    forwarded = forwarded || s.also_output || reads_own_input(s) || s.slot_owner >= 0;
   }
   if (forwarded) {
     throw std::invalid_argument(
-        "device program: schedules in forward_own_input form run on the CPU executor only");
+        "device program: schedules in forward_own_input or hand_back_totals form run on the CPU "
+        "executor only");
   }
   DeviceProgram p;
   p.num_phases = sched.num_phases;

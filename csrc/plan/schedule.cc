@@ -64,7 +64,7 @@ Schedule empty_schedule(int world_size, int num_phases, std::vector<int> stagers
 bool operator==(const Step& a, const Step& b) {
   return a.kind == b.kind && a.phase == b.phase && a.actor == b.actor && a.sources == b.sources &&
          a.target == b.target && a.range == b.range && a.finalize == b.finalize &&
-         a.also_output == b.also_output;
+         a.also_output == b.also_output && a.slot_owner == b.slot_owner;
 }
 
 bool operator==(const Schedule& a, const Schedule& b) {
@@ -72,8 +72,16 @@ bool operator==(const Schedule& a, const Schedule& b) {
          a.staged_ranges == b.staged_ranges && a.steps == b.steps;
 }
 
+bool reads_slot(const Step& s, int rank) {
+  return std::find(s.sources.begin(), s.sources.end(), rank) != s.sources.end();
+}
+
 bool reads_own_input(const Step& s) {
-  return std::find(s.sources.begin(), s.sources.end(), kOwnInput) != s.sources.end();
+  return reads_slot(s, kOwnInput);
+}
+
+int written_slot(const Step& s) {
+  return s.slot_owner < 0 ? s.actor : s.slot_owner;
 }
 
 Step reduce_step(int phase, int actor, std::vector<int> sources, Target target, Range r,
@@ -212,21 +220,25 @@ std::string find_schedule_hazard(const Schedule& s) {
     if (a.also_output && a.target != Target::kStaging) {
       return "step " + std::to_string(i) + ": also_output on a step that writes the output";
     }
+    if (a.slot_owner >= 0 && (a.target != Target::kStaging || !in_world(a.slot_owner))) {
+      return "step " + std::to_string(i) + ": slot_owner needs a staging target in range";
+    }
     if (a.kind == StepKind::kCopy && a.sources.size() != 1) {
       return "step " + std::to_string(i) + ": a copy has exactly one source";
     }
     if (a.target != Target::kStaging) continue;
-    // a writes slot[a.actor] over a.range: nobody else may touch that range of
-    // that slot in the same phase.
+    // a writes that slot over a.range: nobody else may touch that range of it
+    // in the same phase.
+    const int slot = written_slot(a);
     for (size_t j = 0; j < s.steps.size(); ++j) {
       const Step& b = s.steps[j];
       if (j == i || b.phase != a.phase || !overlaps(a.range, b.range)) continue;
-      const bool b_writes = b.target == Target::kStaging && b.actor == a.actor;
+      const bool b_writes = b.target == Target::kStaging && written_slot(b) == slot;
       bool b_reads = false;
-      for (int src : b.sources) b_reads = b_reads || src == a.actor;
+      for (int src : b.sources) b_reads = b_reads || src == slot;
       if (b_writes || (b_reads && b.actor != a.actor)) {
         return "phase " + std::to_string(a.phase) + ": step " + std::to_string(j) +
-               " touches slot " + std::to_string(a.actor) + " while step " + std::to_string(i) +
+               " touches slot " + std::to_string(slot) + " while step " + std::to_string(i) +
                " writes it";
       }
     }
@@ -322,9 +334,19 @@ int64_t total_size(const std::vector<Range>& ranges) {
   return total;
 }
 
+void check_own_slots_only(const Schedule& s, const char* what) {
+  for (const Step& step : s.steps) {
+    if (step.slot_owner >= 0) {
+      throw std::invalid_argument(std::string(what) +
+                                  ": a step already writes another rank's slot");
+    }
+  }
+}
+
 }  // namespace
 
 Schedule forward_own_input(const Schedule& s) {
+  check_own_slots_only(s, "forward_own_input");
   const auto n = static_cast<size_t>(s.world_size);
   Schedule out = s;
   std::vector<char> forward(n, 1);
@@ -391,6 +413,49 @@ Schedule forward_own_input(const Schedule& s) {
   out.stagers.clear();
   for (int r = 0; r < s.world_size; ++r) {
     if (!out.staged_ranges[static_cast<size_t>(r)].empty()) out.stagers.push_back(r);
+  }
+  return out;
+}
+
+Schedule hand_back_totals(const Schedule& s) {
+  check_own_slots_only(s, "hand_back_totals");
+  Schedule out = s;
+  std::vector<Step>& steps = out.steps;
+  // Whether a step other than steps[except] reads or writes slot `rank` over r.
+  const auto others_touch = [&](int rank, Range r, size_t except) {
+    for (size_t j = 0; j < steps.size(); ++j) {
+      const Step& t = steps[j];
+      if (j == except || !overlaps(t.range, r)) continue;
+      if (reads_slot(t, rank) || (t.target == Target::kStaging && written_slot(t) == rank)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    Step& total = steps[i];
+    if (total.kind != StepKind::kReduce || total.target != Target::kStaging) continue;
+    // The one later reader of the total: a copy by another rank.
+    size_t reader = steps.size();
+    bool single = true;
+    for (size_t j = 0; j < steps.size() && single; ++j) {
+      const Step& t = steps[j];
+      if (j == i || t.phase <= total.phase || !overlaps(t.range, total.range)) continue;
+      if (!reads_slot(t, total.actor)) continue;
+      single = reader == steps.size();
+      reader = j;
+    }
+    if (!single || reader == steps.size()) continue;
+    Step& copy = steps[reader];
+    const int back_to = copy.actor;
+    if (copy.kind != StepKind::kCopy || back_to == total.actor || !(copy.range == total.range)) {
+      continue;
+    }
+    // The reader's slot carries its input to the total, then the total to the
+    // copy, and nothing else.
+    if (!reads_slot(total, back_to) || others_touch(back_to, total.range, i)) continue;
+    total.slot_owner = back_to;
+    copy.sources = {back_to};
   }
   return out;
 }

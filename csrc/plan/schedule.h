@@ -54,12 +54,21 @@ struct Step {
   // A staging step whose values also go to the actor's output (forward_own_input
   // folds the copy that followed it into it).
   bool also_output = false;
+  // A staging step writes this rank's slot; -1 means the actor's own. Only
+  // hand_back_totals sets it.
+  int slot_owner = -1;
 };
 
 bool operator==(const Step& a, const Step& b);
 
+// Whether one of the step's sources is rank's slot (or, for kOwnInput, the
+// actor's tensor).
+bool reads_slot(const Step& s, int rank);
 // Whether one of the step's sources is kOwnInput (the actor's tensor).
 bool reads_own_input(const Step& s);
+
+// The rank whose slot a Target::kStaging step writes.
+int written_slot(const Step& s);
 
 struct Schedule {
   int world_size = 0;
@@ -139,6 +148,18 @@ Schedule in_place_variant(const Schedule& s);
 // Every sum keeps its sources in the same order, so results are bitwise those
 // of s.
 Schedule forward_own_input(const Schedule& s);
+
+// For an executor on cache-coherent shared memory, applied after
+// forward_own_input. A total that exactly one other rank copies out, and that
+// was summed from that rank's slot over the same range, is written back over
+// that slot, and the copier copies from its own slot. The same bytes cross
+// between the same ranks, but each slot line goes to the reducer and comes
+// back, instead of being read in one slot and written in another: a window
+// touches half the slot memory, and no line is shared by two caches when it
+// is next written. Applies to flat and reduce-to-one on two ranks; a total
+// that several ranks copy keeps its slot. Sums are unchanged.
+// Throws std::invalid_argument if a step already writes another rank's slot.
+Schedule hand_back_totals(const Schedule& s);
 
 // Empty when the schedule is well formed: ranks in range, every step's target
 // written by no other step of its phase, no slot range both written and read

@@ -40,7 +40,7 @@ const plan::Schedule& ShmExecutor::forwarded(const plan::Schedule& s) {
   // The empty initial last_schedule_ (world size 0) matches no real schedule.
   if (!(s == last_schedule_)) {
     last_schedule_ = s;
-    last_forwarded_ = plan::forward_own_input(s);
+    last_forwarded_ = plan::hand_back_totals(plan::forward_own_input(s));
   }
   return last_forwarded_;
 }
@@ -68,7 +68,7 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
       (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
   const int n = static_cast<int>(s.sources.size());
   std::vector<const void*> sources(static_cast<size_t>(n));
-  char* const own_slot = channel_.slot(parity, s.actor);
+  char* const target_slot = channel_.slot(parity, plan::written_slot(s));
   // Applies the step to slot elements [slot_lo, slot_lo + count), whose payload
   // lives at tensor (null where the slot holds no payload).
   auto apply = [&](int64_t slot_lo, char* tensor, int64_t count) {
@@ -77,7 +77,7 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
                        ? tensor
                        : channel_.slot(parity, s.sources[i]) + slot_lo * es;
     }
-    char* dst = s.target == plan::Target::kOutput ? tensor : own_slot + slot_lo * es;
+    char* dst = s.target == plan::Target::kOutput ? tensor : target_slot + slot_lo * es;
     char* also = s.also_output ? tensor : nullptr;
     const auto bytes = static_cast<size_t>(count * es);
     if (s.kind == plan::StepKind::kCopy) {

@@ -1,9 +1,10 @@
 // Runs a CollectivePlan over a ShmChannel by staging: ranks copy their inputs
 // into their shared slots and the schedule moves data between slots, one
 // window at a time. Works for any schedule and any tensor list. Each window
-// runs in its plan::forward_own_input form: a rank reads its own contribution
-// from its tensor and stages only what peers read. Torch-free: tensors arrive
-// as raw pointers laid out by a FlatLayout.
+// runs in its plan::forward_own_input form, a rank reading its own contribution
+// from its tensor and staging only what peers read, with plan::hand_back_totals
+// on top: on two ranks a total goes back to the slot its peer staged. Torch-free:
+// tensors arrive as raw pointers laid out by a FlatLayout.
 #pragma once
 
 #include <cstdint>
@@ -44,8 +45,8 @@ class ShmExecutor {
              char* slot) const;
   void run_step(const CollectiveRequest& req, const plan::WindowPlan& w, const plan::Step& s,
                 int64_t parity) const;
-  // forward_own_input of w's schedule; windows of one plan mostly repeat, so
-  // the last one is kept.
+  // hand_back_totals(forward_own_input(s)); windows of one plan mostly repeat,
+  // so the last one is kept.
   const plan::Schedule& forwarded(const plan::Schedule& s);
 
   ShmChannel& channel_;

@@ -129,6 +129,13 @@ TEST(device_program_rejects_too_many_ranks) {
 TEST(device_program_rejects_cpu_only_forwarded_schedules) {
   const CollectivePlan plan = CollectivePlan::allreduce(Algorithm::kFlat, 2, 0, {}, 100, 1 << 20);
   WindowPlan w = plan.window(0);
-  w.schedule = forward_own_input(w.schedule);
+  const Schedule original = w.schedule;
+  w.schedule = forward_own_input(original);
+  CHECK_THROWS(compile_device_program(w, 0), std::invalid_argument, "CPU executor only");
+  // A total written to another rank's slot alone is refused too.
+  w.schedule = original;
+  for (Step& s : w.schedule.steps) {
+    if (s.kind == StepKind::kReduce) s.slot_owner = 1 - s.actor;
+  }
   CHECK_THROWS(compile_device_program(w, 0), std::invalid_argument, "CPU executor only");
 }

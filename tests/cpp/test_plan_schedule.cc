@@ -132,13 +132,14 @@ SimState simulate(const Schedule& s, int64_t elems) {
         if (step.kind == StepKind::kReduce && step.finalize) ++v.finalized;
         for (const bool slot_side : {true, false}) {
           if (slot_side ? !to_slot : !to_out) continue;
-          auto& marks = written[2 * actor + (slot_side ? 0 : 1)];
+          const size_t rank = slot_side ? static_cast<size_t>(written_slot(step)) : actor;
+          auto& marks = written[2 * rank + (slot_side ? 0 : 1)];
           if (marks[e]) {
             st.error = where(phase, i, e) + "written twice in one phase";
             return st;
           }
           marks[e] = 1;
-          (slot_side ? st.slot[actor] : st.out[actor])[e] = v;
+          (slot_side ? st.slot[rank] : st.out[rank])[e] = v;
           if (!slot_side) st.out_written[actor][e] = 1;
         }
       }
@@ -767,6 +768,19 @@ std::string check_forwarded(const Schedule& s, int64_t elems, int broadcast_root
   size_t original_reduces = 0;
   for (const Step& step : s.steps) original_reduces += step.kind == StepKind::kReduce ? 1 : 0;
   if (reduces != original_reduces) return "forwarded reduce count differs";
+  // What the staged executor runs: the same reduces and staging, totals handed back.
+  const Schedule h = hand_back_totals(f);
+  const std::string handed =
+      broadcast_root >= 0 ? check_broadcast(h, elems, broadcast_root) : check_allreduce(h, elems);
+  if (!handed.empty()) return "handed back: " + handed;
+  if (h.staged_ranges != f.staged_ranges || h.stagers != f.stagers) return "hand-back restages";
+  if (h.steps.size() != f.steps.size()) return "hand-back changed the step count";
+  for (size_t i = 0; i < h.steps.size(); ++i) {
+    Step same = h.steps[i];
+    same.slot_owner = -1;
+    if (same.kind == StepKind::kCopy) same.sources = f.steps[i].sources;
+    if (!(same == f.steps[i])) return "hand-back changed more than targets and copy sources";
+  }
   return {};
 }
 
@@ -871,6 +885,91 @@ TEST(forwarding_keeps_a_copy_when_the_tensor_is_read_in_between) {
   CHECK_EQ(f.steps.size(), s.steps.size());
   const SimState want = simulate(s, 4);
   const SimState got = simulate(f, 4);
+  CHECK_EQ(want.error, kOk);
+  CHECK_EQ(got.error, kOk);
+  CHECK(got.out == want.out);
+}
+
+TEST(totals_go_back_to_the_slot_they_came_from_on_two_ranks) {
+  // Flat: rank r sums its half from the peer's slot and writes the total back there; the
+  // peer copies its own slot.
+  const Schedule flat = hand_back_totals(forward_own_input(flat_schedule(2, {0, 10})));
+  CHECK_EQ(check_allreduce(flat, 10), kOk);
+  for (const Step& step : flat.steps) {
+    if (step.kind == StepKind::kReduce) {
+      CHECK_EQ(written_slot(step), 1 - step.actor);
+      CHECK(step.also_output);
+    } else {
+      CHECK_EQ(step.sources, (std::vector<int>{step.actor}));
+    }
+  }
+  // Reduce-to-one: the root's total goes back to the other rank's slot.
+  for (int root = 0; root < 2; ++root) {
+    const Schedule r = hand_back_totals(forward_own_input(reduce_to_one_schedule(2, root, {0, 7})));
+    CHECK_EQ(check_allreduce(r, 7), kOk);
+    for (const Step& step : r.steps) {
+      if (step.kind == StepKind::kReduce) CHECK_EQ(written_slot(step), 1 - root);
+      if (step.kind == StepKind::kCopy) CHECK_EQ(step.sources[0], step.actor);
+    }
+  }
+}
+
+TEST(a_total_several_ranks_copy_keeps_its_slot) {
+  for (int world = 3; world <= 8; ++world) {
+    const Schedule f = forward_own_input(flat_schedule(world, {0, 3 * world}));
+    CHECK(hand_back_totals(f) == f);
+    const Schedule r = forward_own_input(reduce_to_one_schedule(world, 0, {0, 5}));
+    CHECK(hand_back_totals(r) == r);
+  }
+  const Schedule d = forward_own_input(direct_schedule(2, {0, 6}));
+  CHECK(hand_back_totals(d) == d);
+}
+
+TEST(writing_a_peer_slot_is_checked_like_writing_ones_own) {
+  // Rank 0 writes rank 1's slot while rank 1 reads it in the same phase: a race.
+  Schedule s;
+  s.world_size = 2;
+  s.num_phases = 1;
+  s.stagers = {0, 1};
+  Step total = make_step(StepKind::kReduce, 1, 0, {0, 1}, Target::kStaging, true);
+  total.slot_owner = 1;
+  s.steps.push_back(total);
+  s.steps.push_back(make_step(StepKind::kCopy, 1, 1, {1}, Target::kOutput));
+  CHECK(reports(find_schedule_hazard(s), "touches slot 1"));
+  // An owner on an output step, or out of range, is malformed.
+  Schedule bad = s;
+  bad.steps.pop_back();
+  bad.steps[0].slot_owner = 2;
+  CHECK(reports(find_schedule_hazard(bad), "slot_owner"));
+  // The transforms take schedules whose steps write their own slots.
+  bad.steps[0].slot_owner = 1;
+  bool threw = false;
+  try {
+    forward_own_input(bad);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+TEST(a_total_is_not_handed_back_over_an_input_someone_still_reads) {
+  // Rank 1 alone copies rank 0's partial sum of ranks 0 and 1, but rank 2 reads rank 1's staged
+  // input afterwards: writing the sum over it would change rank 2's result.
+  Schedule s;
+  s.world_size = 3;
+  s.num_phases = 2;
+  s.stagers = {0, 1, 2};
+  s.steps.push_back(make_step(StepKind::kReduce, 1, 0, {0, 1}, Target::kStaging, false));
+  s.steps.push_back(make_step(StepKind::kCopy, 2, 1, {0}, Target::kOutput));
+  s.steps.push_back(make_step(StepKind::kReduce, 2, 2, {1, 2}, Target::kOutput, false));
+  CHECK(hand_back_totals(s) == s);
+  // Without rank 2's read the sum goes back to rank 1's slot, and every output is the same.
+  Schedule alone = s;
+  alone.steps.pop_back();
+  const Schedule h = hand_back_totals(alone);
+  CHECK_EQ(written_slot(h.steps[0]), 1);
+  const SimState want = simulate(alone, 4);
+  const SimState got = simulate(h, 4);
   CHECK_EQ(want.error, kOk);
   CHECK_EQ(got.error, kOk);
   CHECK(got.out == want.out);
