@@ -14,7 +14,9 @@ namespace baseline {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define XDEV_HAVE_AVX2_KERNELS 1
 #pragma GCC push_options
-#pragma GCC target("avx2")
+// prfchw: prefetchw, which asks for a line in exclusive state (a no-op on
+// CPUs without it).
+#pragma GCC target("avx2,prfchw")
 namespace avx2 {
 #include "cpu_reduce_loops.inc"
 }  // namespace avx2
@@ -79,17 +81,36 @@ const char* to_string(ReduceOp op) {
   return "unknown";
 }
 
+namespace {
+
+#if defined(XDEV_HAVE_AVX2_KERNELS)
+// The CPU's features do not change while we run: decide once.
+bool use_avx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+#endif
+
+}  // namespace
+
 void reduce(DType dtype, ReduceOp op, void* dst, const void* const* sources, int num_sources,
-            int64_t count, int64_t divisor, void* dst2) {
+            int64_t count, int64_t divisor, void* dst2, DstLines dst_lines) {
   if (num_sources < 1) throw std::invalid_argument("reduce: needs at least one source");
   if (count <= 0) return;
   if (op != ReduceOp::kAvg) divisor = 0;
 #if defined(XDEV_HAVE_AVX2_KERNELS)
-  // The CPU's features do not change while we run: decide once.
-  static const bool use_avx2 = __builtin_cpu_supports("avx2");
-  if (use_avx2) return avx2::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor);
+  if (use_avx2()) {
+    return avx2::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor, dst_lines);
+  }
 #endif
-  baseline::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor);
+  baseline::reduce_any(dtype, op, dst, dst2, sources, num_sources, count, divisor, dst_lines);
+}
+
+void copy_taking_source(void* dst, const void* src, size_t bytes) {
+#if defined(XDEV_HAVE_AVX2_KERNELS)
+  if (use_avx2()) return avx2::copy_taking_source_lines(dst, src, bytes);
+#endif
+  baseline::copy_taking_source_lines(dst, src, bytes);
 }
 
 }  // namespace xdev::kernels

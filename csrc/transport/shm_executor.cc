@@ -69,6 +69,11 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
   const int n = static_cast<int>(s.sources.size());
   std::vector<const void*> sources(static_cast<size_t>(n));
   char* const target_slot = channel_.slot(parity, plan::written_slot(s));
+  // A total handed back to a peer's slot overwrites the input the peer staged
+  // there (hand_back_totals): those lines sit in the peer's cache.
+  const kernels::DstLines dst_lines = s.target == plan::Target::kStaging && s.slot_owner >= 0
+                                          ? kernels::DstLines::kPeerCache
+                                          : kernels::DstLines::kLocal;
   // Applies the step to slot elements [slot_lo, slot_lo + count), whose payload
   // lives at tensor (null where the slot holds no payload).
   auto apply = [&](int64_t slot_lo, char* tensor, int64_t count) {
@@ -81,10 +86,16 @@ void ShmExecutor::run_step(const CollectiveRequest& req, const plan::WindowPlan&
     char* also = s.also_output ? tensor : nullptr;
     const auto bytes = static_cast<size_t>(count * es);
     if (s.kind == plan::StepKind::kCopy) {
-      if (dst != sources[0]) std::memcpy(dst, sources[0], bytes);
+      if (s.sources[0] == s.actor && dst != sources[0]) {
+        // Left in forwarded form, a copy out of one's own slot reads a total a
+        // peer handed back there; this rank stages into those lines next.
+        kernels::copy_taking_source(dst, sources[0], bytes);
+      } else if (dst != sources[0]) {
+        std::memcpy(dst, sources[0], bytes);
+      }
       if (also != nullptr) std::memcpy(also, dst, bytes);
     } else {
-      kernels::reduce(req.dtype, req.op, dst, sources.data(), n, count, divisor, also);
+      kernels::reduce(req.dtype, req.op, dst, sources.data(), n, count, divisor, also, dst_lines);
     }
   };
   if (s.target == plan::Target::kStaging && !s.also_output && !plan::reads_own_input(s)) {
