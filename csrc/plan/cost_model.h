@@ -73,7 +73,9 @@ class MachineModel {
   SharingPolicy policy = SharingPolicy::kFairShare;
   int64_t window_bytes = 0;  // staging capacity per rank and window; 0 = unlimited
   // The executor runs schedules in their forward_own_input form (the staged CPU
-  // executor does), so predictions model that form.
+  // executor does), so predictions model that form. Its hand_back_totals on top
+  // moves the same bytes between the same ranks and is not modelled: the model
+  // does not price cache-line ownership.
   bool forwards_own_input = false;
   std::string source;  // where the numbers come from, for the CLI and docs
 
