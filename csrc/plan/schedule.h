@@ -155,9 +155,10 @@ Schedule forward_own_input(const Schedule& s);
 // that slot, and the copier copies from its own slot. The same bytes cross
 // between the same ranks, but each slot line goes to the reducer and comes
 // back, instead of being read in one slot and written in another: a window
-// touches half the slot memory, and no line is shared by two caches when it
-// is next written. Applies to flat and reduce-to-one on two ranks; a total
-// that several ranks copy keeps its slot. Sums are unchanged.
+// touches half the slot memory, and a core that reads a line it writes next
+// can fetch it for ownership (kernels::DstLines). Applies to flat and
+// reduce-to-one on two ranks; a total that several ranks copy keeps its slot.
+// Sums are unchanged.
 // Throws std::invalid_argument if a step already writes another rank's slot.
 Schedule hand_back_totals(const Schedule& s);
 
