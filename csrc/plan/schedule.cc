@@ -234,9 +234,7 @@ std::string find_schedule_hazard(const Schedule& s) {
       const Step& b = s.steps[j];
       if (j == i || b.phase != a.phase || !overlaps(a.range, b.range)) continue;
       const bool b_writes = b.target == Target::kStaging && written_slot(b) == slot;
-      bool b_reads = false;
-      for (int src : b.sources) b_reads = b_reads || src == slot;
-      if (b_writes || (b_reads && b.actor != a.actor)) {
+      if (b_writes || (reads_slot(b, slot) && b.actor != a.actor)) {
         return "phase " + std::to_string(a.phase) + ": step " + std::to_string(j) +
                " touches slot " + std::to_string(slot) + " while step " + std::to_string(i) +
                " writes it";
