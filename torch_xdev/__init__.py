@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+import torch  # (loads libtorch before the extension)
 import torch.distributed as dist
 
 try:
@@ -26,7 +27,15 @@ except ImportError as e:  # typically: importing the source tree instead of the 
 from ._registration import BACKEND_NAME, backend_of, host_identity, register
 from .options import ALGORITHMS, ENV_KNOBS, Options
 
-__all__ = ["ALGORITHMS", "BACKEND_NAME", "ENV_KNOBS", "Options", "describe", "host_identity"]
+__all__ = [
+    "ALGORITHMS",
+    "BACKEND_NAME",
+    "ENV_KNOBS",
+    "Options",
+    "describe",
+    "host_identity",
+    "shared_empty",
+]
 __version__ = "0.1.0"
 
 
@@ -39,6 +48,31 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     ``last_allreduce``.
     """
     return dict(backend_of(group).describe())
+
+
+def shared_empty(
+    *size: Union[int, Sequence[int]],
+    dtype: Optional[torch.dtype] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """A CPU tensor in memory that every rank of ``group`` maps (zero-filled).
+
+    Collective: every rank of the group calls it with the same size and dtype, in the same
+    order. ``all_reduce`` of the tensor (or of a contiguous view of it at the same place on
+    every rank) on ``group`` then runs in place: each rank sums its slice straight from every
+    rank's copy and writes the total into all of them, with nothing staged through the
+    group's slots. This applies with ``algorithm`` ``"auto"`` or ``"flat"``; other forced
+    algorithms stage as usual. The memory is freed when the tensor and its views are, and
+    nothing is left in /dev/shm if a process dies.
+
+    ``size`` is given as for ``torch.empty``: ``shared_empty(4, 5)`` or
+    ``shared_empty((4, 5))``. Raises ValueError if the group spans several hosts or the
+    ranks ask for different sizes.
+    """
+    dims: Sequence[Any] = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+    shape = [int(d) for d in dims]
+    tensor: torch.Tensor = backend_of(group).shared_empty(shape, dtype or torch.get_default_dtype())
+    return tensor
 
 
 register()

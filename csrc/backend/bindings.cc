@@ -118,6 +118,7 @@ py::dict describe(const XdevBackend& b) {
   d["shared_memory"] = b.has_shared_memory();
   d["single_copy"] = b.single_copy_available();
   d["single_copy_note"] = b.single_copy_note();
+  d["shared_buffers"] = b.live_shared_buffers();
   d["fallback_backend"] = b.fallback_name();
   d["cpu_topology"] = plan::to_string(plan::TopologyClass::kFullyConnected);
   d["cpu_allreduce_plan"] = plan_by_size(b, false);
@@ -197,6 +198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
+      .def("shared_empty", &XdevBackend::shared_empty, py::arg("sizes"), py::arg("dtype"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_name", &XdevBackend::shm_name);
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,

@@ -11,6 +11,7 @@
 #include "../plan/collective_plan.h"
 #include "../plan/machines.h"
 #include "../plan/packing.h"
+#include "../plan/shared_buffer_plan.h"
 
 namespace xdev::backend {
 namespace {
@@ -177,6 +178,7 @@ void XdevBackend::shutdown() {
   queue.reset();  // runs what is queued, then joins the worker
   if (cuda_) cuda_->shutdown();
   single_copy_.reset();
+  shared_executor_.reset();
   executor_.reset();
   channel_.reset();
   fallback_->shutdown();
@@ -258,6 +260,7 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
   if (rank_ == 0) channel.unlink_name();
   channel_ = std::make_unique<transport::ShmChannel>(std::move(channel));
   executor_ = std::make_unique<transport::ShmExecutor>(*channel_);
+  shared_executor_ = std::make_unique<transport::SharedBufferExecutor>(*channel_);
 
   // Single copy needs every rank to read every peer: each rank probes, then
   // all agree through the store, so the transport choice is the same on all.
@@ -275,6 +278,94 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
     single_copy_note_ =
         mine_ok ? "off: a peer cannot read this host's ranks (see its log)" : "off: " + why;
   }
+}
+
+// Each rank makes its own segment and publishes its name through the store;
+// every rank maps every segment, and once all have (counted through the
+// store) each unlinks its own name, so the memory goes with the last mapping.
+at::Tensor XdevBackend::shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(channel_ != nullptr,
+                    "torch_xdev.shared_empty needs all ranks of the group on one host with "
+                    "shared memory (this group: ",
+                    size_, " rank(s) on ", num_hosts_, " host(s)); use an ordinary tensor");
+  int64_t numel = 1;
+  for (int64_t d : sizes) {
+    TORCH_CHECK_VALUE(d >= 0, "torch_xdev.shared_empty: negative dimension ", d, " in ", sizes);
+    numel *= d;
+  }
+  const auto bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  constexpr size_t kPage = 4096;
+  const size_t segment_bytes = (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+  int64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(shared_mutex_);
+    id = next_shared_id_++;
+  }
+  const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
+  transport::ShmSegment mine =
+      transport::ShmSegment::create(transport::ShmSegment::make_name(), segment_bytes);
+  store_->set(prefix + std::to_string(rank_), mine.name() + " " + std::to_string(bytes));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size_; ++r) keys.push_back(prefix + std::to_string(r));
+  store_->wait(keys, config_.timeout);  // a rank that never calls it: the group's timeout
+  std::vector<std::string> names(static_cast<size_t>(size_));
+  std::string asked;
+  bool same = true;
+  for (int r = 0; r < size_; ++r) {
+    const std::string entry = store_->get_to_str(keys[static_cast<size_t>(r)]);
+    const size_t space = entry.rfind(' ');
+    names[static_cast<size_t>(r)] = entry.substr(0, space);
+    const std::string their_bytes = entry.substr(space + 1);
+    same = same && their_bytes == std::to_string(bytes);
+    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + their_bytes + " bytes";
+  }
+  // Every rank read the same entries, so every rank refuses together.
+  TORCH_CHECK_VALUE(same, "torch_xdev.shared_empty #", id, ": ranks asked for different sizes (",
+                    asked, "); every rank must call it with the same size and dtype");
+  std::vector<transport::ShmSegment> segments(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) {
+      segments[static_cast<size_t>(r)] =
+          transport::ShmSegment::open(names[static_cast<size_t>(r)], segment_bytes);
+    }
+  }
+  if (store_->add(prefix + "mapped", 1) == size_) store_->set(prefix + "ready", "1");
+  store_->wait({prefix + "ready"}, config_.timeout);
+  mine.unlink();
+  segments[static_cast<size_t>(rank_)] = std::move(mine);
+  auto buffer = std::make_shared<transport::SharedBuffer>(id, rank_, std::move(segments));
+  {
+    std::lock_guard<std::mutex> lock(shared_mutex_);
+    auto expired = [](const std::weak_ptr<transport::SharedBuffer>& w) { return w.expired(); };
+    shared_buffers_.erase(std::remove_if(shared_buffers_.begin(), shared_buffers_.end(), expired),
+                          shared_buffers_.end());
+    shared_buffers_.push_back(buffer);
+  }
+  // The tensor's storage owns the buffer: the mappings go when it does.
+  void* data = buffer->data(rank_);
+  return at::from_blob(
+      data, sizes, [buffer](void*) mutable { buffer.reset(); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+int64_t XdevBackend::live_shared_buffers() const {
+  std::lock_guard<std::mutex> lock(shared_mutex_);
+  return std::count_if(
+      shared_buffers_.begin(), shared_buffers_.end(),
+      [](const std::weak_ptr<transport::SharedBuffer>& w) { return !w.expired(); });
+}
+
+XdevBackend::SharedPlacement XdevBackend::find_shared_buffer(const at::Tensor& t) const {
+  if (!t.is_cpu() || !t.is_contiguous()) return {};
+  const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  std::lock_guard<std::mutex> lock(shared_mutex_);
+  for (const auto& weak : shared_buffers_) {
+    std::shared_ptr<transport::SharedBuffer> b = weak.lock();
+    if (!b) continue;
+    const int64_t offset = b->offset_of(t.data_ptr(), bytes);
+    if (offset >= 0) return {std::move(b), offset};
+  }
+  return {};
 }
 
 std::string XdevBackend::shm_name() const {
@@ -378,7 +469,10 @@ std::string XdevBackend::describe_op(const transport::OpDescriptor& d) const {
           kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
           kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " via " +
           plan::to_string(static_cast<plan::Algorithm>(d.algorithm)) +
-          (d.device == 1   ? " on CUDA tensors"
+          (d.device == 1 ? " on CUDA tensors"
+           : d.shared_buffer >= 0
+               ? " in place in shared buffer #" + std::to_string(d.shared_buffer) + " at byte " +
+                     std::to_string(d.shared_offset)
            : d.single_copy ? " (single copy)"
                            : " (staged)");
       break;
@@ -444,14 +538,12 @@ void XdevBackend::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::fu
   }
 }
 
-c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Tensor> tensors,
-                                                             kernels::ReduceOp op,
-                                                             plan::Selection sel,
-                                                             std::chrono::milliseconds timeout,
-                                                             bool async_op) {
+c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
+    std::vector<at::Tensor> tensors, kernels::ReduceOp op, plan::Selection sel,
+    std::chrono::milliseconds timeout, bool async_op, SharedPlacement shared) {
   return enqueue(
       c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
-      [this, tensors, op, sel, timeout]() {
+      [this, tensors, op, sel, timeout, shared]() {
         // Work on contiguous tensors; copy back into non-contiguous ones at the end.
         std::vector<at::Tensor> flat;
         std::vector<plan::TensorDesc> descs;
@@ -467,6 +559,21 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(std::vector<at::Ten
             const auto dtype = static_cast<kernels::DType>(group.dtype);
             const auto packs = plan::make_packs(group.layout, group.elem_size, packing_for(sel));
             const int64_t total = group.layout.total();
+            if (shared.buffer != nullptr) {  // the one tensor, in a shared buffer
+              transport::OpDescriptor desc =
+                  allreduce_descriptor(op, group.dtype, sel, 0, 1, total, hash);
+              desc.shared_buffer = shared.buffer->id();
+              desc.shared_offset = shared.offset;
+              transport::SharedBufferRequest req;
+              req.buffer = shared.buffer.get();
+              req.offset_bytes = shared.offset;
+              req.count = total;
+              req.dtype = dtype;
+              req.op = op;
+              req.ctx = make_context(desc, "allreduce", deadline);
+              shared_executor_->run(req);
+              continue;
+            }
             const bool single_copy =
                 plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
                                       group.tensor_indices.size() == 1, single_copy_ != nullptr);
@@ -586,6 +693,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     sel.algorithm = plan::Algorithm::kFallback;
     sel.reason = "no native kernel for this reduce op / dtype";
   }
+  SharedPlacement shared;
+  if (sel.algorithm != plan::Algorithm::kFallback && !device.is_cuda() && tensors.size() == 1 &&
+      plan::use_shared_buffer(requested_)) {
+    shared = find_shared_buffer(tensors[0]);
+    if (shared.buffer != nullptr) {
+      sel.algorithm = plan::Algorithm::kFlat;
+      sel.num_packs = 0;
+      sel.reason = "tensor in shared buffer #" + std::to_string(shared.buffer->id()) +
+                   " (torch_xdev.shared_empty): reduced in place, nothing staged";
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(log_mutex_);
     last_selection_ = {plan::to_string(sel.algorithm), sel.reason};
@@ -601,7 +719,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it
     return cuda_->allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout);
   }
-  return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp);
+  return native_allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp,
+                          std::move(shared));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,

@@ -25,6 +25,7 @@
 #include "../plan/cost_model.h"
 #include "../plan/schedule.h"
 #include "../plan/selection.h"
+#include "../transport/shared_buffer.h"
 #include "../transport/shm_executor.h"
 #include "../transport/single_copy_executor.h"
 #include "backend_config.h"
@@ -100,6 +101,13 @@ class XdevBackend : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  // torch_xdev.shared_empty: a CPU tensor in memory every rank of the group
+  // maps, whose allreduce runs in place (transport/shared_buffer.h).
+  // Collective: every rank calls it with the same sizes and dtype, in the same
+  // order. Throws c10::ValueError without shared memory or on a size mismatch.
+  at::Tensor shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
+  int64_t live_shared_buffers() const;
+
   // Introspection for torch_xdev.describe().
   const BackendConfig& config() const { return config_; }
   int num_hosts() const { return num_hosts_; }
@@ -131,10 +139,19 @@ class XdevBackend : public c10d::Backend {
   void open_shared_memory(c10d::Store& store);
   void log_once(const std::string& key, const std::string& message);
 
-  // Native allreduce of tensors (may mix dtypes) on the worker thread.
+  // Where a tensor lies in a live shared buffer of this group.
+  struct SharedPlacement {
+    std::shared_ptr<transport::SharedBuffer> buffer;  // null: not in one
+    int64_t offset = 0;
+  };
+  SharedPlacement find_shared_buffer(const at::Tensor& t) const;
+
+  // Native allreduce of tensors (may mix dtypes) on the worker thread; in
+  // place when shared holds the one tensor's buffer.
   c10::intrusive_ptr<c10d::Work> native_allreduce(std::vector<at::Tensor> tensors,
                                                   kernels::ReduceOp op, plan::Selection sel,
-                                                  std::chrono::milliseconds timeout, bool async_op);
+                                                  std::chrono::milliseconds timeout, bool async_op,
+                                                  SharedPlacement shared);
   // Runs an allreduce through the fallback; AVG is done as SUM then a divide
   // because Gloo has no AVG.
   c10::intrusive_ptr<c10d::Work> fallback_allreduce(std::vector<at::Tensor>& tensors,
@@ -193,6 +210,7 @@ class XdevBackend : public c10d::Backend {
   std::unique_ptr<transport::ShmChannel> channel_;
   std::unique_ptr<transport::ShmExecutor> executor_;
   std::unique_ptr<transport::SingleCopyExecutor> single_copy_;
+  std::unique_ptr<transport::SharedBufferExecutor> shared_executor_;
   std::string single_copy_note_;  // why single-copy is on or off
   uint64_t next_seq_ = 0;         // worker thread only
   std::string poisoned_;          // worker thread only
@@ -204,6 +222,11 @@ class XdevBackend : public c10d::Backend {
   mutable std::map<int64_t, plan::Selection> model_choices_;
   std::map<int64_t, std::vector<plan::PackTree>> pack_trees_;
   const std::vector<plan::PackTree>& pack_trees(int64_t num_packs);
+
+  // Buffers from shared_empty; a buffer lives as long as its tensors do.
+  mutable std::mutex shared_mutex_;
+  int64_t next_shared_id_ = 0;
+  std::vector<std::weak_ptr<transport::SharedBuffer>> shared_buffers_;
 
   mutable std::mutex log_mutex_;
   std::set<std::string> logged_;

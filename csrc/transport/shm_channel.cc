@@ -21,7 +21,7 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 
@@ -81,7 +81,9 @@ bool OpDescriptor::operator==(const OpDescriptor& o) const {
   return seq == o.seq && collective == o.collective && reduce_op == o.reduce_op &&
          dtype == o.dtype && algorithm == o.algorithm && single_copy == o.single_copy &&
          device == o.device && root == o.root && num_packs == o.num_packs &&
-         num_tensors == o.num_tensors && total_elems == o.total_elems && shape_hash == o.shape_hash;
+         num_tensors == o.num_tensors && total_elems == o.total_elems &&
+         shape_hash == o.shape_hash && shared_buffer == o.shared_buffer &&
+         shared_offset == o.shared_offset;
 }
 
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {

@@ -51,6 +51,8 @@ struct OpDescriptor {
   int64_t num_tensors = 0;
   int64_t total_elems = 0;
   uint64_t shape_hash = 0;
+  int64_t shared_buffer = -1;  // the shared buffer the tensor is in (shared_empty), or -1
+  int64_t shared_offset = 0;   // and its byte offset there
 
   bool operator==(const OpDescriptor& o) const;
   bool operator!=(const OpDescriptor& o) const { return !(*this == o); }

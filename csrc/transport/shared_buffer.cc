@@ -1,0 +1,65 @@
+#include "shared_buffer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+#include "../plan/shared_buffer_plan.h"
+
+namespace xdev::transport {
+namespace {
+
+// A slice is reduced in pieces of this size, so the total written to the
+// first copy is still in L1/L2 when it is copied to the others (3+ ranks).
+constexpr int64_t kPieceBytes = 64 * 1024;
+
+}  // namespace
+
+SharedBuffer::SharedBuffer(int64_t id, int rank, std::vector<ShmSegment> segments)
+    : id_(id), rank_(rank), segments_(std::move(segments)) {
+  if (rank < 0 || rank >= static_cast<int>(segments_.size())) {
+    throw std::invalid_argument("SharedBuffer: rank out of range");
+  }
+}
+
+int64_t SharedBuffer::offset_of(const void* p, size_t n) const {
+  const auto begin = reinterpret_cast<uintptr_t>(data(rank_));
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  if (at < begin || at - begin > bytes() || n > bytes() - (at - begin)) return -1;
+  return static_cast<int64_t>(at - begin);
+}
+
+void SharedBufferExecutor::run(const SharedBufferRequest& req) {
+  const SharedBuffer& buf = *req.buffer;
+  const int me = channel_.rank();
+  const int world = channel_.world_size();
+  const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
+  channel_.publish(req.ctx.descriptor);
+  channel_.next_slot_set();                          // unused; keeps the count in step
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // every rank's input is ready
+  channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
+
+  const plan::Range mine =
+      plan::shared_buffer_slices(req.count, es, world)[static_cast<size_t>(me)];
+  const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
+  const int first_peer = (me + 1) % world;
+  std::vector<const void*> sources(static_cast<size_t>(world));
+  for (int64_t lo = mine.begin; lo < mine.end; lo += kPieceBytes / es) {
+    const int64_t n = std::min(kPieceBytes / es, mine.end - lo);
+    const int64_t at = req.offset_bytes + lo * es;
+    for (int r = 0; r < world; ++r) sources[static_cast<size_t>(r)] = buf.data(r) + at;
+    // The sum goes to this rank's copy and one peer's in the same pass (both
+    // are sources at the same address, which reduce allows), then to the rest.
+    kernels::reduce(req.dtype, req.op, buf.data(me) + at, sources.data(), world, n, divisor,
+                    buf.data(first_peer) + at);
+    for (int r = 0; r < world; ++r) {
+      if (r != me && r != first_peer) {
+        std::memcpy(buf.data(r) + at, buf.data(me) + at, static_cast<size_t>(n * es));
+      }
+    }
+  }
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // every total is in every copy
+}
+
+}  // namespace xdev::transport

@@ -1,0 +1,65 @@
+// Tensors in memory that every rank of a group maps, and their allreduce.
+//
+// torch_xdev.shared_empty gives each rank a tensor in its own segment, and
+// maps every peer's segment too. An allreduce of such a tensor stages nothing:
+// rank r sums its slice (plan::shared_buffer_slices) straight from every
+// rank's copy and writes the total into every copy. Each byte of input is then
+// read once and each total written once per rank, where the staged path also
+// copies every byte through a slot and back; on the 2-core development machine
+// that halves the time at 16 MiB (README, "Shared buffers").
+//
+// Lifetime: segment names are unlinked as soon as every rank has mapped them
+// (ShmSegment), so the memory lives exactly as long as some rank maps it,
+// whatever way the processes end.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "shm_channel.h"
+#include "shm_segment.h"
+
+namespace xdev::transport {
+
+class SharedBuffer {
+ public:
+  // segments[r] is rank r's segment as mapped in this process; all the same size.
+  SharedBuffer(int64_t id, int rank, std::vector<ShmSegment> segments);
+
+  // Equal on every rank: buffers are made collectively, in the same order.
+  int64_t id() const { return id_; }
+  size_t bytes() const { return segments_[static_cast<size_t>(rank_)].size(); }
+  int world_size() const { return static_cast<int>(segments_.size()); }
+  // Rank r's copy, as mapped in this process.
+  char* data(int r) const { return static_cast<char*>(segments_[static_cast<size_t>(r)].data()); }
+  // Where [p, p + n) starts in this rank's copy, or -1 when it is not wholly inside.
+  int64_t offset_of(const void* p, size_t n) const;
+
+ private:
+  int64_t id_;
+  int rank_;
+  std::vector<ShmSegment> segments_;
+};
+
+struct SharedBufferRequest {
+  const SharedBuffer* buffer = nullptr;
+  int64_t offset_bytes = 0;  // the tensor's place in every rank's copy
+  int64_t count = 0;
+  kernels::DType dtype = kernels::DType::kFloat32;
+  kernels::ReduceOp op = kernels::ReduceOp::kSum;
+  OpContext ctx;  // its descriptor names the buffer and offset, so all ranks agree
+};
+
+class SharedBufferExecutor {
+ public:
+  // The channel (its barriers and descriptor check) must outlive the executor.
+  explicit SharedBufferExecutor(ShmChannel& channel) : channel_(channel) {}
+
+  void run(const SharedBufferRequest& req);
+
+ private:
+  ShmChannel& channel_;
+};
+
+}  // namespace xdev::transport

@@ -1,0 +1,185 @@
+"""torch_xdev.shared_empty: tensors every rank maps, reduced in place."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from harness import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int32)
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT)
+COUNTS = (0, 1, 17, 4099, 300_007)  # 300_007 floats: far past the 256 KiB slot
+
+
+def _input(rank: int, count: int, dtype: torch.dtype, case: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    if dtype.is_floating_point:
+        # Near 1 so that PRODUCT stays finite; distinct per rank and element.
+        return (1 + 0.1 * torch.randn(count, generator=g, dtype=torch.float64)).to(dtype)
+    return torch.randint(-3, 4, (count,), generator=g, dtype=dtype)
+
+
+def _reference(world: int, count: int, dtype: torch.dtype, case: int, op: Any) -> torch.Tensor:
+    """The reduction of every rank's input, computed here in float64 (int64 for integers)."""
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    xs = [_input(r, count, dtype, case).to(wide) for r in range(world)]
+    if op == dist.ReduceOp.MAX:
+        return torch.stack(xs).amax(0)
+    if op == dist.ReduceOp.PRODUCT:
+        return torch.stack(xs).prod(0)
+    total = torch.stack(xs).sum(0)
+    if op == dist.ReduceOp.AVG:
+        return (
+            total / world
+            if dtype.is_floating_point
+            else torch.div(total, world, rounding_mode="trunc")
+        )
+    return total
+
+
+def _last_reason() -> str:
+    last = torch_xdev.describe()["last_allreduce"]
+    return f"{last[0]}: {last[1]}"
+
+
+def _grid(rank: int, world: int) -> None:
+    # A short timeout: a rank whose check fails leaves its peers waiting.
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
+    )
+    case = 0
+    for dtype in DTYPES:
+        for count in COUNTS:
+            shared = torch_xdev.shared_empty(count, dtype=dtype)
+            assert shared.dtype == dtype and shared.shape == (count,)
+            for op in OPS:
+                case += 1
+                x = _input(rank, count, dtype, case)
+                shared.copy_(x)
+                dist.all_reduce(shared, op=op)
+                # (An empty tensor has no place in the buffer: it is staged, a no-op.)
+                assert ("shared buffer" in _last_reason()) == (count > 0), _last_reason()
+                staged = x.clone()  # an ordinary tensor: the staged flat plan
+                dist.all_reduce(staged, op=op)
+                assert "shared buffer" not in _last_reason(), _last_reason()
+                # Same sums in the same order: the same bits as the staged path.
+                assert torch.equal(shared, staged), (dtype, count, op)
+                want = _reference(world, count, dtype, case, op)
+                tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5}.get(dtype, 1e-12)
+                torch.testing.assert_close(shared.to(want.dtype), want, rtol=tol, atol=tol)
+    # A contiguous view at the same place on every rank runs in place too;
+    # the rest of the buffer is left alone.
+    buf = torch_xdev.shared_empty(2, 1000)
+    buf.fill_(-1.0)
+    view = buf[1, 3:803]
+    view.copy_(torch.arange(800, dtype=torch.float32) * (rank + 1))
+    work = dist.all_reduce(view, async_op=True)
+    work.wait()
+    assert "shared buffer" in _last_reason()
+    total = sum(range(1, world + 1))
+    assert torch.equal(view, torch.arange(800, dtype=torch.float32) * total)
+    assert torch.equal(buf[0], torch.full((1000,), -1.0))
+    assert torch.equal(buf[1, :3], torch.full((3,), -1.0))
+    # A forced algorithm other than flat stages as usual, with the same result.
+    direct = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="direct"))
+    d = torch_xdev.shared_empty(1000, group=direct)
+    d.fill_(rank + 1.0)
+    dist.all_reduce(d, group=direct)
+    last = torch_xdev.describe(direct)["last_allreduce"]
+    assert last[0] == "direct" and "shared buffer" not in last[1], last
+    assert torch.equal(d, torch.full((1000,), float(total)))
+    # A buffer of one group is an ordinary tensor to another: staged there.
+    other = dist.new_group(backend="xdev")
+    buf.fill_(float(rank))
+    dist.all_reduce(buf, group=other)
+    assert "shared buffer" not in torch_xdev.describe(other)["last_allreduce"][1]
+    assert torch.equal(buf, torch.full((2, 1000), float(sum(range(world)))))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_tensor_allreduce_matches_reference_and_staged_bits(world: int) -> None:
+    run_ranks(_grid, world, timeout=300)
+
+
+def _xdev_mappings() -> list[tuple[str, str]]:
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and "/xdev-" in parts[5]:
+                found.append((parts[0], parts[5]))
+    return found
+
+
+def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
+    )
+    before = len(_xdev_mappings())  # the group's own segment
+    t = torch_xdev.shared_empty(1 << 16)
+    mapped = _xdev_mappings()
+    modes = {p: stat.S_IMODE(os.stat(f"/proc/self/map_files/{r}").st_mode) for r, p in mapped}
+    assert torch_xdev.describe()["shared_buffers"] == 1
+    # One rank passes a shared tensor, the other an ordinary one: both fail
+    # with a message naming both, and the group stays usable.
+    x = t if rank == 0 else torch.ones(1 << 16)
+    with pytest.raises(dist.DistBackendError, match="mismatched") as info:
+        dist.all_reduce(x)
+    assert "shared buffer #0" in str(info.value) and "(staged)" in str(info.value)
+    ok = torch.ones(10)
+    dist.all_reduce(ok)
+    assert torch.equal(ok, torch.full((10,), float(world)))
+    # Different offsets into the buffer on different ranks: also a mismatch.
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        dist.all_reduce(t[rank * 64 : rank * 64 + 64])
+    # Different sizes: ValueError on every rank, naming the sizes.
+    with pytest.raises(ValueError, match="different sizes"):
+        torch_xdev.shared_empty(10 + rank)
+    with pytest.raises(ValueError, match="negative dimension"):
+        torch_xdev.shared_empty(-1) if rank == 0 else torch_xdev.shared_empty(0, -2)
+    t.fill_(1.0)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1 << 16,), float(world)))
+    del t, x, info
+    gc.collect()
+    after_free = len(_xdev_mappings())
+    assert torch_xdev.describe()["shared_buffers"] == 0
+    # A tensor outlives its group: its memory is its own.
+    kept = torch_xdev.shared_empty(100)
+    kept.fill_(3.0)
+    dist.destroy_process_group()
+    assert torch.equal(kept, torch.full((100,), 3.0))
+    return {"before": before, "mapped": mapped, "modes": modes, "after_free": after_free}
+
+
+def test_shared_buffer_misuse_fails_cleanly_and_leaves_nothing() -> None:
+    results = run_ranks(_misuse_and_hygiene, 2, timeout=180)
+    for res in results:
+        # One segment per rank, mapped by every rank, each 0600 and unlinked.
+        assert len(res["mapped"]) == res["before"] + 2, res
+        assert res["modes"] and all(m == 0o600 for m in res["modes"].values()), res["modes"]
+        for _, path in res["mapped"]:
+            assert not os.path.exists(path), path
+        assert res["after_free"] == res["before"], res  # freed with the tensor
+
+
+def _two_hosts(rank: int, world: int) -> str:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    with pytest.raises(ValueError, match="one host") as info:
+        torch_xdev.shared_empty(10)
+    dist.destroy_process_group()
+    return str(info.value)
+
+
+def test_shared_empty_refuses_groups_spanning_hosts() -> None:
+    env = [{"XDEV_HOSTNAME": f"host{r}"} for r in range(2)]
+    run_ranks(_two_hosts, 2, per_rank_env=env, timeout=120)
