@@ -3,14 +3,17 @@
 Usage::
 
     python benchmarks/allreduce.py --nproc 2 [--sizes 4KiB:64MiB] [--dtype float32]
-        [--algorithms auto,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced]
+        [--algorithms auto,shared_empty,direct,flat,reduce_to_one,hierarchical_copy,...]
         [--iters N] [--warmup N] [--json out.json] [--slot-bytes B]
     python benchmarks/allreduce.py --device cuda --nproc 8 [--sizes 4KiB:256MiB]
         [--cuda-slot-bytes B] [--topo-file dgx1.json] [--host-overhead-calls N] ...
 
 CPU mode (the default): every rank runs one Gloo default group plus one xdev group per
-algorithm; each row is the slowest rank's mean time per ``all_reduce``. Before timing an
-xdev algorithm its result on random data is checked against Gloo's. The parent process also
+algorithm; each row is the slowest rank's mean time per ``all_reduce``. The pseudo-algorithm
+``shared_empty`` is ``auto`` on a tensor from ``torch_xdev.shared_empty``, which every rank
+maps, so the allreduce runs in place; the other rows reduce ordinary tensors, as DDP's
+buckets are. Before timing an xdev algorithm its result on random data is checked against
+Gloo's. The parent process also
 measures single-core ``copy_`` bandwidth so each row can be compared to memcpy.
 
 CUDA mode (``--device cuda``): rank r uses GPU ``r % device_count``. xdev's algorithms run
@@ -72,7 +75,11 @@ TOLERANCES = {
     "int32": (0.0, 0.0),
     "int64": (0.0, 0.0),
 }
-DEFAULT_ALGORITHMS = "auto,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced"
+DEFAULT_ALGORITHMS = (
+    "auto,shared_empty,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced"
+)
+# Not an Options.algorithm: "auto" on a torch_xdev.shared_empty tensor (CPU only).
+SHARED_EMPTY = "shared_empty"
 TARGET_ROW_SECONDS = 0.5
 MIN_ITERS = 5
 MAX_ITERS = 200
@@ -182,14 +189,20 @@ def random_input(count: int, dtype: torch.dtype, rank: int, size_index: int) -> 
 
 
 def check_result(
-    cfg: Config, name: str, group: Any, data: torch.Tensor, expected: torch.Tensor, reference: str
+    cfg: Config,
+    name: str,
+    group: Any,
+    data: torch.Tensor,
+    expected: torch.Tensor,
+    reference: str,
+    into: Optional[torch.Tensor] = None,
 ) -> None:
     """Aborts (on every rank together) when ``group``'s allreduce disagrees with the reference's.
 
-    ``data`` may be a CPU or CUDA tensor; the verdict is exchanged over the default (Gloo)
-    group.
+    ``data`` may be a CPU or CUDA tensor; it is reduced in a clone, or copied into ``into``
+    first when given. The verdict is exchanged over the default (Gloo) group.
     """
-    got = data.clone()
+    got = data.clone() if into is None else into.copy_(data)
     dist.all_reduce(got, group=group)
     rtol, atol = TOLERANCES[cfg.dtype]
     ok = torch.allclose(got, expected, rtol=rtol, atol=atol)
@@ -286,9 +299,10 @@ def run_rank(rank: int, cfg: Config) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cfg.nproc)
     groups: list[tuple[str, Any]] = [("gloo", dist.group.WORLD)]
     for algorithm in cfg.algorithms:
-        options = torch_xdev.Options(algorithm=algorithm)
+        plan = "auto" if algorithm == SHARED_EMPTY else algorithm
+        options = torch_xdev.Options(algorithm=plan)
         if cfg.slot_bytes is not None:
-            options = torch_xdev.Options(algorithm=algorithm, shm_slot_bytes=cfg.slot_bytes)
+            options = torch_xdev.Options(algorithm=plan, shm_slot_bytes=cfg.slot_bytes)
         groups.append((f"xdev/{algorithm}", dist.new_group(backend="xdev", pg_options=options)))
 
     dtype = DTYPES[cfg.dtype]
@@ -304,12 +318,20 @@ def run_rank(rank: int, cfg: Config) -> None:
         tensor = torch.zeros(count, dtype=dtype)  # stays zero: no overflow, no denormals
         gloo_time: Optional[float] = None
         for name, group in groups:
+            # Collective: every rank allocates it in the same order.
+            shared = (
+                torch_xdev.shared_empty(count, dtype=dtype, group=group)
+                if name == f"xdev/{SHARED_EMPTY}"
+                else None
+            )
             if name != "gloo":
-                check_result(cfg, name, group, data, expected, "gloo")
+                check_result(cfg, name, group, data, expected, "gloo", into=shared)
+            timed = tensor if shared is None else shared.zero_()
             for _ in range(cfg.warmup):
-                dist.all_reduce(tensor, group=group)
-            iters = choose_iters(cfg, tensor, group)
-            seconds = timed_loop(tensor, group, iters)
+                dist.all_reduce(timed, group=group)
+            iters = choose_iters(cfg, timed, group)
+            seconds = timed_loop(timed, group, iters)
+            del shared, timed
             label, picked = name, None
             if name == "xdev/auto":
                 last = torch_xdev.describe(group)["last_allreduce"]
@@ -750,8 +772,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.exit(f"sizes {bad_sizes} are not multiples of the {args.dtype} element size")
     algorithms: list[str] = []
     for algorithm in (a.strip() for a in args.algorithms.split(",") if a.strip()):
-        if algorithm not in torch_xdev.ALGORITHMS:
-            sys.exit(f"unknown algorithm {algorithm!r}; choose from {torch_xdev.ALGORITHMS}")
+        if algorithm == SHARED_EMPTY and args.device == "cuda":
+            continue  # CPU tensors only; the default list has it
+        if algorithm not in torch_xdev.ALGORITHMS and algorithm != SHARED_EMPTY:
+            choices = (*torch_xdev.ALGORITHMS, SHARED_EMPTY)
+            sys.exit(f"unknown algorithm {algorithm!r}; choose from {choices}")
         if algorithm.startswith("hierarchical") and args.nproc % 2:
             print(f"# note: skipping {algorithm} (needs an even nproc, got {args.nproc})")
             continue
