@@ -4,6 +4,13 @@ Run it as a user would::
 
     torchrun --nproc_per_node 4 examples/ddp_train.py
     torchrun --nproc_per_node 4 examples/ddp_train.py --backend gloo   # for comparison
+    torchrun --nproc_per_node 4 examples/ddp_train.py --shared-grads   # no DDP, see below
+
+``--shared-grads`` trains the same model without the DDP wrapper: every parameter's
+``.grad`` is a view into one ``torch_xdev.shared_empty`` buffer, which every rank maps, so
+``backward()`` accumulates the gradients straight into it and one ``all_reduce`` of the
+buffer averages them in place, with nothing staged (the contiguous gradient buffer of
+Megatron-style data parallelism). DDP's own buckets are ordinary tensors.
 
 Every rank draws its own batches of synthetic data (deterministically, from the seed, its rank
 and the step), so the run is reproducible while the ranks really do see different data; the
@@ -51,6 +58,7 @@ class TrainConfig:
     algorithm: str = "auto"
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
+    shared_grads: bool = False  # no DDP: gradients in one shared_empty buffer (xdev, CPU)
     timeout: Optional[timedelta] = None  # of the process group; None: torch's default
 
 
@@ -125,6 +133,14 @@ def train(
     ``MASTER_ADDR``/``MASTER_PORT`` environment, as under torchrun) and destroys it before
     returning. ``log`` receives rank 0's progress lines; other ranks print nothing.
     """
+    if config.shared_grads and (
+        config.backend != torch_xdev.BACKEND_NAME or config.device != "cpu"
+    ):
+        raise ValueError(
+            "shared_grads needs backend 'xdev' and device 'cpu' (torch_xdev.shared_empty makes"
+            f" CPU tensors of an xdev group); got backend {config.backend!r}, device"
+            f" {config.device!r}"
+        )
     device = resolve_device(config.device)
     pg_options = None
     if config.backend == torch_xdev.BACKEND_NAME:
@@ -152,6 +168,22 @@ def train(
         dist.destroy_process_group()
 
 
+def attach_shared_grads(model: nn.Module) -> torch.Tensor:
+    """Makes every parameter's ``.grad`` a view into one ``torch_xdev.shared_empty`` buffer.
+
+    ``backward()`` adds into an existing ``.grad`` in place, so afterwards the buffer holds
+    this rank's gradients, ready for one in-place ``all_reduce``. Clear them with
+    ``zero_grad(set_to_none=False)``, which keeps the views. Collective over the default group.
+    """
+    params = list(model.parameters())
+    flat = torch_xdev.shared_empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
 def _train_loop(
     config: TrainConfig,
     device: torch.device,
@@ -160,13 +192,19 @@ def _train_loop(
     say: Callable[[str], None],
 ) -> TrainResult:
     model = make_model(config.seed).to(device)
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=config.find_unused_parameters,
-        gradient_as_bucket_view=config.gradient_as_bucket_view,
-    )
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr)
+    grads: Optional[torch.Tensor] = None
+    net: nn.Module
+    if config.shared_grads:
+        grads = attach_shared_grads(model)
+        net = model
+    else:
+        net = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=config.find_unused_parameters,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+        )
+    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr)
     teacher = make_teacher()
     losses: list[float] = []
     mean_losses: list[float] = []
@@ -174,11 +212,13 @@ def _train_loop(
     for step in range(config.steps):
         x, y = make_batch(teacher, config.seed, rank, step, config.batch_size)
         x, y = x.to(device), y.to(device)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=grads is None)
         # Squared error summed over the outputs, averaged over the batch (nn.MSELoss would also
         # average over the 10 outputs, and learn 10x slower at the same lr).
-        loss = (ddp(x) - y).pow(2).sum(dim=1).mean()
-        loss.backward()  # DDP's gradient allreduce runs (and is waited for) in here
+        loss = (net(x) - y).pow(2).sum(dim=1).mean()
+        loss.backward()  # with DDP, its gradient allreduce runs (and is waited for) in here
+        if grads is not None:
+            dist.all_reduce(grads, op=dist.ReduceOp.AVG)  # in place: nothing staged
         if config.backend == torch_xdev.BACKEND_NAME:
             # Read now, before the loss allreduce below replaces it.
             allreduce = torch_xdev.describe()["last_allreduce"]
@@ -214,6 +254,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--find-unused-parameters", action="store_true")
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
+    parser.add_argument(
+        "--shared-grads",
+        action="store_true",
+        help="no DDP: gradients in one torch_xdev.shared_empty buffer, allreduced in place",
+    )
     parser.add_argument("--save", metavar="PATH", help="rank 0 saves the final state_dict here")
     return parser.parse_args(argv)
 
@@ -237,6 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         algorithm=args.algorithm,
         find_unused_parameters=args.find_unused_parameters,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
+        shared_grads=args.shared_grads,
     )
     if rank == 0:
         print(

@@ -48,13 +48,15 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "xdev-unused": ("xdev", {"find_unused_parameters": True}),
     "gloo-bucketview": ("gloo", {"gradient_as_bucket_view": True}),
     "xdev-bucketview": ("xdev", {"gradient_as_bucket_view": True}),
+    # No DDP: gradients in a torch_xdev.shared_empty buffer, compared with Gloo's plain DDP.
+    "xdev-shared_grads": ("xdev", {"shared_grads": True}),
 }
 XDEV_RUNS = [name for name, (backend, _) in RUNS.items() if backend == "xdev"]
 
 
 def gloo_twin(name: str) -> str:
     """The Gloo run with the same DDP flags as the xdev run ``name``."""
-    overrides = {k: v for k, v in RUNS[name][1].items() if k != "algorithm"}
+    overrides = {k: v for k, v in RUNS[name][1].items() if k not in ("algorithm", "shared_grads")}
     for other, (backend, other_overrides) in RUNS.items():
         if backend == "gloo" and other_overrides == overrides:
             return other
@@ -186,6 +188,8 @@ def test_xdev_reports_native_allreduce(results: list[dict[str, dict[str, Any]]],
     assert selection is not None, f"{name}: describe() reported no allreduce"
     algorithm, reason = selection
     requested = make_config(name).algorithm
+    if make_config(name).shared_grads:
+        assert "shared buffer" in reason, (algorithm, reason)  # in place, not staged
     if requested == "auto":
         assert algorithm not in ("auto", "fallback"), (algorithm, reason)
     elif not make_config(name).find_unused_parameters:
