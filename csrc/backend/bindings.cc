@@ -9,6 +9,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
+
 #include "../plan/selection.h"
 #include "../plan/topology.h"
 #include "../transport/shm_segment.h"
@@ -198,8 +200,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
-      .def("shared_empty", &XdevBackend::shared_empty, py::arg("sizes"), py::arg("dtype"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "shared_empty",
+          [](XdevBackend& b, const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+            // It waits on peers through the store, so without the GIL; its errors
+            // become Python exceptions once the GIL is back.
+            at::Tensor tensor;
+            std::optional<std::invalid_argument> bad_value;
+            std::optional<std::runtime_error> failure;
+            {
+              py::gil_scoped_release no_gil;
+              try {
+                tensor = b.shared_empty(sizes, dtype);
+              } catch (const std::invalid_argument& e) {
+                bad_value.emplace(e.what());
+              } catch (const c10::Error& e) {
+                failure.emplace(e.what_without_backtrace());
+              } catch (const std::exception& e) {
+                failure.emplace(e.what());
+              }
+            }
+            if (bad_value) throw py::value_error(bad_value->what());
+            if (failure) throw *failure;
+            return tensor;
+          },
+          py::arg("sizes"), py::arg("dtype"))
       .def_property_readonly("shm_name", &XdevBackend::shm_name);
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,

@@ -284,14 +284,24 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
 // every rank maps every segment, and once all have (counted through the
 // store) each unlinks its own name, so the memory goes with the last mapping.
 at::Tensor XdevBackend::shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(channel_ != nullptr,
-                    "torch_xdev.shared_empty needs all ranks of the group on one host with "
-                    "shared memory (this group: ",
-                    size_, " rank(s) on ", num_hosts_, " host(s)); use an ordinary tensor");
   int64_t numel = 1;
   for (int64_t d : sizes) {
-    TORCH_CHECK_VALUE(d >= 0, "torch_xdev.shared_empty: negative dimension ", d, " in ", sizes);
+    if (d < 0) {
+      // Formatted here: c10::str of an int64 array crashed with torch 2.11 (C++17).
+      std::string shape;
+      for (int64_t e : sizes) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+      throw std::invalid_argument("torch_xdev.shared_empty: negative dimension " +
+                                  std::to_string(d) + " in size [" + shape + "]");
+    }
     numel *= d;
+  }
+  // A world of one has no one to share with: an ordinary tensor does the same.
+  if (size_ == 1) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  if (channel_ == nullptr) {
+    throw std::invalid_argument(
+        "torch_xdev.shared_empty needs all ranks of the group on one host (this group's " +
+        std::to_string(size_) + " ranks are on " + std::to_string(num_hosts_) +
+        " hosts); use an ordinary tensor");
   }
   const auto bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
   constexpr size_t kPage = 4096;
@@ -320,8 +330,11 @@ at::Tensor XdevBackend::shared_empty(const std::vector<int64_t>& sizes, at::Scal
     asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + their_bytes + " bytes";
   }
   // Every rank read the same entries, so every rank refuses together.
-  TORCH_CHECK_VALUE(same, "torch_xdev.shared_empty #", id, ": ranks asked for different sizes (",
-                    asked, "); every rank must call it with the same size and dtype");
+  if (!same) {
+    throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
+                                ": ranks asked for different sizes (" + asked +
+                                "); every rank must call it with the same size and dtype");
+  }
   std::vector<transport::ShmSegment> segments(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) {

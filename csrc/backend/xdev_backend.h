@@ -104,7 +104,8 @@ class XdevBackend : public c10d::Backend {
   // torch_xdev.shared_empty: a CPU tensor in memory every rank of the group
   // maps, whose allreduce runs in place (transport/shared_buffer.h).
   // Collective: every rank calls it with the same sizes and dtype, in the same
-  // order. Throws c10::ValueError without shared memory or on a size mismatch.
+  // order. Throws std::invalid_argument (ValueError) without shared memory or
+  // on a size mismatch. In a world of one: an ordinary zero tensor.
   at::Tensor shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
   int64_t live_shared_buffers() const;
 
