@@ -121,3 +121,14 @@ def run_ranks(
     if failures:
         raise AssertionError("\n".join(failures))
     return [outcomes[r][1] if r in outcomes else None for r in range(world)]
+
+
+def xdev_shm_mappings() -> list[tuple[str, str]]:
+    """(address range, path) of every xdev shared-memory segment this process maps."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and "/xdev-" in parts[5]:
+                found.append((parts[0], parts[5]))
+    return found

@@ -14,20 +14,9 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from harness import run_ranks
+from harness import run_ranks, xdev_shm_mappings
 
 TIMEOUT_S = 3.0
-
-
-def _xdev_shm_mappings() -> list[tuple[str, str]]:
-    """(address range, path) of every xdev segment this process maps."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split()
-            if len(parts) >= 6 and "/xdev-" in parts[5]:
-                found.append((parts[0], parts[5]))
-    return found
 
 
 def _stuck_peer(rank: int, world: int) -> str:
@@ -68,7 +57,7 @@ def _dead_peer(rank: int, world: int, victim: int) -> dict[str, Any]:
     # Noticed by the liveness check long before the 600 s timeout.
     assert time.monotonic() - start < 30
     assert f"rank {victim}" in str(info.value) and "exited" in str(info.value), str(info.value)
-    return {"name": name, "mapped": _xdev_shm_mappings()}
+    return {"name": name, "mapped": xdev_shm_mappings()}
 
 
 def test_killed_rank_is_reported_and_leaves_no_segment() -> None:
@@ -121,14 +110,14 @@ def _segment_hygiene(rank: int, world: int) -> dict[str, Any]:
     names = {torch_xdev._registration.backend_of(g).shm_name for g in (None, group_a)}
     if rank in (0, 1):
         names.add(torch_xdev._registration.backend_of(group_b).shm_name)
-    mapped = _xdev_shm_mappings()
+    mapped = xdev_shm_mappings()
     modes = {
         path: stat.S_IMODE(os.stat(f"/proc/self/map_files/{rng}").st_mode) for rng, path in mapped
     }
     dist.destroy_process_group(group_a)
     dist.destroy_process_group(group_b) if rank in (0, 1) else None
     dist.destroy_process_group()
-    return {"names": sorted(names), "modes": modes, "after_destroy": _xdev_shm_mappings()}
+    return {"names": sorted(names), "modes": modes, "after_destroy": xdev_shm_mappings()}
 
 
 def test_segments_private_unlinked_and_unmapped_on_destroy() -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from harness import run_ranks
+from harness import run_ranks, xdev_shm_mappings
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int32)
 OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT)
@@ -110,23 +110,13 @@ def test_shared_tensor_allreduce_matches_reference_and_staged_bits(world: int) -
     run_ranks(_grid, world, timeout=300)
 
 
-def _xdev_mappings() -> list[tuple[str, str]]:
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split()
-            if len(parts) >= 6 and "/xdev-" in parts[5]:
-                found.append((parts[0], parts[5]))
-    return found
-
-
 def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
     )
-    before = len(_xdev_mappings())  # the group's own segment
+    before = len(xdev_shm_mappings())  # the group's own segment
     t = torch_xdev.shared_empty(1 << 16)
-    mapped = _xdev_mappings()
+    mapped = xdev_shm_mappings()
     modes = {p: stat.S_IMODE(os.stat(f"/proc/self/map_files/{r}").st_mode) for r, p in mapped}
     assert torch_xdev.describe()["shared_buffers"] == 1
     # One rank passes a shared tensor, the other an ordinary one: both fail
@@ -151,7 +141,7 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     assert torch.equal(t, torch.full((1 << 16,), float(world)))
     del t, x, info
     gc.collect()
-    after_free = len(_xdev_mappings())
+    after_free = len(xdev_shm_mappings())
     assert torch_xdev.describe()["shared_buffers"] == 0
     # A tensor outlives its group: its memory is its own.
     kept = torch_xdev.shared_empty(100)
