@@ -44,8 +44,8 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
 
     Keys include ``algorithm``, ``num_packs``, ``world_size``, ``local_world_size``,
     ``num_hosts``, ``shared_memory``, ``fallback_backend``, ``cpu_allreduce_plan``
-    (algorithm and reason per payload size), ``cuda_allreduce_plan`` and
-    ``last_allreduce``.
+    (algorithm and reason per payload size), ``cuda_allreduce_plan``, ``last_allreduce`` and
+    ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive).
     """
     return dict(backend_of(group).describe())
 
