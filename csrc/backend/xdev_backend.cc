@@ -88,11 +88,20 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
+                   std::optional<std::chrono::milliseconds> timeout) {
+  if (store.add(prefix + "arrived", 1) == world_size) store.set(prefix + "all", "1");
+  if (timeout) {
+    store.wait({prefix + "all"}, *timeout);
+  } else {
+    store.wait({prefix + "all"});
+  }
+}
+
 int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
                                     int world_size) {
   store.add(prefix + "failures", failed ? 1 : 0);
-  if (store.add(prefix + "votes", 1) == world_size) store.set(prefix + "voted", "1");
-  store.wait({prefix + "voted"});
+  store_barrier(store, prefix, world_size);
   return store.add(prefix + "failures", 0);
 }
 
@@ -255,8 +264,7 @@ void XdevBackend::open_shared_memory(c10d::Store& store) {
     const std::string name = store.get_to_str("xdev/shm/name");
     channel = transport::ShmChannel::attach(name, size_, rank_, slot_bytes);
   }
-  if (store.add("xdev/shm/attached", 1) == size_) store.set("xdev/shm/ready", "1");
-  store.wait({"xdev/shm/ready"});
+  store_barrier(store, "xdev/shm/attached/", size_);
   if (rank_ == 0) channel.unlink_name();
   channel_ = std::make_unique<transport::ShmChannel>(std::move(channel));
   executor_ = std::make_unique<transport::ShmExecutor>(*channel_);
@@ -342,8 +350,7 @@ at::Tensor XdevBackend::shared_empty(const std::vector<int64_t>& sizes, at::Scal
           transport::ShmSegment::open(names[static_cast<size_t>(r)], segment_bytes);
     }
   }
-  if (store_->add(prefix + "mapped", 1) == size_) store_->set(prefix + "ready", "1");
-  store_->wait({prefix + "ready"}, config_.timeout);
+  store_barrier(*store_, prefix + "mapped/", size_, config_.timeout);
   mine.unlink();
   segments[static_cast<size_t>(rank_)] = std::move(mine);
   auto buffer = std::make_shared<transport::SharedBuffer>(id, rank_, std::move(segments));
@@ -570,7 +577,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
           const uint64_t hash = shape_hash(tensors);
           for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
             const auto dtype = static_cast<kernels::DType>(group.dtype);
-            const auto packs = plan::make_packs(group.layout, group.elem_size, packing_for(sel));
             const int64_t total = group.layout.total();
             if (shared.buffer != nullptr) {  // the one tensor, in a shared buffer
               transport::OpDescriptor desc =
@@ -587,6 +593,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
               shared_executor_->run(req);
               continue;
             }
+            const auto packs = plan::make_packs(group.layout, group.elem_size, packing_for(sel));
             const bool single_copy =
                 plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
                                       group.tensor_indices.size() == 1, single_copy_ != nullptr);

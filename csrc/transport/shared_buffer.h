@@ -6,7 +6,7 @@
 // rank's copy and writes the total into every copy. Each byte of input is then
 // read once and each total written once per rank, where the staged path also
 // copies every byte through a slot and back; on the 2-core development machine
-// that halves the time at 16 MiB (README, "Shared buffers").
+// that halves the time at 16 MiB (README, "Tensors every rank maps").
 //
 // Lifetime: segment names are unlinked as soon as every rank has mapped them
 // (ShmSegment), so the memory lives exactly as long as some rank maps it,
@@ -30,7 +30,6 @@ class SharedBuffer {
   // Equal on every rank: buffers are made collectively, in the same order.
   int64_t id() const { return id_; }
   size_t bytes() const { return segments_[static_cast<size_t>(rank_)].size(); }
-  int world_size() const { return static_cast<int>(segments_.size()); }
   // Rank r's copy, as mapped in this process.
   char* data(int r) const { return static_cast<char*>(segments_[static_cast<size_t>(r)].data()); }
   // Where [p, p + n) starts in this rank's copy, or -1 when it is not wholly inside.
