@@ -18,7 +18,7 @@
 
 namespace xdev::backend {
 
-class XdevBackend;
+class GroupContext;
 
 // What every rank of the group agreed on about its GPUs (identical on all ranks).
 struct CudaGroupInfo {
@@ -61,6 +61,6 @@ class CudaCollectives {
 };
 
 // Null when this build has no CUDA (or torch sees no GPU).
-std::unique_ptr<CudaCollectives> make_cuda_collectives(XdevBackend& backend);
+std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext& group);
 
 }  // namespace xdev::backend

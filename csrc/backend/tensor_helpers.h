@@ -2,13 +2,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
-#include <chrono>
 #include <cstdint>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
@@ -26,15 +23,5 @@ std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op);
 uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
-
-// Returns once all world_size ranks have called it with this key prefix (once
-// each). Without a timeout the store's own applies.
-void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
-                   std::optional<std::chrono::milliseconds> timeout = std::nullopt);
-
-// Every rank says whether its part of a setup failed; returns how many did,
-// the same number on every rank, once all have voted. Keys under `prefix`.
-int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
-                                    int world_size);
 
 }  // namespace xdev::backend

@@ -17,12 +17,14 @@
 #include <optional>
 #include <string>
 
-#include "../../plan/collective_plan.h"
-#include "../../plan/packing.h"
 #include "../../transport/cuda_executor.h"
 #include "../../transport/cuda_ipc_channel.h"
 #include "../../transport/nvml_links.h"
-#include "../xdev_backend.h"
+#include "../../transport/shm_executor.h"
+#include "../allreduce_call.h"
+#include "../cuda_collectives.h"
+#include "../group_context.h"
+#include "../tensor_helpers.h"
 
 namespace xdev::backend {
 namespace {
@@ -149,7 +151,7 @@ plan::LinkMatrix matrix_from_rows(const std::vector<std::vector<int64_t>>& rows)
 
 class CudaCollectivesImpl : public CudaCollectives {
  public:
-  explicit CudaCollectivesImpl(XdevBackend& backend) : b_(backend) {}
+  explicit CudaCollectivesImpl(GroupContext& group) : g_(group) {}
   ~CudaCollectivesImpl() override { shutdown(); }
 
   const CudaGroupInfo& ensure_ready(int device) override {
@@ -183,8 +185,8 @@ class CudaCollectivesImpl : public CudaCollectives {
       // not hand their memory out before our stream is done with them.
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     }
-    auto work = c10::make_intrusive<CudaWork>(b_.rank_, tensors, *stream_);
-    b_.enqueue_work(
+    auto work = c10::make_intrusive<CudaWork>(g_.rank(), tensors, *stream_);
+    g_.enqueue_work(
         work,
         [this, work, tensors, op, sel, timeout, ready]() {
           c10::cuda::CUDAGuard guard(info_->device);
@@ -213,16 +215,17 @@ class CudaCollectivesImpl : public CudaCollectives {
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
       // peer reads nothing).
-      if (channel_ && b_.channel_) {
+      if (channel_ && g_.channel()) {
         const auto wait =
-            std::min<std::chrono::milliseconds>(b_.config_.timeout, std::chrono::seconds(30));
-        b_.channel_->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
+            std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
+        g_.channel()->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
       }
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
     }
     executor_.reset();
     channel_.reset();
+    host_barrier_.reset();
     stream_.reset();
   }
 
@@ -231,8 +234,9 @@ class CudaCollectivesImpl : public CudaCollectives {
   // IPC transport where every GPU reaches every other. Every rank derives the
   // same answer from the same Store values.
   CudaGroupInfo rendezvous(int device) {
-    c10d::Store& store = *b_.store_;
-    const int rank = b_.rank_, size = b_.size_;
+    c10d::Store& store = g_.store();
+    const BackendConfig& config = g_.config();
+    const int rank = g_.rank(), size = g_.size();
     const std::string key = "xdev/cuda/";
     c10::cuda::CUDAGuard guard(device);
     CudaGroupInfo info;
@@ -241,7 +245,7 @@ class CudaCollectivesImpl : public CudaCollectives {
 
     char bus[64] = {};
     check_cuda(cudaDeviceGetPCIBusId(bus, sizeof bus, device), "cudaDeviceGetPCIBusId");
-    store.set(key + "gpu/" + std::to_string(rank), b_.config_.hostname + "\n" + bus);
+    store.set(key + "gpu/" + std::to_string(rank), config.hostname + "\n" + bus);
     std::vector<std::string> hosts;
     for (int r = 0; r < size; ++r) {
       const std::string v = store.get_to_str(key + "gpu/" + std::to_string(r));
@@ -253,7 +257,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     // My row of reachability: my GPU to each rank's.
     std::string row(static_cast<size_t>(size), '0');
     for (int r = 0; r < size; ++r) {
-      if (hosts[r] != b_.config_.hostname) continue;
+      if (hosts[r] != config.hostname) continue;
       int peer = -1;
       if (cudaDeviceGetByPCIBusId(&peer, info.gpus[r].c_str()) != cudaSuccess) {
         cudaGetLastError();  // not visible to this process: unreachable
@@ -287,15 +291,15 @@ class CudaCollectivesImpl : public CudaCollectives {
 
     // Links: an injected file, else NVML as rank 0 sees it (one answer for all).
     plan::LinkMatrix class_reach = info.reachable;
-    if (!b_.config_.topo_nvlink.empty()) {
-      TORCH_CHECK_VALUE(static_cast<int>(b_.config_.topo_nvlink.size()) == size,
-                        "XDEV_TOPO_FILE=", b_.config_.topo_file, " describes ",
-                        b_.config_.topo_nvlink.size(), " GPUs but the group has ", size,
+    if (!config.topo_nvlink.empty()) {
+      TORCH_CHECK_VALUE(static_cast<int>(config.topo_nvlink.size()) == size,
+                        "XDEV_TOPO_FILE=", config.topo_file, " describes ",
+                        config.topo_nvlink.size(), " GPUs but the group has ", size,
                         " ranks; its rows are the GPUs of local ranks 0..N-1");
-      info.nvlink = matrix_from_rows(b_.config_.topo_nvlink);
-      class_reach = b_.config_.topo_reachable.empty() ? plan::reachable_from_links(info.nvlink)
-                                                      : matrix_from_rows(b_.config_.topo_reachable);
-      info.topology_source = "XDEV_TOPO_FILE=" + b_.config_.topo_file;
+      info.nvlink = matrix_from_rows(config.topo_nvlink);
+      class_reach = config.topo_reachable.empty() ? plan::reachable_from_links(info.nvlink)
+                                                      : matrix_from_rows(config.topo_reachable);
+      info.topology_source = "XDEV_TOPO_FILE=" + config.topo_file;
     } else {
       if (rank == 0) {
         const transport::NvlinkReport report = transport::probe_nvlinks(info.gpus);
@@ -306,22 +310,23 @@ class CudaCollectivesImpl : public CudaCollectives {
       info.topology_source = store.get_to_str(key + "nvlink_source");
     }
     info.topology = plan::classify_gpus(info.nvlink, class_reach);
+    planner_.emplace(info.nvlink);
 
-    if (b_.num_hosts_ > 1) {
+    if (g_.num_hosts() > 1) {
       info.transport_note = "off: ranks span several hosts";
     } else if (size > plan::kMaxDeviceRanks) {
       info.transport_note = "off: more than " + std::to_string(plan::kMaxDeviceRanks) + " ranks";
     } else if (!all_reachable) {
       info.transport_note = "off: not every GPU can access every other (no peer access)";
-    } else if (b_.executor_ == nullptr) {
+    } else if (g_.channel() == nullptr) {
       info.transport_note = "off: algorithm='fallback' or no shared memory for the host barrier";
     } else {
       open_transport(store, key, device, &info);
     }
-    if (b_.config_.debug && rank == 0) {
+    if (config.debug && rank == 0) {
       std::fprintf(stderr,
                    "[xdev] group '%s': CUDA topology %s (%s), ranks %s a GPU, transport %s\n",
-                   b_.config_.group_name.c_str(), plan::to_string(info.topology),
+                   config.group_name.c_str(), plan::to_string(info.topology),
                    info.topology_source.c_str(), info.ranks_share_gpu ? "share" : "do not share",
                    info.transport_note.c_str());
     }
@@ -334,20 +339,21 @@ class CudaCollectivesImpl : public CudaCollectives {
     std::string why;
     try {
       channel_ = std::make_unique<transport::CudaIpcChannel>(
-          b_.rank_, b_.size_, device, static_cast<size_t>(b_.config_.cuda_slot_bytes), key + "ipc/",
+          g_.rank(), g_.size(), device, static_cast<size_t>(g_.config().cuda_slot_bytes), key + "ipc/",
           [&store](const std::string& k, const std::string& v) { store.set(k, v); },
           [&store](const std::string& k) { return store.get_to_str(k); });
-      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, b_.config_.timeout);
+      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, g_.config().timeout);
     } catch (const std::exception& e) {
       why = e.what();
       executor_.reset();
       channel_.reset();
     }
-    const int64_t failures = count_failures_across_ranks(store, key, !why.empty(), b_.size_);
+    const int64_t failures = count_failures_across_ranks(store, key, !why.empty(), g_.size());
     if (failures == 0) {
+      host_barrier_.emplace(*g_.channel());
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
-                             std::to_string(b_.config_.cuda_slot_bytes) + " bytes per slot";
+                             std::to_string(g_.config().cuda_slot_bytes) + " bytes per slot";
       return;
     }
     executor_.reset();
@@ -357,27 +363,20 @@ class CudaCollectivesImpl : public CudaCollectives {
                                        : "off: " + why;
     if (!why.empty()) {
       std::fprintf(stderr, "[xdev] group '%s' rank %d: CUDA IPC unavailable: %s\n",
-                   b_.config_.group_name.c_str(), b_.rank_, why.c_str());
+                   g_.config().group_name.c_str(), g_.rank(), why.c_str());
     }
   }
 
   // On the op's thread, with our stream current.
   void run_allreduce(const std::vector<at::Tensor>& tensors, kernels::ReduceOp op,
                      const plan::Selection& sel, std::chrono::milliseconds timeout) {
-    const auto deadline = b_.deadline_for(timeout);
-    const uint64_t hash = shape_hash(tensors);
-    std::vector<plan::TensorDesc> descs;
-    for (const at::Tensor& t : tensors) {
-      descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
-                       static_cast<size_t>(t.element_size()), t.numel()});
-    }
-    for (const plan::DtypeGroup& group : plan::group_by_dtype(descs)) {
-      const auto dtype = static_cast<kernels::DType>(group.dtype);
-      const int64_t total = group.layout.total();
+    const auto deadline = g_.deadline_for(timeout);
+    for (DtypeAllreduce& call : prepare_allreduce(g_, tensors, op, sel)) {
+      const int64_t total = call.total();
       // One contiguous buffer per dtype: the tensor itself when it is one
       // contiguous tensor, else a packed copy (copied back at the end).
       std::vector<at::Tensor> members;
-      for (size_t idx : group.tensor_indices) members.push_back(tensors[idx]);
+      for (size_t idx : call.group.tensor_indices) members.push_back(tensors[idx]);
       const bool in_place = members.size() == 1 && members[0].is_contiguous();
       at::Tensor flat;
       if (in_place) {
@@ -387,36 +386,29 @@ class CudaCollectivesImpl : public CudaCollectives {
         for (const at::Tensor& t : members) pieces.push_back(t.reshape({-1}));
         flat = at::cat(pieces);
       }
-      const auto packs = plan::make_packs(group.layout, group.elem_size, b_.packing_for(sel));
       const int64_t window_elems =
-          b_.config_.cuda_slot_bytes / static_cast<int64_t>(group.elem_size);
-      const bool balanced = sel.algorithm == plan::Algorithm::kHierarchicalBalanced;
-      const plan::CollectivePlan cp = plan::CollectivePlan::allreduce(
-          sel.algorithm, b_.size_, static_cast<int>(b_.config_.reduce_to_rank), packs, total,
-          window_elems,
-          balanced ? pack_trees(static_cast<int64_t>(packs.size()))
-                   : std::vector<plan::PackTree>{});
+          g_.config().cuda_slot_bytes / static_cast<int64_t>(call.group.elem_size);
+      const plan::CollectivePlan cp = planner_->plan(g_, sel, call, window_elems);
 
-      transport::OpDescriptor desc =
-          b_.allreduce_descriptor(op, group.dtype, sel, static_cast<int64_t>(packs.size()),
-                                  static_cast<int64_t>(tensors.size()), total, hash);
-      desc.device = 1;
+      call.descriptor.device = 1;
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
-      b_.executor_->barrier(b_.make_context(desc, "allreduce", deadline));
+      host_barrier_->barrier(g_.make_context(call.descriptor, "allreduce", deadline));
       if (total == 0) continue;
 
       transport::CudaPlanKey key;
       key.algorithm = static_cast<int>(sel.algorithm);
-      key.root = static_cast<int>(b_.config_.reduce_to_rank);
+      key.root = static_cast<int>(g_.config().reduce_to_rank);
       key.total = total;
       key.window_elems = window_elems;
-      for (const plan::Range& r : packs) {
+      for (const plan::Range& r : call.packs) {
         key.pack_bounds.push_back(r.begin);
         key.pack_bounds.push_back(r.end);
       }
-      if (balanced) key.tree_ids.push_back(static_cast<int>(packs.size()));
-      executor_->allreduce(key, cp, flat.data_ptr(), dtype, op, stream_->stream());
+      if (sel.algorithm == plan::Algorithm::kHierarchicalBalanced) {
+        key.tree_ids.push_back(static_cast<int>(call.packs.size()));
+      }
+      executor_->allreduce(key, cp, flat.data_ptr(), call.dtype, op, stream_->stream());
       if (in_place) continue;
       int64_t offset = 0;
       for (const at::Tensor& t : members) {
@@ -428,38 +420,22 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
   }
 
-  // The balanced plan's trees follow the GPUs' NVLinks where any are known
-  // (every pair counts as one link otherwise). Op thread only.
-  const std::vector<plan::PackTree>& pack_trees(int64_t num_packs) {
-    auto it = pack_trees_.find(num_packs);
-    if (it != pack_trees_.end()) return it->second;
-    plan::LinkMatrix links = info_->nvlink;
-    bool any = false;
-    for (int i = 0; i < links.size(); ++i) any = any || !links.neighbors(i).empty();
-    const int64_t packs = std::max<int64_t>(1, num_packs);
-    std::vector<plan::PackTree> trees;
-    try {
-      trees = plan::balanced_pack_trees(any ? links : plan::LinkMatrix::fully_connected(b_.size_),
-                                        packs);
-    } catch (const std::invalid_argument&) {
-      // NVLinks too sparse for the two-level trees: weigh every pair alike.
-      trees = plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(b_.size_), packs);
-    }
-    return pack_trees_.emplace(num_packs, std::move(trees)).first->second;
-  }
-
-  XdevBackend& b_;
-  std::map<int64_t, std::vector<plan::PackTree>> pack_trees_;
+  GroupContext& g_;
   mutable std::mutex mutex_;
   std::optional<CudaGroupInfo> info_;
   std::optional<c10::cuda::CUDAStream> stream_;
+  // The balanced plan's trees follow the GPUs' NVLinks (made once they are known).
+  std::optional<AllreducePlanner> planner_;
+  // The host half of every CUDA collective: its descriptor check over the
+  // group's shared-memory channel (present whenever the transport is).
+  std::optional<transport::ShmExecutor> host_barrier_;
   std::unique_ptr<transport::CudaIpcChannel> channel_;
   std::unique_ptr<transport::CudaExecutor> executor_;
 };
 
-std::unique_ptr<CudaCollectives> make_cuda_collectives(XdevBackend& backend) {
+std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext& group) {
   if (c10::cuda::device_count() == 0) return nullptr;
-  return std::make_unique<CudaCollectivesImpl>(backend);
+  return std::make_unique<CudaCollectivesImpl>(group);
 }
 
 }  // namespace xdev::backend

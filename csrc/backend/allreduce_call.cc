@@ -1,0 +1,87 @@
+#include "allreduce_call.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+// The packing of an allreduce run by sel: the user's if they chose one, else
+// the selection's pack count.
+plan::PackingOptions packing_for(const BackendConfig& config, const plan::Selection& sel) {
+  plan::PackingOptions packing;
+  packing.num_packs = config.num_packs < 0 ? 0 : config.num_packs;
+  packing.agg_small_grads_max_bytes = config.agg_small_grads_max_bytes;
+  packing.agg_small_grads_max_group = config.agg_small_grads_max_group;
+  packing.bytes_per_pack = config.bytes_per_pack;
+  const bool user_packing =
+      packing.num_packs > 0 || packing.bytes_per_pack > 0 ||
+      (packing.agg_small_grads_max_bytes > 0 && packing.agg_small_grads_max_group > 0);
+  if (!user_packing && sel.num_packs > 0) packing.num_packs = sel.num_packs;
+  return packing;
+}
+
+}  // namespace
+
+std::vector<DtypeAllreduce> prepare_allreduce(GroupContext& group,
+                                              const std::vector<at::Tensor>& tensors,
+                                              kernels::ReduceOp op, const plan::Selection& sel,
+                                              bool packed) {
+  std::vector<plan::TensorDesc> descs;
+  for (const at::Tensor& t : tensors) {
+    descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
+                     static_cast<size_t>(t.element_size()), t.numel()});
+  }
+  const uint64_t hash = shape_hash(tensors);
+  const plan::PackingOptions packing = packing_for(group.config(), sel);
+  std::vector<DtypeAllreduce> calls;
+  for (plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+    DtypeAllreduce call;
+    call.dtype = static_cast<kernels::DType>(g.dtype);
+    if (packed) call.packs = plan::make_packs(g.layout, g.elem_size, packing);
+    transport::OpDescriptor& d = call.descriptor;
+    d = group.next_descriptor(Collective::kAllreduce);
+    d.reduce_op = static_cast<int32_t>(op);
+    d.dtype = g.dtype;
+    d.algorithm = static_cast<int32_t>(sel.algorithm);
+    d.root = group.config().reduce_to_rank;
+    d.num_packs = static_cast<int64_t>(call.packs.size());
+    d.num_tensors = static_cast<int64_t>(tensors.size());
+    d.total_elems = g.layout.total();
+    d.shape_hash = hash;
+    call.group = std::move(g);
+    calls.push_back(std::move(call));
+  }
+  return calls;
+}
+
+plan::CollectivePlan AllreducePlanner::plan(const GroupContext& group, const plan::Selection& sel,
+                                            const DtypeAllreduce& call, int64_t window_elems) {
+  const bool balanced = sel.algorithm == plan::Algorithm::kHierarchicalBalanced;
+  return plan::CollectivePlan::allreduce(
+      sel.algorithm, group.size(), static_cast<int>(group.config().reduce_to_rank), call.packs,
+      call.total(), window_elems,
+      balanced ? pack_trees(static_cast<int64_t>(call.packs.size()))
+               : std::vector<plan::PackTree>{});
+}
+
+const std::vector<plan::PackTree>& AllreducePlanner::pack_trees(int64_t num_packs) {
+  auto it = pack_trees_.find(num_packs);
+  if (it != pack_trees_.end()) return it->second;
+  const int n = links_.size();
+  bool any = false;
+  for (int i = 0; i < n; ++i) any = any || !links_.neighbors(i).empty();
+  const int64_t packs = std::max<int64_t>(1, num_packs);
+  std::vector<plan::PackTree> trees;
+  try {
+    trees = plan::balanced_pack_trees(any ? links_ : plan::LinkMatrix::fully_connected(n), packs);
+  } catch (const std::invalid_argument&) {
+    // Links too sparse for the two-level trees: weigh every pair alike.
+    trees = plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(n), packs);
+  }
+  return pack_trees_.emplace(num_packs, std::move(trees)).first->second;
+}
+
+}  // namespace xdev::backend

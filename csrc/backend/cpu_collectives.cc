@@ -1,0 +1,187 @@
+#include "cpu_collectives.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "../plan/machines.h"
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+plan::MachineModel host_model(const BackendConfig& c, int size) {
+  plan::CpuHostParams params;
+  params.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  params.core_bytes_per_s = c.cpu_core_gbps * 1e9;
+  params.memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
+  params.launch_latency_s = c.cpu_launch_us * 1e-6;
+  params.barrier_latency_s = c.cpu_barrier_us * 1e-6;
+  params.step_latency_s = c.cpu_step_us * 1e-6;
+  params.sleeping_barrier_latency_s = c.cpu_sleeping_barrier_us * 1e-6;
+  params.window_bytes = c.shm_slot_bytes;
+  return plan::cpu_host(size, params);
+}
+
+// Work on contiguous tensors; the caller copies back into non-contiguous ones.
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  return flat;
+}
+
+void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+  }
+}
+
+}  // namespace
+
+CpuCollectives::CpuCollectives(GroupContext& group)
+    : group_(group),
+      model_(host_model(group.config(), group.size())),
+      staged_(*group.channel()),
+      in_place_(*group.channel()),
+      planner_(plan::LinkMatrix::fully_connected(group.size())) {
+  // Single copy needs every rank to read every peer: each rank probes, then
+  // all agree through the store, so the transport choice is the same on all.
+  const BackendConfig& config = group.config();
+  std::string why = "disabled by Options.single_copy / XDEV_SINGLE_COPY";
+  const bool mine_ok = config.single_copy && group.channel()->can_read_peers(&why);
+  if (config.single_copy && !mine_ok) {
+    // Asked for explicitly, so say why it is refused, on the rank that knows.
+    std::fprintf(stderr, "[xdev] group '%s' rank %d: single copy unavailable, staying staged: %s\n",
+                 config.group_name.c_str(), group.rank(), why.c_str());
+  }
+  if (count_failures_across_ranks(group.store(), "xdev/cma/", !mine_ok, group.size()) == 0) {
+    single_copy_ = std::make_unique<transport::SingleCopyExecutor>(*group.channel());
+    single_copy_note_ = "on: ranks read each other's tensors with process_vm_readv";
+  } else {
+    single_copy_note_ =
+        mine_ok ? "off: a peer cannot read this host's ranks (see its log)" : "off: " + why;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CpuCollectives::allreduce(std::vector<at::Tensor> tensors,
+                                                         kernels::ReduceOp op, plan::Selection sel,
+                                                         std::chrono::milliseconds timeout,
+                                                         bool async_op, SharedPlacement shared) {
+  return group_.enqueue(
+      c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
+      [this, tensors, op, sel, timeout, shared]() {
+        run_allreduce(tensors, op, sel, timeout, shared);
+      },
+      async_op);
+}
+
+void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kernels::ReduceOp op,
+                                   const plan::Selection& sel, std::chrono::milliseconds timeout,
+                                   const SharedPlacement& shared) {
+  const auto deadline = group_.deadline_for(timeout);
+  const std::vector<at::Tensor> flat = contiguous(tensors);
+  const bool in_place = shared.buffer != nullptr;
+  for (const DtypeAllreduce& call :
+       prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_place)) {
+    const int64_t total = call.total();
+    transport::OpDescriptor desc = call.descriptor;
+    if (in_place) {  // the one tensor, in a buffer every rank maps
+      desc.shared_buffer = shared.buffer->id();
+      desc.shared_offset = shared.offset;
+      transport::SharedBufferRequest req;
+      req.buffer = shared.buffer.get();
+      req.offset_bytes = shared.offset;
+      req.count = total;
+      req.dtype = call.dtype;
+      req.op = op;
+      req.ctx = group_.make_context(desc, "allreduce", deadline);
+      in_place_.run(req);
+      continue;
+    }
+    const size_t elem_size = call.group.elem_size;
+    const bool single_copy =
+        plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(elem_size),
+                              call.group.tensor_indices.size() == 1, single_copy_ != nullptr);
+    // Single copy runs the whole payload as one window: no slots to fill.
+    const int64_t window_elems = single_copy
+                                     ? std::max<int64_t>(total, 1)
+                                     : group_.config().shm_slot_bytes / static_cast<int64_t>(elem_size);
+    const plan::CollectivePlan cp = planner_.plan(group_, sel, call, window_elems);
+    desc.single_copy = single_copy ? 1 : 0;
+    const transport::OpContext ctx = group_.make_context(desc, "allreduce", deadline);
+    if (single_copy) {
+      // use_single_copy implies a non-empty payload: window 0 exists.
+      const plan::Schedule schedule = plan::in_place_variant(cp.window(0).schedule);
+      transport::SingleCopyRequest req;
+      req.schedule = &schedule;
+      req.data = static_cast<char*>(flat[call.group.tensor_indices[0]].data_ptr());
+      req.count = total;
+      req.dtype = call.dtype;
+      req.op = op;
+      req.ctx = ctx;
+      single_copy_->run(req);
+      continue;
+    }
+    transport::CollectiveRequest req;
+    req.plan = &cp;
+    req.layout = &call.group.layout;
+    for (size_t idx : call.group.tensor_indices) {
+      req.tensors.push_back(static_cast<char*>(flat[idx].data_ptr()));
+    }
+    req.dtype = call.dtype;
+    req.op = op;
+    req.ctx = ctx;
+    staged_.run(req);
+  }
+  copy_back(flat, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuCollectives::broadcast(std::vector<at::Tensor> tensors,
+                                                         int root,
+                                                         std::chrono::milliseconds timeout,
+                                                         bool async_op) {
+  return group_.enqueue(
+      c10d::OpType::BROADCAST, "xdev:broadcast", tensors,
+      [this, tensors, root, timeout]() {
+        // Broadcast moves bytes: any dtype works, tensors are laid out as bytes.
+        const std::vector<at::Tensor> flat = contiguous(tensors);
+        std::vector<int64_t> byte_counts;
+        for (const at::Tensor& t : tensors) {
+          byte_counts.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
+        }
+        const plan::FlatLayout layout(byte_counts);
+        const plan::CollectivePlan cp = plan::CollectivePlan::broadcast(
+            group_.size(), root, layout.total(), group_.config().shm_slot_bytes);
+        transport::CollectiveRequest req;
+        req.plan = &cp;
+        req.layout = &layout;
+        for (const at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
+        req.dtype = kernels::DType::kUInt8;
+        transport::OpDescriptor desc = group_.next_descriptor(Collective::kBroadcast);
+        desc.root = root;
+        desc.num_tensors = static_cast<int64_t>(tensors.size());
+        desc.total_elems = layout.total();
+        desc.shape_hash = shape_hash(tensors);
+        req.ctx = group_.make_context(desc, "broadcast", group_.deadline_for(timeout));
+        staged_.run(req);
+        copy_back(flat, tensors);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuCollectives::barrier(std::chrono::milliseconds timeout,
+                                                       bool async_op,
+                                                       std::function<void()> before) {
+  // Queued behind every earlier native collective of this rank, so when it
+  // completes they have completed too.
+  return group_.enqueue(
+      c10d::OpType::BARRIER, "xdev:barrier", {},
+      [this, timeout, before = std::move(before)]() {
+        if (before) before();
+        const transport::OpDescriptor desc = group_.next_descriptor(Collective::kBarrier);
+        staged_.barrier(group_.make_context(desc, "barrier", group_.deadline_for(timeout)));
+      },
+      async_op);
+}
+
+}  // namespace xdev::backend

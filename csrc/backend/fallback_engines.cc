@@ -1,0 +1,108 @@
+#include "fallback_engines.h"
+
+#include <algorithm>
+
+namespace xdev::backend {
+
+FallbackEngines::FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo,
+                                 c10::intrusive_ptr<c10d::Backend> nccl, CudaCollectives* cuda)
+    : gloo_(std::move(gloo)), nccl_(std::move(nccl)), cuda_(cuda) {
+  TORCH_CHECK(gloo_, "xdev: a fallback backend is required");
+  cpu_name_ = gloo_->getBackendName();
+}
+
+c10d::Backend* FallbackEngines::cpu() const {
+  TORCH_CHECK(gloo_, "xdev: this process group has been destroyed");
+  return gloo_.get();
+}
+
+c10d::Backend* FallbackEngines::for_tensor(const at::Tensor& tensor) {
+  c10d::Backend* gloo = cpu();
+  if (!tensor.is_cuda() || !nccl_) return gloo;
+  if (cuda_ != nullptr) {
+    // NCCL refuses two ranks on one GPU; the first CUDA collective finds out.
+    const CudaGroupInfo& info = cuda_->ensure_ready(tensor.get_device());
+    if (info.ranks_share_gpu) return gloo;
+  }
+  return nccl_.get();
+}
+
+c10d::Backend* FallbackEngines::for_tensors(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.is_cuda()) return for_tensor(t);
+  }
+  return cpu();
+}
+
+c10d::Backend* FallbackEngines::for_point_to_point(const std::vector<at::Tensor>& tensors) {
+  const bool any_cuda =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
+  if (!any_cuda || !nccl_) return cpu();
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  return info != nullptr && info->ranks_share_gpu ? cpu() : nccl_.get();
+}
+
+std::string FallbackEngines::cuda_name() const {
+  if (!nccl_) return cpu_name_;
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  if (cuda_ && info == nullptr) return "";
+  return info != nullptr && info->ranks_share_gpu ? cpu_name_ : nccl_->getBackendName();
+}
+
+bool FallbackEngines::has_native_avg(const c10d::Backend& engine) {
+  return engine.getBackendName() == "nccl";
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
+                                                          std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts,
+                                                          bool coalesced) {
+  c10d::Backend* engine = for_tensors(tensors);
+  auto call = [&](const c10d::AllreduceOptions& o) {
+    if (coalesced) {
+      c10d::AllreduceCoalescedOptions co;
+      co.reduceOp = o.reduceOp;
+      co.timeout = o.timeout;
+      return engine->allreduce_coalesced(tensors, co);
+    }
+    return engine->allreduce(tensors, o);
+  };
+  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG || has_native_avg(*engine)) return call(opts);
+  c10d::AllreduceOptions sum = opts;
+  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  auto inner = call(sum);
+  const int world = group.size();
+  std::vector<at::Tensor> outs = tensors;
+  auto wait_and_divide = [inner, outs, world]() {
+    inner->wait();
+    for (const at::Tensor& t : outs) {
+      if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+        t.div_(world, "trunc");
+      } else {
+        t.div_(world);
+      }
+    }
+  };
+  const bool cuda =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
+  if (cuda) {
+    // On CUDA tensors, wait() orders the caller's current stream after the
+    // SUM, so dividing right here on that stream is ordered too. Synchronous,
+    // but rare (ranks sharing a GPU without a native path).
+    wait_and_divide();
+    return inner;
+  }
+  // On the worker thread, so the returned Work completes only once the
+  // division is done.
+  return group.enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs, wait_and_divide,
+                       /*async_op=*/true);
+}
+
+void FallbackEngines::shutdown() {
+  if (gloo_) gloo_->shutdown();
+  if (nccl_) nccl_->shutdown();
+  gloo_.reset();
+  nccl_.reset();
+}
+
+}  // namespace xdev::backend

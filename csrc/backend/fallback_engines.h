@@ -1,0 +1,56 @@
+// The engines xdev hands collectives to when it has no native path: Gloo
+// (built in Python on a PrefixStore of the group's store) for CPU tensors, and
+// PyTorch's NCCL for CUDA tensors where it can run them: NCCL refuses two
+// ranks on one GPU, so then Gloo takes CUDA tensors too.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <string>
+#include <vector>
+
+#include "cuda_collectives.h"
+#include "group_context.h"
+
+namespace xdev::backend {
+
+class FallbackEngines {
+ public:
+  // cuda may be null (no CUDA in this build, or no NCCL): CUDA tensors go to Gloo then.
+  FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> nccl,
+                  CudaCollectives* cuda);
+
+  // Throws once the group is shut down.
+  c10d::Backend* cpu() const;
+  // The engine for a delegated collective on these tensors. Collective on the
+  // first CUDA tensor (the CUDA side learns whether ranks share a GPU).
+  c10d::Backend* for_tensors(const std::vector<at::Tensor>& tensors);
+  c10d::Backend* for_tensor(const at::Tensor& tensor);
+  // The same for send/recv, which only two ranks call: no group rendezvous, so
+  // before the first CUDA collective it assumes one GPU per rank.
+  c10d::Backend* for_point_to_point(const std::vector<at::Tensor>& tensors);
+
+  const std::string& cpu_name() const { return cpu_name_; }
+  // The engine of delegated CUDA collectives ("" until the first CUDA collective decides).
+  std::string cuda_name() const;
+  // Whether the engine runs ReduceOp.AVG itself (Gloo does not).
+  static bool has_native_avg(const c10d::Backend& engine);
+
+  // An allreduce through the engine for these tensors. Where the engine has
+  // no AVG, AVG runs as SUM then a divide, completed on the group's queue for
+  // CPU tensors so that the returned Work covers the division.
+  c10::intrusive_ptr<c10d::Work> allreduce(GroupContext& group, std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts, bool coalesced);
+
+  // Shuts the engines down and drops them (without the GIL: their destructors join threads).
+  void shutdown();
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;
+  CudaCollectives* cuda_;
+  std::string cpu_name_;
+};
+
+}  // namespace xdev::backend

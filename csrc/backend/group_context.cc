@@ -1,0 +1,218 @@
+#include "group_context.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <stdexcept>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/collective_plan.h"
+#include "../plan/packing.h"
+#include "../plan/selection.h"
+
+namespace xdev::backend {
+namespace {
+
+std::exception_ptr as_dist_error(const std::string& msg) {
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// The options that need the group's size to check; the rest were checked in Python.
+void check_options(const BackendConfig& config, int size) {
+  plan::PackingOptions packing;
+  packing.num_packs = config.num_packs < 0 ? 0 : config.num_packs;
+  packing.agg_small_grads_max_bytes = config.agg_small_grads_max_bytes;
+  packing.agg_small_grads_max_group = config.agg_small_grads_max_group;
+  packing.bytes_per_pack = config.bytes_per_pack;
+  packing.validate();
+  plan::check_root("reduce_to_rank", static_cast<int>(config.reduce_to_rank), size);
+  if (config.shm_slot_bytes < 4096) {
+    throw std::invalid_argument("shm_slot_bytes must be >= 4096; got " +
+                                std::to_string(config.shm_slot_bytes));
+  }
+  if (config.cuda_slot_bytes < 4096 || config.cuda_slot_bytes % 256 != 0) {
+    throw std::invalid_argument("cuda_slot_bytes must be a multiple of 256 and >= 4096; got " +
+                                std::to_string(config.cuda_slot_bytes));
+  }
+}
+
+}  // namespace
+
+void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
+                   std::optional<std::chrono::milliseconds> timeout) {
+  if (store.add(prefix + "arrived", 1) == world_size) store.set(prefix + "all", "1");
+  if (timeout) {
+    store.wait({prefix + "all"}, *timeout);
+  } else {
+    store.wait({prefix + "all"});
+  }
+}
+
+int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
+                                    int world_size) {
+  store.add(prefix + "failures", failed ? 1 : 0);
+  store_barrier(store, prefix, world_size);
+  return store.add(prefix + "failures", 0);
+}
+
+GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                           BackendConfig config)
+    : store_(std::move(store)), rank_(rank), size_(size), config_(std::move(config)) {
+  requested_ = plan::algorithm_from_string(config_.algorithm);
+  check_options(config_, size_);
+  rendezvous_hosts();
+  plan::check_forced_algorithm(requested_, size_, num_hosts_);
+  if (num_hosts_ == 1 && size_ > 1 && requested_ != plan::Algorithm::kFallback) {
+    open_shared_memory();
+  }
+  queue_ = std::make_unique<WorkQueue>();
+}
+
+GroupContext::~GroupContext() {
+  stop_queue();
+}
+
+void GroupContext::rendezvous_hosts() {
+  store_->set("xdev/host/" + std::to_string(rank_), config_.hostname);
+  std::set<std::string> hosts;
+  local_world_size_ = 0;
+  for (int r = 0; r < size_; ++r) {
+    const std::string host = store_->get_to_str("xdev/host/" + std::to_string(r));
+    hosts.insert(host);
+    if (host == config_.hostname) ++local_world_size_;
+  }
+  num_hosts_ = static_cast<int>(hosts.size());
+}
+
+// Rank 0 creates the segment and publishes its name; once every rank has
+// mapped it (counted through the store), rank 0 unlinks the name, so the
+// memory disappears with the last process that maps it, crash or not.
+void GroupContext::open_shared_memory() {
+  const auto slot_bytes = static_cast<size_t>(config_.shm_slot_bytes);
+  transport::ShmChannel channel;
+  if (rank_ == 0) {
+    transport::ShmSegment::remove_orphans();
+    const std::string name = transport::ShmSegment::make_name();
+    channel = transport::ShmChannel::create(name, size_, rank_, slot_bytes);
+    store_->set("xdev/shm/name", name);
+  } else {
+    const std::string name = store_->get_to_str("xdev/shm/name");
+    channel = transport::ShmChannel::attach(name, size_, rank_, slot_bytes);
+  }
+  store_barrier(*store_, "xdev/shm/attached/", size_);
+  if (rank_ == 0) channel.unlink_name();
+  channel_ = std::make_unique<transport::ShmChannel>(std::move(channel));
+}
+
+transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
+  transport::OpDescriptor desc;
+  desc.seq = ++next_seq_;
+  desc.collective = static_cast<int32_t>(collective);
+  return desc;
+}
+
+transport::Clock::time_point GroupContext::deadline_for(std::chrono::milliseconds timeout) const {
+  const auto t = timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
+  return transport::Clock::now() + t;
+}
+
+std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
+  std::string s;
+  switch (static_cast<Collective>(d.collective)) {
+    case Collective::kAllreduce:
+      s = std::string("allreduce ") +
+          kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
+          kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " via " +
+          plan::to_string(static_cast<plan::Algorithm>(d.algorithm)) +
+          (d.device == 1 ? " on CUDA tensors"
+           : d.shared_buffer >= 0
+               ? " in place in shared buffer #" + std::to_string(d.shared_buffer) + " at byte " +
+                     std::to_string(d.shared_offset)
+           : d.single_copy ? " (single copy)"
+                           : " (staged)");
+      break;
+    case Collective::kBroadcast:
+      s = "broadcast from rank " + std::to_string(d.root);
+      break;
+    case Collective::kBarrier:
+      return "barrier (op #" + std::to_string(d.seq) + ")";
+    default:
+      s = "unknown collective";
+  }
+  return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " + std::to_string(d.total_elems) +
+         " element(s), shape hash " + std::to_string(d.shape_hash % 100000) + " (op #" +
+         std::to_string(d.seq) + ")";
+}
+
+transport::OpContext GroupContext::make_context(const transport::OpDescriptor& desc,
+                                                const char* name,
+                                                transport::Clock::time_point deadline) const {
+  transport::OpContext ctx;
+  ctx.descriptor = desc;
+  ctx.deadline = deadline;
+  ctx.what = std::string(name) + " (op #" + std::to_string(desc.seq) + ")";
+  ctx.describe = [this](const transport::OpDescriptor& d) { return describe_op(d); };
+  return ctx;
+}
+
+c10::intrusive_ptr<c10d::Work> GroupContext::enqueue(c10d::OpType type, const char* title,
+                                                     std::vector<at::Tensor> outputs,
+                                                     std::function<void()> fn, bool async_op) {
+  auto work = c10::make_intrusive<XdevWork>(rank_, type, title, std::move(outputs));
+  enqueue_work(work, std::move(fn), async_op);
+  return work;
+}
+
+void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
+                                bool async_op) {
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
+  auto task = [this, work, fn = std::move(fn)] {
+    if (!poisoned_.empty()) {
+      work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
+                               poisoned_ + "); destroy it and create a new one"));
+      return;
+    }
+    try {
+      fn();
+      work->complete();
+    } catch (const transport::MismatchError& e) {
+      work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
+    } catch (const transport::PeerError& e) {
+      poisoned_ = e.what();
+      work->fail(as_dist_error(e.what()));
+    } catch (const std::exception& e) {
+      poisoned_ = e.what();
+      work->fail(as_dist_error(std::string("xdev: ") + e.what()));
+    }
+  };
+  if (async_op) {
+    queue_->submit(std::move(task));
+  } else {
+    queue_->run_inline_or_submit(std::move(task));
+  }
+}
+
+bool GroupContext::stop_queue() {
+  std::unique_ptr<WorkQueue> queue;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queue = std::move(queue_);
+  }
+  if (!queue) return false;
+  queue.reset();  // runs what is queued, then joins the worker
+  return true;
+}
+
+void GroupContext::log_once(const std::string& key, const std::string& message) {
+  std::lock_guard<std::mutex> lock(log_mutex_);
+  if (!config_.debug || !logged_.insert(key).second) return;
+  std::fprintf(stderr, "[xdev] group '%s' rank %d: %s\n", config_.group_name.c_str(), rank_,
+               message.c_str());
+}
+
+}  // namespace xdev::backend

@@ -1,0 +1,121 @@
+// GroupContext: what every part of one xdev process group shares.
+//
+// Rank, size, Store and resolved options; which ranks share this host (learnt
+// through the Store); the host's shared-memory channel (its control block and
+// slots, opened when every rank is on one host); the Store barrier and vote
+// that setup steps use to agree; and the sequencing of native collectives:
+// one FIFO of work, run by one worker thread or inline, each op numbered and
+// described the same way on every rank so that a mismatch is caught at its
+// first barrier. The CPU, CUDA and shared-buffer parts each take a reference
+// to the context; none of them reaches into another.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../plan/schedule.h"
+#include "../transport/shm_channel.h"
+#include "backend_config.h"
+#include "work_queue.h"
+#include "xdev_work.h"
+
+namespace xdev::backend {
+
+// Which native collective an OpDescriptor describes (its `collective` field).
+enum class Collective : int32_t { kAllreduce = 1, kBroadcast = 2, kBarrier = 3 };
+
+// Returns once all world_size ranks have called it with this key prefix (once
+// each). Without a timeout the store's own applies.
+void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
+                   std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+// Every rank says whether its part of a setup failed; returns how many did,
+// the same number on every rank, once all have voted. Keys under `prefix`.
+int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
+                                    int world_size);
+
+class GroupContext {
+ public:
+  // Learns which ranks share this host and, when all do (and the fallback is
+  // not forced), opens the host's shared-memory channel. Throws
+  // std::invalid_argument for options this job cannot honour.
+  GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendConfig config);
+  ~GroupContext();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  c10d::Store& store() const { return *store_; }
+  const BackendConfig& config() const { return config_; }
+  plan::Algorithm requested() const { return requested_; }
+  int num_hosts() const { return num_hosts_; }
+  int local_world_size() const { return local_world_size_; }
+
+  // The host's channel; null when the ranks span hosts, in a world of one,
+  // or with algorithm="fallback".
+  transport::ShmChannel* channel() const { return channel_.get(); }
+
+  // ---- Native collectives: numbering, description, deadlines, order ----
+
+  // A descriptor of the next native collective (takes its sequence number; op
+  // thread only).
+  transport::OpDescriptor next_descriptor(Collective collective);
+  transport::OpContext make_context(const transport::OpDescriptor& desc, const char* name,
+                                    transport::Clock::time_point deadline) const;
+  // kUnsetTimeout means the group's timeout.
+  transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
+  // How errors and logs name a collective: "allreduce sum float32 via flat (staged), ...".
+  std::string describe_op(const transport::OpDescriptor& d) const;
+
+  // Runs fn after every earlier collective of this group and completes the
+  // returned Work with its outcome: on the worker thread, or inline when the
+  // caller waits anyway (async_op false) and nothing is queued. Errors become
+  // DistBackendError; a peer failure poisons the group.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
+                                         std::vector<at::Tensor> outputs, std::function<void()> fn,
+                                         bool async_op);
+  // The same for a Work the caller made (the CUDA side's, which knows streams).
+  void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
+                    bool async_op);
+  // Runs what is queued, then joins the worker; later enqueues throw. Returns
+  // false when it had already stopped.
+  bool stop_queue();
+  // Frees the shared-memory channel (after stop_queue and after every user of it).
+  void close_channel() { channel_.reset(); }
+
+  // With Options.debug, prints message once per key (stderr, tagged with group and rank).
+  void log_once(const std::string& key, const std::string& message);
+
+ private:
+  void rendezvous_hosts();
+  void open_shared_memory();
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  BackendConfig config_;
+  plan::Algorithm requested_ = plan::Algorithm::kAuto;
+  int num_hosts_ = 1;
+  int local_world_size_ = 1;
+  std::unique_ptr<transport::ShmChannel> channel_;
+
+  uint64_t next_seq_ = 0;  // op thread only
+  std::string poisoned_;   // op thread only
+
+  std::mutex log_mutex_;
+  std::set<std::string> logged_;
+
+  std::mutex queue_mutex_;            // guards queue_ against stop_queue()
+  std::unique_ptr<WorkQueue> queue_;  // joined in stop_queue(), before anything it uses goes
+};
+
+}  // namespace xdev::backend

@@ -1,0 +1,108 @@
+#include "shared_buffers.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace xdev::backend {
+
+at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+  const int rank = group_.rank(), size = group_.size();
+  int64_t numel = 1;
+  for (int64_t d : sizes) {
+    if (d < 0) {
+      // Formatted here: c10::str of an int64 array crashed with torch 2.11 (C++17).
+      std::string shape;
+      for (int64_t e : sizes) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+      throw std::invalid_argument("torch_xdev.shared_empty: negative dimension " +
+                                  std::to_string(d) + " in size [" + shape + "]");
+    }
+    numel *= d;
+  }
+  // A world of one has no one to share with: an ordinary tensor does the same.
+  if (size == 1) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  if (group_.channel() == nullptr) {
+    throw std::invalid_argument(
+        "torch_xdev.shared_empty needs all ranks of the group on one host (this group's " +
+        std::to_string(size) + " ranks are on " + std::to_string(group_.num_hosts()) +
+        " hosts); use an ordinary tensor");
+  }
+  const auto bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  constexpr size_t kPage = 4096;
+  const size_t segment_bytes = (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+  int64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    id = next_id_++;
+  }
+  c10d::Store& store = group_.store();
+  const auto timeout = group_.config().timeout;
+  const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
+  transport::ShmSegment mine =
+      transport::ShmSegment::create(transport::ShmSegment::make_name(), segment_bytes);
+  store.set(prefix + std::to_string(rank), mine.name() + " " + std::to_string(bytes));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+  store.wait(keys, timeout);  // a rank that never calls it: the group's timeout
+  std::vector<std::string> names(static_cast<size_t>(size));
+  std::string asked;
+  bool same = true;
+  for (int r = 0; r < size; ++r) {
+    const std::string entry = store.get_to_str(keys[static_cast<size_t>(r)]);
+    const size_t space = entry.rfind(' ');
+    names[static_cast<size_t>(r)] = entry.substr(0, space);
+    const std::string their_bytes = entry.substr(space + 1);
+    same = same && their_bytes == std::to_string(bytes);
+    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + their_bytes + " bytes";
+  }
+  // Every rank read the same entries, so every rank refuses together.
+  if (!same) {
+    throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
+                                ": ranks asked for different sizes (" + asked +
+                                "); every rank must call it with the same size and dtype");
+  }
+  std::vector<transport::ShmSegment> segments(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) {
+      segments[static_cast<size_t>(r)] =
+          transport::ShmSegment::open(names[static_cast<size_t>(r)], segment_bytes);
+    }
+  }
+  store_barrier(store, prefix + "mapped/", size, timeout);
+  mine.unlink();
+  segments[static_cast<size_t>(rank)] = std::move(mine);
+  auto buffer = std::make_shared<transport::SharedBuffer>(id, rank, std::move(segments));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto expired = [](const std::weak_ptr<transport::SharedBuffer>& w) { return w.expired(); };
+    buffers_.erase(std::remove_if(buffers_.begin(), buffers_.end(), expired), buffers_.end());
+    buffers_.push_back(buffer);
+  }
+  // The tensor's storage owns the buffer: the mappings go when it does.
+  void* data = buffer->data(rank);
+  return at::from_blob(
+      data, sizes, [buffer](void*) mutable { buffer.reset(); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+int64_t SharedBuffers::live() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::count_if(
+      buffers_.begin(), buffers_.end(),
+      [](const std::weak_ptr<transport::SharedBuffer>& w) { return !w.expired(); });
+}
+
+SharedPlacement SharedBuffers::find(const at::Tensor& t) const {
+  if (!t.is_cpu() || !t.is_contiguous()) return {};
+  const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& weak : buffers_) {
+    std::shared_ptr<transport::SharedBuffer> b = weak.lock();
+    if (!b) continue;
+    const int64_t offset = b->offset_of(t.data_ptr(), bytes);
+    if (offset >= 0) return {std::move(b), offset};
+  }
+  return {};
+}
+
+}  // namespace xdev::backend

@@ -1,0 +1,67 @@
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+
+std::optional<kernels::DType> native_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kDouble:
+      return kernels::DType::kFloat64;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    case at::kChar:
+      return kernels::DType::kInt8;
+    case at::kByte:
+      return kernels::DType::kUInt8;
+    case at::kInt:
+      return kernels::DType::kInt32;
+    case at::kLong:
+      return kernels::DType::kInt64;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return kernels::ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return kernels::ReduceOp::kAvg;
+    case c10d::ReduceOp::MIN:
+      return kernels::ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return kernels::ReduceOp::kMax;
+    case c10d::ReduceOp::PRODUCT:
+      return kernels::ReduceOp::kProduct;
+    default:
+      return std::nullopt;
+  }
+}
+
+uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const at::Tensor& t : tensors) {
+    mix(static_cast<uint64_t>(t.scalar_type()));
+    mix(static_cast<uint64_t>(t.dim()));
+    for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
+  }
+  return h;
+}
+
+int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : tensors) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  return bytes;
+}
+
+}  // namespace xdev::backend
