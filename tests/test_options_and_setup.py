@@ -285,6 +285,39 @@ def test_delegated_collectives() -> None:
     run_ranks(_delegated, 3)
 
 
+def _monitored_barrier(rank: int, world: int) -> dict[str, str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    seen: dict[str, str] = {}
+    # torch accepts monitored_barrier on Gloo groups only (a check of the backend's name).
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=30))
+    except ValueError as e:
+        seen["plain"] = str(e)
+    # The workaround: a Gloo group over the same ranks, beside the xdev one.
+    side = dist.new_group(backend="gloo")
+    dist.monitored_barrier(group=side, timeout=timedelta(seconds=30), wait_all_ranks=True)
+    # And it does its job: rank 1 skips this one on purpose, and rank 0 names it.
+    if rank == 0:
+        try:
+            dist.monitored_barrier(group=side, timeout=timedelta(seconds=2))
+        except RuntimeError as e:
+            seen["missing"] = str(e)
+    dist.barrier()  # rank 1 waits here, on xdev, while rank 0 times out
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((3,), float(sum(range(1, world + 1)))))
+    dist.destroy_process_group()
+    return seen
+
+
+def test_monitored_barrier_needs_a_gloo_side_group() -> None:
+    seen = run_ranks(_monitored_barrier, 2)
+    for r in range(2):
+        assert "only implemented for GLOO" in seen[r].get("plain", ""), seen[r]
+    assert "Rank 1 failed to pass monitoredBarrier" in seen[0].get("missing", ""), seen[0]
+    assert "missing" not in seen[1]
+
+
 def _init_with_topology(rank: int, world: int) -> str:
     try:
         dist.init_process_group("xdev", rank=rank, world_size=world)
