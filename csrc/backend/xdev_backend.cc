@@ -404,7 +404,7 @@ std::pair<std::string, std::string> XdevBackend::last_selection() const {
   return last_selection_;
 }
 
-plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
+plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) const {
   plan::SelectionInput in;
   in.requested = requested_;
   in.world_size = size_;
@@ -414,26 +414,23 @@ plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
     const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
     // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
     in.transport_available = info != nullptr && info->transport;
-    if (info != nullptr) in.topology = info->topology;
+    if (info != nullptr) {
+      in.topology = info->topology;
+      in.transport_note = info->transport_note;
+    } else {
+      in.transport_note = !cuda_       ? "this build has no CUDA path"
+                          : size_ == 1 ? "one rank"
+                                       : "decided by the group's first CUDA collective";
+    }
   } else {
     in.transport_available = executor_ != nullptr || size_ == 1;
+    in.single_copy_available = single_copy_ != nullptr;
+    in.model = cpu_model_.get();
+    in.model_cache = &model_choices_;
   }
   in.payload_bytes = payload;
   in.num_packs = config_.num_packs;
-  const bool by_model =
-      !cuda && cpu_model_ != nullptr && requested_ == plan::Algorithm::kAuto && num_hosts_ == 1;
-  if (!by_model) return plan::select_allreduce(in);
-  // Predict at the power of two at or above the payload, once per size class.
-  int64_t bucket = 4;
-  while (bucket < payload) bucket *= 2;
-  std::lock_guard<std::mutex> lock(model_mutex_);
-  auto it = model_choices_.find(bucket);
-  if (it == model_choices_.end()) {
-    in.payload_bytes = bucket;
-    in.model = cpu_model_.get();
-    it = model_choices_.emplace(bucket, plan::select_allreduce(in)).first;
-  }
-  return it->second;
+  return in;
 }
 
 const std::vector<plan::PackTree>& XdevBackend::pack_trees(int64_t num_packs) {
@@ -441,8 +438,8 @@ const std::vector<plan::PackTree>& XdevBackend::pack_trees(int64_t num_packs) {
   auto it = pack_trees_.find(num_packs);
   if (it == pack_trees_.end()) {
     it = pack_trees_
-             .emplace(num_packs, plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(size_),
-                                                           std::max<int64_t>(1, num_packs)))
+             .emplace(num_packs, plan::balanced_pack_trees_for(
+                                     plan::LinkMatrix::fully_connected(size_), num_packs))
              .first;
   }
   return it->second;
@@ -594,9 +591,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
               continue;
             }
             const auto packs = plan::make_packs(group.layout, group.elem_size, packing_for(sel));
-            const bool single_copy =
-                plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(group.elem_size),
-                                      group.tensor_indices.size() == 1, single_copy_ != nullptr);
+            const bool single_copy = sel.single_copy;  // of one tensor: this very group
             // Single copy runs the whole payload as one window: no slots to fill.
             const int64_t window_elems =
                 single_copy ? std::max<int64_t>(total, 1)
@@ -613,7 +608,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
             desc.single_copy = single_copy ? 1 : 0;
             const transport::OpContext ctx = make_context(desc, "allreduce", deadline);
             if (single_copy) {
-              // use_single_copy implies a non-empty payload: window 0 exists.
+              // Single copy implies a non-empty payload: window 0 exists.
               const plan::Schedule in_place = plan::in_place_variant(cp.window(0).schedule);
               transport::SingleCopyRequest req;
               req.schedule = &in_place;
@@ -646,7 +641,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::native_allreduce(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts,
-                                                               bool coalesced) {
+                                                               bool coalesced,
+                                                               bool avg_as_sum_then_divide) {
   c10d::Backend* engine = fallback_for(tensors);
   auto call = [&](const c10d::AllreduceOptions& o) {
     if (coalesced) {
@@ -657,8 +653,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::fallback_allreduce(std::vector<at::T
     }
     return engine->allreduce(tensors, o);
   };
-  const bool has_avg = engine->getBackendName() == "nccl";
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG || has_avg) return call(opts);
+  if (!avg_as_sum_then_divide) return call(opts);
   // Gloo has no AVG: SUM through it, then divide.
   c10d::AllreduceOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -708,22 +703,20 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     // Collective on first use: every rank learns the GPUs and the transport.
     cuda_->ensure_ready(device.index());
   }
-  plan::Selection sel = selection_for(payload_bytes(tensors), device.is_cuda());
-  if (!native_ok && sel.algorithm != plan::Algorithm::kFallback) {
-    sel.algorithm = plan::Algorithm::kFallback;
-    sel.reason = "no native kernel for this reduce op / dtype";
+  plan::SelectionInput in = selection_input(payload_bytes(tensors), device.is_cuda());
+  in.op_supported = native_ok;
+  in.num_tensors = static_cast<int64_t>(tensors.size());
+  in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+  if (in.op_is_avg) {
+    in.fallback_has_avg = plan::fallback_engine_has_avg(fallback_for(tensors)->getBackendName());
   }
   SharedPlacement shared;
-  if (sel.algorithm != plan::Algorithm::kFallback && !device.is_cuda() && tensors.size() == 1 &&
-      plan::use_shared_buffer(requested_)) {
+  if (!device.is_cuda() && tensors.size() == 1) {
     shared = find_shared_buffer(tensors[0]);
-    if (shared.buffer != nullptr) {
-      sel.algorithm = plan::Algorithm::kFlat;
-      sel.num_packs = 0;
-      sel.reason = "tensor in shared buffer #" + std::to_string(shared.buffer->id()) +
-                   " (torch_xdev.shared_empty): reduced in place, nothing staged";
-    }
+    if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
   }
+  const plan::Selection sel = plan::select_allreduce(in);
+  if (!sel.in_place_shared) shared = {};
   {
     std::lock_guard<std::mutex> lock(log_mutex_);
     last_selection_ = {plan::to_string(sel.algorithm), sel.reason};
@@ -733,7 +726,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
            std::string("allreduce on ") + (device.is_cuda() ? "CUDA" : "CPU") + " tensors -> " +
                plan::to_string(sel.algorithm) + " (" + sel.reason + ")");
   if (sel.algorithm == plan::Algorithm::kFallback) {
-    return fallback_allreduce(tensors, opts, coalesced);
+    return fallback_allreduce(tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it

@@ -120,8 +120,13 @@ class XdevBackend : public c10d::Backend {
   const std::string& fallback_name() const { return fallback_name_; }
   // What the last allreduce ran and why ("" before the first).
   std::pair<std::string, std::string> last_selection() const;
-  // The algorithm and reason an allreduce of this many bytes would get.
-  plan::Selection selection_for(int64_t payload_bytes, bool cuda) const;
+  // What select_allreduce weighs about this group for an allreduce of this
+  // many bytes (the call's op, tensors and placement are the caller's to add),
+  // and the selection an allreduce of supported op and dtype would get.
+  plan::SelectionInput selection_input(int64_t payload_bytes, bool cuda) const;
+  plan::Selection selection_for(int64_t payload_bytes, bool cuda) const {
+    return plan::select_allreduce(selection_input(payload_bytes, cuda));
+  }
   // The model auto chooses CPU plans by; null without a native CPU path.
   const plan::MachineModel* cpu_model() const { return cpu_model_.get(); }
   // The CUDA side: null in builds without CUDA; info() null before the first
@@ -153,11 +158,11 @@ class XdevBackend : public c10d::Backend {
                                                   kernels::ReduceOp op, plan::Selection sel,
                                                   std::chrono::milliseconds timeout, bool async_op,
                                                   SharedPlacement shared);
-  // Runs an allreduce through the fallback; AVG is done as SUM then a divide
-  // because Gloo has no AVG.
+  // Runs an allreduce through the fallback; AVG as SUM then a divide when the
+  // selection says so (Gloo has no AVG).
   c10::intrusive_ptr<c10d::Work> fallback_allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts,
-                                                    bool coalesced);
+                                                    bool coalesced, bool avg_as_sum_then_divide);
   c10::intrusive_ptr<c10d::Work> dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);
@@ -216,11 +221,11 @@ class XdevBackend : public c10d::Backend {
   uint64_t next_seq_ = 0;         // worker thread only
   std::string poisoned_;          // worker thread only
 
-  // Model choices are cached per power-of-two payload size; balanced-plan
-  // trees per pack count.
+  // The model's choices are memoised per size class; balanced-plan trees per
+  // pack count.
   std::unique_ptr<plan::MachineModel> cpu_model_;
+  mutable plan::ModelChoiceCache model_choices_;
   mutable std::mutex model_mutex_;
-  mutable std::map<int64_t, plan::Selection> model_choices_;
   std::map<int64_t, std::vector<plan::PackTree>> pack_trees_;
   const std::vector<plan::PackTree>& pack_trees(int64_t num_packs);
 

@@ -15,8 +15,7 @@ bool is_hierarchical(Algorithm a) {
 
 // The model's fastest candidate for `bytes`, with the runner-up in the reason
 // to say how close the call was.
-ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes,
-                                      int64_t num_packs) {
+ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, int64_t num_packs) {
   const ModelChoice choice = choose_allreduce(model, bytes, num_packs);
   ModelChoiceCache::Choice c;
   c.algorithm = choice.best.candidate.algorithm;
@@ -106,9 +105,9 @@ Selection choose_plan(const SelectionInput& in) {
                                 std::to_string(in.world_size) + " ranks");
   }
   const int64_t bucket = model_bucket_bytes(in.payload_bytes);
-  const ModelChoiceCache::Choice c =
-      in.model_cache != nullptr ? in.model_cache->get(*in.model, bucket, in.num_packs)
-                                : model_choice(*in.model, bucket, in.num_packs);
+  const ModelChoiceCache::Choice c = in.model_cache != nullptr
+                                         ? in.model_cache->get(*in.model, bucket, in.num_packs)
+                                         : model_choice(*in.model, bucket, in.num_packs);
   s.algorithm = c.algorithm;
   s.num_packs = c.num_packs;
   s.predicted_s = c.predicted_s;

@@ -50,8 +50,7 @@ class LinkMatrix {
   // from_text validates as from_rows does and throws std::invalid_argument on
   // malformed text.
   std::string to_text() const;
-  static LinkMatrix from_text(const std::string& text,
-                              const std::string& what = "the link matrix");
+  static LinkMatrix from_text(const std::string& text, const std::string& what = "the link matrix");
 
   // More links than this between two devices is a corrupt input, not a machine.
   static constexpr int64_t kMaxLinksPerPair = 1024;

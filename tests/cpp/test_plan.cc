@@ -1,5 +1,6 @@
 // Unit tests of the plan layer: topology and packing. Selection is in test_selection.cc,
-// schedules and collective plans in test_plan_schedule.cc. Build: c++ -std=c++17 -I csrc csrc/plan/*.cc tests/cpp/*.cc
+// schedules and collective plans in test_plan_schedule.cc. Build: c++ -std=c++17 -I csrc
+// csrc/plan/*.cc tests/cpp/*.cc
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

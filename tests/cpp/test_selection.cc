@@ -56,7 +56,8 @@ TEST(selection_op_unsupported_falls_back_with_reason) {
     CHECK(!s.single_copy && !s.in_place_shared);
     // A forced native plan cannot run such an op either: the fallback, with the same reason.
     in.requested = Algorithm::kFlat;
-    CHECK_EQ(select_allreduce(in).reason, std::string("no native kernel for this reduce op / dtype"));
+    CHECK_EQ(select_allreduce(in).reason,
+             std::string("no native kernel for this reduce op / dtype"));
   }
 }
 
@@ -153,8 +154,7 @@ TEST(selection_single_copy_follows_use_single_copy) {
           const bool want = available && tensors == 1 && bytes >= 256 * 1024 &&
                             req != Algorithm::kDirect && req != Algorithm::kHierarchicalBalanced;
           CHECK_EQ(s.single_copy, want);
-          CHECK_EQ(s.single_copy,
-                   use_single_copy(s.algorithm, bytes, tensors == 1, available));
+          CHECK_EQ(s.single_copy, use_single_copy(s.algorithm, bytes, tensors == 1, available));
         }
       }
     }
@@ -221,8 +221,8 @@ TEST(selection_cpu_auto_is_the_models_choice_at_the_size_class) {
   for (int world : {2, 3, 4, 8}) {
     const MachineModel model = builtin_machine("cpu-" + std::to_string(world));
     ModelChoiceCache cache;
-    for (int64_t bytes : {int64_t{0}, int64_t{5}, int64_t{4096}, int64_t{100000},
-                          int64_t{1} << 20, int64_t{48} << 20}) {
+    for (int64_t bytes : {int64_t{0}, int64_t{5}, int64_t{4096}, int64_t{100000}, int64_t{1} << 20,
+                          int64_t{48} << 20}) {
       // Independently: the fastest prediction at the power of two at or above the payload.
       int64_t bucket = 4;
       while (bucket < bytes) bucket <<= 1;
@@ -317,9 +317,9 @@ TEST(selection_cuda_by_topology) {
 
 TEST(every_selection_has_a_reason) {
   int cases = 0;
-  const Algorithm requests[] = {Algorithm::kAuto,      Algorithm::kHierarchicalCopy,
+  const Algorithm requests[] = {Algorithm::kAuto,        Algorithm::kHierarchicalCopy,
                                 Algorithm::kReduceToOne, Algorithm::kFlat,
-                                Algorithm::kDirect,    Algorithm::kFallback};
+                                Algorithm::kDirect,      Algorithm::kFallback};
   for (Algorithm req : requests) {
     for (int world : {1, 2, 3, 8}) {
       const MachineModel model = builtin_machine("cpu-" + std::to_string(world));
