@@ -16,36 +16,22 @@ predict the shape of each plan's cost on that wiring, not a measured time.
 
 Topology file
 -------------
-A JSON object (the same format ``XDEV_TOPO_FILE`` reads for CUDA)::
-
-    {
-      "name": "my-dgx1",
-      "nvlink": [[0, 1, 1, 2, 2, 0, 0, 0],
-                 [1, 0, 2, 1, 0, 2, 0, 0],
-                 [1, 2, 0, 2, 0, 0, 1, 0],
-                 [2, 1, 2, 0, 0, 0, 0, 1],
-                 [2, 0, 0, 0, 0, 1, 1, 2],
-                 [0, 2, 0, 0, 1, 0, 2, 1],
-                 [0, 0, 1, 0, 1, 2, 0, 2],
-                 [0, 0, 0, 1, 2, 1, 2, 0]],
-      "nvlink_gbps": 25.0,
-      "pcie_gbps": 12.0,
-      "memory_gbps": 900.0
-    }
+The JSON object ``XDEV_TOPO_FILE`` reads for CUDA and ``python -m torch_xdev.topology``
+writes; its format, with an example, is in ``pydoc torch_xdev.topology`` (the parser is
+``torch_xdev.topology.load_topology_file``). The cost model reads:
 
 ``nvlink``
     Required. A square, symmetric matrix of non-negative integers: the number of
     NVLinks between GPUs i and j (0: the pair talks over PCIe). The diagonal is
-    ignored. The example is a DGX-1 with V100 (``nvidia-smi topo -m``: NV1/NV2).
+    ignored.
 ``name``
     Optional; defaults to the file's name without its extension.
 ``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``
     Optional bandwidths in GB/s (1e9 bytes/s): per NVLink and direction (default 25,
     NVLink 2), per GPU's PCIe lane and direction (default 12) and of each GPU's memory
     (default 900).
-``reachable``, ``gpus``, ``source``, ``class``, ``note``
-    Optional; read by ``XDEV_TOPO_FILE`` and written by ``python -m torch_xdev.topology``
-    (the parser is ``torch_xdev.topology.load_topology_file``). The cost model ignores them.
+
+and ignores the other keys (``reachable``, ``gpus``, ``source``, ``class``, ``note``).
 
 Sizes
 -----

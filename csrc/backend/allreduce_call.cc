@@ -1,8 +1,5 @@
 #include "allreduce_call.h"
 
-#include <algorithm>
-#include <stdexcept>
-
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -69,19 +66,10 @@ plan::CollectivePlan AllreducePlanner::plan(const GroupContext& group, const pla
 
 const std::vector<plan::PackTree>& AllreducePlanner::pack_trees(int64_t num_packs) {
   auto it = pack_trees_.find(num_packs);
-  if (it != pack_trees_.end()) return it->second;
-  const int n = links_.size();
-  bool any = false;
-  for (int i = 0; i < n; ++i) any = any || !links_.neighbors(i).empty();
-  const int64_t packs = std::max<int64_t>(1, num_packs);
-  std::vector<plan::PackTree> trees;
-  try {
-    trees = plan::balanced_pack_trees(any ? links_ : plan::LinkMatrix::fully_connected(n), packs);
-  } catch (const std::invalid_argument&) {
-    // Links too sparse for the two-level trees: weigh every pair alike.
-    trees = plan::balanced_pack_trees(plan::LinkMatrix::fully_connected(n), packs);
+  if (it == pack_trees_.end()) {
+    it = pack_trees_.emplace(num_packs, plan::balanced_pack_trees_for(links_, num_packs)).first;
   }
-  return pack_trees_.emplace(num_packs, std::move(trees)).first->second;
+  return it->second;
 }
 
 }  // namespace xdev::backend

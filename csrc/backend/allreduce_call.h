@@ -21,10 +21,10 @@ namespace xdev::backend {
 
 // One dtype's share of an allreduce call.
 struct DtypeAllreduce {
-  plan::DtypeGroup group;                // which of the call's tensors, laid out how
+  plan::DtypeGroup group;  // which of the call's tensors, laid out how
   kernels::DType dtype = kernels::DType::kFloat32;
-  std::vector<plan::Range> packs;        // the selection's packing of the payload
-  transport::OpDescriptor descriptor;    // numbered: one op per dtype group
+  std::vector<plan::Range> packs;      // the selection's packing of the payload
+  transport::OpDescriptor descriptor;  // numbered: one op per dtype group
   int64_t total() const { return group.layout.total(); }
 };
 

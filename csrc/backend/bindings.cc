@@ -52,16 +52,6 @@ PYBIND11_DECLARE_HOLDER_TYPE(T, xdev::backend::GilReleasingHolder<T>, true)
 namespace xdev::backend {
 namespace {
 
-py::list matrix_rows(const plan::LinkMatrix& m) {
-  py::list rows;
-  for (int i = 0; i < m.size(); ++i) {
-    py::list row;
-    for (int j = 0; j < m.size(); ++j) row.append(i == j ? 0 : m.links(i, j));
-    rows.append(row);
-  }
-  return rows;
-}
-
 // The CUDA half: what the first CUDA collective found (None-valued before it).
 py::dict describe_cuda(const XdevBackend& b) {
   py::dict d;
@@ -82,8 +72,8 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["gpus"] = info->gpus;
   d["topology_class"] = plan::to_string(info->topology);
   d["topology_source"] = info->topology_source;
-  d["nvlink"] = matrix_rows(info->nvlink);
-  d["reachable"] = matrix_rows(info->reachable);
+  d["nvlink"] = info->nvlink.to_rows();
+  d["reachable"] = info->reachable.to_rows();
   d["ranks_share_gpu"] = info->ranks_share_gpu;
   d["transport"] = info->transport;
   d["transport_note"] = info->transport_note;

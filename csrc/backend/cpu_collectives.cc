@@ -80,7 +80,7 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
                                    const SharedPlacement& shared) {
   const auto deadline = group_.deadline_for(timeout);
   const std::vector<at::Tensor> flat = contiguous(tensors);
-  const bool in_place = shared.buffer != nullptr;
+  const bool in_place = sel.in_place_shared;
   for (const DtypeAllreduce& call :
        prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_place)) {
     const int64_t total = call.total();
@@ -99,18 +99,16 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
       continue;
     }
     const size_t elem_size = call.group.elem_size;
-    const bool single_copy =
-        plan::use_single_copy(sel.algorithm, total * static_cast<int64_t>(elem_size),
-                              call.group.tensor_indices.size() == 1, single_copy_ != nullptr);
+    const bool single_copy = sel.single_copy;  // of one tensor: this very group
     // Single copy runs the whole payload as one window: no slots to fill.
-    const int64_t window_elems = single_copy
-                                     ? std::max<int64_t>(total, 1)
-                                     : group_.config().shm_slot_bytes / static_cast<int64_t>(elem_size);
+    const int64_t window_elems =
+        single_copy ? std::max<int64_t>(total, 1)
+                    : group_.config().shm_slot_bytes / static_cast<int64_t>(elem_size);
     const plan::CollectivePlan cp = planner_.plan(group_, sel, call, window_elems);
     desc.single_copy = single_copy ? 1 : 0;
     const transport::OpContext ctx = group_.make_context(desc, "allreduce", deadline);
     if (single_copy) {
-      // use_single_copy implies a non-empty payload: window 0 exists.
+      // Single copy implies a non-empty payload: window 0 exists.
       const plan::Schedule schedule = plan::in_place_variant(cp.window(0).schedule);
       transport::SingleCopyRequest req;
       req.schedule = &schedule;
@@ -136,8 +134,7 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
   copy_back(flat, tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> CpuCollectives::broadcast(std::vector<at::Tensor> tensors,
-                                                         int root,
+c10::intrusive_ptr<c10d::Work> CpuCollectives::broadcast(std::vector<at::Tensor> tensors, int root,
                                                          std::chrono::milliseconds timeout,
                                                          bool async_op) {
   return group_.enqueue(

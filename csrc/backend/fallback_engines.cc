@@ -49,14 +49,11 @@ std::string FallbackEngines::cuda_name() const {
   return info != nullptr && info->ranks_share_gpu ? cpu_name_ : nccl_->getBackendName();
 }
 
-bool FallbackEngines::has_native_avg(const c10d::Backend& engine) {
-  return engine.getBackendName() == "nccl";
-}
-
 c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
                                                           std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts,
-                                                          bool coalesced) {
+                                                          bool coalesced,
+                                                          bool avg_as_sum_then_divide) {
   c10d::Backend* engine = for_tensors(tensors);
   auto call = [&](const c10d::AllreduceOptions& o) {
     if (coalesced) {
@@ -67,7 +64,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
     }
     return engine->allreduce(tensors, o);
   };
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG || has_native_avg(*engine)) return call(opts);
+  if (!avg_as_sum_then_divide) return call(opts);
   c10d::AllreduceOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto inner = call(sum);

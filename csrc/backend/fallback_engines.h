@@ -34,14 +34,16 @@ class FallbackEngines {
   const std::string& cpu_name() const { return cpu_name_; }
   // The engine of delegated CUDA collectives ("" until the first CUDA collective decides).
   std::string cuda_name() const;
-  // Whether the engine runs ReduceOp.AVG itself (Gloo does not).
-  static bool has_native_avg(const c10d::Backend& engine);
+  // Whether the engine runs ReduceOp.AVG itself: NCCL does, Gloo does not.
+  bool has_native_avg(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
 
-  // An allreduce through the engine for these tensors. Where the engine has
-  // no AVG, AVG runs as SUM then a divide, completed on the group's queue for
-  // CPU tensors so that the returned Work covers the division.
+  // An allreduce through the engine for these tensors. With
+  // avg_as_sum_then_divide (an AVG the engine lacks) it runs SUM, then a
+  // divide, completed on the group's queue for CPU tensors so that the
+  // returned Work covers the division.
   c10::intrusive_ptr<c10d::Work> allreduce(GroupContext& group, std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts, bool coalesced);
+                                           const c10d::AllreduceOptions& opts, bool coalesced,
+                                           bool avg_as_sum_then_divide);
 
   // Shuts the engines down and drops them (without the GIL: their destructors join threads).
   void shutdown();

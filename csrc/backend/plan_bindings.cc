@@ -21,44 +21,11 @@ namespace {
 
 using Matrix = std::vector<std::vector<int64_t>>;
 
-// A LinkMatrix from a Python list of rows: square, symmetric, non-negative
-// (the diagonal is ignored). Throws std::invalid_argument (ValueError) naming
-// the first problem.
+// A LinkMatrix of at least one device from a Python list of rows (rules:
+// LinkMatrix::from_rows). Throws std::invalid_argument (ValueError).
 plan::LinkMatrix link_matrix(const Matrix& rows) {
-  const size_t n = rows.size();
-  if (n == 0) throw std::invalid_argument("link matrix is empty");
-  if (n > 4096) throw std::invalid_argument("link matrix has too many devices");
-  for (size_t i = 0; i < n; ++i) {
-    if (rows[i].size() != n) {
-      throw std::invalid_argument("link matrix is not square: row " + std::to_string(i) + " has " +
-                                  std::to_string(rows[i].size()) + " entries, expected " +
-                                  std::to_string(n));
-    }
-  }
-  plan::LinkMatrix links(static_cast<int>(n));
-  for (size_t i = 0; i < n; ++i) {
-    for (size_t j = 0; j < n; ++j) {
-      const int64_t v = rows[i][j];
-      if (i == j) continue;
-      if (v < 0) {
-        throw std::invalid_argument("link matrix has a negative link count at [" +
-                                    std::to_string(i) + "][" + std::to_string(j) + "]");
-      }
-      if (v > 1024) {
-        throw std::invalid_argument("link matrix has an implausible link count " +
-                                    std::to_string(v) + " at [" + std::to_string(i) + "][" +
-                                    std::to_string(j) + "]");
-      }
-      if (rows[j][i] != v) {
-        throw std::invalid_argument("link matrix is not symmetric: [" + std::to_string(i) + "][" +
-                                    std::to_string(j) + "] = " + std::to_string(v) + " but [" +
-                                    std::to_string(j) + "][" + std::to_string(i) +
-                                    "] = " + std::to_string(rows[j][i]));
-      }
-      if (j > i) links.set_links(static_cast<int>(i), static_cast<int>(j), static_cast<int>(v));
-    }
-  }
-  return links;
+  if (rows.empty()) throw std::invalid_argument("link matrix is empty");
+  return plan::LinkMatrix::from_rows(rows, "link matrix");
 }
 
 double positive_gbps(double gbps, const char* what) {
@@ -112,18 +79,7 @@ void bind_plan(py::module_& parent) {
       .def_readonly("barrier_latency_s", &plan::MachineModel::barrier_latency_s)
       .def_readonly("barrier_between_phases", &plan::MachineModel::barrier_between_phases)
       .def(
-          "links",
-          [](const plan::MachineModel& mm) {
-            const int n = mm.links.size();
-            std::vector<std::vector<int>> rows(static_cast<size_t>(n),
-                                               std::vector<int>(static_cast<size_t>(n), 0));
-            for (int a = 0; a < n; ++a) {
-              for (int b = 0; b < n; ++b) {
-                rows[static_cast<size_t>(a)][static_cast<size_t>(b)] = mm.links.links(a, b);
-              }
-            }
-            return rows;
-          },
+          "links", [](const plan::MachineModel& mm) { return mm.links.to_rows(); },
           "Direct link counts per device pair (NVLinks; 1 per pair for a CPU host).")
       .def("__repr__", [](const plan::MachineModel& mm) {
         return "<MachineModel " + mm.name() + ": " + std::to_string(mm.num_devices()) + " devices>";

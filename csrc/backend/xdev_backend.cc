@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <optional>
 
-#include "../plan/shared_buffer_plan.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -37,8 +36,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                  c.group_name.c_str(), size, group_.num_hosts(), c.algorithm.c_str(),
                  static_cast<long long>(c.num_packs), cpu_ ? "on" : "off",
                  plan::to_string(small.algorithm), small.reason.c_str(),
-                 plan::to_string(large.algorithm), large.reason.c_str(),
-                 fallback_name().c_str());
+                 plan::to_string(large.algorithm), large.reason.c_str(), fallback_name().c_str());
   }
 }
 
@@ -59,7 +57,8 @@ void XdevBackend::shutdown() {
 }
 
 std::string XdevBackend::single_copy_note() const {
-  return cpu_ ? cpu_->single_copy_note() : "off: no shared memory (several hosts, or a world of one)";
+  return cpu_ ? cpu_->single_copy_note()
+              : "off: no shared memory (several hosts, or a world of one)";
 }
 
 std::string XdevBackend::shm_name() const {
@@ -72,7 +71,7 @@ std::pair<std::string, std::string> XdevBackend::last_selection() const {
   return last_selection_;
 }
 
-plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
+plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) const {
   plan::SelectionInput in;
   in.requested = group_.requested();
   in.world_size = size_;
@@ -82,26 +81,25 @@ plan::Selection XdevBackend::selection_for(int64_t payload, bool cuda) const {
     const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
     // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
     in.transport_available = info != nullptr && info->transport;
-    if (info != nullptr) in.topology = info->topology;
+    if (info != nullptr) {
+      in.topology = info->topology;
+      in.transport_note = info->transport_note;
+    } else {
+      in.transport_note = !cuda_       ? "this build has no CUDA path"
+                          : size_ == 1 ? "one rank"
+                                       : "decided by the group's first CUDA collective";
+    }
   } else {
     in.transport_available = cpu_ != nullptr || size_ == 1;
+    if (cpu_ != nullptr) {
+      in.single_copy_available = cpu_->single_copy_available();
+      in.model = &cpu_->model();
+      in.model_cache = &model_choices_;
+    }
   }
   in.payload_bytes = payload;
   in.num_packs = group_.config().num_packs;
-  const bool by_model = !cuda && cpu_ != nullptr && in.requested == plan::Algorithm::kAuto &&
-                        group_.num_hosts() == 1;
-  if (!by_model) return plan::select_allreduce(in);
-  // Predict at the power of two at or above the payload, once per size class.
-  int64_t bucket = 4;
-  while (bucket < payload) bucket *= 2;
-  std::lock_guard<std::mutex> lock(model_mutex_);
-  auto it = model_choices_.find(bucket);
-  if (it == model_choices_.end()) {
-    in.payload_bytes = bucket;
-    in.model = &cpu_->model();
-    it = model_choices_.emplace(bucket, plan::select_allreduce(in)).first;
-  }
-  return it->second;
+  return in;
 }
 
 void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
@@ -133,25 +131,22 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     // Collective on first use: every rank learns the GPUs and the transport.
     cuda_->ensure_ready(device.index());
   }
-  plan::Selection sel = selection_for(payload_bytes(tensors), device.is_cuda());
-  if (!native_ok && sel.algorithm != plan::Algorithm::kFallback) {
-    sel.algorithm = plan::Algorithm::kFallback;
-    sel.reason = "no native kernel for this reduce op / dtype";
-  }
+  plan::SelectionInput in = selection_input(payload_bytes(tensors), device.is_cuda());
+  in.op_supported = native_ok;
+  in.num_tensors = static_cast<int64_t>(tensors.size());
+  in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+  if (in.op_is_avg)
+    in.fallback_has_avg = fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors));
   SharedPlacement shared;
-  if (sel.algorithm != plan::Algorithm::kFallback && !device.is_cuda() && tensors.size() == 1 &&
-      plan::use_shared_buffer(group_.requested())) {
+  if (!device.is_cuda() && tensors.size() == 1) {
     shared = shared_.find(tensors[0]);
-    if (shared.buffer != nullptr) {
-      sel.algorithm = plan::Algorithm::kFlat;
-      sel.num_packs = 0;
-      sel.reason = "tensor in shared buffer #" + std::to_string(shared.buffer->id()) +
-                   " (torch_xdev.shared_empty): reduced in place, nothing staged";
-    }
+    if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
   }
+  const plan::Selection sel = plan::select_allreduce(in);
+  if (!sel.in_place_shared) shared = {};
   log_choice(sel, device.is_cuda());
   if (sel.algorithm == plan::Algorithm::kFallback) {
-    return fallbacks_.allreduce(group_, tensors, opts, coalesced);
+    return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it
@@ -262,8 +257,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
-  return fallbacks_.for_tensor(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes,
-                                            opts);
+  return fallbacks_.for_tensor(input)->alltoall_base(output, input, output_split_sizes,
+                                                     input_split_sizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,

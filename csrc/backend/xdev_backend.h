@@ -15,7 +15,6 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -114,8 +113,13 @@ class XdevBackend : public c10d::Backend {
   const std::string& fallback_name() const { return fallbacks_.cpu_name(); }
   // What the last allreduce ran and why ("" before the first).
   std::pair<std::string, std::string> last_selection() const;
-  // The algorithm and reason an allreduce of this many bytes would get.
-  plan::Selection selection_for(int64_t payload_bytes, bool cuda) const;
+  // What select_allreduce weighs about this group for an allreduce of this
+  // many bytes (the call's op, tensors and placement are the caller's to add),
+  // and the selection an allreduce of supported op and dtype would get.
+  plan::SelectionInput selection_input(int64_t payload_bytes, bool cuda) const;
+  plan::Selection selection_for(int64_t payload_bytes, bool cuda) const {
+    return plan::select_allreduce(selection_input(payload_bytes, cuda));
+  }
   // The model auto chooses CPU plans by; null without a native CPU path.
   const plan::MachineModel* cpu_model() const { return cpu_ ? &cpu_->model() : nullptr; }
   // The CUDA side: null in builds without CUDA; info() null before the first
@@ -137,9 +141,7 @@ class XdevBackend : public c10d::Backend {
   SharedBuffers shared_;
   FallbackEngines fallbacks_;
 
-  // Model choices are cached per power-of-two payload size.
-  mutable std::mutex model_mutex_;
-  mutable std::map<int64_t, plan::Selection> model_choices_;
+  mutable plan::ModelChoiceCache model_choices_;  // the CPU model's, per size class
 
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;

@@ -287,6 +287,21 @@ std::vector<PackTree> balanced_pack_trees(const LinkMatrix& links, int64_t num_p
   return trees;
 }
 
+std::vector<PackTree> balanced_pack_trees_for(const LinkMatrix& links, int64_t num_packs) {
+  const int64_t packs = std::max<int64_t>(1, num_packs);
+  const LinkMatrix every_pair = LinkMatrix::fully_connected(links.size());
+  bool any = false;
+  for (int i = 0; i < links.size() && !any; ++i) any = !links.neighbors(i).empty();
+  if (!any) return balanced_pack_trees(every_pair, packs);
+  try {
+    return balanced_pack_trees(links, packs);
+  } catch (const std::invalid_argument&) {
+    // Too sparse for the two-level trees (a rank without a link to its
+    // partner, or a group without a chain or star): weigh every pair alike.
+    return balanced_pack_trees(every_pair, packs);
+  }
+}
+
 LinkBalance link_balance(const LinkMatrix& links, const std::vector<PackTree>& trees) {
   const int n = links.size();
   const int g = n / 2;

@@ -43,6 +43,13 @@ struct PackTree {
 // partner.
 std::vector<PackTree> balanced_pack_trees(const LinkMatrix& links, int64_t num_packs);
 
+// The trees the backends run the balanced plan with (num_packs < 1 counts as
+// one pack): along `links` where they have any link and can carry the
+// two-level trees; otherwise (no links known, e.g. without NVML, or links too
+// sparse) every pair weighs alike, as on LinkMatrix::fully_connected. The CPU
+// path passes fully_connected(N) itself, a CUDA group its NVLink matrix.
+std::vector<PackTree> balanced_pack_trees_for(const LinkMatrix& links, int64_t num_packs);
+
 // The schedule of one window: packs[k].pack_id indexes `trees`.
 Schedule hierarchical_balanced_schedule(int world_size, const std::vector<PackTree>& trees,
                                         const std::vector<PackSlice>& packs);

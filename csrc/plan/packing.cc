@@ -35,18 +35,18 @@ size_t FlatLayout::first_tensor_at(int64_t payload_offset) const {
   return it == offsets_.begin() ? 0 : static_cast<size_t>(it - offsets_.begin() - 1);
 }
 
-namespace {
-
-// Concat-and-split: P packs of floor(T/P) elements, the last taking the rest.
-std::vector<Range> split_into(int64_t total, int64_t num_packs) {
+std::vector<Range> concat_and_split(int64_t total, int64_t num_packs) {
+  const int64_t p = std::max<int64_t>(1, num_packs);
+  const int64_t base = total / p;
   std::vector<Range> packs;
-  const int64_t base = total / num_packs;
-  for (int64_t i = 0; i < num_packs; ++i) {
+  for (int64_t i = 0; i < p; ++i) {
     const int64_t begin = i * base;
-    packs.push_back({begin, i + 1 == num_packs ? total : begin + base});
+    packs.push_back({begin, i + 1 == p ? total : begin + base});
   }
   return packs;
 }
+
+namespace {
 
 // Small-tensor aggregation: runs of consecutive tensors of at most max_bytes
 // each, at most max_group per run, become one pack; larger tensors stay alone.
@@ -80,7 +80,7 @@ std::vector<Range> make_packs(const FlatLayout& layout, size_t elem_size,
   options.validate();
   if (elem_size == 0) throw std::invalid_argument("make_packs: elem_size must be > 0");
   const int64_t total = layout.total();
-  if (options.num_packs > 0) return split_into(total, options.num_packs);
+  if (options.num_packs > 0) return concat_and_split(total, options.num_packs);
   if (options.bytes_per_pack > 0) {
     const int64_t per_pack =
         std::max<int64_t>(1, options.bytes_per_pack / static_cast<int64_t>(elem_size));

@@ -63,6 +63,11 @@ class FlatLayout {
   int64_t total_ = 0;
 };
 
+// Concat-and-split: `total` elements as num_packs packs of floor(total /
+// num_packs) elements, the last one taking the rest (fewer than one pack
+// counts as one).
+std::vector<Range> concat_and_split(int64_t total, int64_t num_packs);
+
 // Packs of one dtype's payload. Every element is in exactly one pack; packs are
 // in payload order and may be empty (concat-and-split of fewer elements than
 // packs).

@@ -5,6 +5,7 @@
 
 #include "balanced_plan.h"
 #include "collective_plan.h"
+#include "packing.h"
 #include "ring.h"
 
 namespace xdev::plan {
@@ -17,21 +18,6 @@ std::string Candidate::label() const {
   }
   return s;
 }
-
-namespace {
-
-// Concat-and-split: P packs of floor(T/P) elements, the last one taking the rest.
-std::vector<Range> split_packs(int64_t total, int64_t num_packs) {
-  std::vector<Range> packs;
-  const int64_t p = std::max<int64_t>(1, num_packs);
-  const int64_t each = total / p;
-  for (int64_t i = 0; i < p; ++i) {
-    packs.push_back({i * each, i + 1 == p ? total : (i + 1) * each});
-  }
-  return packs;
-}
-
-}  // namespace
 
 Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t bytes,
                           int64_t elem_bytes) {
@@ -65,7 +51,7 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
       trees = balanced_pack_trees(m.links, std::max<int64_t>(1, c.num_packs));
     }
     const CollectivePlan plan = CollectivePlan::allreduce(
-        c.algorithm, n, 0, split_packs(total, c.num_packs), total, window_elems, trees);
+        c.algorithm, n, 0, concat_and_split(total, c.num_packs), total, window_elems, trees);
     for (int64_t k = 0; k < plan.num_windows(); ++k) {
       WindowPlan w = plan.window(k);
       window_sizes.push_back(w.slot_elems);

@@ -4,40 +4,42 @@
 #include <stdexcept>
 
 #include "predict.h"
+#include "shared_buffer_plan.h"
 
 namespace xdev::plan {
+namespace {
 
-const char* to_string(DeviceKind d) {
-  return d == DeviceKind::kCpu ? "cpu" : "cuda";
+bool is_hierarchical(Algorithm a) {
+  return a == Algorithm::kHierarchicalCopy || a == Algorithm::kHierarchicalBalanced;
 }
 
-bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
-                     bool available) {
-  // The direct plan writes outputs that peers are still reading: staged only.
-  const bool in_place_plan = algorithm == Algorithm::kFlat ||
-                             algorithm == Algorithm::kReduceToOne ||
-                             algorithm == Algorithm::kHierarchicalCopy;
-  return available && single_buffer && in_place_plan && payload_bytes >= kCpuSingleCopyMinBytes;
-}
-
-void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) {
-  if (requested == Algorithm::kAuto || requested == Algorithm::kFallback) return;
-  if (num_hosts > 1) {
-    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
-                                "' needs all ranks on one host, but they span " +
-                                std::to_string(num_hosts) +
-                                " hosts; use algorithm='auto' or 'fallback'");
+// The model's fastest candidate for `bytes`, with the runner-up in the reason
+// to say how close the call was.
+ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, int64_t num_packs) {
+  const ModelChoice choice = choose_allreduce(model, bytes, num_packs);
+  ModelChoiceCache::Choice c;
+  c.algorithm = choice.best.candidate.algorithm;
+  c.num_packs = choice.best.candidate.num_packs;
+  c.predicted_s = choice.best.seconds;
+  const Prediction* second = nullptr;
+  for (const Prediction& p : choice.predictions) {
+    if (p.candidate.label() == choice.best.candidate.label()) continue;
+    if (second == nullptr || p.seconds < second->seconds) second = &p;
   }
-  if ((requested == Algorithm::kHierarchicalCopy ||
-       requested == Algorithm::kHierarchicalBalanced) &&
-      world_size % 2 != 0) {
-    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
-                                "' needs an even number of ranks (two groups of N/2); got " +
-                                std::to_string(world_size));
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "model '%s': %s predicted %.1f us", model.name().c_str(),
+                choice.best.candidate.label().c_str(), choice.best.seconds * 1e6);
+  c.reason = buf;
+  if (second != nullptr) {
+    std::snprintf(buf, sizeof buf, ", next %s %.1f us", second->candidate.label().c_str(),
+                  second->seconds * 1e6);
+    c.reason += buf;
   }
+  return c;
 }
 
-Selection select_allreduce(const SelectionInput& in) {
+// The plan itself, before the transport details (single copy) are settled.
+Selection choose_plan(const SelectionInput& in) {
   Selection s;
   const int64_t hier_packs = in.num_packs >= 0 ? in.num_packs : in.world_size;
   if (in.requested == Algorithm::kFallback) {
@@ -53,45 +55,31 @@ Selection select_allreduce(const SelectionInput& in) {
   }
   if (!in.transport_available) {
     s.reason = std::string("no native transport for ") + to_string(in.device) + " tensors";
+    if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
     return s;
   }
   if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
     return s;
   }
+  if (in.device == DeviceKind::kCpu && in.shared_buffer_id >= 0 && in.num_tensors == 1 &&
+      use_shared_buffer(in.requested)) {
+    s.algorithm = Algorithm::kFlat;
+    s.in_place_shared = true;
+    s.reason = "tensor in shared buffer #" + std::to_string(in.shared_buffer_id) +
+               " (torch_xdev.shared_empty): reduced in place, nothing staged";
+    return s;
+  }
   if (in.requested != Algorithm::kAuto) {
     s.algorithm = in.requested;
-    const bool hierarchical = in.requested == Algorithm::kHierarchicalCopy ||
-                              in.requested == Algorithm::kHierarchicalBalanced;
-    s.num_packs = hierarchical ? hier_packs : 0;
+    s.num_packs = is_hierarchical(in.requested) ? hier_packs : 0;
     s.reason = std::string("algorithm='") + to_string(in.requested) + "' requested";
     return s;
   }
-  if (in.model != nullptr) {
-    if (in.model->num_devices() != in.world_size) {
-      throw std::invalid_argument("select_allreduce: model of " +
-                                  std::to_string(in.model->num_devices()) + " devices for " +
-                                  std::to_string(in.world_size) + " ranks");
-    }
-    const ModelChoice choice = choose_allreduce(*in.model, in.payload_bytes, in.num_packs);
-    s.algorithm = choice.best.candidate.algorithm;
-    s.num_packs = choice.best.candidate.num_packs;
-    s.predicted_s = choice.best.seconds;
-    // The runner-up says how close the call was.
-    const Prediction* second = nullptr;
-    for (const Prediction& p : choice.predictions) {
-      if (p.candidate.label() == choice.best.candidate.label()) continue;
-      if (second == nullptr || p.seconds < second->seconds) second = &p;
-    }
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "model '%s': %s predicted %.1f us", in.model->name().c_str(),
-                  choice.best.candidate.label().c_str(), choice.best.seconds * 1e6);
-    s.reason = buf;
-    if (second != nullptr) {
-      std::snprintf(buf, sizeof buf, ", next %s %.1f us", second->candidate.label().c_str(),
-                    second->seconds * 1e6);
-      s.reason += buf;
-    }
+  if (in.world_size == 1) {
+    // Any native plan would do: the backend has nothing to run.
+    s.algorithm = Algorithm::kDirect;
+    s.reason = "one rank: the input is already the result";
     return s;
   }
   if (in.device == DeviceKind::kCuda) {
@@ -107,17 +95,85 @@ Selection select_allreduce(const SelectionInput& in) {
     }
     return s;
   }
-  if (in.payload_bytes * in.world_size <= kCpuDirectMaxBytesTimesRanks) {
-    s.algorithm = Algorithm::kDirect;
-    s.reason =
-        "single host, CPU, payload x ranks <= " + std::to_string(kCpuDirectMaxBytesTimesRanks) +
-        " bytes";
-  } else if (in.payload_bytes < kCpuReduceToOneMaxBytes) {
-    s.algorithm = Algorithm::kReduceToOne;
-    s.reason = "single host, CPU, payload < " + std::to_string(kCpuReduceToOneMaxBytes) + " bytes";
-  } else {
-    s.algorithm = Algorithm::kFlat;
-    s.reason = "single host, CPU, payload >= " + std::to_string(kCpuReduceToOneMaxBytes) + " bytes";
+  if (in.model == nullptr) {
+    throw std::invalid_argument("select_allreduce: algorithm='auto' on CPU tensors of " +
+                                std::to_string(in.world_size) + " ranks needs a machine model");
+  }
+  if (in.model->num_devices() != in.world_size) {
+    throw std::invalid_argument("select_allreduce: model of " +
+                                std::to_string(in.model->num_devices()) + " devices for " +
+                                std::to_string(in.world_size) + " ranks");
+  }
+  const int64_t bucket = model_bucket_bytes(in.payload_bytes);
+  const ModelChoiceCache::Choice c = in.model_cache != nullptr
+                                         ? in.model_cache->get(*in.model, bucket, in.num_packs)
+                                         : model_choice(*in.model, bucket, in.num_packs);
+  s.algorithm = c.algorithm;
+  s.num_packs = c.num_packs;
+  s.predicted_s = c.predicted_s;
+  s.reason = c.reason;
+  return s;
+}
+
+}  // namespace
+
+const char* to_string(DeviceKind d) {
+  return d == DeviceKind::kCpu ? "cpu" : "cuda";
+}
+
+bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
+                     bool available) {
+  // The direct plan writes outputs that peers are still reading: staged only.
+  const bool in_place_plan = algorithm == Algorithm::kFlat ||
+                             algorithm == Algorithm::kReduceToOne ||
+                             algorithm == Algorithm::kHierarchicalCopy;
+  return available && single_buffer && in_place_plan && payload_bytes >= kCpuSingleCopyMinBytes;
+}
+
+int64_t model_bucket_bytes(int64_t payload_bytes) {
+  int64_t bucket = 4;
+  while (bucket < payload_bytes) bucket *= 2;
+  return bucket;
+}
+
+ModelChoiceCache::Choice ModelChoiceCache::get(const MachineModel& model, int64_t bucket_bytes,
+                                               int64_t num_packs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (model_ == nullptr) model_ = &model;
+  if (model_ != &model) {
+    throw std::invalid_argument("ModelChoiceCache: used with model '" + model.name() +
+                                "' after model '" + model_->name() + "'");
+  }
+  const auto key = std::make_pair(bucket_bytes, num_packs);
+  auto it = choices_.find(key);
+  if (it == choices_.end()) {
+    it = choices_.emplace(key, model_choice(model, bucket_bytes, num_packs)).first;
+  }
+  return it->second;
+}
+
+void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) {
+  if (requested == Algorithm::kAuto || requested == Algorithm::kFallback) return;
+  if (num_hosts > 1) {
+    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
+                                "' needs all ranks on one host, but they span " +
+                                std::to_string(num_hosts) +
+                                " hosts; use algorithm='auto' or 'fallback'");
+  }
+  if (is_hierarchical(requested) && world_size % 2 != 0) {
+    throw std::invalid_argument(std::string("algorithm='") + to_string(requested) +
+                                "' needs an even number of ranks (two groups of N/2); got " +
+                                std::to_string(world_size));
+  }
+}
+
+Selection select_allreduce(const SelectionInput& in) {
+  Selection s = choose_plan(in);
+  if (s.algorithm == Algorithm::kFallback) {
+    s.avg_as_sum_then_divide = in.op_is_avg && !in.fallback_has_avg;
+  } else if (in.device == DeviceKind::kCpu && !s.in_place_shared) {
+    s.single_copy = use_single_copy(s.algorithm, in.payload_bytes, in.num_tensors == 1,
+                                    in.single_copy_available);
   }
   return s;
 }

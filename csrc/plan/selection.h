@@ -1,15 +1,22 @@
-// Selection: which algorithm runs an allreduce, and why.
+// Selection: which algorithm runs an allreduce, how, and why.
 //
-// The seeds' choose_the_best carried to one process per device: a DGX-1-like
-// 8-GPU host gets the hierarchical plan with 8 packs; other single-host jobs
-// get a native plan (for CPU tensors the one that measures fastest for the
-// size); several hosts, unreachable peers, or an op/dtype without a native
-// kernel go to the fallback engine. A forced algorithm is honoured or refused
-// with a reason; it is never silently replaced.
+// TensorFlow's choose_the_best carried to one process per device: a
+// DGX-1-like 8-GPU host gets the hierarchical plan with 8 packs; other
+// single-host GPU jobs get reduce-to-one; CPU tensors get the plan a machine
+// model predicts fastest for the size; several hosts, no native transport, or
+// an op/dtype without a native kernel go to the fallback engine. A forced
+// algorithm is honoured or refused with a reason; it is never silently
+// replaced.
+//
+// select_allreduce is the one place that decides: the backend gathers the
+// facts into a SelectionInput and follows the Selection, changing nothing.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "cost_model.h"
 #include "schedule.h"
@@ -21,16 +28,6 @@ enum class DeviceKind { kCpu, kCuda };
 
 const char* to_string(DeviceKind d);
 
-// CPU allreduce by size (auto) when no machine model is given. With a model
-// (the backend always gives one) the choice is the plan the model predicts
-// fastest. The size rule, measured on a 2-core machine with 2, 4 and 8 ranks:
-//   payload x ranks <= kCpuDirectMaxBytesTimesRanks: direct (one barrier);
-//   payload < kCpuReduceToOneMaxBytes: reduce-to-one (only the root works, so
-//     ranks that outnumber the cores mostly sleep);
-//   otherwise: flat (each rank reduces 1/N of every window).
-constexpr int64_t kCpuDirectMaxBytesTimesRanks = 64 * 1024;
-constexpr int64_t kCpuReduceToOneMaxBytes = 128 * 1024;
-
 // CPU allreduces of at least this many bytes, of one contiguous tensor, run
 // single-copy (peers read each other's tensors in place) when the host
 // allows it; smaller ones are staged, where fewer barriers win.
@@ -40,19 +37,58 @@ constexpr int64_t kCpuSingleCopyMinBytes = 256 * 1024;
 bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buffer,
                      bool available);
 
+// A memo of a machine model's choices per power-of-two payload size class and
+// pack count, so that selecting per collective costs a map lookup. For one
+// model only (the first it is used with; another throws). Thread-safe.
+class ModelChoiceCache {
+ public:
+  struct Choice {
+    Algorithm algorithm = Algorithm::kFallback;
+    int64_t num_packs = 0;
+    double predicted_s = 0;
+    std::string reason;
+  };
+  // The model's choice for `bucket_bytes` (already a size class).
+  Choice get(const MachineModel& model, int64_t bucket_bytes, int64_t num_packs);
+
+ private:
+  std::mutex mutex_;
+  const MachineModel* model_ = nullptr;
+  std::map<std::pair<int64_t, int64_t>, Choice> choices_;
+};
+
+// The size class a model predicts an allreduce of `payload_bytes` at: the
+// power of two at or above it, at least 4 bytes.
+int64_t model_bucket_bytes(int64_t payload_bytes);
+
 struct SelectionInput {
   Algorithm requested = Algorithm::kAuto;
   int world_size = 1;
   int num_hosts = 1;
   DeviceKind device = DeviceKind::kCpu;
-  TopologyClass topology = TopologyClass::kFullyConnected;
-  bool transport_available = true;  // a native transport exists for this device
-  bool op_supported = true;         // the reduce op and dtype have native kernels
+  TopologyClass topology = TopologyClass::kFullyConnected;  // of the GPUs, for kCuda
+  // A native transport runs on this device (the CPU shared-memory channel, or
+  // CUDA IPC as the group's CUDA rendezvous decided); transport_note says why
+  // not and ends up in the reason.
+  bool transport_available = true;
+  std::string transport_note;
+  bool op_supported = true;  // the reduce op and every tensor's dtype have native kernels
   int64_t payload_bytes = 0;
+  int64_t num_tensors = 1;
   int64_t num_packs = -1;  // -1: not set by the user
-  // For algorithm="auto" on one host: choose by predicted time on this model
-  // (its device count must be world_size). Null: the size rule above.
+  // >= 0: the one (CPU) tensor lies at the same offset of shared buffer #id,
+  // which every rank maps (torch_xdev.shared_empty).
+  int64_t shared_buffer_id = -1;
+  // The CPU single-copy transport is open on every rank.
+  bool single_copy_available = false;
+  // For the fallback engine: whether the op is AVG, and whether the engine has it.
+  bool op_is_avg = false;
+  bool fallback_has_avg = false;
+  // For algorithm="auto" on CPU tensors of more than one rank: the plan this
+  // model predicts fastest (its device count must be world_size). Required
+  // there; model_cache, when given, memoises its choices.
   const MachineModel* model = nullptr;
+  ModelChoiceCache* model_cache = nullptr;
 };
 
 struct Selection {
@@ -60,12 +96,22 @@ struct Selection {
   int64_t num_packs = 0;  // hierarchical plans only; 0 = one pack per tensor
   std::string reason;
   double predicted_s = 0;  // by the model, when it chose; else 0
+  // CPU: reduce in place in the shared buffer (flat's order, nothing staged).
+  bool in_place_shared = false;
+  // CPU: run on the single-copy transport (peers read the tensor in place).
+  bool single_copy = false;
+  // Fallback: run AVG as SUM through the engine, then divide by the world size.
+  bool avg_as_sum_then_divide = false;
 };
 
 // Throws std::invalid_argument when a forced algorithm cannot run on this job
 // (odd world size for hierarchical copy, several hosts for a native plan).
 void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 
+// The decision, in order: algorithm='fallback'; a forced plan that cannot run
+// (throws); several hosts, no transport, no kernel (fallback); a tensor in a
+// shared buffer with auto or flat (in place); a world of one (nothing to
+// exchange); a forced plan; CPU: the model's choice; CUDA: by topology.
 Selection select_allreduce(const SelectionInput& in);
 
 }  // namespace xdev::plan

@@ -1,6 +1,7 @@
 #include "topology.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <stdexcept>
 
@@ -63,6 +64,82 @@ LinkMatrix LinkMatrix::fully_connected(int num_devices) {
 
 LinkMatrix LinkMatrix::dgx1() {
   return from_neighbors(dgx1_rows());
+}
+
+LinkMatrix LinkMatrix::from_rows(const std::vector<std::vector<int64_t>>& rows,
+                                 const std::string& what, int64_t max_links) {
+  const size_t n = rows.size();
+  if (static_cast<int64_t>(n) > kMaxMatrixDevices) {
+    throw std::invalid_argument(what + " has " + std::to_string(n) + " rows, more than " +
+                                std::to_string(kMaxMatrixDevices));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i].size() != n) {
+      throw std::invalid_argument(what + " is not square: row " + std::to_string(i) + " has " +
+                                  std::to_string(rows[i].size()) + " entries, expected " +
+                                  std::to_string(n));
+    }
+  }
+  auto at = [](size_t i, size_t j) {
+    return "[" + std::to_string(i) + "][" + std::to_string(j) + "]";
+  };
+  LinkMatrix m(static_cast<int>(n));
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = i + 1; j < n; ++j) {
+      const int64_t v = rows[i][j];
+      if (v < 0 || v > max_links) {
+        throw std::invalid_argument(what + " has " + std::to_string(v) + " at " + at(i, j) +
+                                    ", expected 0.." + std::to_string(max_links));
+      }
+      if (rows[j][i] != v) {
+        throw std::invalid_argument(what + " is not symmetric: " + at(i, j) + " = " +
+                                    std::to_string(v) + " but " + at(j, i) + " = " +
+                                    std::to_string(rows[j][i]));
+      }
+      m.set_links(static_cast<int>(i), static_cast<int>(j), static_cast<int>(v));
+    }
+  }
+  return m;
+}
+
+std::vector<std::vector<int64_t>> LinkMatrix::to_rows() const {
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(n_));
+  for (int i = 0; i < n_; ++i) {
+    for (int j = 0; j < n_; ++j) rows[static_cast<size_t>(i)].push_back(links(i, j));
+  }
+  return rows;
+}
+
+// No iostreams: where libstdc++ is linked statically into the extension (the
+// H100 image's compiler does that), `std::ostringstream << int` segfaulted.
+std::string LinkMatrix::to_text() const {
+  std::string text = std::to_string(n_);
+  for (int i = 0; i < n_; ++i) {
+    for (int j = 0; j < n_; ++j) text += ' ' + std::to_string(links(i, j));
+  }
+  return text;
+}
+
+LinkMatrix LinkMatrix::from_text(const std::string& text, const std::string& what) {
+  const char* p = text.c_str();
+  auto next = [&]() {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p) throw std::invalid_argument(what + ": malformed text '" + text + "'");
+    p = end;
+    return static_cast<int64_t>(v);
+  };
+  const int64_t n = next();
+  if (n < 0 || n > kMaxMatrixDevices) {
+    throw std::invalid_argument(what + ": malformed text '" + text + "' (bad size)");
+  }
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(n));
+  for (auto& row : rows) {
+    for (int64_t j = 0; j < n; ++j) row.push_back(next());
+  }
+  while (*p == ' ' || *p == '\n') ++p;
+  if (*p != '\0') throw std::invalid_argument(what + ": malformed text '" + text + "' (trailing)");
+  return from_rows(rows, what);
 }
 
 int LinkMatrix::links(int a, int b) const {

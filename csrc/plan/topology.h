@@ -36,6 +36,26 @@ class LinkMatrix {
   // The NVLink wiring of an 8-GPU DGX-1 (hybrid cube-mesh).
   static LinkMatrix dgx1();
 
+  // From rows as a user, a file or a binding gives them: square, at most
+  // kMaxMatrixDevices rows, symmetric, every entry off the diagonal in
+  // 0..max_links; the diagonal is ignored (stored as 0). Throws
+  // std::invalid_argument for the first problem, naming the matrix by `what`,
+  // e.g. "the NVLink matrix has -1 at [0][1], expected 0..1024".
+  static LinkMatrix from_rows(const std::vector<std::vector<int64_t>>& rows,
+                              const std::string& what = "the link matrix",
+                              int64_t max_links = kMaxLinksPerPair);
+  std::vector<std::vector<int64_t>> to_rows() const;  // every entry, as stored
+
+  // One line of text, "n v00 v01 ... v(n-1)(n-1)" (a Store value), and back;
+  // from_text validates as from_rows does and throws std::invalid_argument on
+  // malformed text.
+  std::string to_text() const;
+  static LinkMatrix from_text(const std::string& text, const std::string& what = "the link matrix");
+
+  // More links than this between two devices is a corrupt input, not a machine.
+  static constexpr int64_t kMaxLinksPerPair = 1024;
+  static constexpr int64_t kMaxMatrixDevices = 4096;
+
   int size() const { return n_; }
   int links(int a, int b) const;
   void set_links(int a, int b, int count);  // symmetric

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -104,47 +103,6 @@ class CudaWork : public XdevWork {
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
-}
-
-// "n v00 v01 ... v(n-1)(n-1)": a Store value. No iostreams: on the H100 image
-// we test on, the compiler links libstdc++ statically into the extension, and
-// there `std::ostringstream << int` segfaulted.
-std::string matrix_to_string(const plan::LinkMatrix& m) {
-  std::string text = std::to_string(m.size());
-  for (int i = 0; i < m.size(); ++i) {
-    for (int j = 0; j < m.size(); ++j) text += ' ' + std::to_string(m.links(i, j));
-  }
-  return text;
-}
-
-plan::LinkMatrix matrix_from_string(const std::string& text) {
-  const char* p = text.c_str();
-  char* end = nullptr;
-  auto next = [&]() {
-    const long v = std::strtol(p, &end, 10);
-    TORCH_CHECK(end != p, "xdev: malformed link matrix in the Store: '", text, "'");
-    p = end;
-    return static_cast<int>(v);
-  };
-  const int n = next();
-  plan::LinkMatrix m(n);
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < n; ++j) {
-      const int v = next();
-      if (i < j) m.set_links(i, j, v);
-    }
-  }
-  return m;
-}
-
-plan::LinkMatrix matrix_from_rows(const std::vector<std::vector<int64_t>>& rows) {
-  plan::LinkMatrix m(static_cast<int>(rows.size()));
-  for (size_t i = 0; i < rows.size(); ++i) {
-    for (size_t j = i + 1; j < rows[i].size(); ++j) {
-      m.set_links(static_cast<int>(i), static_cast<int>(j), static_cast<int>(rows[i][j]));
-    }
-  }
-  return m;
 }
 
 }  // namespace
@@ -296,17 +254,20 @@ class CudaCollectivesImpl : public CudaCollectives {
                         "XDEV_TOPO_FILE=", config.topo_file, " describes ",
                         config.topo_nvlink.size(), " GPUs but the group has ", size,
                         " ranks; its rows are the GPUs of local ranks 0..N-1");
-      info.nvlink = matrix_from_rows(config.topo_nvlink);
-      class_reach = config.topo_reachable.empty() ? plan::reachable_from_links(info.nvlink)
-                                                      : matrix_from_rows(config.topo_reachable);
+      info.nvlink = plan::LinkMatrix::from_rows(config.topo_nvlink, "XDEV_TOPO_FILE's nvlink");
+      class_reach =
+          config.topo_reachable.empty()
+              ? plan::reachable_from_links(info.nvlink)
+              : plan::LinkMatrix::from_rows(config.topo_reachable, "XDEV_TOPO_FILE's reachable");
       info.topology_source = "XDEV_TOPO_FILE=" + config.topo_file;
     } else {
       if (rank == 0) {
         const transport::NvlinkReport report = transport::probe_nvlinks(info.gpus);
-        store.set(key + "nvlink", matrix_to_string(report.links));
+        store.set(key + "nvlink", report.links.to_text());
         store.set(key + "nvlink_source", report.available ? "nvml" : report.note);
       }
-      info.nvlink = matrix_from_string(store.get_to_str(key + "nvlink"));
+      info.nvlink =
+          plan::LinkMatrix::from_text(store.get_to_str(key + "nvlink"), "the NVLink matrix");
       info.topology_source = store.get_to_str(key + "nvlink_source");
     }
     info.topology = plan::classify_gpus(info.nvlink, class_reach);
@@ -324,11 +285,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       open_transport(store, key, device, &info);
     }
     if (config.debug && rank == 0) {
-      std::fprintf(stderr,
-                   "[xdev] group '%s': CUDA topology %s (%s), ranks %s a GPU, transport %s\n",
-                   config.group_name.c_str(), plan::to_string(info.topology),
-                   info.topology_source.c_str(), info.ranks_share_gpu ? "share" : "do not share",
-                   info.transport_note.c_str());
+      std::fprintf(
+          stderr, "[xdev] group '%s': CUDA topology %s (%s), ranks %s a GPU, transport %s\n",
+          config.group_name.c_str(), plan::to_string(info.topology), info.topology_source.c_str(),
+          info.ranks_share_gpu ? "share" : "do not share", info.transport_note.c_str());
     }
     return info;
   }
@@ -339,8 +299,8 @@ class CudaCollectivesImpl : public CudaCollectives {
     std::string why;
     try {
       channel_ = std::make_unique<transport::CudaIpcChannel>(
-          g_.rank(), g_.size(), device, static_cast<size_t>(g_.config().cuda_slot_bytes), key + "ipc/",
-          [&store](const std::string& k, const std::string& v) { store.set(k, v); },
+          g_.rank(), g_.size(), device, static_cast<size_t>(g_.config().cuda_slot_bytes),
+          key + "ipc/", [&store](const std::string& k, const std::string& v) { store.set(k, v); },
           [&store](const std::string& k) { return store.get_to_str(k); });
       executor_ = std::make_unique<transport::CudaExecutor>(*channel_, g_.config().timeout);
     } catch (const std::exception& e) {
