@@ -91,7 +91,7 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
       DeviceOp op;
       op.phase = 0;
       op.num_sources = 1;
-      op.sources[0] = kSourceInput;
+      op.sources[0] = kOwnInput;
       op.src_offset = seg.payload_begin;
       op.dst_offset = seg.slot_begin;
       op.count = seg.count;

@@ -22,9 +22,8 @@
 
 namespace xdev::plan {
 
-constexpr int kMaxDeviceRanks = 16;   // ranks of one host the GPU path supports
-constexpr int kMaxDevicePhases = 8;   // every native schedule has at most 4
-constexpr int32_t kSourceInput = -1;  // a source that is the rank's own tensor
+constexpr int kMaxDeviceRanks = 16;  // ranks of one host the GPU path supports
+constexpr int kMaxDevicePhases = 8;  // every native schedule has at most 4
 
 struct DeviceOp {
   int32_t phase = 0;          // 0: staging, then 1..num_phases
@@ -32,7 +31,7 @@ struct DeviceOp {
   int32_t finalize = 0;       // produces a total: AVG divides here
   int32_t dst_is_output = 0;  // 1: the rank's tensor; 0: the rank's own staging slot
   int32_t num_sources = 0;
-  int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kSourceInput
+  int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kOwnInput (its tensor)
   int64_t src_offset = 0;                 // elements from the start of every source
   int64_t dst_offset = 0;                 // elements from the start of the destination
   int64_t count = 0;

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
       const plan::DeviceOp& op = p.ops[i];
       T* dst = reinterpret_cast<T*>(op.dst_is_output ? p.tensor : p.slots[p.rank]) + op.dst_offset;
       if (!op.is_reduce) {
-        const char* src = op.sources[0] == plan::kSourceInput ? p.tensor : p.slots[op.sources[0]];
+        const char* src = op.sources[0] == plan::kOwnInput ? p.tensor : p.slots[op.sources[0]];
         kernels::cuda::copy_bytes(reinterpret_cast<char*>(dst),
                                   src + op.src_offset * static_cast<int64_t>(sizeof(T)),
                                   op.count * static_cast<int64_t>(sizeof(T)), tid, nthreads);

@@ -35,10 +35,7 @@ void SharedBufferExecutor::run(const SharedBufferRequest& req) {
   const int me = channel_.rank();
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
-  channel_.publish(req.ctx.descriptor);
-  channel_.next_slot_set();                          // unused; keeps the count in step
-  channel_.barrier(req.ctx.deadline, req.ctx.what);  // every rank's input is ready
-  channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
+  channel_.open_collective(req.ctx);  // every rank's input is ready (its slot set goes unused)
 
   const plan::Range mine =
       plan::shared_buffer_slices(req.count, es, world)[static_cast<size_t>(me)];

@@ -86,25 +86,41 @@ class ShmChannel {
 
   char* slot(int64_t window_parity, int rank) const;
 
-  // The slot set for the next window. Every collective takes one before its
-  // first barrier (the staged path one per window), so after a mismatch,
-  // which all ranks detect at that first barrier, the counts still agree.
-  int64_t next_slot_set() { return slot_sets_taken_++; }
-
   // Blocks until every rank has reached the same number of barriers. Spins
   // briefly (only when there is a core per rank), then sleeps on a futex.
   // Throws PeerError naming the missing ranks at the deadline, or as soon as a
   // missing rank's process is gone.
   void barrier(Clock::time_point deadline, const std::string& what);
 
-  void publish(const OpDescriptor& d);
-  OpDescriptor descriptor_of(int rank, uint64_t seq) const;
+  // Opens a collective: publishes ctx.descriptor, takes the slot set of its
+  // first window, runs prepare(parity) (this rank's part before peers may
+  // look: staging its input, lending its buffer), passes the first barrier and
+  // checks that every rank published the same descriptor. Returns the slot
+  // set's parity. On a mismatch every rank throws MismatchError here, at the
+  // same barrier and with the same slot-set count, so the channel stays usable.
+  // Every collective, even one that uses no slot, opens with this.
+  template <typename Prepare>
+  int64_t open_collective(const OpContext& ctx, Prepare&& prepare) {
+    publish(ctx.descriptor);
+    const int64_t parity = open_window(ctx, prepare);
+    check_same_descriptor(ctx.descriptor, ctx.describe, ctx.what);
+    return parity;
+  }
+  int64_t open_collective(const OpContext& ctx) {
+    return open_collective(ctx, [](int64_t) {});
+  }
 
-  // After a barrier that follows publish(): throws MismatchError, with every
-  // rank's descriptor rendered by describe, unless all ranks published mine.
-  void check_same_descriptor(const OpDescriptor& mine,
-                             const std::function<std::string(const OpDescriptor&)>& describe,
-                             const std::string& what) const;
+  // Each later window of a collective opened by open_collective: takes the
+  // next slot set, runs prepare(parity), passes the window's first barrier.
+  template <typename Prepare>
+  int64_t open_window(const OpContext& ctx, Prepare&& prepare) {
+    const int64_t parity = next_slot_set();
+    prepare(parity);
+    barrier(ctx.deadline, ctx.what);
+    return parity;
+  }
+
+  OpDescriptor descriptor_of(int rank, uint64_t seq) const;
 
   // The buffer this rank lends to peers for op seq (single-copy transport).
   struct PeerBuffer {
@@ -125,6 +141,19 @@ class ShmChannel {
  private:
   struct Header;
   struct RankControl;
+
+  // The slot set for the next window. Every collective takes one before its
+  // first barrier (the staged path one per window), so after a mismatch,
+  // which all ranks detect at that first barrier, the counts still agree.
+  int64_t next_slot_set() { return slot_sets_taken_++; }
+
+  void publish(const OpDescriptor& d);
+
+  // After a barrier that follows publish(): throws MismatchError, with every
+  // rank's descriptor rendered by describe, unless all ranks published mine.
+  void check_same_descriptor(const OpDescriptor& mine,
+                             const std::function<std::string(const OpDescriptor&)>& describe,
+                             const std::string& what) const;
 
   // Records this rank's place in the segment and publishes its pid and probe.
   void init_local_rank(int world_size, int rank, size_t slot_bytes);

@@ -6,10 +6,7 @@
 namespace xdev::transport {
 
 void ShmExecutor::barrier(const OpContext& ctx) {
-  channel_.publish(ctx.descriptor);
-  channel_.next_slot_set();
-  channel_.barrier(ctx.deadline, ctx.what);
-  channel_.check_same_descriptor(ctx.descriptor, ctx.describe, ctx.what);
+  channel_.open_collective(ctx);
 }
 
 namespace {
@@ -115,17 +112,18 @@ void ShmExecutor::run(const CollectiveRequest& req) {
     barrier(req.ctx);
     return;
   }
-  channel_.publish(req.ctx.descriptor);
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const plan::WindowPlan w = plan.window(k);
     const plan::Schedule& sched = forwarded(w.schedule);
-    const int64_t parity = channel_.next_slot_set();
-    const auto& stagers = sched.stagers;
-    if (std::find(stagers.begin(), stagers.end(), me) != stagers.end()) {
-      stage(req, w, sched, channel_.slot(parity, me));
-    }
-    channel_.barrier(req.ctx.deadline, req.ctx.what);
-    if (k == 0) channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
+    const auto stage_mine = [&](int64_t parity) {
+      const auto& stagers = sched.stagers;
+      if (std::find(stagers.begin(), stagers.end(), me) != stagers.end()) {
+        stage(req, w, sched, channel_.slot(parity, me));
+      }
+    };
+    // The first window's barrier also checks every rank's descriptor.
+    const int64_t parity = k == 0 ? channel_.open_collective(req.ctx, stage_mine)
+                                  : channel_.open_window(req.ctx, stage_mine);
     for (int phase = 1; phase <= sched.num_phases; ++phase) {
       for (const plan::Step& s : sched.steps) {
         if (s.actor == me && s.phase == phase) run_step(req, w, s, parity);

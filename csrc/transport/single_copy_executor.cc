@@ -79,11 +79,11 @@ void SingleCopyExecutor::run_step(const SingleCopyRequest& req, const plan::Step
 void SingleCopyExecutor::run(const SingleCopyRequest& req) {
   const int me = channel_.rank();
   const uint64_t es = kernels::element_size(req.dtype);
-  channel_.publish(req.ctx.descriptor);
-  channel_.publish_buffer(req.ctx.descriptor.seq, req.data, static_cast<uint64_t>(req.count) * es);
-  channel_.next_slot_set();  // unused, but keeps the count in step with staged ops
-  channel_.barrier(req.ctx.deadline, req.ctx.what);  // every tensor is ready and lent
-  channel_.check_same_descriptor(req.ctx.descriptor, req.ctx.describe, req.ctx.what);
+  // The first barrier: every tensor is ready and lent (its slot set goes unused).
+  channel_.open_collective(req.ctx, [&](int64_t) {
+    channel_.publish_buffer(req.ctx.descriptor.seq, req.data,
+                            static_cast<uint64_t>(req.count) * es);
+  });
   const plan::Schedule& sched = *req.schedule;
   for (int phase = 1; phase <= sched.num_phases; ++phase) {
     for (const plan::Step& s : sched.steps) {

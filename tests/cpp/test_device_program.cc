@@ -34,7 +34,7 @@ std::vector<std::vector<int64_t>> interpret(const CollectivePlan& plan, int worl
         for (const DeviceOp& op : ops) {
           CHECK_EQ(op.phase, phase);
           auto source = [&](int s) -> const std::vector<int64_t>& {
-            return op.sources[s] == kSourceInput ? tensors[r] : slots[op.sources[s]];
+            return op.sources[s] == kOwnInput ? tensors[r] : slots[op.sources[s]];
           };
           std::vector<int64_t>& dst = op.dst_is_output ? tensors[r] : slots[r];
           for (int64_t i = 0; i < op.count; ++i) {
@@ -114,7 +114,7 @@ TEST(device_program_stages_then_writes_only_its_own_memory) {
     CHECK_EQ(static_cast<int>(p.phase_begin.size()), p.num_phases + 2);
     CHECK(p.phase_begin[1] > 0);  // every rank stages
     for (const DeviceOp& op : p.ops) {
-      CHECK((op.phase == 0) == (op.sources[0] == kSourceInput));
+      CHECK((op.phase == 0) == (op.sources[0] == kOwnInput));
       CHECK(op.count > 0);
     }
   }

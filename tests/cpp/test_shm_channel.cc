@@ -1,0 +1,297 @@
+// Tests of the shared-memory channel (csrc/transport/shm_channel.h), with one thread standing in
+// for each rank: every thread holds its own ShmChannel on a segment with a unique name, exactly
+// as separate processes would. The barrier and descriptor check are what every CPU executor
+// relies on, so the tests pin their contract: nobody passes a barrier before everyone arrived,
+// slot-set parities stay in step (double buffering needs no barrier at the end of a window), a
+// mismatched collective fails on every rank and leaves the channel usable, and a rank that never
+// arrives, or exits, makes the others fail with its name in bounded time.
+//
+// Threads record what they saw; the checks run on the main thread (the harness is not
+// thread-safe). No test waits on a timer to order threads: a rank that "never arrives" simply
+// does not call the barrier.
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_harness.h"
+#include "transport/shm_channel.h"
+#include "transport/shm_segment.h"
+
+namespace {
+
+using xdev::transport::Clock;
+using xdev::transport::MismatchError;
+using xdev::transport::OpContext;
+using xdev::transport::OpDescriptor;
+using xdev::transport::PeerError;
+using xdev::transport::ShmChannel;
+using xdev::transport::ShmSegment;
+
+constexpr size_t kSlotBytes = 64 * 1024;
+
+// One channel per rank on a fresh segment. The name is unlinked once all have attached, as the
+// backend does, so nothing is left in /dev/shm whatever happens next.
+std::vector<ShmChannel> make_group(int world, size_t slot_bytes = kSlotBytes) {
+  const std::string name = ShmSegment::make_name();
+  std::vector<ShmChannel> ranks;
+  ranks.push_back(ShmChannel::create(name, world, 0, slot_bytes));
+  for (int r = 1; r < world; ++r) ranks.push_back(ShmChannel::attach(name, world, r, slot_bytes));
+  ranks[0].unlink_name();
+  return ranks;
+}
+
+// Runs fn(rank, channel) on one thread per rank. Returns what each rank threw, as
+// "MismatchError: ...", "PeerError: ..." or "other: ...", or "" when it returned.
+std::vector<std::string> on_ranks(std::vector<ShmChannel>& ranks,
+                                  const std::function<void(int, ShmChannel&)>& fn) {
+  std::vector<std::string> errors(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(static_cast<int>(r), ranks[r]);
+      } catch (const MismatchError& e) {
+        errors[r] = std::string("MismatchError: ") + e.what();
+      } catch (const PeerError& e) {
+        errors[r] = std::string("PeerError: ") + e.what();
+      } catch (const std::exception& e) {
+        errors[r] = std::string("other: ") + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+OpContext make_ctx(uint64_t seq, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  OpContext ctx;
+  ctx.descriptor.seq = seq;
+  ctx.descriptor.collective = 1;
+  ctx.descriptor.total_elems = 1000;
+  ctx.deadline = Clock::now() + timeout;
+  ctx.what = "test op #" + std::to_string(seq);
+  ctx.describe = [](const OpDescriptor& d) {
+    return "seq " + std::to_string(d.seq) + " elems " + std::to_string(d.total_elems);
+  };
+  return ctx;
+}
+
+// Each window, every rank writes a value unique to (window, rank) into its slot of the window's
+// slot set, passes the window's first barrier, and reads every rank's slot. Any rank released
+// before all had written, or slot sets out of step, shows up as a stale value. Collectives of
+// one to three windows alternate, as staged collectives of several windows do; one rank per
+// window fills its whole slot before writing its value, so it is the late one.
+void check_windows_exchange(int world) {
+  constexpr int kCollectives = 150;
+  auto ranks = make_group(world);
+  std::vector<std::string> wrong(static_cast<size_t>(world));
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    int64_t window = 0;
+    for (int c = 0; c < kCollectives; ++c) {
+      const OpContext ctx = make_ctx(static_cast<uint64_t>(c));
+      for (int k = 0; k < 1 + c % 3; ++k, ++window) {
+        const uint64_t value = static_cast<uint64_t>(window) * 64 + static_cast<uint64_t>(me);
+        const auto prepare = [&](int64_t parity) {
+          char* slot = ch.slot(parity, me);
+          if (window % world == me) std::memset(slot, 0xee, ch.slot_bytes());
+          std::memcpy(slot, &value, sizeof value);
+        };
+        const int64_t parity =
+            k == 0 ? ch.open_collective(ctx, prepare) : ch.open_window(ctx, prepare);
+        if (parity != window && wrong[static_cast<size_t>(me)].empty()) {
+          wrong[static_cast<size_t>(me)] =
+              "window " + std::to_string(window) + " got slot set " + std::to_string(parity);
+        }
+        for (int r = 0; r < world; ++r) {
+          uint64_t seen = 0;
+          std::memcpy(&seen, ch.slot(parity, r), sizeof seen);
+          const uint64_t want = static_cast<uint64_t>(window) * 64 + static_cast<uint64_t>(r);
+          if (seen != want && wrong[static_cast<size_t>(me)].empty()) {
+            wrong[static_cast<size_t>(me)] = "window " + std::to_string(window) + ": rank " +
+                                             std::to_string(r) + "'s slot holds " +
+                                             std::to_string(seen) + ", not " + std::to_string(want);
+          }
+        }
+      }
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    CHECK_EQ(errors[static_cast<size_t>(r)], "");
+    CHECK_EQ(wrong[static_cast<size_t>(r)], "");
+  }
+}
+
+// World 2 spins before sleeping (a core per rank on most machines); 3 and 4 sleep on the futex
+// sooner: both wake-up paths run.
+TEST(shm_barrier_releases_ranks_only_together_world_2) {
+  check_windows_exchange(2);
+}
+TEST(shm_barrier_releases_ranks_only_together_world_3) {
+  check_windows_exchange(3);
+}
+TEST(shm_barrier_releases_ranks_only_together_world_4) {
+  check_windows_exchange(4);
+}
+
+TEST(shm_barrier_counts_phase_barriers) {
+  // Barriers after the first (a schedule's phases) keep ranks in step too: every rank bumps its
+  // counter, passes a barrier, and must then see every counter bumped.
+  constexpr int kWorld = 3, kRounds = 300;
+  auto ranks = make_group(kWorld);
+  std::vector<std::vector<int>> counters(kWorld, std::vector<int>(kRounds + 1, 0));
+  std::vector<int> stale(kWorld, 0);
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    ch.open_collective(make_ctx(1));
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    for (int i = 1; i <= kRounds; ++i) {
+      counters[static_cast<size_t>(me)][static_cast<size_t>(i)] = i;
+      ch.barrier(deadline, "phase");
+      for (int r = 0; r < kWorld; ++r) {
+        if (counters[static_cast<size_t>(r)][static_cast<size_t>(i)] != i) ++stale[me];
+      }
+    }
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    CHECK_EQ(errors[static_cast<size_t>(r)], "");
+    CHECK_EQ(stale[static_cast<size_t>(r)], 0);
+    CHECK_EQ(ranks[static_cast<size_t>(r)].barriers_passed(), static_cast<uint64_t>(kRounds + 1));
+  }
+}
+
+// Every field of the descriptor takes part in the check.
+const std::vector<std::function<void(OpDescriptor&)>>& field_changes() {
+  static const std::vector<std::function<void(OpDescriptor&)>> changes = {
+      [](OpDescriptor& d) { d.collective = 2; },     [](OpDescriptor& d) { d.reduce_op = 3; },
+      [](OpDescriptor& d) { d.dtype = 4; },          [](OpDescriptor& d) { d.algorithm = 5; },
+      [](OpDescriptor& d) { d.single_copy = 1; },    [](OpDescriptor& d) { d.device = 1; },
+      [](OpDescriptor& d) { d.root = 1; },           [](OpDescriptor& d) { d.num_packs = 2; },
+      [](OpDescriptor& d) { d.num_tensors = 2; },    [](OpDescriptor& d) { d.total_elems = 999; },
+      [](OpDescriptor& d) { d.shape_hash = 77; },    [](OpDescriptor& d) { d.shared_buffer = 0; },
+      [](OpDescriptor& d) { d.shared_offset = 64; },
+  };
+  return changes;
+}
+
+TEST(shm_mismatch_fails_on_every_rank_and_channel_stays_usable) {
+  constexpr int kWorld = 3;
+  auto ranks = make_group(kWorld);
+  const auto& changes = field_changes();
+  // Op 2i: rank 1 changes field i; op 2i + 1: all agree and exchange data through the slots.
+  // outcome[i][r]: rank r's MismatchError message at op 2i, or "passed".
+  std::vector<std::vector<std::string>> outcome(changes.size(), std::vector<std::string>(kWorld));
+  std::vector<std::string> later(kWorld);
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    for (size_t i = 0; i < changes.size(); ++i) {
+      OpContext bad = make_ctx(2 * i);
+      if (me == 1) changes[i](bad.descriptor);
+      try {
+        ch.open_collective(bad);
+        outcome[i][static_cast<size_t>(me)] = "passed";
+      } catch (const MismatchError& e) {
+        outcome[i][static_cast<size_t>(me)] = e.what();
+      }
+      const OpContext good = make_ctx(2 * i + 1);
+      const uint64_t value = 1000 * i + static_cast<uint64_t>(me);
+      const int64_t parity = ch.open_collective(
+          good, [&](int64_t p) { std::memcpy(ch.slot(p, me), &value, sizeof value); });
+      for (int r = 0; r < kWorld; ++r) {
+        uint64_t seen = 0;
+        std::memcpy(&seen, ch.slot(parity, r), sizeof seen);
+        if (seen != 1000 * i + static_cast<uint64_t>(r) && later[static_cast<size_t>(me)].empty()) {
+          later[static_cast<size_t>(me)] = "after mismatch " + std::to_string(i) + ": rank " +
+                                           std::to_string(r) + "'s slot holds " +
+                                           std::to_string(seen);
+        }
+      }
+    }
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    CHECK_EQ(errors[static_cast<size_t>(r)], "");
+    CHECK_EQ(later[static_cast<size_t>(r)], "");
+  }
+  for (size_t i = 0; i < changes.size(); ++i) {
+    // Every rank fails, with the same message, listing every rank's descriptor.
+    const std::string& msg = outcome[i][0];
+    CHECK(contains(msg, "mismatched collectives at test op #" + std::to_string(2 * i) + ":"));
+    for (int r = 0; r < kWorld; ++r) {
+      CHECK(contains(msg, "rank " + std::to_string(r) + ": seq " + std::to_string(2 * i)));
+      CHECK_EQ(outcome[i][static_cast<size_t>(r)], msg);
+    }
+    CHECK(contains(msg, "The group is still usable."));
+  }
+  // Each descriptor is rendered by describe: the total that differs shows on rank 1's line.
+  CHECK(contains(outcome[9][0], "rank 1: seq 18 elems 999\n  rank 2: seq 18 elems 1000"));
+}
+
+TEST(shm_barrier_times_out_naming_the_ranks_that_never_arrive) {
+  // Ranks 1 and 3 of four never call the barrier: the others wait until the deadline, no less,
+  // then fail naming exactly those two.
+  constexpr int kWorld = 4;
+  const auto timeout = std::chrono::milliseconds(200);
+  auto ranks = make_group(kWorld);
+  std::vector<double> waited_ms(kWorld, 0);
+  std::vector<int> woke_before_deadline(kWorld, 0);
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me == 1 || me == 3) return;
+    const OpContext ctx = make_ctx(5, timeout);
+    const auto start = Clock::now();
+    try {
+      ch.open_collective(ctx);
+    } catch (...) {
+      const auto end = Clock::now();
+      waited_ms[me] = std::chrono::duration<double, std::milli>(end - start).count();
+      woke_before_deadline[static_cast<size_t>(me)] = end < ctx.deadline;
+      throw;
+    }
+  });
+  for (int r : {0, 2}) {
+    const std::string& e = errors[static_cast<size_t>(r)];
+    CHECK(contains(e, "PeerError: xdev: timed out in test op #5 waiting for rank(s) 1, 3 of"));
+    CHECK_EQ(woke_before_deadline[static_cast<size_t>(r)], 0);
+    CHECK(waited_ms[r] >= 200.0);
+    CHECK(waited_ms[r] < 3000.0);
+  }
+  CHECK_EQ(errors[1], "");
+  CHECK_EQ(errors[3], "");
+}
+
+TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
+  // A real process as rank 1: it attaches and exits without ever reaching the barrier. Rank 0
+  // must notice the exit (not wait out its 20 s deadline) and name the rank and its pid.
+  const std::string name = ShmSegment::make_name();
+  ShmChannel me = ShmChannel::create(name, 2, 0, 4096);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    try {
+      ShmChannel peer = ShmChannel::attach(name, 2, 1, 4096);
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);
+  }
+  CHECK(child > 0);
+  if (child <= 0) return;
+  int status = 0;
+  ::waitpid(child, &status, 0);  // reaped: its pid no longer exists
+  me.unlink_name();
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const auto start = Clock::now();
+  CHECK_THROWS(me.barrier(start + std::chrono::seconds(20), "allreduce (op #3)"), PeerError,
+               "xdev: rank 1 (pid " + std::to_string(child) + ") exited during allreduce (op #3)");
+  CHECK(Clock::now() - start < std::chrono::seconds(5));
+}
+
+}  // namespace
