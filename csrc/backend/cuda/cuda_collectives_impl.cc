@@ -19,7 +19,6 @@
 #include "../../transport/cuda_executor.h"
 #include "../../transport/cuda_ipc_channel.h"
 #include "../../transport/nvml_links.h"
-#include "../../transport/shm_executor.h"
 #include "../allreduce_call.h"
 #include "../cuda_collectives.h"
 #include "../group_context.h"
@@ -183,7 +182,6 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     executor_.reset();
     channel_.reset();
-    host_barrier_.reset();
     stream_.reset();
   }
 
@@ -310,7 +308,6 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     const int64_t failures = count_failures_across_ranks(store, key, !why.empty(), g_.size());
     if (failures == 0) {
-      host_barrier_.emplace(*g_.channel());
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
                              std::to_string(g_.config().cuda_slot_bytes) + " bytes per slot";
@@ -353,7 +350,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       call.descriptor.device = 1;
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
-      host_barrier_->barrier(g_.make_context(call.descriptor, "allreduce", deadline));
+      g_.channel()->open_collective(g_.make_context(call.descriptor, "allreduce", deadline));
       if (total == 0) continue;
 
       transport::CudaPlanKey key;
@@ -386,9 +383,6 @@ class CudaCollectivesImpl : public CudaCollectives {
   std::optional<c10::cuda::CUDAStream> stream_;
   // The balanced plan's trees follow the GPUs' NVLinks (made once they are known).
   std::optional<AllreducePlanner> planner_;
-  // The host half of every CUDA collective: its descriptor check over the
-  // group's shared-memory channel (present whenever the transport is).
-  std::optional<transport::ShmExecutor> host_barrier_;
   std::unique_ptr<transport::CudaIpcChannel> channel_;
   std::unique_ptr<transport::CudaExecutor> executor_;
 };
