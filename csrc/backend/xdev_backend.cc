@@ -128,10 +128,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   packing_.bytes_per_pack = config_.bytes_per_pack;
   packing_.validate();
   plan::check_root("reduce_to_rank", static_cast<int>(config_.reduce_to_rank), size);
-  if (config_.shm_slot_bytes < 4096) {
-    throw std::invalid_argument("shm_slot_bytes must be >= 4096; got " +
-                                std::to_string(config_.shm_slot_bytes));
-  }
+  validate(config_);
   rendezvous_hosts(*store);
   plan::check_forced_algorithm(requested_, size, num_hosts_);
   if (num_hosts_ == 1 && size > 1 && requested_ != plan::Algorithm::kFallback) {
@@ -148,10 +145,6 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     params.sleeping_barrier_latency_s = config_.cpu_sleeping_barrier_us * 1e-6;
     params.window_bytes = config_.shm_slot_bytes;
     cpu_model_ = std::make_unique<plan::MachineModel>(plan::cpu_host(size, params));
-  }
-  if (config_.cuda_slot_bytes < 4096 || config_.cuda_slot_bytes % 256 != 0) {
-    throw std::invalid_argument("cuda_slot_bytes must be a multiple of 256 and >= 4096; got " +
-                                std::to_string(config_.cuda_slot_bytes));
   }
   cuda_ = make_cuda_collectives(*this);
   queue_ = std::make_unique<WorkQueue>();
