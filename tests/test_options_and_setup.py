@@ -100,6 +100,18 @@ def test_init_methods(method: str, tmp_path: Any) -> None:
     infos = run_ranks(_init_and_sum, 2, method, str(tmp_path / "rendezvous"))
     assert infos[0]["shared_memory"] and infos[0]["num_hosts"] == 1
     assert infos[0]["fallback_backend"] == "gloo"
+    # describe() reports every option that declares a key (backend_config.h), as set.
+    keys = [f["describe_key"] for f in _C.BackendConfig.fields() if f["describe_key"]]
+    assert {k: infos[0][k] for k in keys if k != "timeout_s"} == {
+        "algorithm": "auto",
+        "num_packs": -1,
+        "agg_small_grads_max_bytes": 0,
+        "agg_small_grads_max_group": 0,
+        "bytes_per_pack": 0,
+        "reduce_to_rank": 0,
+        "shm_slot_bytes": torch_xdev.Options().shm_slot_bytes,
+    }
+    assert infos[0]["timeout_s"] == dist.default_pg_timeout.total_seconds()  # the group's
     cuda = infos[0]["cuda"]
     if not torch_xdev._C.built_with_cuda:
         # A CPU-only build says so, and CUDA tensors would go to Gloo.

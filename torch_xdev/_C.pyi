@@ -4,30 +4,46 @@ from typing import Any, TypedDict
 
 from torch._C._distributed_c10d import Backend, Store
 
+class BackendConfigField(TypedDict):
+    name: str
+    type: str  # as this stub spells it
+    option: bool  # a field of torch_xdev.Options; else set by torch_xdev._registration
+    doc: str
+    describe_key: str | None  # its key in XdevBackend.describe(), if it has one
+
 class BackendConfig:
-    algorithm: str
-    num_packs: int
-    agg_small_grads_max_bytes: int
-    agg_small_grads_max_group: int
-    bytes_per_pack: int
-    reduce_to_rank: int
-    timeout: timedelta
-    shm_slot_bytes: int
-    single_copy: bool
-    cuda_slot_bytes: int
-    topo_file: str
-    topo_nvlink: list[list[int]]
-    topo_reachable: list[list[int]]
-    hostname: str
-    group_name: str
-    debug: bool
-    cpu_core_gbps: float
-    cpu_memory_gbps: float
-    cpu_launch_us: float
-    cpu_barrier_us: float
-    cpu_step_us: float
-    cpu_sleeping_barrier_us: float
+    """Declared by XDEV_OPTION_FIELDS and XDEV_INTERNAL_FIELDS (csrc/backend/backend_config.h).
+
+    tests/test_option_declarations.py checks the attributes below against the binding, and
+    prints the lines to paste when they differ.
+    """
+
+    algorithm: str  # allreduce algorithm, or "auto" to choose per call
+    num_packs: int  # packs for concat-and-split; -1: the algorithm's choice, 0: off
+    agg_small_grads_max_bytes: int  # small-tensor aggregation: largest tensor grouped
+    agg_small_grads_max_group: int  # small-tensor aggregation: most tensors per group
+    bytes_per_pack: int  # cut the payload into packs of this many bytes (0: off)
+    reduce_to_rank: int  # the root of reduce_to_one
+    timeout: timedelta  # per-collective timeout
+    shm_slot_bytes: int  # staging bytes per rank and slot set; larger payloads run in windows
+    cuda_slot_bytes: int  # GPU staging bytes per rank and slot set (two sets per rank)
+    single_copy: bool  # let peers read large tensors in place (process_vm_readv)
+    debug: bool  # log the chosen plans to stderr
+    hostname: str  # this rank's host identity (XDEV_HOSTNAME)
+    group_name: str  # the group's name
+    topo_file: str  # XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)
+    topo_nvlink: list[list[int]]  # NVLinks per pair of local ranks
+    topo_reachable: list[list[int]]  # peer access per pair of local ranks; empty: where nvlink > 0
+    cpu_core_gbps: float  # CPU cost model: one core, GB/s
+    cpu_memory_gbps: float  # CPU cost model: memory, GB/s
+    cpu_launch_us: float  # CPU cost model: per call, us
+    cpu_barrier_us: float  # CPU cost model: barrier, us
+    cpu_step_us: float  # CPU cost model: per step, us
+    cpu_sleeping_barrier_us: float  # CPU cost model: barrier with more ranks than cores, us
     def __init__(self) -> None: ...
+    def validate(self) -> None: ...
+    @staticmethod
+    def fields() -> list[BackendConfigField]: ...
 
 class XdevBackend(Backend):
     def __init__(

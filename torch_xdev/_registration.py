@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from . import _C
-from .options import Options, resolve_options
+from .options import Options, backend_config, resolve_options
 from .topology import load_topology_file
 
 BACKEND_NAME = "xdev"
@@ -92,32 +92,18 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     group_id = str(dist_opts.group_id)
     options = resolve_options(pg_options)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    seconds = options.timeout_seconds()
-    timeout = timedelta(seconds=seconds) if seconds is not None else dist_opts.timeout
-    store = dist_opts.store
-    fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, timeout)
-    cuda_fallback = _make_nccl(store, rank, size, timeout)
-
-    config = _C.BackendConfig()
-    config.algorithm = options.algorithm
-    config.num_packs = -1 if options.num_packs is None else options.num_packs
-    config.agg_small_grads_max_bytes = options.agg_small_grads_max_bytes
-    config.agg_small_grads_max_group = options.agg_small_grads_max_group
-    config.bytes_per_pack = options.bytes_per_pack
-    config.reduce_to_rank = options.reduce_to_rank
-    config.timeout = timeout
-    config.shm_slot_bytes = options.shm_slot_bytes
-    config.single_copy = options.single_copy
-    config.cuda_slot_bytes = options.cuda_slot_bytes
+    config = backend_config(options, dist_opts.timeout)
     config.hostname = host_identity()
     config.group_name = group_id
-    config.debug = options.debug
     model_file = os.environ.get("XDEV_CPU_MODEL")
     if model_file:
         apply_cpu_model_file(config, model_file)
     topo_file = os.environ.get("XDEV_TOPO_FILE")
     if topo_file:
         apply_topology_file(config, topo_file)
+    store = dist_opts.store
+    fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
+    cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     return _C.XdevBackend(store, rank, size, config, fallback, cuda_fallback)
 
 

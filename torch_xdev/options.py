@@ -1,4 +1,11 @@
-"""Options of an xdev process group, and their XDEV_* environment overrides."""
+"""Options of an xdev process group, and their XDEV_* environment overrides.
+
+Each option is declared once, as a field of ``Options`` below: its default, its environment
+variable and parser, its check, and how it is copied into the C++ ``BackendConfig``, whose own
+declaration of the same option is in csrc/backend/backend_config.h. ``ENV_KNOBS`` and the
+copy into C++ (``backend_config``) are derived from the fields; tests/test_option_declarations.py
+fails when the two declarations disagree.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
+
+from . import _C
 
 ALGORITHMS = (
     "auto",
@@ -16,6 +25,86 @@ ALGORITHMS = (
     "direct",
     "fallback",
 )
+
+
+def _parse_int(text: str) -> int:
+    return int(text, 0)
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _parse_debug(text: str) -> bool:
+    return text.strip().upper() in ("1", "INFO", "DEBUG", "TRUE", "YES")
+
+
+def _check_algorithm(name: str, value: Any) -> None:
+    if value not in ALGORITHMS:
+        raise ValueError(f"Options.{name} must be one of {', '.join(ALGORITHMS)}; got {value!r}")
+
+
+def _check_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"Options.{name} must be an int; got {value!r}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    _check_int(name, value)
+    if value < 0:
+        raise ValueError(f"Options.{name} must be >= 0; got {value}")
+
+
+def _check_optional_count(name: str, value: Any) -> None:
+    if value is not None:
+        _check_count(name, value)
+
+
+def _seconds(timeout: Union[timedelta, float]) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+def _check_timeout(name: str, value: Any) -> None:
+    if value is not None and _seconds(value) <= 0:
+        raise ValueError(f"Options.{name} must be positive; got {value!r}")
+
+
+def _same(value: Any, group_timeout: timedelta) -> Any:
+    return value
+
+
+def _packs_to_config(value: Optional[int], group_timeout: timedelta) -> int:
+    return -1 if value is None else value  # -1: the algorithm chooses
+
+
+def _timeout_to_config(value: Optional[Union[timedelta, float]], group_timeout: timedelta) -> Any:
+    return group_timeout if value is None else timedelta(seconds=_seconds(value))
+
+
+def _option(
+    default: Any,
+    env: str,
+    parse: Callable[[str], Any],
+    check: Optional[Callable[[str, Any], None]] = None,
+    to_config: Callable[[Any, timedelta], Any] = _same,
+) -> Any:
+    """Declares one option.
+
+    Args:
+        default: its value when neither the caller nor the environment sets it.
+        env: the environment variable that overrides it; ``parse`` turns the text into a value.
+        check: raises ValueError for a bad value; range checks that C++ also needs are
+            ``BackendConfig.validate``'s, run by ``Options.validate`` after these.
+        to_config: its value in the C++ ``BackendConfig`` field of the same name, given the
+            group's timeout.
+    """
+    metadata = {"env": env, "parse": parse, "check": check, "to_config": to_config}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
@@ -49,96 +138,60 @@ class Options:
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
-    algorithm: str = "auto"
-    num_packs: Optional[int] = None
-    agg_small_grads_max_bytes: int = 0
-    agg_small_grads_max_group: int = 0
-    bytes_per_pack: int = 0
-    reduce_to_rank: int = 0
-    timeout: Optional[Union[timedelta, float]] = None
-    shm_slot_bytes: int = 256 << 10
-    cuda_slot_bytes: int = 32 << 20
-    single_copy: bool = False
-    debug: bool = False
+    algorithm: str = _option("auto", "XDEV_ALGO", str.strip, _check_algorithm)
+    num_packs: Optional[int] = _option(
+        None, "XDEV_NUM_PACKS", _parse_int, _check_optional_count, _packs_to_config
+    )
+    agg_small_grads_max_bytes: int = _option(
+        0, "XDEV_AGG_SMALL_GRADS_MAX_BYTES", _parse_int, _check_count
+    )
+    agg_small_grads_max_group: int = _option(
+        0, "XDEV_AGG_SMALL_GRADS_MAX_GROUP", _parse_int, _check_count
+    )
+    bytes_per_pack: int = _option(0, "XDEV_BYTES_PER_PACK", _parse_int, _check_count)
+    reduce_to_rank: int = _option(0, "XDEV_REDUCE_TO_RANK", _parse_int, _check_count)
+    timeout: Optional[Union[timedelta, float]] = _option(
+        None, "XDEV_TIMEOUT", float, _check_timeout, _timeout_to_config
+    )
+    shm_slot_bytes: int = _option(256 << 10, "XDEV_SHM_SLOT_BYTES", _parse_int, _check_int)
+    cuda_slot_bytes: int = _option(32 << 20, "XDEV_CUDA_SLOT_BYTES", _parse_int, _check_int)
+    single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool)
+    debug: bool = _option(False, "XDEV_DEBUG", _parse_debug)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"Options.algorithm must be one of {', '.join(ALGORITHMS)}; got {self.algorithm!r}"
-            )
-        for name in (
-            "num_packs",
-            "agg_small_grads_max_bytes",
-            "agg_small_grads_max_group",
-            "bytes_per_pack",
-            "reduce_to_rank",
-        ):
-            value = getattr(self, name)
-            if value is None and name == "num_packs":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"Options.{name} must be an int; got {value!r}")
-            if value < 0:
-                raise ValueError(f"Options.{name} must be >= 0; got {value}")
-        if not isinstance(self.shm_slot_bytes, int) or self.shm_slot_bytes < 4096:
-            raise ValueError(
-                f"Options.shm_slot_bytes must be an int >= 4096; got {self.shm_slot_bytes!r}"
-            )
-        if (
-            not isinstance(self.cuda_slot_bytes, int)
-            or self.cuda_slot_bytes < 4096
-            or self.cuda_slot_bytes % 256 != 0
-        ):
-            raise ValueError(
-                "Options.cuda_slot_bytes must be an int >= 4096 and a multiple of 256; "
-                f"got {self.cuda_slot_bytes!r}"
-            )
-        seconds = self.timeout_seconds()
-        if seconds is not None and seconds <= 0:
-            raise ValueError(f"Options.timeout must be positive; got {self.timeout!r}")
+        for field in dataclasses.fields(self):
+            check = field.metadata["check"]
+            if check is not None:
+                check(field.name, getattr(self, field.name))
+        try:
+            backend_config(self, _C.BackendConfig().timeout).validate()
+        except ValueError as e:  # C++ names the field
+            raise ValueError(f"Options.{e}") from None
 
     def timeout_seconds(self) -> Optional[float]:
-        if self.timeout is None:
-            return None
-        if isinstance(self.timeout, timedelta):
-            return self.timeout.total_seconds()
-        return float(self.timeout)
+        return None if self.timeout is None else _seconds(self.timeout)
 
 
-def _parse_int(text: str) -> int:
-    return int(text, 0)
+def backend_config(options: Options, group_timeout: timedelta) -> _C.BackendConfig:
+    """A C++ BackendConfig holding every option (its other fields at their defaults).
+
+    A timeout of None becomes ``group_timeout``.
+    """
+    config = _C.BackendConfig()
+    for field in dataclasses.fields(options):
+        value = field.metadata["to_config"](getattr(options, field.name), group_timeout)
+        setattr(config, field.name, value)
+    return config
 
 
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected 1/0, true/false, yes/no or on/off")
-
-
-def _parse_debug(text: str) -> bool:
-    return text.strip().upper() in ("1", "INFO", "DEBUG", "TRUE", "YES")
-
-
-# One line per knob: field, variable, parser.
-ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
-    ("algorithm", "XDEV_ALGO", str.strip),
-    ("num_packs", "XDEV_NUM_PACKS", _parse_int),
-    ("agg_small_grads_max_bytes", "XDEV_AGG_SMALL_GRADS_MAX_BYTES", _parse_int),
-    ("agg_small_grads_max_group", "XDEV_AGG_SMALL_GRADS_MAX_GROUP", _parse_int),
-    ("bytes_per_pack", "XDEV_BYTES_PER_PACK", _parse_int),
-    ("reduce_to_rank", "XDEV_REDUCE_TO_RANK", _parse_int),
-    ("timeout", "XDEV_TIMEOUT", float),
-    ("shm_slot_bytes", "XDEV_SHM_SLOT_BYTES", _parse_int),
-    ("cuda_slot_bytes", "XDEV_CUDA_SLOT_BYTES", _parse_int),
-    ("single_copy", "XDEV_SINGLE_COPY", _parse_bool),
-    ("debug", "XDEV_DEBUG", _parse_debug),
+# (field, variable, parser) of every option.
+ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = tuple(
+    (field.name, field.metadata["env"], field.metadata["parse"])
+    for field in dataclasses.fields(Options)
 )
 
 

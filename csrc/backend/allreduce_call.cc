@@ -8,11 +8,7 @@ namespace {
 // The packing of an allreduce run by sel: the user's if they chose one, else
 // the selection's pack count.
 plan::PackingOptions packing_for(const BackendConfig& config, const plan::Selection& sel) {
-  plan::PackingOptions packing;
-  packing.num_packs = config.num_packs < 0 ? 0 : config.num_packs;
-  packing.agg_small_grads_max_bytes = config.agg_small_grads_max_bytes;
-  packing.agg_small_grads_max_group = config.agg_small_grads_max_group;
-  packing.bytes_per_pack = config.bytes_per_pack;
+  plan::PackingOptions packing = packing_options(config);
   const bool user_packing =
       packing.num_packs > 0 || packing.bytes_per_pack > 0 ||
       (packing.agg_small_grads_max_bytes > 0 && packing.agg_small_grads_max_group > 0);
@@ -21,6 +17,15 @@ plan::PackingOptions packing_for(const BackendConfig& config, const plan::Select
 }
 
 }  // namespace
+
+plan::PackingOptions packing_options(const BackendConfig& config) {
+  plan::PackingOptions packing;
+  packing.num_packs = config.num_packs < 0 ? 0 : config.num_packs;
+  packing.agg_small_grads_max_bytes = config.agg_small_grads_max_bytes;
+  packing.agg_small_grads_max_group = config.agg_small_grads_max_group;
+  packing.bytes_per_pack = config.bytes_per_pack;
+  return packing;
+}
 
 std::vector<DtypeAllreduce> prepare_allreduce(GroupContext& group,
                                               const std::vector<at::Tensor>& tensors,

@@ -28,6 +28,9 @@ struct DtypeAllreduce {
   int64_t total() const { return group.layout.total(); }
 };
 
+// The user's packing options (Options.num_packs and friends).
+plan::PackingOptions packing_options(const BackendConfig& config);
+
 // Groups tensors (native dtypes only) by dtype and gives each group its packs
 // and descriptor, in the order every rank runs them. Takes one sequence number
 // per group: op thread only. Without packing (packed false) every group is one

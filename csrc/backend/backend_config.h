@@ -1,5 +1,18 @@
-// Resolved options of one xdev group, as torch_xdev.Options (with XDEV_*
-// overrides applied and validated in Python) hands them to C++.
+// Settings of one xdev group, as torch_xdev hands them to C++.
+//
+// Each setting is declared once, in one of the two lists below. The struct's members, the
+// Python class torch_xdev._C.BackendConfig (config_bindings.cc), the option keys of describe()
+// and the check of the type stub (tests/test_option_declarations.py) are generated from them.
+//
+// XDEV_OPTION_FIELDS: the user options. Each is also a field of torch_xdev.Options (options.py),
+// which parses its XDEV_* variable and checks its value, and copies every field here. The test
+// fails when one side declares an option the other lacks, or a different default.
+//   X(type, name, default, doc, describe_key): describe_key is the option's key in describe(),
+//   or "" where describe() reports what the option resulted in instead (e.g. whether single
+//   copy is available) or reports it in a sub-dict (cuda_slot_bytes, under "cuda").
+//
+// XDEV_INTERNAL_FIELDS: set by torch_xdev._registration from the host and the environment.
+//   X(type, name, default, doc)
 #pragma once
 
 #include <chrono>
@@ -7,37 +20,65 @@
 #include <string>
 #include <vector>
 
+#include "../plan/machines.h"
+
+// clang-format off
+#define XDEV_OPTION_FIELDS(X)                                                                    \
+  X(std::string, algorithm, "auto", "allreduce algorithm, or \"auto\" to choose per call",       \
+    "algorithm")                                                                                 \
+  X(int64_t, num_packs, -1, "packs for concat-and-split; -1: the algorithm's choice, 0: off",    \
+    "num_packs")                                                                                 \
+  X(int64_t, agg_small_grads_max_bytes, 0, "small-tensor aggregation: largest tensor grouped",   \
+    "agg_small_grads_max_bytes")                                                                 \
+  X(int64_t, agg_small_grads_max_group, 0, "small-tensor aggregation: most tensors per group",   \
+    "agg_small_grads_max_group")                                                                 \
+  X(int64_t, bytes_per_pack, 0, "cut the payload into packs of this many bytes (0: off)",        \
+    "bytes_per_pack")                                                                            \
+  X(int64_t, reduce_to_rank, 0, "the root of reduce_to_one", "reduce_to_rank")                   \
+  X(std::chrono::milliseconds, timeout, std::chrono::minutes(30), "per-collective timeout",      \
+    "timeout_s")                                                                                 \
+  X(int64_t, shm_slot_bytes, int64_t{256} << 10,                                                 \
+    "staging bytes per rank and slot set; larger payloads run in windows", "shm_slot_bytes")     \
+  X(int64_t, cuda_slot_bytes, int64_t{32} << 20,                                                 \
+    "GPU staging bytes per rank and slot set (two sets per rank)", "")                           \
+  X(bool, single_copy, false, "let peers read large tensors in place (process_vm_readv)", "")    \
+  X(bool, debug, false, "log the chosen plans to stderr", "")
+
+#define XDEV_INTERNAL_FIELDS(X)                                                                  \
+  X(std::string, hostname, "", "this rank's host identity (XDEV_HOSTNAME)")                      \
+  X(std::string, group_name, "", "the group's name")                                             \
+  X(std::string, topo_file, "", "XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)")   \
+  X(std::vector<std::vector<int64_t>>, topo_nvlink, {}, "NVLinks per pair of local ranks")       \
+  X(std::vector<std::vector<int64_t>>, topo_reachable, {},                                       \
+    "peer access per pair of local ranks; empty: where nvlink > 0")                              \
+  X(double, cpu_core_gbps, xdev::plan::cpu_fit::kCoreGbps, "CPU cost model: one core, GB/s")     \
+  X(double, cpu_memory_gbps, xdev::plan::cpu_fit::kMemoryGbps, "CPU cost model: memory, GB/s")   \
+  X(double, cpu_launch_us, xdev::plan::cpu_fit::kLaunchUs, "CPU cost model: per call, us")       \
+  X(double, cpu_barrier_us, xdev::plan::cpu_fit::kBarrierUs, "CPU cost model: barrier, us")      \
+  X(double, cpu_step_us, xdev::plan::cpu_fit::kStepUs, "CPU cost model: per step, us")           \
+  X(double, cpu_sleeping_barrier_us, xdev::plan::cpu_fit::kSleepingBarrierUs,                    \
+    "CPU cost model: barrier with more ranks than cores, us")
+// clang-format on
+
 namespace xdev::backend {
 
+// The cpu_* fields are the cost model of this host's shared-memory path that algorithm="auto"
+// chooses by (plan::cpu_host); XDEV_CPU_MODEL names a file of benchmarks/calibrate.py's that
+// replaces them.
 struct BackendConfig {
-  std::string algorithm = "auto";
-  int64_t num_packs = -1;  // -1: the algorithm's default (N packs for hierarchical copy)
-  int64_t agg_small_grads_max_bytes = 0;
-  int64_t agg_small_grads_max_group = 0;
-  int64_t bytes_per_pack = 0;
-  int64_t reduce_to_rank = 0;
-  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  int64_t shm_slot_bytes = 256 << 10;  // per rank and slot set; see README "Performance"
-  bool single_copy = false;            // let peers read tensors in place (opt-in)
-  int64_t cuda_slot_bytes = 32 << 20;  // per rank and slot set, in GPU memory (x2 per rank)
-  // XDEV_TOPO_FILE: an injected GPU link matrix, rows = local ranks (empty: detect).
-  std::string topo_file;
-  std::vector<std::vector<int64_t>> topo_nvlink;
-  std::vector<std::vector<int64_t>> topo_reachable;  // optional; empty: where nvlink > 0
-  std::string hostname;                              // this rank's host identity
-  std::string group_name;
-  bool debug = false;
-
-  // The cost model of this host's shared-memory path that algorithm="auto"
-  // chooses by (plan::cpu_host). Defaults: fitted on the 2-core development
-  // machine by benchmarks/calibrate.py (docs/calibration.md), where memory, not
-  // a core, is the bottleneck; XDEV_CPU_MODEL names a file it wrote.
-  double cpu_core_gbps = 2000.0;
-  double cpu_memory_gbps = 27.5;
-  double cpu_launch_us = 59.0;
-  double cpu_barrier_us = 0.01;
-  double cpu_step_us = 0.0;
-  double cpu_sleeping_barrier_us = 8.6;
+#define XDEV_DECLARE_FIELD(type, name, default_value, ...) type name = default_value;
+  XDEV_OPTION_FIELDS(XDEV_DECLARE_FIELD)
+  XDEV_INTERNAL_FIELDS(XDEV_DECLARE_FIELD)
+#undef XDEV_DECLARE_FIELD
 };
+
+// The smallest staging slot, in host and in GPU memory, and the alignment of a GPU slot.
+inline constexpr int64_t kMinSlotBytes = 4096;
+inline constexpr int64_t kCudaSlotAlignment = 256;
+
+// Throws std::invalid_argument naming the first setting out of range. Settings whose range
+// depends on the group (reduce_to_rank, an algorithm that needs an even world) are checked
+// where the group is known.
+void validate(const BackendConfig& config);
 
 }  // namespace xdev::backend

@@ -15,6 +15,7 @@
 #include "../plan/topology.h"
 #include "../transport/shm_segment.h"
 #include "backend_config.h"
+#include "config_bindings.h"
 #include "plan_bindings.h"
 #include "topology_bindings.h"
 #include "xdev_backend.h"
@@ -94,14 +95,7 @@ py::dict describe(const XdevBackend& b) {
   const BackendConfig& c = b.config();
   py::dict d;
   d["backend"] = "xdev";
-  d["algorithm"] = c.algorithm;
-  d["num_packs"] = c.num_packs;
-  d["agg_small_grads_max_bytes"] = c.agg_small_grads_max_bytes;
-  d["agg_small_grads_max_group"] = c.agg_small_grads_max_group;
-  d["bytes_per_pack"] = c.bytes_per_pack;
-  d["reduce_to_rank"] = c.reduce_to_rank;
-  d["timeout_s"] = std::chrono::duration<double>(c.timeout).count();
-  d["shm_slot_bytes"] = c.shm_slot_bytes;
+  describe_options(c, d);
   d["rank"] = b.getRank();
   d["world_size"] = b.getSize();
   d["local_world_size"] = b.local_world_size();
@@ -146,30 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using xdev::backend::XdevBackend;
   py::module_::import("torch.distributed");  // registers c10d's Backend and Store types
 
-  py::class_<BackendConfig>(m, "BackendConfig")
-      .def(py::init<>())
-      .def_readwrite("algorithm", &BackendConfig::algorithm)
-      .def_readwrite("num_packs", &BackendConfig::num_packs)
-      .def_readwrite("agg_small_grads_max_bytes", &BackendConfig::agg_small_grads_max_bytes)
-      .def_readwrite("agg_small_grads_max_group", &BackendConfig::agg_small_grads_max_group)
-      .def_readwrite("bytes_per_pack", &BackendConfig::bytes_per_pack)
-      .def_readwrite("reduce_to_rank", &BackendConfig::reduce_to_rank)
-      .def_readwrite("timeout", &BackendConfig::timeout)
-      .def_readwrite("shm_slot_bytes", &BackendConfig::shm_slot_bytes)
-      .def_readwrite("single_copy", &BackendConfig::single_copy)
-      .def_readwrite("cuda_slot_bytes", &BackendConfig::cuda_slot_bytes)
-      .def_readwrite("topo_file", &BackendConfig::topo_file)
-      .def_readwrite("topo_nvlink", &BackendConfig::topo_nvlink)
-      .def_readwrite("topo_reachable", &BackendConfig::topo_reachable)
-      .def_readwrite("hostname", &BackendConfig::hostname)
-      .def_readwrite("group_name", &BackendConfig::group_name)
-      .def_readwrite("debug", &BackendConfig::debug)
-      .def_readwrite("cpu_core_gbps", &BackendConfig::cpu_core_gbps)
-      .def_readwrite("cpu_memory_gbps", &BackendConfig::cpu_memory_gbps)
-      .def_readwrite("cpu_launch_us", &BackendConfig::cpu_launch_us)
-      .def_readwrite("cpu_barrier_us", &BackendConfig::cpu_barrier_us)
-      .def_readwrite("cpu_step_us", &BackendConfig::cpu_step_us)
-      .def_readwrite("cpu_sleeping_barrier_us", &BackendConfig::cpu_sleeping_barrier_us);
+  xdev::backend::bind_config(m);
 
   py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
       .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,

@@ -9,6 +9,7 @@
 #include "../plan/collective_plan.h"
 #include "../plan/packing.h"
 #include "../plan/selection.h"
+#include "allreduce_call.h"
 
 namespace xdev::backend {
 namespace {
@@ -21,23 +22,11 @@ std::exception_ptr as_dist_error(const std::string& msg) {
   }
 }
 
-// The options that need the group's size to check; the rest were checked in Python.
+// Options are checked where they are declared (validate); these need the group's size too.
 void check_options(const BackendConfig& config, int size) {
-  plan::PackingOptions packing;
-  packing.num_packs = config.num_packs < 0 ? 0 : config.num_packs;
-  packing.agg_small_grads_max_bytes = config.agg_small_grads_max_bytes;
-  packing.agg_small_grads_max_group = config.agg_small_grads_max_group;
-  packing.bytes_per_pack = config.bytes_per_pack;
-  packing.validate();
+  packing_options(config).validate();
   plan::check_root("reduce_to_rank", static_cast<int>(config.reduce_to_rank), size);
-  if (config.shm_slot_bytes < 4096) {
-    throw std::invalid_argument("shm_slot_bytes must be >= 4096; got " +
-                                std::to_string(config.shm_slot_bytes));
-  }
-  if (config.cuda_slot_bytes < 4096 || config.cuda_slot_bytes % 256 != 0) {
-    throw std::invalid_argument("cuda_slot_bytes must be a multiple of 256 and >= 4096; got " +
-                                std::to_string(config.cuda_slot_bytes));
-  }
+  validate(config);
 }
 
 }  // namespace

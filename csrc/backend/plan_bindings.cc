@@ -127,7 +127,8 @@ void bind_plan(py::module_& parent) {
       },
       py::arg("ranks"), py::arg("cores"), py::arg("core_gbps"), py::arg("memory_gbps"),
       py::arg("launch_us"), py::arg("barrier_us"), py::arg("window_bytes"),
-      py::arg("step_us") = 0.0, py::arg("sleeping_barrier_us") = 8.6,
+      py::arg("step_us") = plan::cpu_fit::kStepUs,
+      py::arg("sleeping_barrier_us") = plan::cpu_fit::kSleepingBarrierUs,
       "One host's ranks exchanging through shared memory with the staged executor.");
 
   m.def(

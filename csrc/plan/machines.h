@@ -37,18 +37,29 @@ LinkMatrix dgx1_v100_links();
 // 8 GPUs with no NVLink: every transfer crosses PCIe Gen3 x16.
 MachineModel pcie_8gpu();
 
-// Defaults: fitted on the 2-core development machine (docs/calibration.md).
+// The CPU host's parameters as benchmarks/calibrate.py fitted them on the 2-core development
+// machine, where memory, not a core, is the bottleneck (docs/calibration.md), in the units of
+// the file it writes. CpuHostParams and the backend's cpu_* settings (which XDEV_CPU_MODEL
+// replaces) both start from these.
+namespace cpu_fit {
+inline constexpr double kCoreGbps = 2000.0;  // one core's copy / reduce throughput
+inline constexpr double kMemoryGbps = 27.5;  // the whole host's memory bandwidth
+inline constexpr double kLaunchUs = 59.0;    // per collective call; * (ranks / cores)^2 above one
+inline constexpr double kBarrierUs = 0.01;   // one barrier of all ranks, each on its own core
+inline constexpr double kStepUs = 0.0;       // to start one step (loop and call overhead)
+// One barrier with more ranks than cores, where it sleeps (futex), at ranks == cores; it grows
+// with (ranks / cores)^2.
+inline constexpr double kSleepingBarrierUs = 8.6;
+}  // namespace cpu_fit
+
 struct CpuHostParams {
   int cores = 2;
-  double core_bytes_per_s = 2000e9;    // one core's copy / reduce throughput
-  double memory_bytes_per_s = 27.5e9;  // the whole host's memory bandwidth
-  double launch_latency_s = 59e-6;     // per collective call; * (ranks / cores)^2 above one
-  double barrier_latency_s =
-      0.01e-6;  // one barrier of all ranks, each on a core of its own (spins)
-  // One barrier with more ranks than cores, where it sleeps (futex), at ranks == cores; it
-  // grows with (ranks / cores)^2 (docs/calibration.md).
-  double sleeping_barrier_latency_s = 8.6e-6;
-  double step_latency_s = 0;          // to start one step (loop and call overhead)
+  double core_bytes_per_s = cpu_fit::kCoreGbps * 1e9;
+  double memory_bytes_per_s = cpu_fit::kMemoryGbps * 1e9;
+  double launch_latency_s = cpu_fit::kLaunchUs * 1e-6;
+  double barrier_latency_s = cpu_fit::kBarrierUs * 1e-6;  // spinning
+  double sleeping_barrier_latency_s = cpu_fit::kSleepingBarrierUs * 1e-6;
+  double step_latency_s = cpu_fit::kStepUs * 1e-6;
   int64_t window_bytes = 256 * 1024;  // staging slot per rank
 };
 

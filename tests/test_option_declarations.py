@@ -1,0 +1,124 @@
+"""The two declarations of every option agree: torch_xdev.Options (Python) and the field
+lists of csrc/backend/backend_config.h (C++), and the type stub matches the binding."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import torch_xdev
+from torch_xdev import _C
+from torch_xdev.options import backend_config
+
+STUB = os.path.join(os.path.dirname(torch_xdev.__file__), "_C.pyi")
+
+
+def _declared() -> list[_C.BackendConfigField]:
+    return _C.BackendConfig.fields()
+
+
+def test_python_and_cpp_declare_the_same_options() -> None:
+    python = [f.name for f in dataclasses.fields(torch_xdev.Options)]
+    cpp = [f["name"] for f in _declared() if f["option"]]
+    assert python == cpp, (
+        "torch_xdev.Options (options.py) and XDEV_OPTION_FIELDS (backend_config.h) must "
+        f"declare the same options in the same order: only in Python "
+        f"{sorted(set(python) - set(cpp))}, only in C++ {sorted(set(cpp) - set(python))}"
+    )
+    assert [knob[0] for knob in torch_xdev.ENV_KNOBS] == python
+
+
+def test_defaults_agree() -> None:
+    # Options' timeout of None means the group's; the C++ default is torch's default group
+    # timeout, which is what a group gets when none is given.
+    copied = backend_config(torch_xdev.Options(), dist.default_pg_timeout)
+    fresh = _C.BackendConfig()
+    for f in _declared():
+        if f["option"]:
+            name = f["name"]
+            assert getattr(copied, name) == getattr(fresh, name), name
+
+
+def test_options_reach_the_config() -> None:
+    options = torch_xdev.Options(
+        algorithm="flat",
+        num_packs=3,
+        agg_small_grads_max_bytes=10,
+        agg_small_grads_max_group=4,
+        bytes_per_pack=512,
+        reduce_to_rank=1,
+        timeout=2.5,
+        shm_slot_bytes=8192,
+        cuda_slot_bytes=8192,
+        single_copy=True,
+        debug=True,
+    )
+    config = backend_config(options, timedelta(seconds=99))
+    expected = dataclasses.asdict(options) | {"timeout": timedelta(seconds=2.5)}
+    assert {name: getattr(config, name) for name in expected} == expected
+    assert backend_config(torch_xdev.Options(), timedelta(seconds=99)).timeout == timedelta(
+        seconds=99
+    )
+    assert backend_config(torch_xdev.Options(), timedelta(seconds=99)).num_packs == -1
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("shm_slot_bytes", 4095, "shm_slot_bytes must be >= 4096; got 4095"),
+        ("cuda_slot_bytes", 4096 + 128, "cuda_slot_bytes must be a multiple of 256"),
+        ("cuda_slot_bytes", 256, "cuda_slot_bytes must be a multiple of 256 and >= 4096"),
+    ],
+)
+def test_cpp_validate_checks_slots(field: str, value: int, message: str) -> None:
+    config = _C.BackendConfig()
+    config.validate()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+    with pytest.raises(ValueError, match=f"Options.{message}"):
+        torch_xdev.Options(**{field: value})
+
+
+def test_describe_keys_are_declared() -> None:
+    # The option keys describe() has always had (README and tests read them).
+    keys = {f["describe_key"] for f in _declared() if f["describe_key"] is not None}
+    assert keys == {
+        "algorithm",
+        "num_packs",
+        "agg_small_grads_max_bytes",
+        "agg_small_grads_max_group",
+        "bytes_per_pack",
+        "reduce_to_rank",
+        "timeout_s",
+        "shm_slot_bytes",
+    }
+
+
+def _stub_fields() -> list[str]:
+    with open(STUB, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "BackendConfig":
+            return [
+                f"{ast.unparse(item.target)}: {ast.unparse(item.annotation)}"
+                for item in node.body
+                if isinstance(item, ast.AnnAssign)
+            ]
+    return []
+
+
+def test_stub_matches_the_binding() -> None:
+    expected = [f"{f['name']}: {f['type']}" for f in _declared()]
+    # Each attribute of the binding is a field of the struct, and the other way round.
+    bound = [name for name in vars(_C.BackendConfig) if not name.startswith("_")]
+    assert set(bound) - {"validate", "fields"} == {f["name"] for f in _declared()}
+    paste = "\n".join(f"    {line}  # {f['doc']}" for line, f in zip(expected, _declared()))
+    assert (
+        _stub_fields() == expected
+    ), f"the BackendConfig attributes of {STUB} differ from the binding; paste these:\n{paste}"
