@@ -116,7 +116,7 @@ class Options:
 
     Attributes:
         algorithm: ``"auto"`` (default: chosen per call, see the README),
-            ``"hierarchical_copy"`` (the seeds' plan; even world sizes only),
+            ``"hierarchical_copy"`` (TensorFlow's HierarchicalCopyAllReduce; even world sizes only),
             ``"hierarchical_balanced"`` (the same two levels, trees balanced over the
             links; even world sizes only), ``"reduce_to_one"``,
             ``"flat"`` (reduce-scatter + allgather), ``"direct"`` (every rank

@@ -11,8 +11,8 @@ classified). The output is itself a topology file: save it, edit it, and inject 
 Classes
 -------
 ``dgx1``
-    Exactly 8 ranks whose NVLinks form the DGX-1 hybrid cube-mesh (the test of DESIGN.md;
-    reachability does not matter). Hierarchical copy runs here.
+    Exactly 8 ranks whose NVLinks form the DGX-1 hybrid cube-mesh (each GPU linked to
+    exactly its cube-mesh peers; reachability does not matter). Hierarchical copy runs here.
 ``fully_connected``
     Otherwise, every pair of ranks is NVLinked or reachable (CUDA peer access, or the same
     GPU). One rank counts as fully connected.

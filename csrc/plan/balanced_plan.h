@@ -1,4 +1,5 @@
-// The balanced hierarchical plan: the seeds' two levels (reduce inside each
+// The balanced hierarchical plan: the two levels of TensorFlow's
+// HierarchicalCopyAllReduce (reduce inside each
 // group of N/2, cross between the groups, copy back), with the shape of each
 // pack's trees chosen so that every link carries a share of the traffic
 // proportional to its capacity, in both directions.
@@ -20,7 +21,7 @@
 // spread a pack over more links, stars have fewer hops.
 //
 // Every total is computed by exactly one finalize step and then copied, so
-// all ranks hold the same bits, like the seeds' plan.
+// all ranks hold the same bits, like hierarchical_copy.
 #pragma once
 
 #include <cstdint>

@@ -26,7 +26,8 @@ inline bool operator==(const Range& a, const Range& b) {
   return a.begin == b.begin && a.end == b.end;
 }
 
-// The seeds' packing knobs plus CollectiveHints' bytes_per_pack. Precedence:
+// TensorFlow's packing knobs (num_packs, agg_small_grads_*) plus the
+// bytes_per_pack of its CollectiveHints. Precedence:
 // num_packs > 0 (concat-and-split), else bytes_per_pack > 0 (cut the payload
 // every bytes_per_pack bytes), else small-tensor aggregation when both agg_*
 // fields are > 0, else no packing (every tensor is its own pack).

@@ -24,7 +24,7 @@ namespace xdev::plan {
 
 enum class Algorithm {
   kAuto,
-  kHierarchicalCopy,      // the seeds' DGX-1 plan: two groups of N/2, rotating mains per pack
+  kHierarchicalCopy,      // TensorFlow's DGX-1 plan: two groups of N/2, rotating mains per pack
   kHierarchicalBalanced,  // the same two levels with trees weighted by link capacity (below)
   kReduceToOne,           // sum on one root, everyone copies the result back
   kFlat,                  // reduce-scatter then allgather: rank r reduces slice r of each window

@@ -69,7 +69,7 @@ class LinkMatrix {
   std::vector<int> links_;  // n_ * n_, row-major
 };
 
-// The DGX-1 test of DESIGN.md: exactly 8 devices and each device's peer set
+// The DGX-1 test: exactly 8 devices and each device's peer set
 // equals its DGX-1 row (a device listing itself as well is allowed). Used on
 // adjacency lists as a user or a topology file gives them.
 bool is_dgx1_like(const std::vector<std::vector<int>>& neighbors);

@@ -1,6 +1,6 @@
 // Unit tests of classify_gpus and reachable_from_links (csrc/plan/topology.h): how the GPUs of one
 // host are classified from NVLink counts and peer reachability, per local rank. The matrices are
-// the ones issue 3 names: DGX-1, DGX-1 with one link missing, fully connected 8, 4 GPUs, PCIe
+// the cases that matter for selection: DGX-1, DGX-1 with one link missing, fully connected 8, 4 GPUs, PCIe
 // only, and ranks sharing a GPU.
 #include <stdexcept>
 #include <string>
