@@ -745,16 +745,19 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
+  ++collectives_called_;
   return dispatch_allreduce(tensors, opts, false);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  ++collectives_called_;
   return dispatch_allreduce(tensors, opts, true);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
+  ++collectives_called_;
   bool native = executor_ != nullptr && opts.rootTensor == 0;
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
@@ -798,6 +801,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
+  ++collectives_called_;
   if (executor_ == nullptr) {
     if (size_ == 1) {
       return enqueue(
@@ -828,58 +832,68 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
+  ++collectives_called_;
   return fallback_for(tensors)->reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
+  ++collectives_called_;
   return fallback_for(input)->_allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
+  ++collectives_called_;
   return fallback_for(outputs)->scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  ++collectives_called_;
   return fallback_for(outputs)->reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  ++collectives_called_;
   return fallback_for(input)->_reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
@@ -887,6 +901,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
+  ++collectives_called_;
   return fallback_for(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                             opts);
 }
@@ -894,6 +909,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
+  ++collectives_called_;
   return fallback_for(inputs)->alltoall(outputs, inputs, opts);
 }
 

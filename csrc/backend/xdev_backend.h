@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,6 +52,14 @@ class XdevBackend : public c10d::Backend {
   // memory and shuts the fallback down. Idempotent (c10d calls it once per
   // device type, and one XdevBackend serves both).
   void shutdown() override;
+
+  // Sequence numbers: c10d's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+  // stamps each collective with this number and checks that every rank sent the
+  // same. As in Gloo, a group starts at 0 on every rank, so there is nothing to
+  // agree on at creation; the number is how many collectives this rank has
+  // called on the group. Send and recv do not count: only two ranks call them.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collectives_called_.load(); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -215,6 +224,9 @@ class XdevBackend : public c10d::Backend {
   std::string single_copy_note_;  // why single-copy is on or off
   uint64_t next_seq_ = 0;         // worker thread only
   std::string poisoned_;          // worker thread only
+  // Collective calls so far (getSequenceNumberForGroup), counted on the
+  // caller's thread at each collective's entry.
+  std::atomic<uint64_t> collectives_called_{0};
 
   // Model choices are cached per power-of-two payload size; balanced-plan
   // trees per pack count.
