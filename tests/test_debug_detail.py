@@ -145,8 +145,8 @@ SEED = 11
 
 
 def _flat(model: torch.nn.Module) -> list[float]:
-    # A list, not a tensor: torch's queue would share a tensor's memory with the parent
-    # through the child, which may have exited by the time the parent reads it.
+    # A list, not a tensor: torch's queue hands a tensor over as shared memory that only the
+    # child can pass on, and the child may have exited by the time the parent reads it.
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
