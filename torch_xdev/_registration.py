@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, _ProcessGroupWrapper
 
 from . import _C
 from .options import Options, backend_config, resolve_options
@@ -119,6 +119,10 @@ def backend_of(group: Optional[dist.ProcessGroup] = None) -> Any:
     """The XdevBackend behind a process group (the default group if None)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))
+    # Under TORCH_DISTRIBUTED_DEBUG=DETAIL c10d wraps each backend in a checker that compares
+    # every collective across ranks before running it; ours is inside.
+    while isinstance(backend, _ProcessGroupWrapper):
+        backend = backend.wrapped_pg
     if not isinstance(backend, _C.XdevBackend):
         raise ValueError(
             f"this process group does not use the xdev backend (its CPU backend is "

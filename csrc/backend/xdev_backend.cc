@@ -116,6 +116,7 @@ void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
+  ++collectives_called_;
   TORCH_CHECK_VALUE(!tensors.empty(), "xdev allreduce: no tensors given");
   const c10::Device device = tensors[0].device();
   bool native_ok = native_op(opts.reduceOp).has_value();
@@ -171,6 +172,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
+  ++collectives_called_;
   bool native = cpu_ != nullptr && opts.rootTensor == 0;
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
@@ -182,6 +184,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
+  ++collectives_called_;
   // Like NCCL's barrier, it also waits for this rank's GPU collectives.
   CudaCollectives* cuda = cuda_.get();
   auto wait_for_gpu = [cuda] {
@@ -198,73 +201,72 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
-  return fallbacks_.for_tensors(tensors)->reduce(tensors, opts);
+  return delegate(tensors)->reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->allgather(outputs, inputs, opts);
+  return delegate(inputs)->allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return fallbacks_.for_tensor(input)->_allgather_base(output, input, opts);
+  return delegate(input)->_allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->allgather_coalesced(outputs, inputs, opts);
+  return delegate(inputs)->allgather_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->gather(outputs, inputs, opts);
+  return delegate(inputs)->gather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  return fallbacks_.for_tensors(outputs)->scatter(outputs, inputs, opts);
+  return delegate(outputs)->scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallbacks_.for_tensors(outputs)->reduce_scatter(outputs, inputs, opts);
+  return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return fallbacks_.for_tensor(input)->_reduce_scatter_base(output, input, opts);
+  return delegate(input)->_reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
-  return fallbacks_.for_tensor(input)->alltoall_base(output, input, output_split_sizes,
-                                                     input_split_sizes, opts);
+  return delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  return fallbacks_.for_tensors(inputs)->alltoall(outputs, inputs, opts);
+  return delegate(inputs)->alltoall(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,

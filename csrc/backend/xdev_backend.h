@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,6 +47,15 @@ class XdevBackend : public c10d::Backend {
   // memory and shuts the fallback down. Idempotent (c10d calls it once per
   // device type, and one XdevBackend serves both).
   void shutdown() override;
+
+  // Sequence numbers: c10d's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+  // stamps each collective with this number and checks that every rank sent the
+  // same. As in Gloo, a group starts at 0 on every rank, so there is nothing to
+  // agree on at creation; the number is how many collectives this rank has
+  // called on the group, counted on the caller's thread as each call enters.
+  // Send and recv do not count: only two ranks call them.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collectives_called_.load(); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -134,6 +144,15 @@ class XdevBackend : public c10d::Backend {
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);
   void log_choice(const plan::Selection& sel, bool cuda);
+  // The engine of a delegated collective on these tensors; counts the call.
+  c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
+    ++collectives_called_;
+    return fallbacks_.for_tensors(tensors);
+  }
+  c10d::Backend* delegate(const at::Tensor& tensor) {
+    ++collectives_called_;
+    return fallbacks_.for_tensor(tensor);
+  }
 
   GroupContext group_;                     // first member: everything below uses it
   std::unique_ptr<CpuCollectives> cpu_;    // null without shared memory
@@ -142,6 +161,8 @@ class XdevBackend : public c10d::Backend {
   FallbackEngines fallbacks_;
 
   mutable plan::ModelChoiceCache model_choices_;  // the CPU model's, per size class
+
+  std::atomic<uint64_t> collectives_called_{0};  // getSequenceNumberForGroup
 
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "device_program.h"
 #include "predict.h"
 #include "shared_buffer_plan.h"
 
@@ -128,6 +129,17 @@ bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buf
                              algorithm == Algorithm::kReduceToOne ||
                              algorithm == Algorithm::kHierarchicalCopy;
   return available && single_buffer && in_place_plan && payload_bytes >= kCpuSingleCopyMinBytes;
+}
+
+std::string cuda_transport_refusal(int num_hosts, int world_size, bool all_gpus_reach,
+                                   bool host_channel) {
+  if (num_hosts > 1) return "off: ranks span several hosts";
+  if (world_size > kMaxDeviceRanks) {
+    return "off: more than " + std::to_string(kMaxDeviceRanks) + " ranks";
+  }
+  if (!all_gpus_reach) return "off: not every GPU can access every other (no peer access)";
+  if (!host_channel) return "off: algorithm='fallback' or no shared memory for the host barrier";
+  return "";
 }
 
 int64_t model_bucket_bytes(int64_t payload_bytes) {

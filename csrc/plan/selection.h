@@ -61,6 +61,14 @@ class ModelChoiceCache {
 // power of two at or above it, at least 4 bytes.
 int64_t model_bucket_bytes(int64_t payload_bytes);
 
+// Why the CUDA IPC transport cannot open for a group ("off: ..."), or "" when
+// it can: every rank on one host, at most kMaxDeviceRanks of them, every GPU
+// able to access every other, and the host channel that carries the CUDA
+// collectives' descriptor check. The CUDA rendezvous asks this before opening
+// it; whether it opened reaches select_allreduce as transport_available.
+std::string cuda_transport_refusal(int num_hosts, int world_size, bool all_gpus_reach,
+                                   bool host_channel);
+
 struct SelectionInput {
   Algorithm requested = Algorithm::kAuto;
   int world_size = 1;

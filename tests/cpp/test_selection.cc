@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "plan/device_program.h"
 #include "plan/machines.h"
 #include "plan/predict.h"
 #include "plan/selection.h"
@@ -116,6 +117,21 @@ TEST(selection_without_transport_falls_back_with_the_note) {
   cpu.transport_note = "no shared memory";
   CHECK_EQ(select_allreduce(cpu).reason,
            std::string("no native transport for cpu tensors (no shared memory)"));
+}
+
+TEST(cuda_transport_opens_only_where_every_condition_holds) {
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, true), std::string());
+  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks, true, true), std::string());
+  CHECK_EQ(cuda_transport_refusal(2, 8, true, true), std::string("off: ranks span several hosts"));
+  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks + 1, true, true),
+           "off: more than " + std::to_string(kMaxDeviceRanks) + " ranks");
+  CHECK_EQ(cuda_transport_refusal(1, 8, false, true),
+           std::string("off: not every GPU can access every other (no peer access)"));
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, false),
+           std::string("off: algorithm='fallback' or no shared memory for the host barrier"));
+  // Several hosts is named first: it is the reason the others follow from.
+  CHECK_EQ(cuda_transport_refusal(2, 8, false, false),
+           std::string("off: ranks span several hosts"));
 }
 
 TEST(selection_avg_on_a_fallback_without_avg_is_sum_then_divide) {

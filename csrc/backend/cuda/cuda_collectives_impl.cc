@@ -271,17 +271,9 @@ class CudaCollectivesImpl : public CudaCollectives {
     info.topology = plan::classify_gpus(info.nvlink, class_reach);
     planner_.emplace(info.nvlink);
 
-    if (g_.num_hosts() > 1) {
-      info.transport_note = "off: ranks span several hosts";
-    } else if (size > plan::kMaxDeviceRanks) {
-      info.transport_note = "off: more than " + std::to_string(plan::kMaxDeviceRanks) + " ranks";
-    } else if (!all_reachable) {
-      info.transport_note = "off: not every GPU can access every other (no peer access)";
-    } else if (g_.channel() == nullptr) {
-      info.transport_note = "off: algorithm='fallback' or no shared memory for the host barrier";
-    } else {
-      open_transport(store, key, device, &info);
-    }
+    info.transport_note =
+        plan::cuda_transport_refusal(g_.num_hosts(), size, all_reachable, g_.channel() != nullptr);
+    if (info.transport_note.empty()) open_transport(store, key, device, &info);
     if (config.debug && rank == 0) {
       std::fprintf(
           stderr, "[xdev] group '%s': CUDA topology %s (%s), ranks %s a GPU, transport %s\n",
