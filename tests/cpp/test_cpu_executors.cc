@@ -20,21 +20,14 @@
 #include "transport/shm_executor.h"
 #include "transport/shm_segment.h"
 #include "transport/single_copy_executor.h"
+#include "transport_test_util.h"
 
 namespace {
 
 using namespace xdev;
+using transport::make_group;
 using transport::ShmChannel;
 using transport::ShmSegment;
-
-std::vector<ShmChannel> make_group(int world, size_t slot_bytes) {
-  const std::string name = ShmSegment::make_name();
-  std::vector<ShmChannel> ranks;
-  ranks.push_back(ShmChannel::create(name, world, 0, slot_bytes));
-  for (int r = 1; r < world; ++r) ranks.push_back(ShmChannel::attach(name, world, r, slot_bytes));
-  ranks[0].unlink_name();
-  return ranks;
-}
 
 // Runs fn(rank) on one thread per rank; returns each rank's exception message, "" if none.
 std::vector<std::string> on_threads(int world, const std::function<void(int)>& fn) {

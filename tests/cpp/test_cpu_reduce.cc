@@ -108,24 +108,6 @@ TEST(reference_16bit_conversions_are_right) {
 
 // ---- the reference reduction -----------------------------------------------------------------
 
-size_t size_of(DType t) {
-  switch (t) {
-    case DType::kFloat64:
-    case DType::kInt64:
-      return 8;
-    case DType::kFloat32:
-    case DType::kInt32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return 2;
-    case DType::kInt8:
-    case DType::kUInt8:
-      return 1;
-  }
-  return 0;
-}
-
 template <typename T>
 T load_as(const unsigned char* p) {
   T v;
@@ -257,7 +239,7 @@ void fill(DType t, std::mt19937_64& rng, unsigned char* p, int64_t count) {
         break;
       }
       default:
-        std::memcpy(p + i * size_of(t), &r, size_of(t));
+        std::memcpy(p + i * xdev::kernels::element_size(t), &r, xdev::kernels::element_size(t));
     }
   }
 }
@@ -286,7 +268,7 @@ std::string where(DType t, ReduceOp op, int n, int64_t count, Placement p, int64
 // Runs one reduction and compares every destination with the reference, bit for bit.
 void check_one(std::mt19937_64& rng, DType t, ReduceOp op, int n, int64_t count, Placement place,
                int64_t divisor) {
-  const size_t es = size_of(t);
+  const size_t es = xdev::kernels::element_size(t);
   const auto bytes = static_cast<size_t>(count) * es;
   // n sources and two destinations, each at its own element offset from a 64-byte boundary (past
   // 16 guard bytes), so no two pointers share an alignment and most are not vector-aligned.

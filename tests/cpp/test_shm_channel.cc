@@ -25,6 +25,7 @@
 #include "test_harness.h"
 #include "transport/shm_channel.h"
 #include "transport/shm_segment.h"
+#include "transport_test_util.h"
 
 namespace {
 
@@ -38,15 +39,8 @@ using xdev::transport::ShmSegment;
 
 constexpr size_t kSlotBytes = 64 * 1024;
 
-// One channel per rank on a fresh segment. The name is unlinked once all have attached, as the
-// backend does, so nothing is left in /dev/shm whatever happens next.
-std::vector<ShmChannel> make_group(int world, size_t slot_bytes = kSlotBytes) {
-  const std::string name = ShmSegment::make_name();
-  std::vector<ShmChannel> ranks;
-  ranks.push_back(ShmChannel::create(name, world, 0, slot_bytes));
-  for (int r = 1; r < world; ++r) ranks.push_back(ShmChannel::attach(name, world, r, slot_bytes));
-  ranks[0].unlink_name();
-  return ranks;
+std::vector<ShmChannel> make_group(int world) {
+  return xdev::transport::make_group(world, kSlotBytes);
 }
 
 // Runs fn(rank, channel) on one thread per rank. Returns what each rank threw, as
