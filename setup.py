@@ -97,10 +97,9 @@ def default_arch_list(home: str) -> str:
 
 
 def configure_cuda() -> bool:
-    """Finds the toolkit for a CUDA build of torch; False for a CPU build.
+    """Finds the toolkit for a CUDA build of torch and puts it in CUDA_HOME; False for a CPU build.
 
-    Sets CUDA_HOME (and, with no GPU visible, TORCH_CUDA_ARCH_LIST) in the environment before
-    torch.utils.cpp_extension is imported, which reads them at import.
+    Runs before torch.utils.cpp_extension is imported, which reads CUDA_HOME at import.
     """
     if torch.version.cuda is None or not CUDA_SOURCES:
         return False
@@ -112,12 +111,6 @@ def configure_cuda() -> bool:
         )
     check_toolkit(home)
     os.environ["CUDA_HOME"] = home
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list(home)
-        print(
-            f"setup.py: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building for "
-            f"{os.environ['TORCH_CUDA_ARCH_LIST']} with the toolkit at {home}"
-        )
     return True
 
 
@@ -145,5 +138,22 @@ def get_extensions() -> list[CppExtension]:
     return [CppExtension("torch_xdev._C", sources, extra_compile_args={"cxx": cxx_flags})]
 
 
+class BuildExt(BuildExtension):
+    # Without a GPU torch finds no architecture to build for (and fails with an IndexError).
+    # Chosen here, when compiling, rather than at every run of this file (pip runs it 2-3 times).
+    def build_extensions(self) -> None:
+        if (
+            USE_CUDA
+            and not os.environ.get("TORCH_CUDA_ARCH_LIST")
+            and not torch.cuda.device_count()
+        ):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list(os.environ["CUDA_HOME"])
+            print(
+                "setup.py: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building for "
+                f"{os.environ['TORCH_CUDA_ARCH_LIST']} with the toolkit at {os.environ['CUDA_HOME']}"
+            )
+        super().build_extensions()
+
+
 # Package metadata lives in pyproject.toml; this file only describes the extension.
-setup(ext_modules=get_extensions(), cmdclass={"build_ext": BuildExtension})
+setup(ext_modules=get_extensions(), cmdclass={"build_ext": BuildExt})
