@@ -1,5 +1,7 @@
 // Standalone launches of the device code in cuda_reduce.cuh: one grid-stride
 // kernel per (dtype, op) and one for copies, sized to fill the GPU once.
+// Not part of torch_xdev._C, whose window kernel runs that device code inline;
+// benchmarks/cuda_kernels.py (and its test) compile this file themselves.
 #include "cuda_reduce.h"
 
 #include <cuda_runtime.h>
