@@ -129,6 +129,7 @@ def xdev_shm_mappings() -> list[tuple[str, str]]:
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split()
-            if len(parts) >= 6 and "/xdev-" in parts[5]:
+            # Segments live in /dev/shm (a deleted one keeps its name plus " (deleted)").
+            if len(parts) >= 6 and parts[5].startswith("/dev/shm/xdev-"):
                 found.append((parts[0], parts[5]))
     return found

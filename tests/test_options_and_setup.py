@@ -300,9 +300,11 @@ def test_delegated_collectives() -> None:
 def _monitored_barrier(rank: int, world: int) -> dict[str, str]:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     seen: dict[str, str] = {}
-    # torch accepts monitored_barrier on Gloo groups only (a check of the backend's name).
+    # torch 2.13 accepts monitored_barrier on Gloo groups only (a check of the backend's
+    # name); torch 2.14 asks the group's CPU backend, and xdev hands it to its Gloo engine.
     try:
-        dist.monitored_barrier(timeout=timedelta(seconds=30))
+        dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+        seen["plain"] = "passed"
     except ValueError as e:
         seen["plain"] = str(e)
     # The workaround: a Gloo group over the same ranks, beside the xdev one.
@@ -324,8 +326,13 @@ def _monitored_barrier(rank: int, world: int) -> dict[str, str]:
 
 def test_monitored_barrier_needs_a_gloo_side_group() -> None:
     seen = run_ranks(_monitored_barrier, 2)
+    # Whether the plain call reaches the backend depends on torch's version, not on xdev.
+    refused = torch.__version__ < "2.14"  # a TorchVersion: compares as a version
     for r in range(2):
-        assert "only implemented for GLOO" in seen[r].get("plain", ""), seen[r]
+        if refused:
+            assert "only implemented for GLOO" in seen[r].get("plain", ""), seen[r]
+        else:
+            assert seen[r].get("plain") == "passed", seen[r]
     assert "Rank 1 failed to pass monitoredBarrier" in seen[0].get("missing", ""), seen[0]
     assert "missing" not in seen[1]
 

@@ -197,6 +197,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   return fallbacks_.cpu()->barrier(opts);
 }
 
+void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  ++collectives_called_;
+  fallbacks_.cpu()->monitoredBarrier(opts, wait_all_ranks);
+}
+
 // ---- Delegated collectives -------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,

@@ -64,6 +64,10 @@ class XdevBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // dist.monitored_barrier: Gloo's, which names the ranks that did not arrive.
+  // torch 2.14 asks the group's CPU backend for it; torch 2.13 refuses every
+  // backend but Gloo by name before it gets here.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
   // Delegated to the fallback engines.
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
