@@ -81,13 +81,13 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
     const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
     // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
     in.transport_available = info != nullptr && info->transport;
-    if (info != nullptr) {
-      in.topology = info->topology;
-      in.transport_note = info->transport_note;
-    } else {
-      in.transport_note = !cuda_       ? "this build has no CUDA path"
-                          : size_ == 1 ? "one rank"
-                                       : "decided by the group's first CUDA collective";
+    if (info != nullptr) in.topology = info->topology;
+    // The note only explains a missing transport: no string copy on the per-call path.
+    if (!in.transport_available) {
+      in.transport_note = info != nullptr ? info->transport_note
+                          : !cuda_        ? "this build has no CUDA path"
+                          : size_ == 1    ? "one rank"
+                                          : "decided by the group's first CUDA collective";
     }
   } else {
     in.transport_available = cpu_ != nullptr || size_ == 1;
