@@ -28,6 +28,7 @@ class BackendConfig:
     shm_slot_bytes: int  # staging bytes per rank and slot set; larger payloads run in windows
     cuda_slot_bytes: int  # GPU staging bytes per rank and slot set (two sets per rank)
     single_copy: bool  # let peers read large tensors in place (process_vm_readv)
+    shared_buckets: bool  # give DDP its gradient buckets in memory every rank maps
     debug: bool  # log the chosen plans to stderr
     hostname: str  # this rank's host identity (XDEV_HOSTNAME)
     group_name: str  # the group's name

@@ -25,6 +25,7 @@ except ImportError as e:  # typically: importing the source tree instead of the 
         "tree (e.g. `pytest tests`), or build in place with `python setup.py build_ext --inplace`."
     ) from e
 from ._registration import BACKEND_NAME, backend_of, host_identity, register
+from .ddp import avg_comm_hook, default_comm_mem
 from .options import ALGORITHMS, ENV_KNOBS, Options
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "BACKEND_NAME",
     "ENV_KNOBS",
     "Options",
+    "avg_comm_hook",
     "describe",
     "host_identity",
     "shared_empty",
@@ -76,3 +78,6 @@ def shared_empty(
 
 
 register()
+# DDP allocates its buckets through xdev (shared buckets) only under this PyTorch switch; see
+# torch_xdev/ddp.py for when it is safe to set for the user.
+default_comm_mem()

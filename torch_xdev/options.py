@@ -135,6 +135,9 @@ class Options:
             A multiple of 256, at least 4096.
         single_copy: let ranks read each other's tensors in place
             (process_vm_readv) for large CPU allreduces, when the host allows it.
+        shared_buckets: let DDP allocate its gradient buckets (and other callers of c10d's
+            ``allocateTensor``) in this group's symmetric heap, memory every rank maps, so
+            their allreduce runs in place. CPU tensors on one host; see the README.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
@@ -156,6 +159,7 @@ class Options:
     shm_slot_bytes: int = _option(256 << 10, "XDEV_SHM_SLOT_BYTES", _parse_int, _check_int)
     cuda_slot_bytes: int = _option(32 << 20, "XDEV_CUDA_SLOT_BYTES", _parse_int, _check_int)
     single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool)
+    shared_buckets: bool = _option(True, "XDEV_SHARED_BUCKETS", _parse_bool)
     debug: bool = _option(False, "XDEV_DEBUG", _parse_debug)
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@
   X(int64_t, cuda_slot_bytes, int64_t{32} << 20,                                                 \
     "GPU staging bytes per rank and slot set (two sets per rank)", "")                           \
   X(bool, single_copy, false, "let peers read large tensors in place (process_vm_readv)", "")    \
+  X(bool, shared_buckets, true, "give DDP its gradient buckets in memory every rank maps", "")   \
   X(bool, debug, false, "log the chosen plans to stderr", "")
 
 #define XDEV_INTERNAL_FIELDS(X)                                                                  \

@@ -1,0 +1,65 @@
+"""DistributedDataParallel on xdev: shared gradient buckets and a one-pass averaging hook.
+
+Shared buckets. PyTorch's DDP Reducer allocates each gradient bucket through its process
+group's backend (``Backend::allocateTensor``) when the environment variable
+``DDP_DISABLE_COMM_MEM`` is ``0`` and the backend says it can (``supportsTensorAlloc``). xdev
+can for CPU buckets on one host: it places them in the group's symmetric heap, memory every
+rank maps, so each bucket's allreduce reads the peers' buckets and writes the totals straight
+into them, with nothing staged. PyTorch reads the variable process-wide, for every backend, so
+``import torch_xdev`` sets it to ``0`` only where that changes no other backend: when the user
+has not set it and the process sees no CUDA device (NCCL, the one other backend that answers
+``supportsTensorAlloc``, needs one). Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;
+``Options(shared_buckets=False)`` (``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
+
+Averaging. Without a comm hook DDP divides every gradient by the world size before its SUM
+allreduce (fused into the copy into the bucket, or a separate pass over the gradient with
+``gradient_as_bucket_view=True``). ``avg_comm_hook`` asks for ``ReduceOp.AVG`` instead, which
+xdev's kernels fold into the reduction: one pass, and no division anywhere else. DDP takes one
+hook per model and refuses a second, so torch_xdev does not register it for you::
+
+    model = DistributedDataParallel(net, gradient_as_bucket_view=True)
+    model.register_comm_hook(None, torch_xdev.avg_comm_hook)  # None: the default group
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# PyTorch's own switch (read by c10d's Reducer each time it allocates buckets).
+COMM_MEM_VARIABLE = "DDP_DISABLE_COMM_MEM"
+
+
+def default_comm_mem(
+    environ: Optional[dict[str, str]] = None, cuda_visible: Optional[bool] = None
+) -> bool:
+    """Sets ``DDP_DISABLE_COMM_MEM=0`` in ``environ`` if that changes no other backend.
+
+    Returns whether it did. Leaves a value the user set alone. ``cuda_visible`` defaults to
+    whether this process sees a GPU (asked of NVML, which does not initialise CUDA).
+    """
+    env = os.environ if environ is None else environ
+    if cuda_visible is None:
+        cuda_visible = torch.version.cuda is not None and torch.cuda.device_count() > 0
+    if COMM_MEM_VARIABLE in env or cuda_visible:
+        return False
+    env[COMM_MEM_VARIABLE] = "0"
+    return True
+
+
+def avg_comm_hook(
+    process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: allreduce each bucket with ``ReduceOp.AVG`` (one pass on xdev).
+
+    Register with ``model.register_comm_hook(state, torch_xdev.avg_comm_hook)``, where
+    ``state`` is the process group DDP was built on, or ``None`` for the default group. Works on any backend that supports AVG; results equal DDP's default hook within
+    floating-point rounding (the sum is divided once instead of every term).
+    """
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=process_group, async_op=True)
+    assert work is not None  # async_op=True always returns a Work
+    return work.get_future().then(lambda fut: fut.value()[0])
