@@ -30,6 +30,7 @@ TRANSPORT_SOURCES = [
         "shm_executor.cc",
         "single_copy_executor.cc",
         "shared_buffer.cc",
+        "symmetric_heap.cc",
     )
 ]
 

@@ -21,8 +21,8 @@ hook per model and refuses a second, so torch_xdev does not register it for you:
     model.register_comm_hook(None, torch_xdev.avg_comm_hook)  # None: the default group
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
+# annotations with dist.GradBucket and Future[Tensor] themselves, not with strings.
 import os
 from typing import Optional
 

@@ -105,6 +105,18 @@ py::dict describe(const XdevBackend& b) {
   d["single_copy"] = b.single_copy_available();
   d["single_copy_note"] = b.single_copy_note();
   d["shared_buffers"] = b.live_shared_buffers();
+  d["ddp_shared_buckets"] = b.heap_available();
+  d["ddp_shared_buckets_note"] = b.heap_note();
+  if (const transport::SymmetricHeap* heap = b.heap()) {
+    py::dict h;
+    h["arenas"] = heap->arenas();
+    h["bytes_reserved"] = heap->bytes_reserved();
+    h["bytes_in_use"] = heap->bytes_in_use();
+    h["live_blocks"] = heap->live_blocks();
+    d["symmetric_heap"] = h;
+  } else {
+    d["symmetric_heap"] = py::none();
+  }
   d["fallback_backend"] = b.fallback_name();
   d["cpu_topology"] = plan::to_string(plan::TopologyClass::kFullyConnected);
   d["cpu_allreduce_plan"] = plan_by_size(b, false);

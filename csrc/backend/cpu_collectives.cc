@@ -85,18 +85,29 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
        prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_place)) {
     const int64_t total = call.total();
     transport::OpDescriptor desc = call.descriptor;
-    if (in_place) {  // the one tensor, in a buffer every rank maps
-      desc.shared_buffer = shared.buffer->id();
-      desc.shared_offset = shared.offset;
+    if (in_place) {  // the one tensor, in memory every rank maps
+      if (shared.buffer != nullptr) {
+        desc.shared_buffer = shared.buffer->id();
+        desc.shared_offset = shared.offset;
+      } else {
+        desc.heap_arena = shared.heap_location.arena;
+        desc.heap_offset = shared.heap_location.offset;
+      }
       transport::SharedBufferRequest req;
-      req.buffer = shared.buffer.get();
-      req.offset_bytes = shared.offset;
       req.count = total;
       req.dtype = call.dtype;
       req.op = op;
       req.ctx = group_.make_context(desc, "allreduce", deadline);
-      in_place_.run(req);
-      continue;
+      transport::ShmChannel& channel = *group_.channel();
+      req.copies = [&shared, &channel] { return copies_of(shared, channel); };
+      if (in_place_.run(req)) continue;
+      // Heap blocks at different places on different ranks (allocations in
+      // different orders): staged as flat, which sums in the same order. The
+      // descriptor is republished unchanged, so a peer still reading it sees the same.
+      group_.log_once("heap-places-differ",
+                      "a tensor of the symmetric heap lies at different places on different "
+                      "ranks; staging it (allocate in the same order on every rank to run in "
+                      "place)");
     }
     const size_t elem_size = call.group.elem_size;
     const bool single_copy = sel.single_copy;  // of one tensor: this very group

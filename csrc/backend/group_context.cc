@@ -121,6 +121,9 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
            : d.shared_buffer >= 0
                ? " in place in shared buffer #" + std::to_string(d.shared_buffer) + " at byte " +
                      std::to_string(d.shared_offset)
+           : d.heap_arena >= 0
+               ? " in place in the symmetric heap (arena " + std::to_string(d.heap_arena) +
+                     ", byte " + std::to_string(d.heap_offset) + ")"
            : d.single_copy ? " (single copy)"
                            : " (staged)");
       break;

@@ -1,10 +1,102 @@
 #include "shared_buffers.h"
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
 namespace xdev::backend {
+namespace {
+
+// The first arena of each rank: DDP's default buckets (25 MiB, and 1 MiB for the
+// first) fit; it is only address space until pages are touched.
+constexpr size_t kFirstArenaBytes = size_t{32} << 20;
+
+}  // namespace
+
+SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
+  transport::ShmChannel* channel = group.channel();
+  if (channel == nullptr || group.size() == 1) {
+    heap_note_ = "off: no shared memory (several hosts, or a world of one)";
+    return;
+  }
+  if (!group.config().shared_buckets) {
+    heap_note_ = "off: Options.shared_buckets / XDEV_SHARED_BUCKETS is off";
+    return;
+  }
+  // Each rank makes its first arena and publishes it in the channel; once all
+  // have (a Store barrier), each maps every peer's, and all agree whether
+  // every rank could. That costs two Store round trips per group.
+  GroupContext* g = &group;
+  auto heap = std::make_shared<transport::SymmetricHeap>(
+      group.rank(), group.size(), kFirstArenaBytes,
+      [g](int arena, const transport::ArenaAddress& address) {
+        g->channel()->publish_arena(arena, address);
+      });
+  std::string why;
+  try {
+    heap->first_arena();
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  c10d::Store& store = group.store();
+  store_barrier(store, "xdev/heap/published/", group.size(), group.config().timeout);
+  for (int r = 0; r < group.size() && why.empty(); ++r) {
+    try {
+      heap->arena_of(r, 0, channel->arena_of(r, 0));
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size()) == 0) {
+    heap_ = std::move(heap);
+    heap_note_ =
+        "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every rank maps";
+  } else {
+    heap_note_ = why.empty() ? "off: a peer cannot map this host's ranks' memory (see its log)"
+                             : "off: " + why;
+    group.log_once("heap-off", "symmetric heap " + heap_note_);
+  }
+}
+
+at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
+  if (!heap_available()) {
+    throw std::invalid_argument("xdev allocateTensor: this group has no symmetric heap (" +
+                                heap_note_ + ")");
+  }
+  if (numel < 0) {
+    throw std::invalid_argument("xdev allocateTensor: negative size " + std::to_string(numel));
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  const transport::SymmetricHeap::Block block = heap_->allocate(bytes);
+  if (group_.config().debug) {
+    std::fprintf(stderr,
+                 "[xdev] group '%s' rank %d: allocateTensor %" PRId64
+                 " x %s (%zu bytes) at heap arena %d offset %" PRId64 " (%zu bytes in use)\n",
+                 group_.config().group_name.c_str(), group_.rank(), numel, c10::toString(dtype),
+                 bytes, block.where.arena, block.where.offset, heap_->bytes_in_use());
+  }
+  // The tensor's storage returns the block; it holds the heap, which may so outlive the group.
+  return at::from_blob(
+      block.data, {numel}, [heap = heap_, where = block.where](void*) { heap->free(where); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+std::vector<char*> copies_of(const SharedPlacement& placement,
+                             const transport::ShmChannel& channel) {
+  std::vector<char*> copies;
+  for (int r = 0; r < channel.world_size(); ++r) {
+    if (placement.buffer != nullptr) {
+      copies.push_back(placement.buffer->data(r) + placement.offset);
+    } else {
+      const transport::HeapLocation& at = placement.heap_location;
+      copies.push_back(placement.heap->arena_of(r, at.arena, channel.arena_of(r, at.arena)) +
+                       at.offset);
+    }
+  }
+  return copies;
+}
 
 at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
   const int rank = group_.rank(), size = group_.size();
@@ -100,7 +192,11 @@ SharedPlacement SharedBuffers::find(const at::Tensor& t) const {
     std::shared_ptr<transport::SharedBuffer> b = weak.lock();
     if (!b) continue;
     const int64_t offset = b->offset_of(t.data_ptr(), bytes);
-    if (offset >= 0) return {std::move(b), offset};
+    if (offset >= 0) return {std::move(b), offset, nullptr, {}};
+  }
+  if (heap_ != nullptr) {
+    const transport::HeapLocation where = heap_->locate(t.data_ptr(), bytes);
+    if (where.arena >= 0) return {nullptr, 0, heap_, where};
   }
   return {};
 }

@@ -1,13 +1,18 @@
-// The buffers of torch_xdev.shared_empty: CPU tensors in memory that every
-// rank of the group maps, so that their allreduce runs in place
-// (transport/shared_buffer.h).
+// CPU tensors in memory that every rank of the group maps, so that their
+// allreduce runs in place (transport/shared_buffer.h). Two kinds:
 //
-// Making one is collective and goes through the Store: each rank creates a
-// segment (mode 0600, unguessable name) and publishes its name and size; every
-// rank maps every segment; once all have (a Store barrier), each rank unlinks
-// its own name, so the memory goes with the last mapping, crash or not. The
-// tensor's storage owns the mappings; the registry keeps weak references and
-// finds the buffer a tensor lies in by address.
+// torch_xdev.shared_empty: making one is collective and goes through the
+// Store: each rank creates a segment (mode 0600, unguessable name) and
+// publishes its name and size; every rank maps every segment; once all have
+// (a Store barrier), each rank unlinks its own name, so the memory goes with
+// the last mapping, crash or not. The tensor's storage owns the mappings; the
+// registry keeps weak references and finds the buffer a tensor lies in by
+// address.
+//
+// The symmetric heap (transport/symmetric_heap.h): c10d's allocateTensor,
+// which PyTorch's DDP calls for its gradient buckets, takes blocks from it
+// with no Store round trip. Whether this host lets ranks open each other's
+// arenas is probed once, when the group is made, and agreed through the Store.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,19 +23,29 @@
 #include <vector>
 
 #include "../transport/shared_buffer.h"
+#include "../transport/symmetric_heap.h"
 #include "group_context.h"
 
 namespace xdev::backend {
 
-// Where a tensor lies in a live shared buffer of this group.
+// Where a tensor lies in memory every rank of this group maps, if it does.
 struct SharedPlacement {
-  std::shared_ptr<transport::SharedBuffer> buffer;  // null: not in one
+  std::shared_ptr<transport::SharedBuffer> buffer;  // a shared_empty buffer, or null
   int64_t offset = 0;                               // bytes from the start of every rank's copy
+  std::shared_ptr<transport::SymmetricHeap> heap;   // or the group's heap, or null
+  transport::HeapLocation heap_location;            // and the place in this rank's heap
 };
+
+// Every rank's copy of the tensor at `placement`, as mapped in this process,
+// by rank (peers' heap arenas are mapped on first use).
+std::vector<char*> copies_of(const SharedPlacement& placement,
+                             const transport::ShmChannel& channel);
 
 class SharedBuffers {
  public:
-  explicit SharedBuffers(GroupContext& group) : group_(group) {}
+  // Collective when the group has shared memory and Options.shared_buckets:
+  // every rank probes whether it can map its peers' heap arenas.
+  explicit SharedBuffers(GroupContext& group);
 
   // Collective: every rank calls it with the same sizes and dtype, in the
   // same order. Throws std::invalid_argument (ValueError) without shared
@@ -40,11 +55,23 @@ class SharedBuffers {
   // How many buffers some tensor still holds.
   int64_t live() const;
 
-  // The buffer a contiguous CPU tensor lies wholly in, if any.
+  // The buffer or heap block a contiguous CPU tensor lies wholly in, if any.
   SharedPlacement find(const at::Tensor& t) const;
+
+  // Whether allocate() can give CPU tensors from the symmetric heap, and why (not).
+  bool heap_available() const { return heap_ != nullptr && group_.channel() != nullptr; }
+  const std::string& heap_note() const { return heap_note_; }
+  // c10d's allocateTensor: a CPU tensor of numel elements in the symmetric
+  // heap. Not collective; every rank should allocate the same sizes in the
+  // same order (DDP does). Throws std::invalid_argument without a heap.
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+  // Null without a heap.
+  const transport::SymmetricHeap* heap() const { return heap_.get(); }
 
  private:
   GroupContext& group_;
+  std::shared_ptr<transport::SymmetricHeap> heap_;  // tensors share it: it outlives the group
+  std::string heap_note_;
   mutable std::mutex mutex_;
   int64_t next_id_ = 0;
   std::vector<std::weak_ptr<transport::SharedBuffer>> buffers_;

@@ -142,6 +142,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (!device.is_cuda() && tensors.size() == 1) {
     shared = shared_.find(tensors[0]);
     if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
+    in.in_symmetric_heap = shared.heap != nullptr;
   }
   const plan::Selection sel = plan::select_allreduce(in);
   if (!sel.in_place_shared) shared = {};
@@ -158,6 +159,20 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   }
   return cpu_->allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp,
                          std::move(shared));
+}
+
+at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
+  TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu(),
+                    "xdev allocateTensor: only CPU tensors (supportsTensorAlloc is false for ",
+                    options.device(), ")");
+  const at::ScalarType dtype = options.has_dtype()
+                                   ? c10::typeMetaToScalarType(options.dtype())
+                                   : c10::typeMetaToScalarType(at::get_default_dtype());
+  try {
+    return shared_.allocate(size, dtype);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,

@@ -110,6 +110,18 @@ class XdevBackend : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  // c10d's communication-memory allocator, which DDP uses for its gradient
+  // buckets under DDP_DISABLE_COMM_MEM=0 (and FSDP2 for its buffers when asked):
+  // CPU tensors from the group's symmetric heap, so that their allreduce runs in
+  // place. Not for CUDA tensors (device >= 0) yet.
+  bool supportsTensorAlloc(c10::DeviceIndex device) override {
+    return device < 0 && shared_.heap_available();
+  }
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  bool heap_available() const { return shared_.heap_available(); }
+  const std::string& heap_note() const { return shared_.heap_note(); }
+  const transport::SymmetricHeap* heap() const { return shared_.heap(); }
+
   // torch_xdev.shared_empty (SharedBuffers::empty).
   at::Tensor shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
     return shared_.empty(sizes, dtype);

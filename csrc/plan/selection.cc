@@ -63,12 +63,15 @@ Selection choose_plan(const SelectionInput& in) {
     s.reason = "no native kernel for this reduce op / dtype";
     return s;
   }
-  if (in.device == DeviceKind::kCpu && in.shared_buffer_id >= 0 && in.num_tensors == 1 &&
-      use_shared_buffer(in.requested)) {
+  if (in.device == DeviceKind::kCpu && (in.shared_buffer_id >= 0 || in.in_symmetric_heap) &&
+      in.num_tensors == 1 && use_shared_buffer(in.requested)) {
     s.algorithm = Algorithm::kFlat;
     s.in_place_shared = true;
-    s.reason = "tensor in shared buffer #" + std::to_string(in.shared_buffer_id) +
-               " (torch_xdev.shared_empty): reduced in place, nothing staged";
+    s.reason = in.shared_buffer_id >= 0
+                   ? "tensor in shared buffer #" + std::to_string(in.shared_buffer_id) +
+                         " (torch_xdev.shared_empty): reduced in place, nothing staged"
+                   : "tensor in the group's symmetric heap (e.g. a DDP bucket): reduced in "
+                     "place, nothing staged (staged as flat where ranks' places differ)";
     return s;
   }
   if (in.requested != Algorithm::kAuto) {

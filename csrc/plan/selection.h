@@ -87,6 +87,11 @@ struct SelectionInput {
   // >= 0: the one (CPU) tensor lies at the same offset of shared buffer #id,
   // which every rank maps (torch_xdev.shared_empty).
   int64_t shared_buffer_id = -1;
+  // The one (CPU) tensor lies in the group's symmetric heap on this rank (a DDP
+  // bucket, from c10d's allocateTensor). Whether it lies at the same place on
+  // every rank is learnt when the collective runs; where not, it is staged as
+  // flat, which sums in the same order.
+  bool in_symmetric_heap = false;
   // The CPU single-copy transport is open on every rank.
   bool single_copy_available = false;
   // For the fallback engine: whether the op is AVG, and whether the engine has it.
@@ -104,7 +109,8 @@ struct Selection {
   int64_t num_packs = 0;  // hierarchical plans only; 0 = one pack per tensor
   std::string reason;
   double predicted_s = 0;  // by the model, when it chose; else 0
-  // CPU: reduce in place in the shared buffer (flat's order, nothing staged).
+  // CPU: reduce in place in the shared buffer or the symmetric heap (flat's
+  // order, nothing staged).
   bool in_place_shared = false;
   // CPU: run on the single-copy transport (peers read the tensor in place).
   bool single_copy = false;
@@ -120,6 +126,7 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 // (throws); several hosts, no transport, no kernel (fallback); a tensor in a
 // shared buffer with auto or flat (in place); a world of one (nothing to
 // exchange); a forced plan; CPU: the model's choice; CUDA: by topology.
+// A tensor in the symmetric heap is treated like one in a shared buffer.
 Selection select_allreduce(const SelectionInput& in);
 
 }  // namespace xdev::plan

@@ -30,33 +30,43 @@ int64_t SharedBuffer::offset_of(const void* p, size_t n) const {
   return static_cast<int64_t>(at - begin);
 }
 
-void SharedBufferExecutor::run(const SharedBufferRequest& req) {
-  const SharedBuffer& buf = *req.buffer;
+bool SharedBufferExecutor::run(const SharedBufferRequest& req) {
   const int me = channel_.rank();
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
   channel_.open_collective(req.ctx);  // every rank's input is ready (its slot set goes unused)
+  const OpDescriptor& mine = req.ctx.descriptor;
+  if (mine.heap_arena >= 0) {
+    for (int r = 0; r < world; ++r) {
+      const OpDescriptor peer = channel_.descriptor_of(r, mine.seq);
+      if (peer.heap_arena != mine.heap_arena || peer.heap_offset != mine.heap_offset) return false;
+    }
+  }
+  const std::vector<char*> copies = req.copies();
 
-  const plan::Range mine =
+  const plan::Range slice =
       plan::shared_buffer_slices(req.count, es, world)[static_cast<size_t>(me)];
   const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
   const int first_peer = (me + 1) % world;
   std::vector<const void*> sources(static_cast<size_t>(world));
-  for (int64_t lo = mine.begin; lo < mine.end; lo += kPieceBytes / es) {
-    const int64_t n = std::min(kPieceBytes / es, mine.end - lo);
-    const int64_t at = req.offset_bytes + lo * es;
-    for (int r = 0; r < world; ++r) sources[static_cast<size_t>(r)] = buf.data(r) + at;
+  for (int64_t lo = slice.begin; lo < slice.end; lo += kPieceBytes / es) {
+    const int64_t n = std::min(kPieceBytes / es, slice.end - lo);
+    const int64_t at = lo * es;
+    for (int r = 0; r < world; ++r)
+      sources[static_cast<size_t>(r)] = copies[static_cast<size_t>(r)] + at;
     // The sum goes to this rank's copy and one peer's in the same pass (both
     // are sources at the same address, which reduce allows), then to the rest.
-    kernels::reduce(req.dtype, req.op, buf.data(me) + at, sources.data(), world, n, divisor,
-                    buf.data(first_peer) + at);
+    char* const total = copies[static_cast<size_t>(me)] + at;
+    kernels::reduce(req.dtype, req.op, total, sources.data(), world, n, divisor,
+                    copies[static_cast<size_t>(first_peer)] + at);
     for (int r = 0; r < world; ++r) {
       if (r != me && r != first_peer) {
-        std::memcpy(buf.data(r) + at, buf.data(me) + at, static_cast<size_t>(n * es));
+        std::memcpy(copies[static_cast<size_t>(r)] + at, total, static_cast<size_t>(n * es));
       }
     }
   }
   channel_.barrier(req.ctx.deadline, req.ctx.what);  // every total is in every copy
+  return true;
 }
 
 }  // namespace xdev::transport

@@ -1,12 +1,14 @@
 // Tensors in memory that every rank of a group maps, and their allreduce.
 //
-// torch_xdev.shared_empty gives each rank a tensor in its own segment, and
-// maps every peer's segment too. An allreduce of such a tensor stages nothing:
-// rank r sums its slice (plan::shared_buffer_slices) straight from every
-// rank's copy and writes the total into every copy. Each byte of input is then
-// read once and each total written once per rank, where the staged path also
-// copies every byte through a slot and back; on the 2-core development machine
-// that halves the time at 16 MiB (README, "Tensors every rank maps").
+// Two kinds of such memory: torch_xdev.shared_empty gives each rank a tensor
+// in its own segment and maps every peer's segment too (SharedBuffer); the
+// group's symmetric heap (symmetric_heap.h) gives DDP its gradient buckets.
+// An allreduce of such a tensor stages nothing: rank r sums its slice
+// (plan::shared_buffer_slices) straight from every rank's copy and writes the
+// total into every copy. Each byte of input is then read once and each total
+// written once per rank, where the staged path also copies every byte
+// through a slot and back; on the 2-core development machine that halves the
+// time at 16 MiB (README, "Tensors every rank maps").
 //
 // Lifetime: segment names are unlinked as soon as every rank has mapped them
 // (ShmSegment), so the memory lives exactly as long as some rank maps it,
@@ -14,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
@@ -42,12 +45,17 @@ class SharedBuffer {
 };
 
 struct SharedBufferRequest {
-  const SharedBuffer* buffer = nullptr;
-  int64_t offset_bytes = 0;  // the tensor's place in every rank's copy
   int64_t count = 0;
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
-  OpContext ctx;  // its descriptor names the buffer and offset, so all ranks agree
+  // Its descriptor says where the tensor is: in a shared_empty buffer
+  // (shared_buffer, shared_offset: compared, so ranks that differ fail), or
+  // in the symmetric heap (heap_arena, heap_offset: ranks that differ stage).
+  OpContext ctx;
+  // Every rank's copy of the tensor as mapped in this process, by rank.
+  // Called after the first barrier, once every rank's place is known to agree
+  // (a peer's heap arena is mapped on first use).
+  std::function<std::vector<char*>()> copies;
 };
 
 class SharedBufferExecutor {
@@ -55,7 +63,10 @@ class SharedBufferExecutor {
   // The channel (its barriers and descriptor check) must outlive the executor.
   explicit SharedBufferExecutor(ShmChannel& channel) : channel_(channel) {}
 
-  void run(const SharedBufferRequest& req);
+  // Returns false, having passed only the collective's first barrier and
+  // touched nothing, when the tensor is in the symmetric heap and its place
+  // differs between ranks: every rank returns the same, and the caller stages.
+  bool run(const SharedBufferRequest& req);
 
  private:
   ShmChannel& channel_;

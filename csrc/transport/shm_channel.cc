@@ -21,7 +21,7 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 
@@ -65,6 +65,9 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   uint64_t buffer_bytes[2];
   uint64_t probe_address;  // where this rank's probe token lives
   uint64_t probe_token;
+  // This rank's symmetric-heap arenas: bytes is written last (release), 0 until published.
+  std::atomic<uint64_t> arena_bytes[SymmetricHeap::kMaxArenas];
+  int32_t arena_fd[SymmetricHeap::kMaxArenas];
 };
 
 struct alignas(kCacheLine) ShmChannel::Header {
@@ -83,7 +86,9 @@ bool OpDescriptor::operator==(const OpDescriptor& o) const {
          device == o.device && root == o.root && num_packs == o.num_packs &&
          num_tensors == o.num_tensors && total_elems == o.total_elems &&
          shape_hash == o.shape_hash && shared_buffer == o.shared_buffer &&
-         shared_offset == o.shared_offset;
+         shared_offset == o.shared_offset &&
+         // Whether in the heap is compared: those ranks take another path.
+         (heap_arena >= 0) == (o.heap_arena >= 0);
 }
 
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {
@@ -109,6 +114,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
     auto* rc = new (&ranks[r]) RankControl();
     rc->arrived.store(0);
     rc->pid.store(0);
+    for (auto& bytes : rc->arena_bytes) bytes.store(0);
   }
   ch.init_local_rank(world_size, rank, slot_bytes);
   return ch;
@@ -266,6 +272,25 @@ void ShmChannel::publish_buffer(uint64_t seq, const void* address, uint64_t byte
   RankControl* me = control(rank_);
   me->buffer_address[seq & 1] = reinterpret_cast<uint64_t>(address);
   me->buffer_bytes[seq & 1] = bytes;
+}
+
+void ShmChannel::publish_arena(int index, const ArenaAddress& address) {
+  if (index < 0 || index >= SymmetricHeap::kMaxArenas) {
+    throw std::out_of_range("ShmChannel::publish_arena: index " + std::to_string(index));
+  }
+  RankControl* me = control(rank_);
+  me->arena_fd[index] = address.fd;
+  me->arena_bytes[index].store(address.bytes, std::memory_order_release);
+}
+
+ArenaAddress ShmChannel::arena_of(int rank, int index) const {
+  if (index < 0 || index >= SymmetricHeap::kMaxArenas) return {};
+  const RankControl* rc = control(rank);
+  ArenaAddress a;
+  a.bytes = rc->arena_bytes[index].load(std::memory_order_acquire);
+  a.fd = rc->arena_fd[index];
+  a.pid = rc->pid.load();
+  return a;
 }
 
 ShmChannel::PeerBuffer ShmChannel::buffer_of(int rank, uint64_t seq) const {

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "shm_segment.h"
+#include "symmetric_heap.h"
 
 namespace xdev::transport {
 
@@ -53,6 +54,11 @@ struct OpDescriptor {
   uint64_t shape_hash = 0;
   int64_t shared_buffer = -1;  // the shared buffer the tensor is in (shared_empty), or -1
   int64_t shared_offset = 0;   // and its byte offset there
+  // Where the tensor lies in this rank's symmetric heap (arena -1: not there).
+  // == compares only whether it is there (the paths differ); ranks whose
+  // places differ stage instead of failing.
+  int64_t heap_arena = -1;
+  int64_t heap_offset = 0;
 
   bool operator==(const OpDescriptor& o) const;
   bool operator!=(const OpDescriptor& o) const { return !(*this == o); }
@@ -135,6 +141,10 @@ class ShmChannel {
   // (same user, no ptrace restriction). Call once every rank has attached.
   // On false, *why says what failed.
   bool can_read_peers(std::string* why) const;
+
+  // The arenas of this rank's symmetric heap, for peers to map (SymmetricHeap).
+  void publish_arena(int index, const ArenaAddress& address);
+  ArenaAddress arena_of(int rank, int index) const;
 
   uint64_t barriers_passed() const { return epoch_; }
 

@@ -25,36 +25,11 @@
 namespace {
 
 using namespace xdev;
+using transport::make_ctx;
 using transport::make_group;
+using transport::on_threads;
 using transport::ShmChannel;
 using transport::ShmSegment;
-
-// Runs fn(rank) on one thread per rank; returns each rank's exception message, "" if none.
-std::vector<std::string> on_threads(int world, const std::function<void(int)>& fn) {
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-transport::OpContext make_ctx(uint64_t seq, int64_t total) {
-  transport::OpContext ctx;
-  ctx.descriptor.seq = seq;
-  ctx.descriptor.total_elems = total;
-  ctx.deadline = transport::Clock::now() + std::chrono::seconds(30);
-  ctx.what = "allreduce (op #" + std::to_string(seq) + ")";
-  ctx.describe = [](const transport::OpDescriptor& d) { return std::to_string(d.total_elems); };
-  return ctx;
-}
 
 // inputs[r][i]: rank r's element i, a small integer; the returned totals (or averages) are exact.
 std::vector<std::vector<float>> make_inputs(int world, int64_t total, uint64_t seed) {
@@ -166,12 +141,16 @@ TEST(shared_buffer_executor_allreduces_every_copy) {
     const auto errors = on_threads(kWorld, [&](int r) {
       transport::SharedBufferExecutor exec(channels[static_cast<size_t>(r)]);
       transport::SharedBufferRequest req;
-      req.buffer = &buffers[static_cast<size_t>(r)];
-      req.offset_bytes = kOffset;
       req.count = kCount;
       req.op = op;
       req.ctx = make_ctx(seq, kCount);
-      exec.run(req);
+      const transport::SharedBuffer& mine = buffers[static_cast<size_t>(r)];
+      req.copies = [&mine] {
+        std::vector<char*> copies;
+        for (int peer = 0; peer < kWorld; ++peer) copies.push_back(mine.data(peer) + kOffset);
+        return copies;
+      };
+      CHECK(exec.run(req));
     });
     for (int r = 0; r < kWorld; ++r) {
       CHECK_EQ(errors[static_cast<size_t>(r)], "");

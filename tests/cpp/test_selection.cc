@@ -100,6 +100,23 @@ TEST(selection_shared_buffer_runs_in_place_for_auto_and_flat) {
   CHECK(!select_allreduce(cuda).in_place_shared);
 }
 
+TEST(selection_symmetric_heap_runs_in_place_like_a_shared_buffer) {
+  const MachineModel model = builtin_machine("cpu-4");
+  SelectionInput in = cpu_input(model, 4, int64_t{25} << 20);
+  in.in_symmetric_heap = true;
+  Selection s = select_allreduce(in);
+  CHECK_EQ(s.algorithm, Algorithm::kFlat);
+  CHECK(s.in_place_shared);
+  CHECK(contains(s.reason, "symmetric heap"));
+  in.requested = Algorithm::kReduceToOne;  // a forced plan keeps its staged schedule
+  s = select_allreduce(in);
+  CHECK(!s.in_place_shared);
+  CHECK_EQ(s.algorithm, Algorithm::kReduceToOne);
+  in.requested = Algorithm::kAuto;
+  in.num_hosts = 2;  // several hosts: the engine, whatever the tensor's memory
+  CHECK_EQ(select_allreduce(in).algorithm, Algorithm::kFallback);
+}
+
 TEST(selection_without_transport_falls_back_with_the_note) {
   SelectionInput in = cuda_input(TopologyClass::kDgx1, 8);
   in.transport_available = false;

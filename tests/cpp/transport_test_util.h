@@ -1,8 +1,13 @@
 // Helpers for the transport tests: threads stand in for the ranks of one host.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport/shm_channel.h"
@@ -20,6 +25,33 @@ inline std::vector<ShmChannel> make_group(int world, size_t slot_bytes) {
   for (int r = 1; r < world; ++r) ranks.push_back(ShmChannel::attach(name, world, r, slot_bytes));
   ranks[0].unlink_name();
   return ranks;
+}
+
+// Runs fn(rank) on one thread per rank; returns each rank's exception message, "" if none.
+inline std::vector<std::string> on_threads(int world, const std::function<void(int)>& fn) {
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+inline OpContext make_ctx(uint64_t seq, int64_t total) {
+  OpContext ctx;
+  ctx.descriptor.seq = seq;
+  ctx.descriptor.total_elems = total;
+  ctx.deadline = Clock::now() + std::chrono::seconds(30);
+  ctx.what = "allreduce (op #" + std::to_string(seq) + ")";
+  ctx.describe = [](const OpDescriptor& d) { return std::to_string(d.total_elems); };
+  return ctx;
 }
 
 }  // namespace xdev::transport

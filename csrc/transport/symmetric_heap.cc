@@ -1,0 +1,226 @@
+#include "symmetric_heap.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace xdev::transport {
+namespace {
+
+constexpr size_t kArenaGranule = size_t{2} << 20;  // a huge page, so THP can back arenas
+
+size_t round_up(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
+[[noreturn]] void throw_errno(const std::string& what, int err) {
+  throw std::runtime_error("xdev symmetric heap: " + what + ": " + std::strerror(err));
+}
+
+}  // namespace
+
+SymmetricHeap::SymmetricHeap(int rank, int world_size, size_t first_arena_bytes, Publish publish)
+    : rank_(rank),
+      world_size_(world_size),
+      first_arena_bytes_(round_up(std::max<size_t>(first_arena_bytes, 1), kArenaGranule)),
+      publish_(std::move(publish)),
+      peers_(static_cast<size_t>(world_size),
+             std::vector<std::pair<size_t, char*>>(kMaxArenas, {0, nullptr})) {
+  if (rank < 0 || rank >= world_size) throw std::invalid_argument("SymmetricHeap: bad rank");
+}
+
+SymmetricHeap::~SymmetricHeap() {
+  for (Arena& a : own_) {
+    ::munmap(a.data, a.bytes);
+    ::close(a.fd);
+  }
+  for (auto& arenas : peers_) {
+    for (auto& [bytes, data] : arenas) {
+      if (data != nullptr) ::munmap(data, bytes);
+    }
+  }
+}
+
+int SymmetricHeap::add_arena(size_t at_least) {
+  if (own_.size() >= static_cast<size_t>(kMaxArenas)) {
+    throw std::runtime_error(
+        "xdev symmetric heap: rank " + std::to_string(rank_) + " has " +
+        std::to_string(kMaxArenas) + " arenas (" + std::to_string(reserved_bytes_locked() >> 20) +
+        " MiB) and none has room for " + std::to_string(at_least) + " more bytes");
+  }
+  const size_t reserved = reserved_bytes_locked();
+  const size_t bytes = round_up(
+      std::max({at_least, reserved, own_.empty() ? first_arena_bytes_ : 0}), kArenaGranule);
+  // MFD_CLOEXEC: a child the rank starts gets no handle on the group's memory.
+  const int fd = ::memfd_create("xdev-heap", MFD_CLOEXEC);
+  if (fd < 0) throw_errno("memfd_create", errno);
+  // Peers open it through /proc/<pid>/fd, which the kernel allows only to
+  // processes that may inspect this one (same user); 0600 says the same.
+  if (::fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw_errno("sizing an arena of " + std::to_string(bytes) + " bytes", err);
+  }
+  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd);
+    throw_errno("mapping an arena of " + std::to_string(bytes) + " bytes", err);
+  }
+  Arena arena;
+  arena.fd = fd;
+  arena.data = static_cast<char*>(data);
+  arena.bytes = bytes;
+  arena.free_blocks[0] = static_cast<int64_t>(bytes);
+  own_.push_back(std::move(arena));
+  const int index = static_cast<int>(own_.size()) - 1;
+  if (publish_) publish_(index, ArenaAddress{static_cast<int32_t>(::getpid()), fd, bytes});
+  return index;
+}
+
+SymmetricHeap::Block SymmetricHeap::allocate(size_t bytes) {
+  const auto need = static_cast<int64_t>(round_up(std::max<size_t>(bytes, 1), kAlignBytes));
+  std::lock_guard<std::mutex> lock(mutex_);
+  // First fit, lowest arena and offset first: a deterministic function of the
+  // sequence of calls, which is what keeps ranks' places equal.
+  for (size_t i = 0;; ++i) {
+    if (i == own_.size()) add_arena(static_cast<size_t>(need));
+    Arena& a = own_[i];
+    for (auto it = a.free_blocks.begin(); it != a.free_blocks.end(); ++it) {
+      if (it->second < need) continue;
+      const int64_t offset = it->first;
+      const int64_t rest = it->second - need;
+      a.free_blocks.erase(it);
+      if (rest > 0) a.free_blocks[offset + need] = rest;
+      a.live_blocks[offset] = need;
+      return Block{a.data + offset, HeapLocation{static_cast<int>(i), offset}};
+    }
+  }
+}
+
+void SymmetricHeap::free(HeapLocation where) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (where.arena < 0 || where.arena >= static_cast<int>(own_.size())) return;
+  Arena& a = own_[static_cast<size_t>(where.arena)];
+  const auto live = a.live_blocks.find(where.offset);
+  if (live == a.live_blocks.end()) return;
+  int64_t offset = live->first, bytes = live->second;
+  a.live_blocks.erase(live);
+  // Coalesce with the free neighbours on both sides.
+  auto next = a.free_blocks.lower_bound(offset);
+  if (next != a.free_blocks.end() && next->first == offset + bytes) {
+    bytes += next->second;
+    next = a.free_blocks.erase(next);
+  }
+  if (next != a.free_blocks.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      offset = prev->first;
+      bytes += prev->second;
+      a.free_blocks.erase(prev);
+    }
+  }
+  a.free_blocks[offset] = bytes;
+}
+
+HeapLocation SymmetricHeap::locate(const void* p, size_t n) const {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < own_.size(); ++i) {
+    const auto begin = reinterpret_cast<uintptr_t>(own_[i].data);
+    if (at >= begin && at - begin <= own_[i].bytes && n <= own_[i].bytes - (at - begin)) {
+      return HeapLocation{static_cast<int>(i), static_cast<int64_t>(at - begin)};
+    }
+  }
+  return {};
+}
+
+void* SymmetricHeap::map_peer_arena(const ArenaAddress& address) {
+  const std::string path =
+      "/proc/" + std::to_string(address.pid) + "/fd/" + std::to_string(address.fd);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) throw_errno("opening a peer's arena at " + path, errno);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < address.bytes) {
+    ::close(fd);
+    throw std::runtime_error("xdev symmetric heap: " + path + " is not the peer's arena (" +
+                             std::to_string(st.st_size) + " bytes, expected " +
+                             std::to_string(address.bytes) + ")");
+  }
+  void* data = ::mmap(nullptr, address.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the memory
+  if (data == MAP_FAILED) throw_errno("mapping a peer's arena " + path, err);
+  return data;
+}
+
+char* SymmetricHeap::arena_of(int r, int arena, const ArenaAddress& address) {
+  if (arena < 0 || arena >= kMaxArenas || r < 0 || r >= world_size_) {
+    throw std::out_of_range("SymmetricHeap::arena_of: no arena " + std::to_string(arena) +
+                            " of rank " + std::to_string(r));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (r == rank_) {
+    if (arena >= static_cast<int>(own_.size())) {
+      throw std::out_of_range("SymmetricHeap::arena_of: this rank has no arena " +
+                              std::to_string(arena));
+    }
+    return own_[static_cast<size_t>(arena)].data;
+  }
+  auto& slot = peers_[static_cast<size_t>(r)][static_cast<size_t>(arena)];
+  if (slot.second == nullptr) {
+    if (address.bytes == 0) {
+      throw std::runtime_error("xdev symmetric heap: rank " + std::to_string(r) +
+                               " has published no arena " + std::to_string(arena));
+    }
+    slot = {address.bytes, static_cast<char*>(map_peer_arena(address))};
+  }
+  return slot.second;
+}
+
+ArenaAddress SymmetricHeap::first_arena() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (own_.empty()) add_arena(first_arena_bytes_);
+  const Arena& a = own_.front();
+  return ArenaAddress{static_cast<int32_t>(::getpid()), a.fd, a.bytes};
+}
+
+int SymmetricHeap::arenas() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int>(own_.size());
+}
+
+size_t SymmetricHeap::bytes_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t total = 0;
+  for (const Arena& a : own_) {
+    for (const auto& [offset, bytes] : a.live_blocks) total += static_cast<size_t>(bytes);
+  }
+  return total;
+}
+
+size_t SymmetricHeap::bytes_reserved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_bytes_locked();
+}
+
+size_t SymmetricHeap::reserved_bytes_locked() const {
+  size_t total = 0;
+  for (const Arena& a : own_) total += a.bytes;
+  return total;
+}
+
+int64_t SymmetricHeap::live_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (const Arena& a : own_) n += static_cast<int64_t>(a.live_blocks.size());
+  return n;
+}
+
+}  // namespace xdev::transport
