@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -351,3 +354,27 @@ def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
     bad.write_text('{"nvlink": [[0, 1], [2, 0]]}')  # not symmetric
     errors = run_ranks(_init_with_topology, 1, env={"XDEV_TOPO_FILE": str(bad)})
     assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]
+
+
+def test_ddp_comm_mem_default_changes_no_other_backend() -> None:
+    # Set for the user only when unset and no GPU is visible (no NCCL group can exist).
+    env: dict[str, str] = {}
+    assert torch_xdev.default_comm_mem(env, cuda_visible=False)
+    assert env == {"DDP_DISABLE_COMM_MEM": "0"}
+    env = {}
+    assert not torch_xdev.default_comm_mem(env, cuda_visible=True)
+    assert env == {}
+    env = {"DDP_DISABLE_COMM_MEM": "1"}  # the user's choice stands
+    assert not torch_xdev.default_comm_mem(env, cuda_visible=False)
+    assert env == {"DDP_DISABLE_COMM_MEM": "1"}
+    # End to end: what `import torch_xdev` leaves in a fresh process's environment.
+    env = {k: v for k, v in os.environ.items() if k != "DDP_DISABLE_COMM_MEM"}
+    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    code = "import os, torch_xdev; print(os.environ.get('DDP_DISABLE_COMM_MEM'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    expected = "None" if torch.cuda.device_count() > 0 else "0"
+    assert out.stdout.strip() == expected

@@ -34,6 +34,7 @@ __all__ = [
     "ENV_KNOBS",
     "Options",
     "avg_comm_hook",
+    "default_comm_mem",
     "describe",
     "host_identity",
     "shared_empty",

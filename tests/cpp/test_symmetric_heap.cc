@@ -140,4 +140,20 @@ TEST(heap_blocks_at_different_places_are_refused_on_every_rank) {
   CHECK(heap_allreduce({0, 4096, 0}, 1000) == std::vector<bool>(3, false));
 }
 
+TEST(heap_block_on_some_ranks_only_fails_on_every_rank) {
+  // Rank 1's tensor is not in the heap: its path differs, so the descriptor check fails on
+  // both ranks at the first barrier, before anyone reads or writes a peer's memory.
+  auto channels = transport::make_group(2, 4096);
+  const auto errors = transport::on_threads(2, [&](int r) {
+    transport::SharedBufferExecutor exec(channels[static_cast<size_t>(r)]);
+    transport::SharedBufferRequest req;
+    req.count = 16;
+    req.ctx = transport::make_ctx(1, 16);
+    req.ctx.descriptor.heap_arena = r == 0 ? 0 : -1;
+    req.copies = [] { return std::vector<char*>(); };  // never reached
+    exec.run(req);
+  });
+  for (const std::string& e : errors) CHECK(e.find("mismatched collectives") != std::string::npos);
+}
+
 }  // namespace
