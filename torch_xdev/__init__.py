@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -25,7 +26,7 @@ except ImportError as e:  # typically: importing the source tree instead of the 
         "tree (e.g. `pytest tests`), or build in place with `python setup.py build_ext --inplace`."
     ) from e
 from ._registration import BACKEND_NAME, backend_of, host_identity, register
-from .ddp import avg_comm_hook, default_comm_mem
+from .ddp import COMM_MEM_VARIABLE, avg_comm_hook, default_comm_mem
 from .options import ALGORITHMS, ENV_KNOBS, Options
 
 __all__ = [
@@ -47,10 +48,22 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
 
     Keys include ``algorithm``, ``num_packs``, ``world_size``, ``local_world_size``,
     ``num_hosts``, ``shared_memory``, ``fallback_backend``, ``cpu_allreduce_plan``
-    (algorithm and reason per payload size), ``cuda_allreduce_plan``, ``last_allreduce`` and
-    ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive).
+    (algorithm and reason per payload size), ``cuda_allreduce_plan``, ``last_allreduce``,
+    ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive),
+    ``ddp_shared_buckets`` (whether DDP's buckets on this group will live in its symmetric
+    heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas
+    and bytes in use, or None).
     """
-    return dict(backend_of(group).describe())
+    info = dict(backend_of(group).describe())
+    # DDP asks the backend for bucket memory only under PyTorch's switch (torch_xdev/ddp.py).
+    switch = os.environ.get(COMM_MEM_VARIABLE, "1")
+    if info["ddp_shared_buckets"] and switch != "0":
+        info["ddp_shared_buckets"] = False
+        info["ddp_shared_buckets_note"] = (
+            f"off: {COMM_MEM_VARIABLE}={switch}; DDP allocates its buckets through the backend "
+            f"only when it is 0 (the group's symmetric heap is ready)"
+        )
+    return info
 
 
 def shared_empty(
