@@ -80,34 +80,34 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
                                    const SharedPlacement& shared) {
   const auto deadline = group_.deadline_for(timeout);
   const std::vector<at::Tensor> flat = contiguous(tensors);
-  const bool in_place = sel.in_place_shared;
+  // In place: a shared_empty buffer always (every rank's tensor is in one, or
+  // the call fails), a heap block when the staged flat plan finds after its
+  // first barrier that every rank's block is at the same place.
+  const bool in_shared_buffer = sel.in_place_shared && shared.buffer != nullptr;
+  const bool in_heap = sel.in_place_shared && shared.heap != nullptr;
   for (const DtypeAllreduce& call :
-       prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_place)) {
+       prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_shared_buffer)) {
     const int64_t total = call.total();
     transport::OpDescriptor desc = call.descriptor;
-    if (in_place) {  // the one tensor, in memory every rank maps
-      if (shared.buffer != nullptr) {
+    transport::SharedBufferRequest in_place;
+    if (in_shared_buffer || in_heap) {  // the one tensor, in memory every rank maps
+      if (in_shared_buffer) {
         desc.shared_buffer = shared.buffer->id();
         desc.shared_offset = shared.offset;
       } else {
         desc.heap_arena = shared.heap_location.arena;
         desc.heap_offset = shared.heap_location.offset;
       }
-      transport::SharedBufferRequest req;
-      req.count = total;
-      req.dtype = call.dtype;
-      req.op = op;
-      req.ctx = group_.make_context(desc, "allreduce", deadline);
+      in_place.count = total;
+      in_place.dtype = call.dtype;
+      in_place.op = op;
+      in_place.ctx = group_.make_context(desc, "allreduce", deadline);
       transport::ShmChannel& channel = *group_.channel();
-      req.copies = [&shared, &channel] { return copies_of(shared, channel); };
-      if (in_place_.run(req)) continue;
-      // Heap blocks at different places on different ranks (allocations in
-      // different orders): staged as flat, which sums in the same order. The
-      // descriptor is republished unchanged, so a peer still reading it sees the same.
-      group_.log_once("heap-places-differ",
-                      "a tensor of the symmetric heap lies at different places on different "
-                      "ranks; staging it (allocate in the same order on every rank to run in "
-                      "place)");
+      in_place.copies = [&shared, &channel] { return copies_of(shared, channel); };
+      if (in_shared_buffer) {
+        in_place_.run(in_place);
+        continue;
+      }
     }
     const size_t elem_size = call.group.elem_size;
     const bool single_copy = sel.single_copy;  // of one tensor: this very group
@@ -140,6 +140,16 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
     req.dtype = call.dtype;
     req.op = op;
     req.ctx = ctx;
+    if (in_heap) {
+      req.after_first_barrier = [this, &in_place] {
+        if (in_place_.run_opened(in_place)) return true;
+        group_.log_once("heap-places-differ",
+                        "a tensor of the symmetric heap is not at the same place on every rank "
+                        "(allocated in another order, or an ordinary tensor on some rank); "
+                        "staged");
+        return false;
+      };
+    }
     staged_.run(req);
   }
   copy_back(flat, tensors);

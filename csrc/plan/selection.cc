@@ -63,15 +63,12 @@ Selection choose_plan(const SelectionInput& in) {
     s.reason = "no native kernel for this reduce op / dtype";
     return s;
   }
-  if (in.device == DeviceKind::kCpu && (in.shared_buffer_id >= 0 || in.in_symmetric_heap) &&
-      in.num_tensors == 1 && use_shared_buffer(in.requested)) {
+  if (in.device == DeviceKind::kCpu && in.shared_buffer_id >= 0 && in.num_tensors == 1 &&
+      use_shared_buffer(in.requested)) {
     s.algorithm = Algorithm::kFlat;
     s.in_place_shared = true;
-    s.reason = in.shared_buffer_id >= 0
-                   ? "tensor in shared buffer #" + std::to_string(in.shared_buffer_id) +
-                         " (torch_xdev.shared_empty): reduced in place, nothing staged"
-                   : "tensor in the group's symmetric heap (e.g. a DDP bucket): reduced in "
-                     "place, nothing staged (staged as flat where ranks' places differ)";
+    s.reason = "tensor in shared buffer #" + std::to_string(in.shared_buffer_id) +
+               " (torch_xdev.shared_empty): reduced in place, nothing staged";
     return s;
   }
   if (in.requested != Algorithm::kAuto) {
@@ -189,6 +186,17 @@ Selection select_allreduce(const SelectionInput& in) {
   } else if (in.device == DeviceKind::kCpu && !s.in_place_shared) {
     s.single_copy = use_single_copy(s.algorithm, in.payload_bytes, in.num_tensors == 1,
                                     in.single_copy_available);
+    // A heap tensor takes the plan any tensor of its size would, so that a
+    // peer whose tensor is not in the heap (DDP's Join hands zeros_like
+    // buckets) runs the same collective; staged flat then turns in place
+    // after its first barrier when every rank's block is at the same place.
+    if (in.in_symmetric_heap && in.num_tensors == 1 && s.algorithm == Algorithm::kFlat &&
+        !s.single_copy) {
+      s.in_place_shared = true;
+      s.reason +=
+          "; in place when every rank's tensor is at the same place of the group's "
+          "symmetric heap (e.g. DDP's buckets)";
+    }
   }
   return s;
 }

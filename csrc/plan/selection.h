@@ -88,9 +88,9 @@ struct SelectionInput {
   // which every rank maps (torch_xdev.shared_empty).
   int64_t shared_buffer_id = -1;
   // The one (CPU) tensor lies in the group's symmetric heap on this rank (a DDP
-  // bucket, from c10d's allocateTensor). Whether it lies at the same place on
-  // every rank is learnt when the collective runs; where not, it is staged as
-  // flat, which sums in the same order.
+  // bucket, from c10d's allocateTensor). It changes nothing about the plan, as
+  // peers' tensors need not be there; when the plan is staged flat, it runs
+  // in place once every rank finds all blocks at the same place.
   bool in_symmetric_heap = false;
   // The CPU single-copy transport is open on every rank.
   bool single_copy_available = false;
@@ -126,7 +126,8 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 // (throws); several hosts, no transport, no kernel (fallback); a tensor in a
 // shared buffer with auto or flat (in place); a world of one (nothing to
 // exchange); a forced plan; CPU: the model's choice; CUDA: by topology.
-// A tensor in the symmetric heap is treated like one in a shared buffer.
+// A tensor in the symmetric heap gets the plan of any tensor, in place when
+// that is flat (in_place_shared).
 Selection select_allreduce(const SelectionInput& in);
 
 }  // namespace xdev::plan

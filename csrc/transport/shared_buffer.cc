@@ -31,10 +31,14 @@ int64_t SharedBuffer::offset_of(const void* p, size_t n) const {
 }
 
 bool SharedBufferExecutor::run(const SharedBufferRequest& req) {
+  channel_.open_collective(req.ctx);  // every rank's input is ready (its slot set goes unused)
+  return run_opened(req);
+}
+
+bool SharedBufferExecutor::run_opened(const SharedBufferRequest& req) {
   const int me = channel_.rank();
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
-  channel_.open_collective(req.ctx);  // every rank's input is ready (its slot set goes unused)
   const OpDescriptor& mine = req.ctx.descriptor;
   if (mine.heap_arena >= 0) {
     for (int r = 0; r < world; ++r) {

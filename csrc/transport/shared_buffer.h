@@ -63,10 +63,15 @@ class SharedBufferExecutor {
   // The channel (its barriers and descriptor check) must outlive the executor.
   explicit SharedBufferExecutor(ShmChannel& channel) : channel_(channel) {}
 
-  // Returns false, having passed only the collective's first barrier and
-  // touched nothing, when the tensor is in the symmetric heap and its place
-  // differs between ranks: every rank returns the same, and the caller stages.
+  // Opens the collective (its first barrier), then run_opened.
   bool run(const SharedBufferRequest& req);
+
+  // The rest, once every rank has passed the collective's first barrier (by
+  // any path: the staged flat plan's first window calls it there). Returns
+  // false, having touched nothing, when the tensor is in the symmetric heap
+  // and not at the same place on every rank (or not in it on some): every
+  // rank returns the same, and the caller stages.
+  bool run_opened(const SharedBufferRequest& req);
 
  private:
   ShmChannel& channel_;

@@ -86,9 +86,7 @@ bool OpDescriptor::operator==(const OpDescriptor& o) const {
          device == o.device && root == o.root && num_packs == o.num_packs &&
          num_tensors == o.num_tensors && total_elems == o.total_elems &&
          shape_hash == o.shape_hash && shared_buffer == o.shared_buffer &&
-         shared_offset == o.shared_offset &&
-         // Whether in the heap is compared: those ranks take another path.
-         (heap_arena >= 0) == (o.heap_arena >= 0);
+         shared_offset == o.shared_offset;
 }
 
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {

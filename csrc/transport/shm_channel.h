@@ -55,8 +55,8 @@ struct OpDescriptor {
   int64_t shared_buffer = -1;  // the shared buffer the tensor is in (shared_empty), or -1
   int64_t shared_offset = 0;   // and its byte offset there
   // Where the tensor lies in this rank's symmetric heap (arena -1: not there).
-  // == compares only whether it is there (the paths differ); ranks whose
-  // places differ stage instead of failing.
+  // Not compared by ==: ranks read every rank's after the first barrier and
+  // run in place only if all are at one place (SharedBufferExecutor).
   int64_t heap_arena = -1;
   int64_t heap_offset = 0;
 

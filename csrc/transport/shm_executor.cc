@@ -124,6 +124,7 @@ void ShmExecutor::run(const CollectiveRequest& req) {
     // The first window's barrier also checks every rank's descriptor.
     const int64_t parity = k == 0 ? channel_.open_collective(req.ctx, stage_mine)
                                   : channel_.open_window(req.ctx, stage_mine);
+    if (k == 0 && req.after_first_barrier && req.after_first_barrier()) return;
     for (int phase = 1; phase <= sched.num_phases; ++phase) {
       for (const plan::Step& s : sched.steps) {
         if (s.actor == me && s.phase == phase) run_step(req, w, s, parity);

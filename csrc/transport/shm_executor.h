@@ -26,6 +26,11 @@ struct CollectiveRequest {
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
   OpContext ctx;
+  // Called once, when every rank has passed the first window's barrier and the
+  // descriptor check; returning true ends the collective there (it ran some
+  // other way: in place, SharedBufferExecutor::run_opened). Its answer must be
+  // the same on every rank.
+  std::function<bool()> after_first_barrier;
 };
 
 class ShmExecutor {

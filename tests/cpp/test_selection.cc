@@ -100,7 +100,7 @@ TEST(selection_shared_buffer_runs_in_place_for_auto_and_flat) {
   CHECK(!select_allreduce(cuda).in_place_shared);
 }
 
-TEST(selection_symmetric_heap_runs_in_place_like_a_shared_buffer) {
+TEST(selection_symmetric_heap_runs_in_place_only_where_the_plan_is_flat) {
   const MachineModel model = builtin_machine("cpu-4");
   SelectionInput in = cpu_input(model, 4, int64_t{25} << 20);
   in.in_symmetric_heap = true;
@@ -108,6 +108,21 @@ TEST(selection_symmetric_heap_runs_in_place_like_a_shared_buffer) {
   CHECK_EQ(s.algorithm, Algorithm::kFlat);
   CHECK(s.in_place_shared);
   CHECK(contains(s.reason, "symmetric heap"));
+  // The plan is the one any tensor of the size gets (a peer's may not be in the heap).
+  for (int64_t bytes = 4; bytes <= (int64_t{64} << 20); bytes *= 4) {
+    SelectionInput heap = cpu_input(model, 4, bytes);
+    heap.in_symmetric_heap = true;
+    const Selection with = select_allreduce(heap);
+    const Selection without = select_allreduce(cpu_input(model, 4, bytes));
+    CHECK_EQ(with.algorithm, without.algorithm);
+    CHECK_EQ(with.num_packs, without.num_packs);
+    CHECK_EQ(with.in_place_shared, with.algorithm == Algorithm::kFlat);
+  }
+  in.single_copy_available = true;  // single copy (off by default) wins over in place
+  s = select_allreduce(in);
+  CHECK(s.single_copy);
+  CHECK(!s.in_place_shared);
+  in.single_copy_available = false;
   in.requested = Algorithm::kReduceToOne;  // a forced plan keeps its staged schedule
   s = select_allreduce(in);
   CHECK(!s.in_place_shared);

@@ -5,12 +5,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "plan/collective_plan.h"
 #include "test_harness.h"
 #include "transport/shared_buffer.h"
 #include "transport/shm_channel.h"
+#include "transport/shm_executor.h"
 #include "transport/symmetric_heap.h"
 #include "transport_test_util.h"
 
@@ -72,88 +75,98 @@ TEST(symmetric_heap_coalesces_frees_and_grows) {
   CHECK_EQ(static_cast<unsigned char>(whole.data[2 * kMiB - 1]), 0x5a);
 }
 
-// One heap and one channel per rank; each rank allocates `extra_first[r]` bytes, then the
-// tensor, and allreduces it in place. Returns whether the executor ran in place on each rank.
-std::vector<bool> heap_allreduce(const std::vector<size_t>& extra_first, int64_t count) {
+// One heap and one channel per rank. Each rank allocates `extra_first[r]` bytes, then the
+// tensor (or, where `in_heap[r]` is false, uses an ordinary buffer), and allreduces it as the
+// backend does: the staged flat plan, which turns in place after its first barrier when every
+// rank's block is at the same place. Returns, per rank, whether it ran in place; checks the
+// totals either way, and that a bare barrier afterwards keeps the ranks in step.
+std::vector<bool> heap_allreduce(const std::vector<size_t>& extra_first,
+                                 const std::vector<bool>& in_heap, int64_t count) {
   const int world = static_cast<int>(extra_first.size());
-  auto channels = transport::make_group(world, 4096);
+  constexpr int64_t kWindow = 1024;  // elements: several windows when staged
+  auto channels = transport::make_group(world, kWindow * sizeof(float));
   std::vector<std::unique_ptr<SymmetricHeap>> heaps;
+  std::vector<std::vector<float>> ordinary(static_cast<size_t>(world));
+  std::vector<float*> data(static_cast<size_t>(world));
+  std::vector<HeapLocation> where(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
-    transport::ShmChannel& ch = channels[static_cast<size_t>(r)];
+    const auto ur = static_cast<size_t>(r);
+    transport::ShmChannel& ch = channels[ur];
     heaps.push_back(std::make_unique<SymmetricHeap>(
         r, world, 2 * kMiB,
         [&ch](int arena, const transport::ArenaAddress& a) { ch.publish_arena(arena, a); }));
-  }
-  std::vector<SymmetricHeap::Block> blocks;
-  for (int r = 0; r < world; ++r) {
-    SymmetricHeap& heap = *heaps[static_cast<size_t>(r)];
-    if (extra_first[static_cast<size_t>(r)] > 0) heap.allocate(extra_first[static_cast<size_t>(r)]);
-    blocks.push_back(heap.allocate(static_cast<size_t>(count) * sizeof(float)));
-    auto* data = reinterpret_cast<float*>(blocks.back().data);
-    for (int64_t i = 0; i < count; ++i) data[i] = static_cast<float>((i % 97) * (r + 1));
-  }
-  std::vector<bool> in_place(static_cast<size_t>(world));
-  const auto errors = transport::on_threads(world, [&](int r) {
-    transport::SharedBufferExecutor exec(channels[static_cast<size_t>(r)]);
-    transport::SharedBufferRequest req;
-    req.count = count;
-    req.op = kernels::ReduceOp::kSum;
-    req.ctx = transport::make_ctx(1, count);
-    const HeapLocation where = blocks[static_cast<size_t>(r)].where;
-    req.ctx.descriptor.heap_arena = where.arena;
-    req.ctx.descriptor.heap_offset = where.offset;
-    SymmetricHeap& heap = *heaps[static_cast<size_t>(r)];
-    transport::ShmChannel& ch = channels[static_cast<size_t>(r)];
-    req.copies = [&] {
-      std::vector<char*> copies;
-      for (int peer = 0; peer < world; ++peer) {
-        copies.push_back(heap.arena_of(peer, where.arena, ch.arena_of(peer, where.arena)) +
-                         where.offset);
-      }
-      return copies;
-    };
-    in_place[static_cast<size_t>(r)] = exec.run(req);
-  });
-  for (int r = 0; r < world; ++r) CHECK_EQ(errors[static_cast<size_t>(r)], "");
-  if (in_place[0]) {
-    const float factor = static_cast<float>(world * (world + 1) / 2);
-    for (int r = 0; r < world; ++r) {
-      const auto* data = reinterpret_cast<const float*>(blocks[static_cast<size_t>(r)].data);
-      bool all_equal = true;
-      for (int64_t i = 0; i < count; ++i) {
-        all_equal = all_equal && data[i] == static_cast<float>(i % 97) * factor;
-      }
-      CHECK(all_equal);
+    if (extra_first[ur] > 0) heaps[ur]->allocate(extra_first[ur]);
+    if (in_heap[ur]) {
+      const auto block = heaps[ur]->allocate(static_cast<size_t>(count) * sizeof(float));
+      data[ur] = reinterpret_cast<float*>(block.data);
+      where[ur] = block.where;
+    } else {
+      ordinary[ur].resize(static_cast<size_t>(count));
+      data[ur] = ordinary[ur].data();
     }
+    for (int64_t i = 0; i < count; ++i) data[ur][i] = static_cast<float>((i % 97) * (r + 1));
+  }
+  const plan::FlatLayout layout({count});
+  const auto plan =
+      plan::CollectivePlan::allreduce(plan::Algorithm::kFlat, world, 0, {}, count, kWindow);
+  std::vector<bool> in_place(static_cast<size_t>(world), false);
+  const auto errors = transport::on_threads(world, [&](int r) {
+    const auto ur = static_cast<size_t>(r);
+    transport::ShmChannel& ch = channels[ur];
+    transport::ShmExecutor staged(ch);
+    transport::SharedBufferExecutor exec(ch);
+    transport::CollectiveRequest req;
+    req.plan = &plan;
+    req.layout = &layout;
+    req.tensors = {reinterpret_cast<char*>(data[ur])};
+    req.ctx = transport::make_ctx(1, count);
+    transport::SharedBufferRequest heap_req;
+    if (in_heap[ur]) {
+      req.ctx.descriptor.heap_arena = where[ur].arena;
+      req.ctx.descriptor.heap_offset = where[ur].offset;
+      heap_req.count = count;
+      heap_req.ctx = req.ctx;
+      SymmetricHeap& heap = *heaps[ur];
+      heap_req.copies = [&] {
+        std::vector<char*> copies;
+        for (int peer = 0; peer < world; ++peer) {
+          const int arena = where[ur].arena;
+          copies.push_back(heap.arena_of(peer, arena, ch.arena_of(peer, arena)) + where[ur].offset);
+        }
+        return copies;
+      };
+      req.after_first_barrier = [&] { return in_place[ur] = exec.run_opened(heap_req); };
+    }
+    staged.run(req);
+    staged.barrier(transport::make_ctx(2, 0));
+  });
+  const float factor = static_cast<float>(world * (world + 1) / 2);
+  for (int r = 0; r < world; ++r) {
+    CHECK_EQ(errors[static_cast<size_t>(r)], "");
+    bool all_equal = true;
+    for (int64_t i = 0; i < count; ++i) {
+      all_equal =
+          all_equal && data[static_cast<size_t>(r)][i] == static_cast<float>(i % 97) * factor;
+    }
+    CHECK(all_equal);
   }
   return in_place;
 }
 
 TEST(heap_blocks_at_the_same_place_allreduce_in_place) {
-  CHECK(heap_allreduce({0, 0, 0}, 100000) == std::vector<bool>(3, true));
+  CHECK(heap_allreduce({0, 0, 0}, {true, true, true}, 100000) == std::vector<bool>(3, true));
   // Same extra allocation on every rank: still the same place.
-  CHECK(heap_allreduce({512, 512}, 5000) == std::vector<bool>(2, true));
+  CHECK(heap_allreduce({512, 512}, {true, true}, 5000) == std::vector<bool>(2, true));
 }
 
-TEST(heap_blocks_at_different_places_are_refused_on_every_rank) {
-  // Rank 1 allocated something first: its block is elsewhere, so no rank runs in place.
-  CHECK(heap_allreduce({0, 4096, 0}, 1000) == std::vector<bool>(3, false));
+TEST(heap_blocks_at_different_places_stage_on_every_rank) {
+  // Rank 1 allocated something first: its block is elsewhere, so every rank stages.
+  CHECK(heap_allreduce({0, 4096, 0}, {true, true, true}, 10000) == std::vector<bool>(3, false));
 }
 
-TEST(heap_block_on_some_ranks_only_fails_on_every_rank) {
-  // Rank 1's tensor is not in the heap: its path differs, so the descriptor check fails on
-  // both ranks at the first barrier, before anyone reads or writes a peer's memory.
-  auto channels = transport::make_group(2, 4096);
-  const auto errors = transport::on_threads(2, [&](int r) {
-    transport::SharedBufferExecutor exec(channels[static_cast<size_t>(r)]);
-    transport::SharedBufferRequest req;
-    req.count = 16;
-    req.ctx = transport::make_ctx(1, 16);
-    req.ctx.descriptor.heap_arena = r == 0 ? 0 : -1;
-    req.copies = [] { return std::vector<char*>(); };  // never reached
-    exec.run(req);
-  });
-  for (const std::string& e : errors) CHECK(e.find("mismatched collectives") != std::string::npos);
+TEST(heap_block_on_some_ranks_only_stages_on_every_rank) {
+  // Rank 1's tensor is an ordinary one (as DDP's Join passes zeros_like buckets).
+  CHECK(heap_allreduce({0, 0, 0}, {true, false, true}, 10000) == std::vector<bool>(3, false));
 }
 
 }  // namespace
