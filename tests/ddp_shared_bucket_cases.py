@@ -1,0 +1,551 @@
+"""The training runs behind tests/test_ddp_shared_buckets.py, executed inside spawned ranks.
+
+``worker`` runs every case of CASES twice, on xdev and on Gloo, each in process groups of its
+own, and returns what each run ended with: parameters, losses and, on xdev, snapshots of the
+groups' symmetric heaps (see ``Run.snapshot``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel.distributed import _MixedPrecision
+
+import torch_xdev
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import ddp_train  # noqa: E402  (examples/ is not a package)
+
+WORLD_SIZE = 4
+STEPS = 6
+SEED = 11
+LR = 0.1
+BATCH = 16
+# ~10 KB: the 27 KB of the MLP's gradients spread over several buckets.
+BUCKET_CAP_MB = 0.01
+CONV_BUCKET_CAP_MB = 0.001  # ~1 KB: the ConvNet's 3.6 KB in several buckets too
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)  # a hung collective fails instead of hanging
+MISMATCH_TIMEOUT = timedelta(seconds=5)
+HEAP_BLOCK_BYTES = 256  # the symmetric heap's allocation granule (SymmetricHeap::kAlignBytes)
+
+
+def round_up_to_block(nbytes: int) -> int:
+    return max(1, -(-nbytes // HEAP_BLOCK_BYTES)) * HEAP_BLOCK_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data
+
+
+class BranchNet(nn.Module):
+    """The MLP plus a head that only some ranks use on some steps (find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = ddp_train.make_model(SEED)
+        self.extra = nn.Linear(ddp_train.OUT_FEATURES, ddp_train.OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.trunk(x)
+        return y + self.extra(y) if use_extra else y
+
+
+class ConvNet(nn.Module):
+    """Channels-last convolutions and a head stored transposed (a non-contiguous parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Parameter(0.3 * torch.randn(ddp_train.OUT_FEATURES, 8).t())
+        self.bias = nn.Parameter(torch.zeros(ddp_train.OUT_FEATURES))
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return h.mean(dim=(2, 3)) @ self.head + self.bias
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets
+TEACHER = ddp_train.make_teacher()
+# The images' targets: a fixed linear map of each image's mean colour.
+IMAGE_TEACHER = torch.randn(3, ddp_train.OUT_FEATURES, generator=torch.Generator().manual_seed(5))
+
+
+def mlp_batch(rank: int, step: int) -> Batch:
+    """The batch of `rank` at `step`: different per rank and step, the same on every run."""
+    return ddp_train.make_batch(TEACHER, SEED, rank, step, BATCH)
+
+
+def image_batch(rank: int, step: int) -> Batch:
+    """Channels-last 6x6 RGB images, different per rank and step, the same on every run."""
+    gen = torch.Generator().manual_seed((SEED * 1000 + rank) * 7919 + step)
+    x = torch.randn(BATCH, 3, 6, 6, generator=gen)
+    return x.contiguous(memory_format=torch.channels_last), x.mean(dim=(2, 3)) @ IMAGE_TEACHER
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.float() - y).pow(2).sum(dim=1).mean()
+
+
+def flat_params(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).tolist()
+
+
+# A body's result: {"params": {part: [...]}, "losses": [...]}. Ranks that must end with the
+# same bits in a part: "world" all ranks, "pair" ranks 0-1 and 2-3, "alone" none.
+PAIRS = ((0, 1), (2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# One run: a case on one backend
+
+
+def heap_mappings() -> list[tuple[int, int]]:
+    """Address ranges of the symmetric heap's arenas (memfd 'xdev-heap') this process maps."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "memfd:xdev-heap" in line:
+                begin, end = line.split()[0].split("-")
+                ranges.append((int(begin, 16), int(end, 16)))
+    return ranges
+
+
+def lies_in(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    return any(lo <= begin and end <= hi for lo, hi in ranges)
+
+
+def bucket_bytes(ddp: DDP) -> list[int]:
+    # Zero tensors shaped like the buckets (DDP's own accessor, used by Join).
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
+
+
+@dataclasses.dataclass
+class Run:
+    """One case on one backend, as one rank sees it."""
+
+    rank: int
+    world: int
+    backend: str
+    store: dist.Store
+    snapshots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    heap_groups: dict[str, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
+
+    def options(self) -> Optional[torch_xdev.Options]:
+        return torch_xdev.Options() if self.backend == "xdev" else None
+
+    def snapshot(
+        self,
+        models: list[DDP],
+        group: Optional[dist.ProcessGroup] = None,
+        label: str = "default",
+        bucket_view: bool = False,
+    ) -> None:
+        """What xdev's group and heap look like now, with `models` (all on `group`) alive."""
+        if self.backend != "xdev":
+            return
+        info = torch_xdev.describe(group)
+        heap = info["symmetric_heap"]
+        grads_in_heap = None
+        if bucket_view:
+            ranges = heap_mappings()
+            grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
+            grads_in_heap = bool(grads) and all(lies_in(g, ranges) for g in grads)
+        self.snapshots.append(
+            {
+                "group": label,
+                "shared": info["ddp_shared_buckets"],
+                "note": info["ddp_shared_buckets_note"],
+                "heap_in_use": None if heap is None else heap["bytes_in_use"],
+                "bucket_bytes": [b for m in models for b in bucket_bytes(m)],
+                "last_allreduce": info["last_allreduce"],
+                "grads_in_heap": grads_in_heap,
+            }
+        )
+        self.heap_groups[label] = group
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def train(
+    run: Run,
+    ddp: DDP,
+    batch: Callable[[int, int], Batch] = mlp_batch,
+    forward: Callable[[DDP, torch.Tensor, int], torch.Tensor] = lambda ddp, x, s: ddp(x),
+    snapshot: Callable[[], None] = lambda: None,
+) -> list[float]:
+    """STEPS steps of SGD; `snapshot` runs after the last backward. Returns the losses."""
+    opt = sgd(ddp.module)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(run.rank, s)
+        loss = loss_of(forward(ddp, x, s), y)
+        loss.backward()
+        if s == STEPS - 1:
+            snapshot()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def one_step(ddp: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> float:
+    opt.zero_grad()
+    loss = loss_of(ddp(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases. Each body runs inside its default group (made by run_case), builds any further
+# group itself, and returns {"params": {part: [...]}, "losses": [...]}.
+
+
+def case_mlp(run: Run, bucket_view: bool = False, **ddp_kwargs: Any) -> dict[str, Any]:
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=bucket_view, **ddp_kwargs)
+    losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp], bucket_view=bucket_view))
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_find_unused(run: Run) -> dict[str, Any]:
+    model = BranchNet()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
+    # Different ranks leave the extra head out on different steps.
+    losses = train(
+        run,
+        ddp,
+        forward=lambda ddp, x, s: ddp(x, use_extra=(s + run.rank) % 3 == 0),
+        snapshot=lambda: run.snapshot([ddp]),
+    )
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_no_sync(run: Run) -> dict[str, Any]:
+    """Gradient accumulation: two micro-batches per step, the first under no_sync()."""
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+
+    def accumulating_forward(ddp: DDP, x: torch.Tensor, s: int) -> torch.Tensor:
+        x0, y0 = mlp_batch(run.rank, STEPS + s)  # a second batch, used for this step only
+        with ddp.no_sync():
+            loss_of(ddp(x0), y0).backward()
+        return ddp(x)
+
+    losses = train(run, ddp, forward=accumulating_forward, snapshot=lambda: run.snapshot([ddp]))
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_join_uneven(run: Run) -> dict[str, Any]:
+    """Rank r has STEPS - r batches; Join shadows the missing allreduces with zeros."""
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = sgd(model)
+    losses = []
+    with Join([ddp]):
+        for s in range(STEPS - run.rank):
+            losses.append(one_step(ddp, opt, mlp_batch(run.rank, s)))
+            if s == 0:  # while every rank still trains
+                run.snapshot([ddp])
+    # Join broadcasts the last joiner's model at the end, so ranks agree.
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_mixed_precision(run: Run) -> dict[str, Any]:
+    """DDP's own mixed precision: bf16 parameters in forward and backward, bf16 buckets."""
+    model = ddp_train.make_model(SEED)
+    bf16 = torch.bfloat16
+    precision = _MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, mixed_precision=precision)
+    losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp]))
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_bf16_params(run: Run) -> dict[str, Any]:
+    """A bf16 model: bf16 buckets in the heap, summed in bf16 (what works of mixed precision).
+
+    On pairs of ranks: a sum of two terms is rounded once whatever the order, so xdev and Gloo
+    must agree exactly. Over 4 ranks bf16's 8 bits make the summation order show: after 6 steps
+    the two differed by ~3% of how far the parameters moved, too close to what a real error
+    (a rank dropped: ~25%) would do for a comparison to tell them apart.
+    """
+    pair, _ = dist.new_subgroups(group_size=2, pg_options=run.options())
+    model = ddp_train.make_model(SEED).to(torch.bfloat16)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, process_group=pair)
+    losses = train(
+        run,
+        ddp,
+        forward=lambda ddp, x, s: ddp(x.to(torch.bfloat16)),
+        snapshot=lambda: run.snapshot([ddp], group=pair, label="pair"),
+    )
+    return {"params": {"pair": flat_params(model)}, "losses": losses}
+
+
+def case_comm_hook(run: Run, hook: Callable[..., Any], bucket_view: bool) -> dict[str, Any]:
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=bucket_view)
+    ddp.register_comm_hook(None, hook)
+    losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp], bucket_view=bucket_view))
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_avg_comm_hook(run: Run) -> dict[str, Any]:
+    # Gloo has no ReduceOp.AVG: its twin is DDP's default (SUM of pre-divided gradients).
+    if run.backend == "gloo":
+        return case_mlp(run, bucket_view=True)
+    return case_comm_hook(run, torch_xdev.avg_comm_hook, bucket_view=True)
+
+
+def case_channels_last_conv(run: Run) -> dict[str, Any]:
+    model = ConvNet()
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model.head.is_contiguous()
+    ddp = DDP(model, bucket_cap_mb=CONV_BUCKET_CAP_MB, gradient_as_bucket_view=True)
+    snapshot = lambda: run.snapshot([ddp], bucket_view=True)  # noqa: E731
+    losses = train(run, ddp, batch=image_batch, snapshot=snapshot)
+    # The layouts survived: DDP's gradient views keep each parameter's strides.
+    assert model.conv1.weight.grad.is_contiguous(memory_format=torch.channels_last)
+    assert model.head.grad.stride() == model.head.stride()
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def train_two(run: Run, first: DDP, second: DDP) -> list[float]:
+    """Steps the MLP `first` and the ConvNet `second` in turns."""
+    opt_first, opt_second = sgd(first.module), sgd(second.module)
+    losses = []
+    for s in range(STEPS):
+        losses.append(one_step(first, opt_first, mlp_batch(run.rank, s)))
+        losses.append(one_step(second, opt_second, image_batch(run.rank, s)))
+    return losses
+
+
+def case_two_models_one_group(run: Run) -> dict[str, Any]:
+    mlp, conv = ddp_train.make_model(SEED), ConvNet()
+    ddp_mlp = DDP(mlp, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp_conv = DDP(conv, bucket_cap_mb=CONV_BUCKET_CAP_MB)
+    losses = train_two(run, ddp_mlp, ddp_conv)
+    run.snapshot([ddp_mlp, ddp_conv])
+    return {"params": {"world": flat_params(mlp) + flat_params(conv)}, "losses": losses}
+
+
+def case_two_groups(run: Run) -> dict[str, Any]:
+    """One model on the world, one on a pair of ranks: two xdev groups, two heaps."""
+    pair, _ = dist.new_subgroups(group_size=2, pg_options=run.options())
+    mlp, conv = ddp_train.make_model(SEED), ConvNet()
+    ddp_mlp = DDP(mlp, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp_conv = DDP(conv, bucket_cap_mb=CONV_BUCKET_CAP_MB, process_group=pair)
+    losses = train_two(run, ddp_mlp, ddp_conv)
+    run.snapshot([ddp_mlp])
+    run.snapshot([ddp_conv], group=pair, label="pair")
+    return {"params": {"world": flat_params(mlp), "pair": flat_params(conv)}, "losses": losses}
+
+
+def case_bucket_cap_differs_rebuilt(run: Run) -> dict[str, Any]:
+    """Rank 3 asks for larger buckets; DDP's bucket rebuild adopts rank 0's on every rank.
+
+    Without find_unused_parameters DDP's first buckets hold every gradient whatever the cap,
+    and its rebuild after the first step broadcasts rank 0's layout, so every rank allocates
+    the same buckets and rank 3's cap is ignored.
+    """
+    cap = BUCKET_CAP_MB if run.rank != run.world - 1 else 3 * BUCKET_CAP_MB
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=cap)
+    losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp]))
+    return {"params": {"world": flat_params(model)}, "losses": losses}
+
+
+def case_world_of_one(run: Run) -> dict[str, Any]:
+    alone, _ = dist.new_subgroups(group_size=1, pg_options=run.options())
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, process_group=alone)
+    snapshot = lambda: run.snapshot([ddp], group=alone, label="alone")  # noqa: E731
+    losses = train(run, ddp, snapshot=snapshot)
+    # The reference that needs no backend: the same steps without DDP.
+    local = ddp_train.make_model(SEED)
+    local_opt = sgd(local)
+    for s in range(STEPS):
+        one_step(local, local_opt, mlp_batch(run.rank, s))
+    assert flat_params(local) == flat_params(model), "DDP in a world of one changed the training"
+    return {"params": {"alone": flat_params(model)}, "losses": losses}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    body: Callable[[Run], dict[str, Any]]
+    compare: bool = True  # xdev's result is compared with Gloo's
+    shared: bool = True  # the buckets must lie in the heap
+    bucket_allreduce_last: bool = True  # the last allreduce before the snapshot is a bucket's
+    # Tolerance for the comparison with Gloo where the sums are not fp32 (None: fp32's).
+    rtol: Optional[float] = None
+    atol: Optional[float] = None
+    hostnames: Optional[tuple[str, ...]] = None  # XDEV_HOSTNAME per rank while groups are made
+
+
+CASES: dict[str, Case] = {
+    "bucket_view_false": Case(lambda run: case_mlp(run, bucket_view=False)),
+    "bucket_view_true": Case(lambda run: case_mlp(run, bucket_view=True)),
+    # The last allreduce of a step is DDP's int32 map of used parameters, not a bucket.
+    "find_unused_parameters": Case(case_find_unused, bucket_allreduce_last=False),
+    "static_graph": Case(lambda run: case_mlp(run, static_graph=True)),
+    "no_sync": Case(case_no_sync),
+    "join_uneven_inputs": Case(case_join_uneven),
+    "bf16_params": Case(case_bf16_params, rtol=0.0, atol=0.0),  # exact: see its body
+    # The hook allreduces an fp16 copy of each bucket, not the bucket: staged, not in place.
+    # Both backends round the same fp16 gradients, then sum them in different orders, each
+    # sum rounded to fp16's 11 bits: a summed gradient of size g may differ by ~2^-10 g, and
+    # a step at lr 0.1 then moves a parameter ~1e-4 g differently (measured after 6 steps:
+    # 3e-5 at most). A real error moves parameters by 1e-2 or more.
+    "fp16_compress_hook": Case(
+        lambda run: case_comm_hook(run, default_hooks.fp16_compress_hook, bucket_view=False),
+        bucket_allreduce_last=False,
+        rtol=1e-3,
+        atol=1e-4,
+    ),
+    "avg_comm_hook": Case(case_avg_comm_hook),
+    "channels_last_conv": Case(case_channels_last_conv),
+    "two_models_one_group": Case(case_two_models_one_group),
+    "two_groups": Case(case_two_groups),
+    "bucket_cap_differs_rebuilt": Case(case_bucket_cap_differs_rebuilt),
+    "world_of_one": Case(case_world_of_one, shared=False),
+    "two_hosts": Case(case_mlp, shared=False, hostnames=("host-a", "host-a", "host-b", "host-b")),
+}
+# Run like the others, but judged by a test of its own (torch may not be able to run it).
+EXTRA_CASES: dict[str, Case] = {"mixed_precision": Case(case_mixed_precision, compare=False)}
+
+
+@contextlib.contextmanager
+def hostname(name: Optional[str]) -> Iterator[None]:
+    """XDEV_HOSTNAME while the groups are made (xdev reads it at each group's creation)."""
+    saved = os.environ.get("XDEV_HOSTNAME")
+    if name is not None:
+        os.environ["XDEV_HOSTNAME"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("XDEV_HOSTNAME", None)
+        else:
+            os.environ["XDEV_HOSTNAME"] = saved
+
+
+def settled_heap(group: Optional[dist.ProcessGroup]) -> Optional[dict[str, int]]:
+    """The heap of `group` once every collective this rank queued on it has let go of it.
+
+    xdev's worker thread drops the task of a collective (and its hold on the tensor) only when
+    it takes the next one, a moment after the collective completed. A barrier is queued behind
+    them all, and runs once the thread has.
+    """
+    dist.barrier(group=group)
+    heap = torch_xdev.describe(group)["symmetric_heap"]
+    return None if heap is None else dict(heap)
+
+
+def run_case(run: Run, case: Case) -> dict[str, Any]:
+    with hostname(case.hostnames[run.rank] if case.hostnames else None):
+        dist.init_process_group(
+            run.backend,
+            store=run.store,
+            rank=run.rank,
+            world_size=run.world,
+            pg_options=run.options(),
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        try:
+            try:
+                out = case.body(run)  # its models die when it returns ...
+            except Exception:
+                # (Handled here, so that the traceback's frames, and the models in them, are
+                # gone before the groups are.)
+                return {"error": traceback.format_exc()}
+            gc.collect()  # ... and with them (cycles included) their buckets
+            heaps = {label: settled_heap(g) for label, g in run.heap_groups.items()}
+            out["heap_after"] = {label: h for label, h in heaps.items() if h is not None}
+        finally:
+            # Every DDP model is gone before the groups go: see examples/ddp_train.py.
+            gc.collect()
+            dist.destroy_process_group()
+    out["snapshots"] = run.snapshots
+    return out
+
+
+def case_bucket_cap_differs(rank: int, world: int, store: dist.Store) -> dict[str, Any]:
+    """Rank 3 asks for larger buckets than its peers, and DDP never reconciles them.
+
+    With find_unused_parameters DDP never rebuilds its buckets, and its first ones follow each
+    rank's own bucket_cap_mb: ranks 0-2 allreduce two buckets, rank 3 one of another size. xdev
+    must refuse the first on every rank. Ranks 0-2's second bucket then has no partner: it
+    fails at the group's timeout, which destroy_process_group waits for, so that is short.
+    """
+    dist.init_process_group(
+        "xdev", store=store, rank=rank, world_size=world, timeout=MISMATCH_TIMEOUT
+    )
+    result: dict[str, Any] = {}
+    try:
+
+        def body() -> None:
+            model = BranchNet()
+            # find_unused_parameters: DDP never rebuilds (and so never syncs) its buckets, and
+            # its first buckets follow each rank's own bucket_cap_mb.
+            cap = BUCKET_CAP_MB if rank != world - 1 else 3 * BUCKET_CAP_MB
+            ddp = DDP(model, bucket_cap_mb=cap, find_unused_parameters=True)
+            sizes = [b // 4 for b in bucket_bytes(ddp)]
+            all_sizes: list[Any] = [None] * world
+            dist.all_gather_object(all_sizes, sizes)
+            result["sizes"] = all_sizes
+            x, y = mlp_batch(rank, 0)
+            loss_of(ddp(x, use_extra=True), y).backward()
+
+        try:
+            body()
+        except Exception:
+            result["error"] = traceback.format_exc()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    return result
+
+
+def worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Every case on both backends, then the bucket-size mismatch; [case][backend] -> result."""
+    base = dist.TCPStore(
+        "127.0.0.1",
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for name, case in {**CASES, **EXTRA_CASES}.items():
+        results[name] = {}
+        for backend in ("gloo", "xdev"):
+            # A fresh key space per run, so groups made one after another never meet.
+            run = Run(rank, world, backend, dist.PrefixStore(f"{name}/{backend}/", base))
+            try:
+                results[name][backend] = run_case(run, case)
+            except Exception:
+                results[name][backend] = {"error": traceback.format_exc()}
+    mismatch = case_bucket_cap_differs(rank, world, dist.PrefixStore("cap_differs/", base))
+    results["bucket_cap_differs"] = mismatch
+    return results
