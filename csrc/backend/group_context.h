@@ -90,7 +90,10 @@ class GroupContext {
   // false when it had already stopped.
   bool stop_queue();
   // Frees the shared-memory channel (after stop_queue and after every user of it).
-  void close_channel() { channel_.reset(); }
+  void close_channel() {
+    if (channel_) channel_->mark_left();
+    channel_.reset();
+  }
 
   // With Options.debug, prints message once per key (stderr, tagged with group and rank).
   void log_once(const std::string& key, const std::string& message);

@@ -59,7 +59,8 @@ static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word lay
 struct alignas(kCacheLine) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
   std::atomic<int32_t> pid;
-  char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - sizeof(std::atomic<int32_t>)];
+  std::atomic<int32_t> left;  // 1 once this rank has closed its channel (mark_left)
+  char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - 2 * sizeof(std::atomic<int32_t>)];
   OpDescriptor desc[2];        // indexed by op seq parity
   uint64_t buffer_address[2];  // likewise: the buffer lent to peers
   uint64_t buffer_bytes[2];
@@ -112,6 +113,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
     auto* rc = new (&ranks[r]) RankControl();
     rc->arrived.store(0);
     rc->pid.store(0);
+    rc->left.store(0);
     for (auto& bytes : rc->arena_bytes) bytes.store(0);
   }
   ch.init_local_rank(world_size, rank, slot_bytes);
@@ -180,13 +182,24 @@ std::string ShmChannel::missing_ranks(uint64_t epoch) const {
   return out;
 }
 
-int ShmChannel::dead_rank(uint64_t epoch) const {
+std::string ShmChannel::gone_rank(uint64_t epoch) const {
   for (int r = 0; r < world_size_; ++r) {
     if (control(r)->arrived.load() >= epoch) continue;
     const pid_t pid = control(r)->pid.load();
-    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) return r;
+    const std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
+    if (control(r)->left.load() != 0) {
+      return who + " has left the group (destroy_process_group, or an error there)";
+    }
+    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) return who + " exited";
   }
-  return -1;
+  return "";
+}
+
+void ShmChannel::mark_left() {
+  control(rank_)->left.store(1, std::memory_order_seq_cst);
+  // Peers asleep in a barrier wake up and find it at their next liveness check.
+  header()->wake_word.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&header()->wake_word);
 }
 
 // Barrier. Each rank stores its own arrival count, then reads everyone's.
@@ -230,11 +243,8 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
                       " of this group; a peer is stuck, slow, or called a different collective");
     }
     if (now >= next_liveness_check) {
-      const int dead = dead_rank(epoch);
-      if (dead >= 0) {
-        throw PeerError("xdev: rank " + std::to_string(dead) + " (pid " +
-                        std::to_string(control(dead)->pid.load()) + ") exited during " + what);
-      }
+      const std::string gone = gone_rank(epoch);
+      if (!gone.empty()) throw PeerError("xdev: " + gone + " during " + what);
       next_liveness_check = now + std::chrono::milliseconds(200);
     }
     const auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100));

@@ -85,6 +85,10 @@ class ShmChannel {
   static ShmChannel attach(const std::string& name, int world_size, int rank, size_t slot_bytes);
 
   void unlink_name() { segment_.unlink(); }
+  // Tells peers this rank takes part in no more barriers (its group is being
+  // destroyed): a peer waiting for it fails at its next liveness check, within
+  // 200 ms, instead of at its deadline.
+  void mark_left();
   const std::string& name() const { return segment_.name(); }
   size_t slot_bytes() const { return slot_bytes_; }
   int world_size() const { return world_size_; }
@@ -95,7 +99,7 @@ class ShmChannel {
   // Blocks until every rank has reached the same number of barriers. Spins
   // briefly (only when there is a core per rank), then sleeps on a futex.
   // Throws PeerError naming the missing ranks at the deadline, or as soon as a
-  // missing rank's process is gone.
+  // missing rank's process is gone or it has left the group (mark_left).
   void barrier(Clock::time_point deadline, const std::string& what);
 
   // Opens a collective: publishes ctx.descriptor, takes the slot set of its
@@ -171,7 +175,8 @@ class ShmChannel {
   RankControl* control(int rank) const;
   bool all_arrived(uint64_t epoch) const;
   std::string missing_ranks(uint64_t epoch) const;
-  int dead_rank(uint64_t epoch) const;
+  // A rank that has not reached `epoch` and never will, said in words ("" if none).
+  std::string gone_rank(uint64_t epoch) const;
 
   ShmSegment segment_;
   int world_size_ = 0;

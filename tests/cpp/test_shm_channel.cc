@@ -288,4 +288,23 @@ TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
   CHECK(Clock::now() - start < std::chrono::seconds(5));
 }
 
+TEST(shm_barrier_fails_soon_when_a_peer_leaves_the_group) {
+  // Rank 1 closes its side (destroy_process_group) instead of reaching the barrier: rank 0 must
+  // fail within about one liveness check, not at its 20 s deadline, and say the rank left.
+  auto ranks = make_group(2);
+  const auto start = Clock::now();
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me == 1) {
+      ch.mark_left();
+      return;
+    }
+    ch.barrier(Clock::now() + std::chrono::seconds(20), "allreduce (op #4)");
+  });
+  CHECK(contains(errors[0], "rank 1 (pid "));
+  CHECK(contains(errors[0], "has left the group"));
+  CHECK(contains(errors[0], "during allreduce (op #4)"));
+  CHECK_EQ(errors[1], "");
+  CHECK(Clock::now() - start < std::chrono::seconds(5));
+}
+
 }  // namespace
