@@ -57,8 +57,8 @@ Schedule all_gather_schedule(int world_size, int64_t piece) {
   for (int r = 0; r < world_size; ++r) {
     if (world_size > 1) s.staged_ranges[static_cast<size_t>(r)].push_back(piece_of(r, piece));
     for (int owner = 0; owner < world_size; ++owner) {
-      s.steps.push_back(copy_step(1, r, owner == r ? kOwnInput : owner, Target::kOutput,
-                                  piece_of(owner, piece)));
+      s.steps.push_back(
+          copy_step(1, r, owner == r ? kOwnInput : owner, Target::kOutput, piece_of(owner, piece)));
     }
   }
   set_stagers(s);

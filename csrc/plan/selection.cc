@@ -216,8 +216,8 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
   } else if (!in.shapes_supported) {
-    s.reason = in.unsupported_note.empty() ? "tensor shapes without a native path"
-                                           : in.unsupported_note;
+    s.reason =
+        in.unsupported_note.empty() ? "tensor shapes without a native path" : in.unsupported_note;
   } else if (in.world_size == 1) {
     s.path = GatherScatterPath::kOneRank;
     s.reason = "one rank: the output is a copy of the input";

@@ -80,8 +80,7 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
       const int64_t divisor =
           (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
       sources.resize(s.sources.size());
-      map.for_each_piece(s.range, [&](int64_t slot_pos, char* input, char* output,
-                                      int64_t count) {
+      map.for_each_piece(s.range, [&](int64_t slot_pos, char* input, char* output, int64_t count) {
         for (size_t i = 0; i < s.sources.size(); ++i) {
           sources[i] = s.sources[i] == plan::kOwnInput
                            ? input

@@ -154,8 +154,8 @@ TEST(gather_scatter_executor_reduce_scatter_is_the_slice_of_flat_allreduce) {
       for (size_t t = 0; t < block_numels.size(); ++t) {
         const int64_t total = block_numels[t] * world;
         const plan::FlatLayout layout({total});
-        const auto cp = plan::CollectivePlan::allreduce(plan::Algorithm::kFlat, world, 0, {},
-                                                        total, kSlotElems);
+        const auto cp = plan::CollectivePlan::allreduce(plan::Algorithm::kFlat, world, 0, {}, total,
+                                                        kSlotElems);
         auto channels = make_group(world, kSlotElems * sizeof(float));
         const auto errors = on_threads(world, [&](int r) {
           transport::ShmExecutor exec(channels[static_cast<size_t>(r)]);
@@ -245,8 +245,9 @@ TEST(gather_scatter_executor_all_gathers_bytes_in_and_out_of_place) {
           bool same = true;
           for (int owner = 0; owner < world; ++owner) {
             for (int64_t i = 0; i < block_bytes[t]; ++i) {
-              same = same && outputs[static_cast<size_t>(r)][t][static_cast<size_t>(
-                                 owner * block_bytes[t] + i)] == byte_of(owner, t, i);
+              same = same && outputs[static_cast<size_t>(r)][t]
+                                    [static_cast<size_t>(owner * block_bytes[t] + i)] ==
+                                 byte_of(owner, t, i);
             }
           }
           CHECK(same);

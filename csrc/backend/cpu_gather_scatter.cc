@@ -1,0 +1,220 @@
+#include "cpu_gather_scatter.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+// The tensor itself when contiguous, else a contiguous copy (written back by copy_back).
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  return flat;
+}
+
+void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+  }
+}
+
+// Checks, on the calling thread, that full[i] holds world blocks the size of block[i].
+void check_pairs(const char* what, const std::vector<at::Tensor>& full,
+                 const std::vector<at::Tensor>& block, int world) {
+  TORCH_CHECK_VALUE(full.size() == block.size(), "xdev ", what, ": ", full.size(),
+                    " full tensor(s) for ", block.size(), " block tensor(s)");
+  for (size_t i = 0; i < full.size(); ++i) {
+    TORCH_CHECK_VALUE(full[i].scalar_type() == block[i].scalar_type(), "xdev ", what,
+                      ": input and output dtypes differ (", full[i].scalar_type(), " and ",
+                      block[i].scalar_type(), ")");
+    TORCH_CHECK_VALUE(full[i].numel() == block[i].numel() * world, "xdev ", what, ": tensor ", i,
+                      " has ", full[i].numel(), " element(s) where ", world, " x ",
+                      block[i].numel(), " are needed");
+  }
+}
+
+std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  std::vector<at::Tensor> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  return all;
+}
+
+std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<char*> ptrs;
+  for (const at::Tensor& t : tensors) ptrs.push_back(static_cast<char*>(t.data_ptr()));
+  return ptrs;
+}
+
+}  // namespace
+
+CpuGatherScatter::CpuGatherScatter(GroupContext& group) : group_(group) {
+  if (group.channel() != nullptr) {
+    executor_ = std::make_unique<transport::GatherScatterExecutor>(*group.channel());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
+    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
+    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op) {
+  check_pairs("reduce_scatter", inputs, outputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, op, timeout] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        run_reduce_scatter(out, contiguous(inputs), op, timeout);
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(std::vector<at::Tensor> outputs,
+                                                            std::vector<at::Tensor> inputs,
+                                                            c10d::OpType type,
+                                                            std::chrono::milliseconds timeout,
+                                                            bool async_op) {
+  check_pairs("all_gather", outputs, inputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:all_gather", outputs,
+      [this, outputs, inputs, timeout] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        run_all_gather(out, contiguous(inputs), timeout);
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
+    std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
+    kernels::ReduceOp op, std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
+                    " input list(s) for ", outputs.size(), " output(s)");
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCH_CHECK_VALUE(static_cast<int>(inputs[i].size()) == group_.size(),
+                      "xdev reduce_scatter: an input list needs one tensor per rank (",
+                      group_.size(), "); got ", inputs[i].size());
+    full.push_back(at::empty({outputs[i].numel() * group_.size()}, outputs[i].options()));
+  }
+  check_pairs("reduce_scatter", full, outputs, group_.size());
+  return group_.enqueue(
+      c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, full, op, timeout] {
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          std::vector<at::Tensor> pieces;  // rank j's piece, flattened, in rank order
+          for (const at::Tensor& t : inputs[i]) pieces.push_back(t.reshape({-1}));
+          at::Tensor dst = full[i];  // a handle: the lambda's copy is const
+          at::cat_out(dst, pieces);
+        }
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        run_reduce_scatter(out, full, op, timeout);
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
+    std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
+    std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
+                    " output list(s) for ", inputs.size(), " input(s)");
+  std::vector<at::Tensor> full;
+  std::vector<at::Tensor> work_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK_VALUE(static_cast<int>(outputs[i].size()) == group_.size(),
+                      "xdev all_gather: an output list needs one tensor per rank (", group_.size(),
+                      "); got ", outputs[i].size());
+    for (const at::Tensor& t : outputs[i]) {
+      TORCH_CHECK_VALUE(
+          t.numel() == inputs[i].numel() && t.scalar_type() == inputs[i].scalar_type(),
+          "xdev all_gather: every output must match the input's dtype and size");
+      work_outputs.push_back(t);
+    }
+    full.push_back(at::empty({inputs[i].numel() * group_.size()}, inputs[i].options()));
+  }
+  return group_.enqueue(
+      c10d::OpType::ALLGATHER, "xdev:all_gather", work_outputs,
+      [this, outputs, inputs, full, timeout] {
+        run_all_gather(full, contiguous(inputs), timeout);
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          const int64_t n = inputs[i].numel();
+          for (size_t j = 0; j < outputs[i].size(); ++j) {
+            outputs[i][j].copy_(
+                full[i].narrow(0, static_cast<int64_t>(j) * n, n).view(outputs[i][j].sizes()));
+          }
+        }
+      },
+      async_op);
+}
+
+void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
+                                          const std::vector<at::Tensor>& inputs,
+                                          kernels::ReduceOp op, std::chrono::milliseconds timeout) {
+  if (executor_ == nullptr) {  // a world of one: its block is the whole input
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
+    return;
+  }
+  const auto deadline = group_.deadline_for(timeout);
+  const uint64_t hash = shape_hash(concat(outputs, inputs));
+  std::vector<plan::TensorDesc> descs;
+  for (const at::Tensor& t : outputs) {
+    descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
+                     static_cast<size_t>(t.element_size()), t.numel()});
+  }
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  // One collective per dtype, in order of first appearance: the same on every rank.
+  for (const plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+    const plan::GatherScatterPlan plan(plan::GatherScatterKind::kReduceScatter, group_.size(),
+                                       g.layout.total(),
+                                       slot_bytes / static_cast<int64_t>(g.elem_size));
+    transport::GatherScatterRequest req;
+    req.plan = &plan;
+    req.block_layout = &g.layout;
+    for (size_t idx : g.tensor_indices) {
+      req.full.push_back(static_cast<char*>(inputs[idx].data_ptr()));
+      req.block.push_back(static_cast<char*>(outputs[idx].data_ptr()));
+    }
+    req.dtype = static_cast<kernels::DType>(g.dtype);
+    req.op = op;
+    transport::OpDescriptor d = group_.next_descriptor(Collective::kReduceScatter);
+    d.reduce_op = static_cast<int32_t>(op);
+    d.dtype = g.dtype;
+    d.num_tensors = static_cast<int64_t>(outputs.size());
+    d.total_elems = g.layout.total();
+    d.shape_hash = hash;
+    req.ctx = group_.make_context(d, "reduce_scatter", deadline);
+    executor_->run(req);
+  }
+}
+
+void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& inputs,
+                                      std::chrono::milliseconds timeout) {
+  if (executor_ == nullptr) {
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
+    return;
+  }
+  // Bytes move: one collective for every dtype of the call.
+  std::vector<int64_t> block_bytes;
+  for (const at::Tensor& t : inputs) block_bytes.push_back(t.numel() * t.element_size());
+  const plan::FlatLayout layout(block_bytes);
+  const plan::GatherScatterPlan plan(plan::GatherScatterKind::kAllGather, group_.size(),
+                                     layout.total(), group_.config().shm_slot_bytes);
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = data_of(outputs);
+  req.block = data_of(inputs);
+  req.dtype = kernels::DType::kUInt8;
+  transport::OpDescriptor d = group_.next_descriptor(Collective::kAllGather);
+  d.dtype = static_cast<int32_t>(kernels::DType::kUInt8);
+  d.num_tensors = static_cast<int64_t>(inputs.size());
+  d.total_elems = layout.total();
+  d.shape_hash = shape_hash(concat(outputs, inputs));
+  req.ctx = group_.make_context(d, "all_gather", group_.deadline_for(timeout));
+  executor_->run(req);
+}
+
+}  // namespace xdev::backend
