@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -58,13 +60,13 @@ CpuGatherScatter::CpuGatherScatter(GroupContext& group) : group_(group) {
 
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
-    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op) {
+    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op, bool single_copy) {
   check_pairs("reduce_scatter", inputs, outputs, group_.size());
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
-      [this, outputs, inputs, op, timeout] {
+      [this, outputs, inputs, op, timeout, single_copy] {
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_reduce_scatter(out, contiguous(inputs), op, timeout);
+        run_reduce_scatter(out, contiguous(inputs), op, timeout, single_copy);
         copy_back(out, outputs);
       },
       async_op);
@@ -74,13 +76,13 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(std::vector<at::Tens
                                                             std::vector<at::Tensor> inputs,
                                                             c10d::OpType type,
                                                             std::chrono::milliseconds timeout,
-                                                            bool async_op) {
+                                                            bool async_op, bool single_copy) {
   check_pairs("all_gather", outputs, inputs, group_.size());
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
-      [this, outputs, inputs, timeout] {
+      [this, outputs, inputs, timeout, single_copy] {
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_all_gather(out, contiguous(inputs), timeout);
+        run_all_gather(out, contiguous(inputs), timeout, single_copy);
         copy_back(out, outputs);
       },
       async_op);
@@ -109,7 +111,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
           at::cat_out(dst, pieces);
         }
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_reduce_scatter(out, full, op, timeout);
+        run_reduce_scatter(out, full, op, timeout, /*single_copy=*/false);
         copy_back(out, outputs);
       },
       async_op);
@@ -137,7 +139,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
   return group_.enqueue(
       c10d::OpType::ALLGATHER, "xdev:all_gather", work_outputs,
       [this, outputs, inputs, full, timeout] {
-        run_all_gather(full, contiguous(inputs), timeout);
+        run_all_gather(full, contiguous(inputs), timeout, /*single_copy=*/false);
         for (size_t i = 0; i < outputs.size(); ++i) {
           const int64_t n = inputs[i].numel();
           for (size_t j = 0; j < outputs[i].size(); ++j) {
@@ -151,7 +153,8 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
 
 void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
                                           const std::vector<at::Tensor>& inputs,
-                                          kernels::ReduceOp op, std::chrono::milliseconds timeout) {
+                                          kernels::ReduceOp op, std::chrono::milliseconds timeout,
+                                          bool single_copy) {
   if (executor_ == nullptr) {  // a world of one: its block is the whole input
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
     return;
@@ -166,9 +169,12 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   // One collective per dtype, in order of first appearance: the same on every rank.
   for (const plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+    // Single copy (one tensor): one window over the whole block.
+    const int64_t window_elems = single_copy
+                                     ? std::max<int64_t>(g.layout.total(), 1) * group_.size()
+                                     : slot_bytes / static_cast<int64_t>(g.elem_size);
     const plan::GatherScatterPlan plan(plan::GatherScatterKind::kReduceScatter, group_.size(),
-                                       g.layout.total(),
-                                       slot_bytes / static_cast<int64_t>(g.elem_size));
+                                       g.layout.total(), window_elems);
     transport::GatherScatterRequest req;
     req.plan = &plan;
     req.block_layout = &g.layout;
@@ -178,8 +184,10 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
     }
     req.dtype = static_cast<kernels::DType>(g.dtype);
     req.op = op;
+    req.single_copy = single_copy;
     transport::OpDescriptor d = group_.next_descriptor(Collective::kReduceScatter);
     d.reduce_op = static_cast<int32_t>(op);
+    d.single_copy = single_copy ? 1 : 0;
     d.dtype = g.dtype;
     d.num_tensors = static_cast<int64_t>(outputs.size());
     d.total_elems = g.layout.total();
@@ -191,7 +199,7 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
 
 void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
                                       const std::vector<at::Tensor>& inputs,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout, bool single_copy) {
   if (executor_ == nullptr) {
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
     return;
@@ -200,15 +208,19 @@ void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
   std::vector<int64_t> block_bytes;
   for (const at::Tensor& t : inputs) block_bytes.push_back(t.numel() * t.element_size());
   const plan::FlatLayout layout(block_bytes);
+  const int64_t window_bytes = single_copy ? std::max<int64_t>(layout.total(), 1) * group_.size()
+                                           : group_.config().shm_slot_bytes;
   const plan::GatherScatterPlan plan(plan::GatherScatterKind::kAllGather, group_.size(),
-                                     layout.total(), group_.config().shm_slot_bytes);
+                                     layout.total(), window_bytes);
   transport::GatherScatterRequest req;
   req.plan = &plan;
   req.block_layout = &layout;
   req.full = data_of(outputs);
   req.block = data_of(inputs);
   req.dtype = kernels::DType::kUInt8;
+  req.single_copy = single_copy;
   transport::OpDescriptor d = group_.next_descriptor(Collective::kAllGather);
+  d.single_copy = single_copy ? 1 : 0;
   d.dtype = static_cast<int32_t>(kernels::DType::kUInt8);
   d.num_tensors = static_cast<int64_t>(inputs.size());
   d.total_elems = layout.total();

@@ -29,12 +29,15 @@ class CpuGatherScatter {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor> outputs,
                                                 std::vector<at::Tensor> inputs,
                                                 kernels::ReduceOp op, c10d::OpType type,
-                                                std::chrono::milliseconds timeout, bool async_op);
+                                                std::chrono::milliseconds timeout, bool async_op,
+                                                bool single_copy);
   // outputs[i] (world * C_i elements) = every rank's inputs[i] (C_i elements)
-  // in rank order. Any dtype: bytes move.
+  // in rank order. Any dtype: bytes move. single_copy (one tensor, as
+  // plan::select_gather_scatter decides): peers read inputs in place.
   c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor> outputs,
                                             std::vector<at::Tensor> inputs, c10d::OpType type,
-                                            std::chrono::milliseconds timeout, bool async_op);
+                                            std::chrono::milliseconds timeout, bool async_op,
+                                            bool single_copy);
 
   // The list forms: outputs (reduce-scatter) or inputs (all-gather) given as
   // one tensor per rank, all the size of the other side. Copied through a
@@ -52,9 +55,9 @@ class CpuGatherScatter {
   // On the op thread. outputs and inputs are contiguous.
   void run_reduce_scatter(const std::vector<at::Tensor>& outputs,
                           const std::vector<at::Tensor>& inputs, kernels::ReduceOp op,
-                          std::chrono::milliseconds timeout);
+                          std::chrono::milliseconds timeout, bool single_copy);
   void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                      std::chrono::milliseconds timeout);
+                      std::chrono::milliseconds timeout, bool single_copy);
 
   GroupContext& group_;
   std::unique_ptr<transport::GatherScatterExecutor> executor_;  // null without a channel

@@ -163,8 +163,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                          std::move(shared));
 }
 
-bool XdevBackend::gather_scatter_native(const char* name, const std::vector<at::Tensor>& tensors,
-                                        const c10d::ReduceOp* op, const char* shape_refusal) {
+plan::GatherScatterSelection XdevBackend::select_gather_scatter(
+    const char* name, const std::vector<at::Tensor>& tensors,
+    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
+    const char* shape_refusal) {
   plan::GatherScatterInput in;
   in.requested = group_.requested();
   in.world_size = size_;
@@ -180,14 +182,16 @@ bool XdevBackend::gather_scatter_native(const char* name, const std::vector<at::
     in.shapes_supported = false;
     in.unsupported_note = shape_refusal;
   }
+  in.payload_bytes = payload_bytes(full_tensors);
+  in.num_tensors = static_cast<int64_t>(full_tensors.size());
+  in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
   const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
   const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
   group_.log_once(std::string(name) + ":" + device + ":" + sel.reason,
                   std::string(name) + " on " + device + " tensors -> " + plan::to_string(sel.path) +
                       " (" + sel.reason + ")");
-  if (sel.path == plan::GatherScatterPath::kFallback) return false;
-  ++collectives_called_;
-  return true;
+  if (sel.path != plan::GatherScatterPath::kFallback) ++collectives_called_;
+  return sel;
 }
 
 at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
@@ -264,7 +268,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
       if (i < inputs.size() && t.numel() != inputs[i].numel()) uneven = "uneven list sizes";
     }
   }
-  if (!gather_scatter_native("all_gather", all, nullptr, uneven)) {
+  if (select_gather_scatter("all_gather", all, {}, nullptr, uneven).path ==
+      plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather(outputs, inputs, opts);
   }
   return gather_scatter_->all_gather_list(outputs, inputs, opts.timeout, opts.asyncOp);
@@ -272,11 +277,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  if (!gather_scatter_native("all_gather", {output, input}, nullptr)) {
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_allgather_base(output, input, opts);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
-                                     opts.asyncOp);
+                                     opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
@@ -290,11 +296,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  if (!gather_scatter_native("all_gather", all, nullptr)) {
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
-                                     opts.asyncOp);
+                                     opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -320,7 +327,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
       if (i < outputs.size() && t.numel() != outputs[i].numel()) uneven = "uneven list sizes";
     }
   }
-  if (!gather_scatter_native("reduce_scatter", all, &opts.reduceOp, uneven)) {
+  if (select_gather_scatter("reduce_scatter", all, {}, &opts.reduceOp, uneven).path ==
+      plan::GatherScatterPath::kFallback) {
     return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
   }
   return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
@@ -329,12 +337,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (!gather_scatter_native("reduce_scatter", {output, input}, &opts.reduceOp)) {
+  const auto sel =
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_reduce_scatter_base(output, input, opts);
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
                                          c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
-                                         opts.asyncOp);
+                                         opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
@@ -342,12 +352,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  if (!gather_scatter_native("reduce_scatter", all, &opts.reduceOp)) {
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                                         opts.timeout, opts.asyncOp);
+                                         opts.timeout, opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,

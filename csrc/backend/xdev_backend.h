@@ -161,11 +161,15 @@ class XdevBackend : public c10d::Backend {
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);
   void log_choice(const plan::Selection& sel, bool cuda);
-  // Whether a reduce-scatter (op given) or all-gather (op null) of these
-  // tensors (inputs and outputs) runs natively, as select_gather_scatter says;
-  // logs the choice once per reason (XDEV_DEBUG=INFO). Counts a native call.
-  bool gather_scatter_native(const char* name, const std::vector<at::Tensor>& tensors,
-                             const c10d::ReduceOp* op, const char* shape_refusal = nullptr);
+  // How a reduce-scatter (op given) or all-gather (op null) of these tensors
+  // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
+  // plan::select_gather_scatter says; logs the choice once per reason
+  // (XDEV_DEBUG=INFO) and counts a native call.
+  plan::GatherScatterSelection select_gather_scatter(const char* name,
+                                                     const std::vector<at::Tensor>& tensors,
+                                                     const std::vector<at::Tensor>& full_tensors,
+                                                     const c10d::ReduceOp* op,
+                                                     const char* shape_refusal = nullptr);
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
     ++collectives_called_;

@@ -225,7 +225,10 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
     s.reason = "no shared-memory channel";
   } else {
     s.path = GatherScatterPath::kNative;
-    s.reason = "staged through shared memory, one barrier per window";
+    s.single_copy = in.single_copy_available && in.num_tensors == 1 &&
+                    in.payload_bytes >= kCpuSingleCopyMinBytes;
+    s.reason = s.single_copy ? "single copy: peers read each other's inputs in place"
+                             : "staged through shared memory, one barrier per window";
   }
   return s;
 }

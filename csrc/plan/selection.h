@@ -152,17 +152,26 @@ struct GatherScatterInput {
   // Tensor shapes the native path accepts (e.g. even list sizes); otherwise unsupported_note.
   bool shapes_supported = true;
   std::string unsupported_note;
+  // For single copy: the full tensor's bytes (all ranks' blocks), how many
+  // tensors, and whether every rank may read its peers' memory.
+  int64_t payload_bytes = 0;
+  int64_t num_tensors = 1;
+  bool single_copy_available = false;
 };
 
 struct GatherScatterSelection {
   GatherScatterPath path = GatherScatterPath::kFallback;
+  // Native: peers read each other's inputs in place (process_vm_readv), as the
+  // allreduce does from kCpuSingleCopyMinBytes of one tensor; else staged.
+  bool single_copy = false;
   std::string reason;
 };
 
 // The decision, in order: algorithm='fallback'; several hosts; CUDA tensors
 // (no native CUDA path yet); no kernel for the op/dtype; shapes the native
 // path does not take; a world of one (a copy); no shared-memory channel;
-// otherwise native.
+// otherwise native: single copy for one tensor of at least
+// kCpuSingleCopyMinBytes where peers may read each other, staged otherwise.
 GatherScatterSelection select_gather_scatter(const GatherScatterInput& in);
 
 }  // namespace xdev::plan

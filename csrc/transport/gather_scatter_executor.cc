@@ -2,9 +2,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+
+#include "single_copy_executor.h"
 
 namespace xdev::transport {
 namespace {
+
+// Bytes a single-copy reduce pulls from each remote source per round: the
+// bounce buffers and the output chunk stay in L2 while they are combined.
+constexpr int64_t kReduceChunkBytes = 128 * 1024;
 
 // Where the slot coordinates of one window land in the tensors.
 class WindowMap {
@@ -52,6 +59,10 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
   const plan::GatherScatterPlan& plan = *req.plan;
   const int me = channel_.rank();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
+  if (req.single_copy && plan.num_windows() > 0) {
+    run_single_copy(req);
+    return;
+  }
   if (plan.num_windows() == 0) {
     // Nothing to move, but peers may disagree: take part in the descriptor check.
     channel_.open_collective(req.ctx);
@@ -98,6 +109,73 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
       });
     }
   }
+}
+
+void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {
+  const plan::GatherScatterPlan& plan = *req.plan;
+  if (plan.num_windows() != 1 || req.full.size() != 1) {
+    throw std::invalid_argument("single-copy gather/scatter needs one tensor and one window");
+  }
+  const int me = channel_.rank();
+  const int world = channel_.world_size();
+  const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
+  const uint64_t seq = req.ctx.descriptor.seq;
+  const plan::GatherScatterWindow w = plan.window(0);
+  const int64_t piece = w.block.size();  // the whole block
+  const bool reduce_scatter = plan.kind() == plan::GatherScatterKind::kReduceScatter;
+  // The buffer peers read and where slot offset x of rank j's slot lies in it:
+  // the reduce-scatter input holds every piece at its slot offset, the
+  // all-gather input only its owner's.
+  char* const lent = reduce_scatter ? req.full[0] : req.block[0];
+  const int64_t lent_elems = reduce_scatter ? world * piece : piece;
+  const auto lent_offset = [&](int owner, int64_t x) {
+    return static_cast<uint64_t>((reduce_scatter ? x : x - owner * piece) * es);
+  };
+  // The first barrier: every input is ready and lent (its slot set goes unused).
+  channel_.open_collective(req.ctx, [&](int64_t) {
+    channel_.publish_buffer(seq, lent, static_cast<uint64_t>(lent_elems * es));
+  });
+  const WindowMap map(req, w.block, me);
+  const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / es);
+  std::vector<const void*> sources;
+  for (const plan::Step& s : w.schedule.steps) {
+    if (s.actor != me) continue;
+    if (s.kind == plan::StepKind::kCopy) {
+      map.for_each_piece(s.range, [&](int64_t x, char* input, char* output, int64_t count) {
+        const auto bytes = static_cast<uint64_t>(count * es);
+        if (s.sources[0] != plan::kOwnInput) {
+          read_peer(channel_, s.sources[0], seq, lent_offset(s.sources[0], x), output, bytes);
+        } else if (output != input) {
+          std::memmove(output, input, bytes);
+        }
+      });
+      continue;
+    }
+    const int64_t divisor =
+        (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
+    if (bounce_.size() < s.sources.size()) bounce_.resize(s.sources.size());
+    sources.resize(s.sources.size());
+    for (int64_t lo = s.range.begin; lo < s.range.end; lo += chunk) {
+      const plan::Range part{lo, std::min(s.range.end, lo + chunk)};
+      map.for_each_piece(part, [&](int64_t x, char* input, char* output, int64_t count) {
+        for (size_t i = 0; i < s.sources.size(); ++i) {
+          const int src = s.sources[i];
+          if (src == plan::kOwnInput) {
+            sources[i] = input;
+            continue;
+          }
+          std::vector<char>& buf = bounce_[i];
+          if (buf.size() < static_cast<size_t>(kReduceChunkBytes)) buf.resize(kReduceChunkBytes);
+          read_peer(channel_, src, seq, lent_offset(src, x), buf.data(),
+                    static_cast<uint64_t>(count * es));
+          sources[i] = buf.data();
+        }
+        kernels::reduce(req.dtype, req.op, output, sources.data(), static_cast<int>(sources.size()),
+                        count, divisor);
+      });
+    }
+  }
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads our input any more
 }
 
 }  // namespace xdev::transport

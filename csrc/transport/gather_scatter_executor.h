@@ -5,6 +5,12 @@
 // rank j's piece of window [a, b) is block elements [a, b) of rank j. A block
 // may span several tensors (the coalesced forms): block_layout says which.
 // Torch-free: tensors arrive as raw contiguous pointers.
+//
+// Single copy (one tensor, peers allowed to read each other's memory): the
+// plan has one window over the whole block and rank j's "slot" is the tensor
+// it would stage from (its reduce-scatter input, its all-gather input), which
+// peers read in place with process_vm_readv: each byte crosses memory once
+// per reader instead of being staged first.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +35,8 @@ struct GatherScatterRequest {
   // All-gather moves bytes: dtype kUInt8 with byte counts serves every dtype.
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
+  // Peers read this rank's input in place (one tensor, a one-window plan).
+  bool single_copy = false;
   OpContext ctx;
 };
 
@@ -43,7 +51,10 @@ class GatherScatterExecutor {
   void run(const GatherScatterRequest& req);
 
  private:
+  void run_single_copy(const GatherScatterRequest& req);
+
   ShmChannel& channel_;
+  std::vector<std::vector<char>> bounce_;  // single copy: one chunk per remote source
 };
 
 }  // namespace xdev::transport

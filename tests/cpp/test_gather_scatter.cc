@@ -60,6 +60,17 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   one.world_size = 1;
   one.transport_available = false;  // a world of one has no channel, and needs none
   CHECK_EQ(plan::select_gather_scatter(one).path, GatherScatterPath::kOneRank);
+  // Single copy from kCpuSingleCopyMinBytes of one tensor, where every rank may read its peers.
+  plan::GatherScatterInput large = in;
+  large.payload_bytes = plan::kCpuSingleCopyMinBytes;
+  CHECK(!plan::select_gather_scatter(large).single_copy);
+  large.single_copy_available = true;
+  CHECK(plan::select_gather_scatter(large).single_copy);
+  large.num_tensors = 2;
+  CHECK(!plan::select_gather_scatter(large).single_copy);
+  large.num_tensors = 1;
+  large.payload_bytes -= 1;
+  CHECK(!plan::select_gather_scatter(large).single_copy);
   plan::GatherScatterInput no_channel = in;
   no_channel.transport_available = false;
   CHECK_EQ(plan::select_gather_scatter(no_channel).path, GatherScatterPath::kFallback);
@@ -254,6 +265,69 @@ TEST(gather_scatter_executor_all_gathers_bytes_in_and_out_of_place) {
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// Runs one reduce-scatter or all-gather of one tensor per rank on threads; returns each rank's
+// result (its output: block or full tensor).
+std::vector<std::vector<float>> run_one(GatherScatterKind kind, int world, int64_t block,
+                                        bool single_copy, bool in_place,
+                                        const std::vector<std::vector<float>>& inputs) {
+  const bool rs = kind == GatherScatterKind::kReduceScatter;
+  const int64_t slot_elems = 64;
+  const GatherScatterPlan p(kind, world, block, single_copy ? world * block : slot_elems);
+  const plan::FlatLayout layout({block});
+  std::vector<std::vector<float>> results(static_cast<size_t>(world));
+  auto channels = make_group(world, slot_elems * sizeof(float));
+  const auto errors = on_threads(world, [&](int r) {
+    std::vector<float> in = inputs[static_cast<size_t>(r)];
+    std::vector<float>& out = results[static_cast<size_t>(r)];
+    out.assign(static_cast<size_t>(rs ? block : world * block), -1.0f);
+    if (!rs && in_place) std::copy(in.begin(), in.end(), out.begin() + r * block);
+    transport::GatherScatterExecutor exec(channels[static_cast<size_t>(r)]);
+    transport::GatherScatterRequest req;
+    req.plan = &p;
+    req.block_layout = &layout;
+    req.full = {reinterpret_cast<char*>(rs ? in.data() : out.data())};
+    req.block = {reinterpret_cast<char*>(rs         ? out.data()
+                                         : in_place ? out.data() + r * block
+                                                    : in.data())};
+    req.op = kernels::ReduceOp::kAvg;
+    req.single_copy = single_copy;
+    req.ctx = make_ctx(1, block);
+    exec.run(req);
+  });
+  for (const std::string& e : errors) CHECK_EQ(e, "");
+  return results;
+}
+
+TEST(gather_scatter_executor_single_copy_matches_staged_bitwise) {
+  constexpr int64_t kBlock = 100003;  // several reduce chunks of 128 KiB
+  for (const int world : {2, 3}) {
+    std::vector<std::vector<float>> rs_in, ag_in;
+    for (int r = 0; r < world; ++r) {
+      rs_in.push_back(random_floats(world * kBlock, 7 + r));
+      ag_in.push_back(random_floats(kBlock, 70 + r));
+    }
+    const auto rs_staged =
+        run_one(GatherScatterKind::kReduceScatter, world, kBlock, false, false, rs_in);
+    const auto rs_single =
+        run_one(GatherScatterKind::kReduceScatter, world, kBlock, true, false, rs_in);
+    CHECK(rs_staged == rs_single);
+    const auto ag_staged =
+        run_one(GatherScatterKind::kAllGather, world, kBlock, false, false, ag_in);
+    for (const bool in_place : {false, true}) {
+      const auto ag_single =
+          run_one(GatherScatterKind::kAllGather, world, kBlock, true, in_place, ag_in);
+      CHECK(ag_staged == ag_single);
+    }
+    std::vector<float> everyone;
+    for (const auto& v : ag_in) everyone.insert(everyone.end(), v.begin(), v.end());
+    CHECK(ag_staged[0] == everyone);
   }
 }
 
