@@ -8,7 +8,8 @@ Usage::
 Every rank runs a Gloo default group and an xdev group. For each size the two backends take
 turns (interleaved rounds of back-to-back calls, so drift on a shared machine hits both); a
 row gives the median over rounds of the slowest rank's mean time per call. Before timing,
-xdev's result on random data is checked against Gloo's.
+xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
+all-gather FSDP2 runs: the input is this rank's block of the output.
 
 Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
 input, an all-gather's output: world x the per-rank block); algbw = size / time; busbw = algbw
@@ -34,7 +35,8 @@ import torch_xdev
 
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
-COLLECTIVES = ("reduce_scatter", "all_gather")
+# all_gather_in_place: the input is this rank's block of the output, as FSDP2 passes it.
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
 
 
 def parse_size(text: str) -> int:
@@ -78,6 +80,8 @@ def check(collective: str, size: int, dtype: torch.dtype, xdev: Any, rank: int, 
     results = []
     for group in (None, xdev):
         f, b = full.clone(), block.clone()
+        if collective == "all_gather_in_place":
+            b = f.narrow(0, rank * (count // world), count // world)
         run_op(collective, f, b, group)
         results.append(b if collective == "reduce_scatter" else f)
     torch.testing.assert_close(results[1], results[0], msg=f"{collective} {size}: xdev != gloo")
@@ -96,6 +100,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             count = size // esize // world * world
             full = torch.randn(count).to(dtype)
             block = torch.empty(count // world, dtype=dtype)
+            if collective == "all_gather_in_place":
+                block = full.narrow(0, rank * (count // world), count // world)
             check(collective, count * esize, dtype, xdev, rank, world)
             fns = {
                 name: (lambda g=group: run_op(collective, full, block, g))
@@ -132,7 +138,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         print("# time = median over rounds of the slowest rank's mean per call;")
         print("# size = whole tensor (world x block); busbw = algbw*(n-1)/n; vs_gloo = speedup")
         print(
-            f"{'collective':>15} {'size':>9} {'backend':>7} {'time(us)':>11} {'algbw(GB/s)':>11}"
+            f"{'collective':>19} {'size':>9} {'backend':>7} {'time(us)':>11} {'algbw(GB/s)':>11}"
             f" {'busbw(GB/s)':>11} {'vs_gloo':>8}"
         )
         gloo_us = {
@@ -141,7 +147,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         for r in rows:
             r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
             print(
-                f"{r['collective']:>15} {format_size(r['size_bytes']):>9} {r['backend']:>7}"
+                f"{r['collective']:>19} {format_size(r['size_bytes']):>9} {r['backend']:>7}"
                 f" {r['time_us']:>11.2f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
                 f" {r['vs_gloo']:>8.2f}"
             )

@@ -162,6 +162,20 @@ def _forms_and_failures(rank: int, world: int) -> None:
     dist.reduce_scatter(out, pieces, op=dist.ReduceOp.MAX)
     assert torch.equal(out, torch.full((999,), float((world - 1) * rank), dtype=torch.float64))
 
+    # Uneven list sizes (rank j's block holds sizes[j] elements, one empty), several windows.
+    sizes = [1500 + 37 * j for j in range(world)]
+    sizes[1] = 0
+    sum_op = dist.ReduceOp.SUM
+    pieces = [make_input(90 + j, rank, n, torch.float32, sum_op) for j, n in enumerate(sizes)]
+    out = torch.empty(sizes[rank])
+    dist.reduce_scatter(out, pieces)
+    everyone = [make_input(90 + rank, r, sizes[rank], torch.float32, sum_op) for r in range(world)]
+    check_close(out, reference(everyone, sum_op), sum_op, world, "uneven reduce_scatter")
+    gathered = [torch.full((n,), -1, dtype=torch.int16) for n in sizes]
+    dist.all_gather(gathered, torch.arange(sizes[rank], dtype=torch.int16) + rank)
+    for j, n in enumerate(sizes):
+        assert torch.equal(gathered[j], torch.arange(n, dtype=torch.int16) + j), f"uneven {j}"
+
     # A mismatched shape or dtype fails on every rank, and the group goes on.
     bad = 10 + (rank == world - 1)
     with pytest.raises(dist.DistBackendError, match="mismatched"):

@@ -44,6 +44,42 @@ std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vect
   return all;
 }
 
+// Each rank's block size in a list form (one tensor per rank), after checking
+// that the list has one tensor per rank, of one dtype with `mine`, and that
+// this rank's entry has the size of `mine`.
+std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
+                                const at::Tensor& mine, int world, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world, "xdev ", what,
+                    ": a list needs one tensor per rank (", world, "); got ", list.size());
+  std::vector<int64_t> sizes;
+  for (const at::Tensor& t : list) {
+    TORCH_CHECK_VALUE(t.scalar_type() == mine.scalar_type(), "xdev ", what,
+                      ": every tensor must have one dtype; got ", t.scalar_type(), " and ",
+                      mine.scalar_type());
+    sizes.push_back(t.numel());
+  }
+  TORCH_CHECK_VALUE(sizes[static_cast<size_t>(rank)] == mine.numel(), "xdev ", what,
+                    ": this rank's entry of the list has ", sizes[static_cast<size_t>(rank)],
+                    " element(s), its own tensor ", mine.numel());
+  return sizes;
+}
+
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t total = 0;
+  for (int64_t x : v) total += x;
+  return total;
+}
+
+// Whether every list holds one size for every rank.
+bool is_even(const std::vector<std::vector<int64_t>>& sizes) {
+  for (const auto& list : sizes) {
+    for (int64_t n : list) {
+      if (n != list[0]) return false;
+    }
+  }
+  return true;
+}
+
 std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
   std::vector<char*> ptrs;
   for (const at::Tensor& t : tensors) ptrs.push_back(static_cast<char*>(t.data_ptr()));
@@ -94,16 +130,18 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
                     " input list(s) for ", outputs.size(), " output(s)");
   std::vector<at::Tensor> full;
+  std::vector<std::vector<int64_t>> sizes;  // per list: each rank's block
   for (size_t i = 0; i < outputs.size(); ++i) {
-    TORCH_CHECK_VALUE(static_cast<int>(inputs[i].size()) == group_.size(),
-                      "xdev reduce_scatter: an input list needs one tensor per rank (",
-                      group_.size(), "); got ", inputs[i].size());
-    full.push_back(at::empty({outputs[i].numel() * group_.size()}, outputs[i].options()));
+    sizes.push_back(
+        list_sizes("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
+    full.push_back(at::empty({sum(sizes.back())}, outputs[i].options()));
   }
-  check_pairs("reduce_scatter", full, outputs, group_.size());
+  const bool uneven = !is_even(sizes);
+  TORCH_CHECK_VALUE(!uneven || outputs.size() == 1,
+                    "xdev reduce_scatter: uneven sizes need a single output");
   return group_.enqueue(
       c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
-      [this, outputs, inputs, full, op, timeout] {
+      [this, outputs, inputs, full, sizes, uneven, op, timeout] {
         for (size_t i = 0; i < outputs.size(); ++i) {
           std::vector<at::Tensor> pieces;  // rank j's piece, flattened, in rank order
           for (const at::Tensor& t : inputs[i]) pieces.push_back(t.reshape({-1}));
@@ -111,7 +149,12 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
           at::cat_out(dst, pieces);
         }
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_reduce_scatter(out, full, op, timeout, /*single_copy=*/false);
+        if (uneven) {
+          run_uneven(plan::GatherScatterKind::kReduceScatter, full[0], out[0], sizes[0],
+                     shape_hash(inputs[0]), op, timeout);
+        } else {
+          run_reduce_scatter(out, full, op, timeout, /*single_copy=*/false);
+        }
         copy_back(out, outputs);
       },
       async_op);
@@ -123,32 +166,84 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
                     " output list(s) for ", inputs.size(), " input(s)");
   std::vector<at::Tensor> full;
+  std::vector<std::vector<int64_t>> sizes;
   std::vector<at::Tensor> work_outputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK_VALUE(static_cast<int>(outputs[i].size()) == group_.size(),
-                      "xdev all_gather: an output list needs one tensor per rank (", group_.size(),
-                      "); got ", outputs[i].size());
-    for (const at::Tensor& t : outputs[i]) {
-      TORCH_CHECK_VALUE(
-          t.numel() == inputs[i].numel() && t.scalar_type() == inputs[i].scalar_type(),
-          "xdev all_gather: every output must match the input's dtype and size");
-      work_outputs.push_back(t);
-    }
-    full.push_back(at::empty({inputs[i].numel() * group_.size()}, inputs[i].options()));
+    sizes.push_back(list_sizes("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
+    full.push_back(at::empty({sum(sizes.back())}, inputs[i].options()));
+    work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
   }
+  const bool uneven = !is_even(sizes);
+  TORCH_CHECK_VALUE(!uneven || inputs.size() == 1,
+                    "xdev all_gather: uneven sizes need a single input");
   return group_.enqueue(
       c10d::OpType::ALLGATHER, "xdev:all_gather", work_outputs,
-      [this, outputs, inputs, full, timeout] {
-        run_all_gather(full, contiguous(inputs), timeout, /*single_copy=*/false);
+      [this, outputs, inputs, full, sizes, uneven, timeout] {
+        const std::vector<at::Tensor> in = contiguous(inputs);
+        if (uneven) {
+          run_uneven(plan::GatherScatterKind::kAllGather, full[0], in[0], sizes[0],
+                     shape_hash(outputs[0]), kernels::ReduceOp::kSum, timeout);
+        } else {
+          run_all_gather(full, in, timeout, /*single_copy=*/false);
+        }
         for (size_t i = 0; i < outputs.size(); ++i) {
-          const int64_t n = inputs[i].numel();
-          for (size_t j = 0; j < outputs[i].size(); ++j) {
-            outputs[i][j].copy_(
-                full[i].narrow(0, static_cast<int64_t>(j) * n, n).view(outputs[i][j].sizes()));
+          int64_t start = 0;
+          for (const at::Tensor& out : outputs[i]) {
+            out.copy_(full[i].narrow(0, start, out.numel()).view(out.sizes()));
+            start += out.numel();
           }
         }
       },
       async_op);
+}
+
+void CpuGatherScatter::run_uneven(plan::GatherScatterKind kind, const at::Tensor& full,
+                                  const at::Tensor& block, const std::vector<int64_t>& sizes,
+                                  uint64_t list_hash, kernels::ReduceOp op,
+                                  std::chrono::milliseconds timeout) {
+  const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+  if (executor_ == nullptr) {  // a world of one: its block is the whole list
+    if (reduce_scatter) {
+      block.view({-1}).copy_(full);
+    } else {
+      full.copy_(block.view({-1}));
+    }
+    return;
+  }
+  // Reduce-scatter reduces elements; all-gather moves bytes.
+  const int64_t elem_size = full.element_size();
+  const int64_t unit = reduce_scatter ? 1 : elem_size;  // of a block, per element
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> starts;
+  int64_t start = 0;
+  for (int64_t n : sizes) {
+    blocks.push_back(n * unit);
+    starts.push_back(start);
+    start += n * unit;
+  }
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  const plan::GatherScatterPlan plan(kind, blocks,
+                                     reduce_scatter ? slot_bytes / elem_size : slot_bytes);
+  // Every piece lies within the largest block.
+  const plan::FlatLayout layout({plan.block_elems()});
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = {static_cast<char*>(full.data_ptr())};
+  req.block = {static_cast<char*>(block.data_ptr())};
+  req.block_starts = std::move(starts);
+  req.dtype = reduce_scatter ? *native_dtype(full.scalar_type()) : kernels::DType::kUInt8;
+  req.op = op;
+  transport::OpDescriptor d =
+      group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
+  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  d.dtype = static_cast<int32_t>(req.dtype);
+  d.num_tensors = static_cast<int64_t>(sizes.size());  // the list: one tensor per rank
+  d.total_elems = start;
+  d.shape_hash = list_hash;
+  req.ctx = group_.make_context(d, reduce_scatter ? "reduce_scatter" : "all_gather",
+                                group_.deadline_for(timeout));
+  executor_->run(req);
 }
 
 void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
+#include "../plan/gather_scatter_plan.h"
 #include "../transport/gather_scatter_executor.h"
 #include "group_context.h"
 
@@ -39,9 +40,9 @@ class CpuGatherScatter {
                                             std::chrono::milliseconds timeout, bool async_op,
                                             bool single_copy);
 
-  // The list forms: outputs (reduce-scatter) or inputs (all-gather) given as
-  // one tensor per rank, all the size of the other side. Copied through a
-  // contiguous tensor of the tensor form.
+  // The list forms: inputs (reduce-scatter) or outputs (all-gather) given as
+  // one tensor per rank, copied through a contiguous tensor of the tensor
+  // form. Sizes may differ between ranks (uneven) where there is one list.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_list(std::vector<at::Tensor> outputs,
                                                      std::vector<std::vector<at::Tensor>> inputs,
                                                      kernels::ReduceOp op,
@@ -58,6 +59,12 @@ class CpuGatherScatter {
                           std::chrono::milliseconds timeout, bool single_copy);
   void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
                       std::chrono::milliseconds timeout, bool single_copy);
+
+  // One list of uneven sizes: rank j's block holds sizes[j] elements of full.
+  // list_hash: of the list's shapes, the same on every rank.
+  void run_uneven(plan::GatherScatterKind kind, const at::Tensor& full, const at::Tensor& block,
+                  const std::vector<int64_t>& sizes, uint64_t list_hash, kernels::ReduceOp op,
+                  std::chrono::milliseconds timeout);
 
   GroupContext& group_;
   std::unique_ptr<transport::GatherScatterExecutor> executor_;  // null without a channel

@@ -265,7 +265,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
   for (size_t i = 0; i < outputs.size(); ++i) {
     for (const at::Tensor& t : outputs[i]) {
       all.push_back(t);
-      if (i < inputs.size() && t.numel() != inputs[i].numel()) uneven = "uneven list sizes";
+      if (outputs.size() > 1 && i < inputs.size() && t.numel() != inputs[i].numel()) {
+        uneven = "uneven sizes in several lists";
+      }
     }
   }
   if (select_gather_scatter("all_gather", all, {}, nullptr, uneven).path ==
@@ -324,7 +326,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (const at::Tensor& t : inputs[i]) {
       all.push_back(t);
-      if (i < outputs.size() && t.numel() != outputs[i].numel()) uneven = "uneven list sizes";
+      if (inputs.size() > 1 && i < outputs.size() && t.numel() != outputs[i].numel()) {
+        uneven = "uneven sizes in several lists";
+      }
     }
   }
   if (select_gather_scatter("reduce_scatter", all, {}, &opts.reduceOp, uneven).path ==

@@ -12,6 +12,11 @@
 // [j*p, (j+1)*p), p = b - a, so the whole window spans N*p elements and fits
 // one slot: p is at most slot_elems / N.
 //
+// Blocks may differ in size between ranks (the list forms with uneven
+// sizes): rank j's block holds C_j elements, a window still covers [a, b) of
+// every block, and rank j's piece is the part of it below C_j, possibly empty,
+// still at slot offset j*p.
+//
 // These are the two halves of the flat allreduce (schedule.h): a
 // reduce-scatter is its phase 1 with the totals going to the output, an
 // all-gather its phase 2. Sums take their sources in rank order, as flat does,
@@ -20,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "schedule.h"
 
@@ -35,15 +41,18 @@ const char* to_string(GatherScatterKind k);
 // contribution from its input tensor (kOwnInput), into its output (phase 1).
 // One barrier per window.
 Schedule reduce_scatter_schedule(int world_size, int64_t piece);
+// The same with rank j's piece of lengths[j] <= piece elements at [j*piece, ...).
+Schedule reduce_scatter_schedule(int64_t piece, const std::vector<int64_t>& lengths);
 
 // One window of an all-gather: every rank stages its own piece (phase 0), then
 // copies every rank's piece into its output, its own straight from its input
 // (phase 1). One barrier per window.
 Schedule all_gather_schedule(int world_size, int64_t piece);
+Schedule all_gather_schedule(int64_t piece, const std::vector<int64_t>& lengths);
 
 struct GatherScatterWindow {
   Range block;        // block elements [a, b) of every rank that this window moves
-  Schedule schedule;  // rank j's piece at slot offsets [j*p, (j+1)*p), p = block.size()
+  Schedule schedule;  // rank j's piece at slot offsets [j*p, j*p + its length), p = block.size()
 };
 
 class GatherScatterPlan {
@@ -54,10 +63,15 @@ class GatherScatterPlan {
   // slot_elems < world_size (a window must hold one element per rank).
   GatherScatterPlan(GatherScatterKind kind, int world_size, int64_t block_elems,
                     int64_t slot_elems);
+  // Blocks of rank_block_elems[j] elements on rank j (world size: their count).
+  GatherScatterPlan(GatherScatterKind kind, std::vector<int64_t> rank_block_elems,
+                    int64_t slot_elems);
 
   GatherScatterKind kind() const { return kind_; }
   int world_size() const { return world_size_; }
+  // The largest block (every rank's, when they are even).
   int64_t block_elems() const { return block_elems_; }
+  int64_t block_elems(int rank) const { return rank_block_elems_[static_cast<size_t>(rank)]; }
   // The largest piece a window moves per rank.
   int64_t piece_elems() const { return piece_elems_; }
   // Zero for an empty block.
@@ -68,6 +82,7 @@ class GatherScatterPlan {
   GatherScatterKind kind_;
   int world_size_ = 0;
   int64_t block_elems_ = 0;
+  std::vector<int64_t> rank_block_elems_;
   int64_t piece_elems_ = 0;
   int64_t num_windows_ = 0;
 };

@@ -35,13 +35,15 @@ class WindowMap {
       const int64_t hi = std::min(r.end, (j + 1) * p);
       int64_t slot_pos = lo;
       const int64_t first = block_.begin + (lo - j * p);
-      req_.block_layout->for_each_piece(
-          {first, first + (hi - lo)}, [&](size_t t, int64_t offset, int64_t count) {
-            char* full = req_.full[t] + (j * req_.block_layout->numel(t) + offset) * es_;
-            char* mine = j == me_ ? req_.block[t] + offset * es_ : nullptr;
-            fn(slot_pos, reduce_scatter_ ? full : mine, reduce_scatter_ ? mine : full, count);
-            slot_pos += count;
-          });
+      req_.block_layout->for_each_piece({first, first + (hi - lo)}, [&](size_t t, int64_t offset,
+                                                                        int64_t count) {
+        const int64_t start = req_.block_starts.empty() ? j * req_.block_layout->numel(t)
+                                                        : req_.block_starts[static_cast<size_t>(j)];
+        char* full = req_.full[t] + (start + offset) * es_;
+        char* mine = j == me_ ? req_.block[t] + offset * es_ : nullptr;
+        fn(slot_pos, reduce_scatter_ ? full : mine, reduce_scatter_ ? mine : full, count);
+        slot_pos += count;
+      });
     }
   }
 
@@ -113,8 +115,9 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
 
 void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {
   const plan::GatherScatterPlan& plan = *req.plan;
-  if (plan.num_windows() != 1 || req.full.size() != 1) {
-    throw std::invalid_argument("single-copy gather/scatter needs one tensor and one window");
+  if (plan.num_windows() != 1 || req.full.size() != 1 || !req.block_starts.empty()) {
+    throw std::invalid_argument(
+        "single-copy gather/scatter needs one tensor, even blocks and one window");
   }
   const int me = channel_.rank();
   const int world = channel_.world_size();

@@ -25,13 +25,18 @@ namespace xdev::transport {
 
 struct GatherScatterRequest {
   const plan::GatherScatterPlan* plan = nullptr;
-  // Tensor i's block holds block_layout.numel(i) elements.
+  // Tensor i's block holds block_layout.numel(i) elements (uneven blocks: one
+  // tensor, the largest block).
   const plan::FlatLayout* block_layout = nullptr;
   // Per tensor: all N blocks in rank order (reduce-scatter input, all-gather output)...
   std::vector<char*> full;
   // ...and this rank's block (reduce-scatter output, all-gather input). An
   // all-gather's block may be exactly the full tensor's block of this rank (in place).
   std::vector<char*> block;
+  // Uneven blocks (one tensor; the plan gives each rank's size): rank j's block
+  // starts at element block_starts[j] of the full tensor. Empty: tensor t's
+  // blocks all hold block_layout->numel(t) elements, rank j's at j times that.
+  std::vector<int64_t> block_starts;
   // All-gather moves bytes: dtype kUInt8 with byte counts serves every dtype.
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
