@@ -266,3 +266,39 @@ def test_single_copy_large_tensors(capfd: pytest.CaptureFixture[str]) -> None:
     err = capfd.readouterr().err
     for name in ("reduce_scatter", "all_gather"):
         assert f"{name} on CPU tensors -> native (single copy" in err, err
+
+
+def _fsdp2_training(rank: int, world: int, backend: str) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + rank))
+    losses = []
+    for _ in range(4):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    dist.destroy_process_group()
+    return losses
+
+
+def test_fsdp2_training_runs_native_and_matches_gloo(capfd: pytest.CaptureFixture[str]) -> None:
+    """FSDP2 (fully_shard) all-gathers parameters and reduce-scatters gradients with AVG."""
+    reference_losses = run_ranks(_fsdp2_training, 2, "gloo")
+    capfd.readouterr()
+    losses = run_ranks(_fsdp2_training, 2, "xdev", env={"XDEV_DEBUG": "INFO"})
+    err = capfd.readouterr().err
+    assert "reduce_scatter on CPU tensors -> native" in err, err
+    assert "all_gather on CPU tensors -> native" in err, err
+    for mine, ref in zip(losses, reference_losses):
+        assert mine == pytest.approx(ref, rel=1e-6), (losses, reference_losses)
