@@ -5,9 +5,10 @@ Usage::
     PYTHONPATH=$PWD python benchmarks/gather_scatter.py --nproc 2 [--sizes 64KiB,16MiB]
         [--dtype float32] [--rounds 5] [--json out.json]
 
-Every rank runs a Gloo default group and an xdev group. For each size the two backends take
-turns (interleaved rounds of back-to-back calls, so drift on a shared machine hits both); a
-row gives the median over rounds of the slowest rank's mean time per call. Before timing,
+Every rank runs a Gloo default group and two xdev groups: default options (``xdev``) and
+``single_copy=True`` (``xdev_sc``: from 256 KiB peers read one tensor in place). For each size
+the variants take turns (interleaved rounds of back-to-back calls, so drift on a shared machine
+hits them all); a row gives the median over rounds of the slowest rank's mean time per call. Before timing,
 xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
 all-gather FSDP2 runs: the input is this rank's block of the output.
 
@@ -92,6 +93,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     xdev = dist.new_group(backend="xdev")
+    # Single copy (off by default): peers read one large tensor in place from 256 KiB.
+    xdev_sc = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(single_copy=True))
     dtype = getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
@@ -102,10 +105,11 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             block = torch.empty(count // world, dtype=dtype)
             if collective == "all_gather_in_place":
                 block = full.narrow(0, rank * (count // world), count // world)
-            check(collective, count * esize, dtype, xdev, rank, world)
+            for group in (xdev, xdev_sc):
+                check(collective, count * esize, dtype, group, rank, world)
             fns = {
                 name: (lambda g=group: run_op(collective, full, block, g))
-                for name, group in (("gloo", None), ("xdev", xdev))
+                for name, group in (("gloo", None), ("xdev", xdev), ("xdev_sc", xdev_sc))
             }
             iters = {}
             for name, fn in fns.items():
@@ -138,7 +142,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         print("# time = median over rounds of the slowest rank's mean per call;")
         print("# size = whole tensor (world x block); busbw = algbw*(n-1)/n; vs_gloo = speedup")
         print(
-            f"{'collective':>19} {'size':>9} {'backend':>7} {'time(us)':>11} {'algbw(GB/s)':>11}"
+            f"{'collective':>19} {'size':>9} {'backend':>8} {'time(us)':>11} {'algbw(GB/s)':>11}"
             f" {'busbw(GB/s)':>11} {'vs_gloo':>8}"
         )
         gloo_us = {
@@ -147,7 +151,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         for r in rows:
             r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
             print(
-                f"{r['collective']:>19} {format_size(r['size_bytes']):>9} {r['backend']:>7}"
+                f"{r['collective']:>19} {format_size(r['size_bytes']):>9} {r['backend']:>8}"
                 f" {r['time_us']:>11.2f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
                 f" {r['vs_gloo']:>8.2f}"
             )

@@ -9,8 +9,10 @@
 //
 // A *window* covers the same block elements [a, b) of every rank. In its slot
 // coordinates (the Schedule's ranges) rank j's piece of the window lies at
-// [j*p, (j+1)*p), p = b - a, so the whole window spans N*p elements and fits
-// one slot: p is at most slot_elems / N.
+// [j*p, (j+1)*p), p = b - a. A reduce-scatter stages all those pieces into
+// one slot, so p is at most slot_elems / N; an all-gather's slot only ever
+// holds its owner's piece, which lies at the slot's start (slot_memory_offset),
+// so there p may fill the slot.
 //
 // Blocks may differ in size between ranks (the list forms with uneven
 // sizes): rank j's block holds C_j elements, a window still covers [a, b) of
@@ -77,6 +79,11 @@ class GatherScatterPlan {
   // Zero for an empty block.
   int64_t num_windows() const { return num_windows_; }
   GatherScatterWindow window(int64_t k) const;
+  // Where slot coordinate x (a window of pieces of p elements) lies in the
+  // memory of rank owner's slot, in elements from its start.
+  int64_t slot_memory_offset(int owner, int64_t x, int64_t p) const {
+    return kind_ == GatherScatterKind::kAllGather ? x - owner * p : x;
+  }
 
  private:
   GatherScatterKind kind_;

@@ -75,11 +75,13 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
     const plan::GatherScatterWindow w = plan.window(k);
     const plan::Schedule& sched = w.schedule;
     const WindowMap map(req, w.block, me);
+    const int64_t p = w.block.size();
     const auto stage_mine = [&](int64_t parity) {
       char* slot = channel_.slot(parity, me);
       for (const plan::Range& r : sched.staged_ranges[static_cast<size_t>(me)]) {
         map.for_each_piece(r, [&](int64_t slot_pos, char* input, char*, int64_t count) {
-          std::memcpy(slot + slot_pos * es, input, static_cast<size_t>(count * es));
+          std::memcpy(slot + plan.slot_memory_offset(me, slot_pos, p) * es, input,
+                      static_cast<size_t>(count * es));
         });
       }
     };
@@ -97,7 +99,8 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
         for (size_t i = 0; i < s.sources.size(); ++i) {
           sources[i] = s.sources[i] == plan::kOwnInput
                            ? input
-                           : channel_.slot(parity, s.sources[i]) + slot_pos * es;
+                           : channel_.slot(parity, s.sources[i]) +
+                                 plan.slot_memory_offset(s.sources[i], slot_pos, p) * es;
         }
         const auto bytes = static_cast<size_t>(count * es);
         if (s.kind == plan::StepKind::kReduce) {

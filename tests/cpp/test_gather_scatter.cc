@@ -132,6 +132,11 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
       }
       CHECK_EQ(next, block);
       CHECK_THROWS(p.window(p.num_windows()), std::out_of_range, "");
+      // An all-gather's slot holds its owner's piece only, from the slot's start: a whole slot.
+      const GatherScatterPlan ag(GatherScatterKind::kAllGather, world, block, 64);
+      CHECK_EQ(ag.piece_elems(), 64);
+      CHECK_EQ(ag.slot_memory_offset(world - 1, (world - 1) * 64 + 5, 64), 5);
+      CHECK_EQ(p.slot_memory_offset(world - 1, (world - 1) * 16 + 5, 16), (world - 1) * 16 + 5);
     }
   }
 }
@@ -349,9 +354,10 @@ TEST(gather_scatter_executor_uneven_blocks) {
     }
     const GatherScatterPlan rs(GatherScatterKind::kReduceScatter, sizes, kSlotElems);
     const GatherScatterPlan ag(GatherScatterKind::kAllGather, sizes, kSlotElems);
-    for (int64_t k = 0; k < rs.num_windows(); ++k) {
-      CHECK_EQ(plan::find_schedule_hazard(rs.window(k).schedule), "");
-      CHECK_EQ(plan::find_schedule_hazard(ag.window(k).schedule), "");
+    for (const GatherScatterPlan* p : {&rs, &ag}) {
+      for (int64_t k = 0; k < p->num_windows(); ++k) {
+        CHECK_EQ(plan::find_schedule_hazard(p->window(k).schedule), "");
+      }
     }
     const plan::FlatLayout layout({rs.block_elems()});
     std::vector<std::vector<float>> full_in, rs_out(sizes.size()), ag_out(sizes.size());
