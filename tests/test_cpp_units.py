@@ -28,6 +28,7 @@ TRANSPORT_SOURCES = [
         "shm_segment.cc",
         "shm_channel.cc",
         "shm_executor.cc",
+        "gather_scatter_executor.cc",
         "single_copy_executor.cc",
         "shared_buffer.cc",
         "symmetric_heap.cc",

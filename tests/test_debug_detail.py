@@ -67,7 +67,7 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(got, group=g)
         check_close(got, reference(inputs, dist.ReduceOp.SUM), dist.ReduceOp.SUM, world, name)
     seqs.append(backend._get_sequence_number_for_group())
-    # Native broadcast, then a collective xdev delegates to Gloo.
+    # Native broadcast, then an all_gather (list form, native as well) and a barrier.
     sent = torch.arange(10, dtype=torch.float64) * 3
     data = sent.clone() if rank == 1 else torch.zeros(10, dtype=torch.float64)
     dist.broadcast(data, src=1, group=group)

@@ -130,6 +130,14 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
     case Collective::kBroadcast:
       s = "broadcast from rank " + std::to_string(d.root);
       break;
+    case Collective::kReduceScatter:
+      s = std::string("reduce_scatter ") +
+          kernels::to_string(static_cast<kernels::ReduceOp>(d.reduce_op)) + " " +
+          kernels::to_string(static_cast<kernels::DType>(d.dtype)) + " (staged, elements per rank)";
+      break;
+    case Collective::kAllGather:
+      s = "all_gather (staged, elements are bytes per rank)";
+      break;
     case Collective::kBarrier:
       return "barrier (op #" + std::to_string(d.seq) + ")";
     default:

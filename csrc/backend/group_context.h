@@ -32,7 +32,13 @@
 namespace xdev::backend {
 
 // Which native collective an OpDescriptor describes (its `collective` field).
-enum class Collective : int32_t { kAllreduce = 1, kBroadcast = 2, kBarrier = 3 };
+enum class Collective : int32_t {
+  kAllreduce = 1,
+  kBroadcast = 2,
+  kBarrier = 3,
+  kReduceScatter = 4,
+  kAllGather = 5,
+};
 
 // Returns once all world_size ranks have called it with this key prefix (once
 // each). Without a timeout the store's own applies.

@@ -22,6 +22,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     : c10d::Backend(rank, size),
       group_(store, rank, size, std::move(config)),
       cpu_(group_.channel() ? std::make_unique<CpuCollectives>(group_) : nullptr),
+      gather_scatter_(std::make_unique<CpuGatherScatter>(group_)),
       cuda_(make_cuda_collectives(group_)),
       shared_(group_),
       fallbacks_(std::move(fallback), std::move(cuda_fallback), cuda_.get()) {
@@ -52,6 +53,7 @@ void XdevBackend::shutdown() {
   if (!group_.stop_queue()) return;  // already shut down
   if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
   cpu_.reset();
+  gather_scatter_.reset();
   group_.close_channel();
   fallbacks_.shutdown();
 }
@@ -161,6 +163,37 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                          std::move(shared));
 }
 
+plan::GatherScatterSelection XdevBackend::select_gather_scatter(
+    const char* name, const std::vector<at::Tensor>& tensors,
+    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
+    const char* shape_refusal) {
+  plan::GatherScatterInput in;
+  in.requested = group_.requested();
+  in.world_size = size_;
+  in.num_hosts = group_.num_hosts();
+  in.transport_available = group_.channel() != nullptr;
+  in.op_supported = op == nullptr || native_op(*op).has_value();
+  for (const at::Tensor& t : tensors) {
+    if (t.device().is_cuda()) in.device = plan::DeviceKind::kCuda;
+    in.op_supported = in.op_supported && t.device().is_cpu() && t.layout() == at::kStrided &&
+                      (op == nullptr || native_dtype(t.scalar_type()).has_value());
+  }
+  if (shape_refusal != nullptr) {
+    in.shapes_supported = false;
+    in.unsupported_note = shape_refusal;
+  }
+  in.payload_bytes = payload_bytes(full_tensors);
+  in.num_tensors = static_cast<int64_t>(full_tensors.size());
+  in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
+  const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
+  const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
+  group_.log_once(std::string(name) + ":" + device + ":" + sel.reason,
+                  std::string(name) + " on " + device + " tensors -> " + plan::to_string(sel.path) +
+                      " (" + sel.reason + ")");
+  if (sel.path != plan::GatherScatterPath::kFallback) ++collectives_called_;
+  return sel;
+}
+
 at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
   TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu(),
                     "xdev allocateTensor: only CPU tensors (supportsTensorAlloc is false for ",
@@ -217,7 +250,7 @@ void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_a
   fallbacks_.cpu()->monitoredBarrier(opts, wait_all_ranks);
 }
 
-// ---- Delegated collectives -------------------------------------------------
+// ---- Delegated collectives (all-gather and reduce-scatter: native on one host) ----
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
@@ -227,12 +260,31 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  return delegate(inputs)->allgather(outputs, inputs, opts);
+  const char* uneven = nullptr;
+  std::vector<at::Tensor> all = inputs;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (const at::Tensor& t : outputs[i]) {
+      all.push_back(t);
+      if (outputs.size() > 1 && i < inputs.size() && t.numel() != inputs[i].numel()) {
+        uneven = "uneven sizes in several lists";
+      }
+    }
+  }
+  if (select_gather_scatter("all_gather", all, {}, nullptr, uneven).path ==
+      plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->allgather(outputs, inputs, opts);
+  }
+  return gather_scatter_->all_gather_list(outputs, inputs, opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return delegate(input)->_allgather_base(output, input, opts);
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(input)->_allgather_base(output, input, opts);
+  }
+  return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
+                                     opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
@@ -244,7 +296,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
+                                     opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -262,18 +321,48 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
+  const char* uneven = nullptr;
+  std::vector<at::Tensor> all = outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (const at::Tensor& t : inputs[i]) {
+      all.push_back(t);
+      if (inputs.size() > 1 && i < outputs.size() && t.numel() != outputs[i].numel()) {
+        uneven = "uneven sizes in several lists";
+      }
+    }
+  }
+  if (select_gather_scatter("reduce_scatter", all, {}, &opts.reduceOp, uneven).path ==
+      plan::GatherScatterPath::kFallback) {
+    return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
+  }
+  return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
+                                              opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return delegate(input)->_reduce_scatter_base(output, input, opts);
+  const auto sel =
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(input)->_reduce_scatter_base(output, input, opts);
+  }
+  return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
+                                         c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
+                                         opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
+                                         c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+                                         opts.timeout, opts.asyncOp, sel.single_copy);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,

@@ -25,6 +25,7 @@
 #include "../plan/selection.h"
 #include "backend_config.h"
 #include "cpu_collectives.h"
+#include "cpu_gather_scatter.h"
 #include "cuda_collectives.h"
 #include "fallback_engines.h"
 #include "group_context.h"
@@ -160,6 +161,15 @@ class XdevBackend : public c10d::Backend {
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);
   void log_choice(const plan::Selection& sel, bool cuda);
+  // How a reduce-scatter (op given) or all-gather (op null) of these tensors
+  // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
+  // plan::select_gather_scatter says; logs the choice once per reason
+  // (XDEV_DEBUG=INFO) and counts a native call.
+  plan::GatherScatterSelection select_gather_scatter(const char* name,
+                                                     const std::vector<at::Tensor>& tensors,
+                                                     const std::vector<at::Tensor>& full_tensors,
+                                                     const c10d::ReduceOp* op,
+                                                     const char* shape_refusal = nullptr);
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
     ++collectives_called_;
@@ -170,8 +180,9 @@ class XdevBackend : public c10d::Backend {
     return fallbacks_.for_tensor(tensor);
   }
 
-  GroupContext group_;                     // first member: everything below uses it
-  std::unique_ptr<CpuCollectives> cpu_;    // null without shared memory
+  GroupContext group_;                   // first member: everything below uses it
+  std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
+  std::unique_ptr<CpuGatherScatter> gather_scatter_;
   std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA
   SharedBuffers shared_;
   FallbackEngines fallbacks_;

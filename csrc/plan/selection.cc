@@ -201,4 +201,44 @@ Selection select_allreduce(const SelectionInput& in) {
   return s;
 }
 
+const char* to_string(GatherScatterPath p) {
+  switch (p) {
+    case GatherScatterPath::kNative:
+      return "native";
+    case GatherScatterPath::kOneRank:
+      return "one_rank";
+    case GatherScatterPath::kFallback:
+      return "fallback";
+  }
+  return "?";
+}
+
+GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
+  GatherScatterSelection s;
+  if (in.requested == Algorithm::kFallback) {
+    s.reason = "algorithm='fallback' requested";
+  } else if (in.num_hosts > 1) {
+    s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+  } else if (in.device == DeviceKind::kCuda) {
+    s.reason = "no native path for CUDA tensors yet";
+  } else if (!in.op_supported) {
+    s.reason = "no native kernel for this reduce op / dtype";
+  } else if (!in.shapes_supported) {
+    s.reason =
+        in.unsupported_note.empty() ? "tensor shapes without a native path" : in.unsupported_note;
+  } else if (in.world_size == 1) {
+    s.path = GatherScatterPath::kOneRank;
+    s.reason = "one rank: the output is a copy of the input";
+  } else if (!in.transport_available) {
+    s.reason = "no shared-memory channel";
+  } else {
+    s.path = GatherScatterPath::kNative;
+    s.single_copy = in.single_copy_available && in.num_tensors == 1 &&
+                    in.payload_bytes >= kCpuSingleCopyMinBytes;
+    s.reason = s.single_copy ? "single copy: peers read each other's inputs in place"
+                             : "staged through shared memory, one barrier per window";
+  }
+  return s;
+}
+
 }  // namespace xdev::plan

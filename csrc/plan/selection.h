@@ -130,4 +130,49 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 // that is flat (in_place_shared).
 Selection select_allreduce(const SelectionInput& in);
 
+// ---- Reduce-scatter and all-gather ----
+
+// What runs a reduce-scatter or all-gather (tensor, coalesced or list form).
+enum class GatherScatterPath {
+  kNative,    // staged through the host's shared-memory slots (GatherScatterPlan)
+  kOneRank,   // a world of one: the output is a copy of the input, whatever the op
+  kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
+};
+
+const char* to_string(GatherScatterPath p);
+
+struct GatherScatterInput {
+  Algorithm requested = Algorithm::kAuto;  // only 'fallback' matters: one native plan
+  int world_size = 1;
+  int num_hosts = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  bool transport_available = true;  // the host's shared-memory channel is open
+  // Native kernels for the op and every dtype (a reduce-scatter), or dense
+  // tensors whose bytes can move (an all-gather).
+  bool op_supported = true;
+  // Tensor shapes the native path accepts (e.g. even list sizes); otherwise unsupported_note.
+  bool shapes_supported = true;
+  std::string unsupported_note;
+  // For single copy: the full tensor's bytes (all ranks' blocks), how many
+  // tensors, and whether every rank may read its peers' memory.
+  int64_t payload_bytes = 0;
+  int64_t num_tensors = 1;
+  bool single_copy_available = false;
+};
+
+struct GatherScatterSelection {
+  GatherScatterPath path = GatherScatterPath::kFallback;
+  // Native: peers read each other's inputs in place (process_vm_readv), as the
+  // allreduce does from kCpuSingleCopyMinBytes of one tensor; else staged.
+  bool single_copy = false;
+  std::string reason;
+};
+
+// The decision, in order: algorithm='fallback'; several hosts; CUDA tensors
+// (no native CUDA path yet); no kernel for the op/dtype; shapes the native
+// path does not take; a world of one (a copy); no shared-memory channel;
+// otherwise native: single copy for one tensor of at least
+// kCpuSingleCopyMinBytes where peers may read each other, staged otherwise.
+GatherScatterSelection select_gather_scatter(const GatherScatterInput& in);
+
 }  // namespace xdev::plan

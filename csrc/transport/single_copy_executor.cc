@@ -16,9 +16,9 @@ constexpr uint64_t kReduceChunkBytes = 128 * 1024;
 
 }  // namespace
 
-void SingleCopyExecutor::read_peer(int rank, uint64_t seq, uint64_t offset, void* dst,
-                                   uint64_t bytes) const {
-  const ShmChannel::PeerBuffer peer = channel_.buffer_of(rank, seq);
+void read_peer(const ShmChannel& channel, int rank, uint64_t seq, uint64_t offset, void* dst,
+               uint64_t bytes) {
+  const ShmChannel::PeerBuffer peer = channel.buffer_of(rank, seq);
   if (offset + bytes > peer.bytes) {
     throw std::runtime_error("xdev single-copy: read past rank " + std::to_string(rank) +
                              "'s buffer");
@@ -49,7 +49,7 @@ void SingleCopyExecutor::run_step(const SingleCopyRequest& req, const plan::Step
   const uint64_t es = kernels::element_size(req.dtype);
   const uint64_t seq = req.ctx.descriptor.seq;
   if (s.kind == plan::StepKind::kCopy) {
-    read_peer(s.sources[0], seq, s.range.begin * es, req.data + s.range.begin * es,
+    read_peer(channel_, s.sources[0], seq, s.range.begin * es, req.data + s.range.begin * es,
               s.range.size() * es);
     return;
   }
@@ -69,7 +69,7 @@ void SingleCopyExecutor::run_step(const SingleCopyRequest& req, const plan::Step
       }
       auto& buf = bounce_[i];
       if (buf.size() < kReduceChunkBytes) buf.resize(kReduceChunkBytes);
-      read_peer(src, seq, lo * es, buf.data(), count * es);
+      read_peer(channel_, src, seq, lo * es, buf.data(), count * es);
       ptrs[i] = buf.data();
     }
     kernels::reduce(req.dtype, req.op, req.data + lo * es, ptrs.data(), n, count, divisor);

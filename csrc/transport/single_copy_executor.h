@@ -19,6 +19,12 @@
 
 namespace xdev::transport {
 
+// Copies bytes [offset, offset + bytes) of the buffer rank lent for op seq
+// (ShmChannel::publish_buffer) into dst, with process_vm_readv. Throws
+// PeerError when that rank's process is gone.
+void read_peer(const ShmChannel& channel, int rank, uint64_t seq, uint64_t offset, void* dst,
+               uint64_t bytes);
+
 struct SingleCopyRequest {
   const plan::Schedule* schedule = nullptr;  // in-place variant over [0, count)
   char* data = nullptr;                      // this rank's contiguous tensor
@@ -36,8 +42,6 @@ class SingleCopyExecutor {
   void run(const SingleCopyRequest& req);
 
  private:
-  // Copies bytes from a peer's lent buffer into local memory.
-  void read_peer(int rank, uint64_t seq, uint64_t offset, void* dst, uint64_t bytes) const;
   void run_step(const SingleCopyRequest& req, const plan::Step& s);
 
   ShmChannel& channel_;

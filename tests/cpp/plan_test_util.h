@@ -21,6 +21,9 @@ inline std::ostream& operator<<(std::ostream& os, const Range& r) {
 inline std::ostream& operator<<(std::ostream& os, Algorithm a) {
   return os << to_string(a);
 }
+inline std::ostream& operator<<(std::ostream& os, GatherScatterPath p) {
+  return os << to_string(p);
+}
 inline std::ostream& operator<<(std::ostream& os, TopologyClass c) {
   return os << to_string(c);
 }

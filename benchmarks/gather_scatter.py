@@ -1,0 +1,182 @@
+"""Reduce-scatter and all-gather benchmark: xdev next to Gloo on CPU tensors, nccl-tests style.
+
+Usage::
+
+    PYTHONPATH=$PWD python benchmarks/gather_scatter.py --nproc 2 [--sizes 64KiB,16MiB]
+        [--dtype float32] [--rounds 5] [--json out.json]
+
+Every rank runs a Gloo default group and two xdev groups: default options (``xdev``) and
+``single_copy=True`` (``xdev_sc``: from 256 KiB peers read one tensor in place). For each size
+the variants take turns (interleaved rounds of back-to-back calls, so drift on a shared machine
+hits them all); a row gives the median over rounds of the slowest rank's mean time per call. Before timing,
+xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
+all-gather FSDP2 runs: the input is this rank's block of the output.
+
+Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
+input, an all-gather's output: world x the per-rank block); algbw = size / time; busbw = algbw
+x (n-1)/n for both collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_xdev
+
+UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+TARGET_ROUND_SECONDS = 0.1
+# all_gather_in_place: the input is this rank's block of the output, as FSDP2 passes it.
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * UNITS[unit])
+    return int(t)
+
+
+def format_size(nbytes: int) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        if nbytes >= UNITS[unit.upper()] and nbytes % UNITS[unit.upper()] == 0:
+            return f"{nbytes // UNITS[unit.upper()]}{unit}"
+    return f"{nbytes}B"
+
+
+def run_op(collective: str, full: torch.Tensor, block: torch.Tensor, group: Any) -> None:
+    if collective == "reduce_scatter":
+        dist.reduce_scatter_tensor(block, full, group=group)
+    else:
+        dist.all_gather_into_tensor(full, block, group=group)
+
+
+def slowest_mean(fn: Callable[[], None], iters: int) -> float:
+    """Slowest rank's seconds per call over ``iters`` back-to-back calls."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item())
+
+
+def check(collective: str, size: int, dtype: torch.dtype, xdev: Any, rank: int, world: int) -> None:
+    count = size // torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(rank)
+    full = torch.randn(count, generator=g).to(dtype)
+    block = full[: count // world].clone()
+    results = []
+    for group in (None, xdev):
+        f, b = full.clone(), block.clone()
+        if collective == "all_gather_in_place":
+            b = f.narrow(0, rank * (count // world), count // world)
+        run_op(collective, f, b, group)
+        results.append(b if collective == "reduce_scatter" else f)
+    torch.testing.assert_close(results[1], results[0], msg=f"{collective} {size}: xdev != gloo")
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    xdev = dist.new_group(backend="xdev")
+    # Single copy (off by default): peers read one large tensor in place from 256 KiB.
+    xdev_sc = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(single_copy=True))
+    dtype = getattr(torch, args.dtype)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    rows: list[dict[str, Any]] = []
+    for collective in COLLECTIVES:
+        for size in args.sizes:
+            count = size // esize // world * world
+            full = torch.randn(count).to(dtype)
+            block = torch.empty(count // world, dtype=dtype)
+            if collective == "all_gather_in_place":
+                block = full.narrow(0, rank * (count // world), count // world)
+            for group in (xdev, xdev_sc):
+                check(collective, count * esize, dtype, group, rank, world)
+            fns = {
+                name: (lambda g=group: run_op(collective, full, block, g))
+                for name, group in (("gloo", None), ("xdev", xdev), ("xdev_sc", xdev_sc))
+            }
+            iters = {}
+            for name, fn in fns.items():
+                fn()  # warm up
+                estimate = slowest_mean(fn, 3)
+                iters[name] = max(3, min(20000, int(TARGET_ROUND_SECONDS / max(estimate, 1e-9))))
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    times[name].append(slowest_mean(fn, iters[name]))
+            for name in fns:
+                seconds = statistics.median(times[name])
+                algbw = count * esize / seconds / 1e9
+                rows.append(
+                    {
+                        "collective": collective,
+                        "size_bytes": count * esize,
+                        "count": count,
+                        "dtype": args.dtype,
+                        "backend": name,
+                        "iters": iters[name],
+                        "rounds": args.rounds,
+                        "time_us": seconds * 1e6,
+                        "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * (world - 1) / world,
+                    }
+                )
+    if rank == 0:
+        print(f"# {world} ranks, {args.dtype}, torch_xdev from {Path(torch_xdev.__file__).parent}")
+        print("# time = median over rounds of the slowest rank's mean per call;")
+        print("# size = whole tensor (world x block); busbw = algbw*(n-1)/n; vs_gloo = speedup")
+        print(
+            f"{'collective':>19} {'size':>9} {'backend':>8} {'time(us)':>11} {'algbw(GB/s)':>11}"
+            f" {'busbw(GB/s)':>11} {'vs_gloo':>8}"
+        )
+        gloo_us = {
+            (r["collective"], r["size_bytes"]): r["time_us"] for r in rows if r["backend"] == "gloo"
+        }
+        for r in rows:
+            r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
+            print(
+                f"{r['collective']:>19} {format_size(r['size_bytes']):>9} {r['backend']:>8}"
+                f" {r['time_us']:>11.2f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
+                f" {r['vs_gloo']:>8.2f}"
+            )
+        if args.json:
+            Path(args.json).write_text(json.dumps({"world": world, "rows": rows}, indent=2))
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--sizes", default="64KiB,16MiB", help="comma-separated, e.g. 4KiB,1MiB")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run_rank, args=(args.nproc, args, port), nprocs=args.nproc, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+#include "cpu_gather_scatter.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+// The tensor itself when contiguous, else a contiguous copy (written back by copy_back).
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  return flat;
+}
+
+void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+  }
+}
+
+// Checks, on the calling thread, that full[i] holds world blocks the size of block[i].
+void check_pairs(const char* what, const std::vector<at::Tensor>& full,
+                 const std::vector<at::Tensor>& block, int world) {
+  TORCH_CHECK_VALUE(full.size() == block.size(), "xdev ", what, ": ", full.size(),
+                    " full tensor(s) for ", block.size(), " block tensor(s)");
+  for (size_t i = 0; i < full.size(); ++i) {
+    TORCH_CHECK_VALUE(full[i].scalar_type() == block[i].scalar_type(), "xdev ", what,
+                      ": input and output dtypes differ (", full[i].scalar_type(), " and ",
+                      block[i].scalar_type(), ")");
+    TORCH_CHECK_VALUE(full[i].numel() == block[i].numel() * world, "xdev ", what, ": tensor ", i,
+                      " has ", full[i].numel(), " element(s) where ", world, " x ",
+                      block[i].numel(), " are needed");
+  }
+}
+
+std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  std::vector<at::Tensor> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  return all;
+}
+
+// Each rank's block size in a list form (one tensor per rank), after checking
+// that the list has one tensor per rank, of one dtype with `mine`, and that
+// this rank's entry has the size of `mine`.
+std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
+                                const at::Tensor& mine, int world, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world, "xdev ", what,
+                    ": a list needs one tensor per rank (", world, "); got ", list.size());
+  std::vector<int64_t> sizes;
+  for (const at::Tensor& t : list) {
+    TORCH_CHECK_VALUE(t.scalar_type() == mine.scalar_type(), "xdev ", what,
+                      ": every tensor must have one dtype; got ", t.scalar_type(), " and ",
+                      mine.scalar_type());
+    sizes.push_back(t.numel());
+  }
+  TORCH_CHECK_VALUE(sizes[static_cast<size_t>(rank)] == mine.numel(), "xdev ", what,
+                    ": this rank's entry of the list has ", sizes[static_cast<size_t>(rank)],
+                    " element(s), its own tensor ", mine.numel());
+  return sizes;
+}
+
+int64_t sum(const std::vector<int64_t>& v) {
+  int64_t total = 0;
+  for (int64_t x : v) total += x;
+  return total;
+}
+
+// Whether every list holds one size for every rank.
+bool is_even(const std::vector<std::vector<int64_t>>& sizes) {
+  for (const auto& list : sizes) {
+    for (int64_t n : list) {
+      if (n != list[0]) return false;
+    }
+  }
+  return true;
+}
+
+std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<char*> ptrs;
+  for (const at::Tensor& t : tensors) ptrs.push_back(static_cast<char*>(t.data_ptr()));
+  return ptrs;
+}
+
+}  // namespace
+
+CpuGatherScatter::CpuGatherScatter(GroupContext& group) : group_(group) {
+  if (group.channel() != nullptr) {
+    executor_ = std::make_unique<transport::GatherScatterExecutor>(*group.channel());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
+    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
+    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op, bool single_copy) {
+  check_pairs("reduce_scatter", inputs, outputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, op, timeout, single_copy] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        run_reduce_scatter(out, contiguous(inputs), op, timeout, single_copy);
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(std::vector<at::Tensor> outputs,
+                                                            std::vector<at::Tensor> inputs,
+                                                            c10d::OpType type,
+                                                            std::chrono::milliseconds timeout,
+                                                            bool async_op, bool single_copy) {
+  check_pairs("all_gather", outputs, inputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:all_gather", outputs,
+      [this, outputs, inputs, timeout, single_copy] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        run_all_gather(out, contiguous(inputs), timeout, single_copy);
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
+    std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
+    kernels::ReduceOp op, std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
+                    " input list(s) for ", outputs.size(), " output(s)");
+  std::vector<at::Tensor> full;
+  std::vector<std::vector<int64_t>> sizes;  // per list: each rank's block
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    sizes.push_back(
+        list_sizes("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
+    full.push_back(at::empty({sum(sizes.back())}, outputs[i].options()));
+  }
+  const bool uneven = !is_even(sizes);
+  TORCH_CHECK_VALUE(!uneven || outputs.size() == 1,
+                    "xdev reduce_scatter: uneven sizes need a single output");
+  return group_.enqueue(
+      c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, full, sizes, uneven, op, timeout] {
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          std::vector<at::Tensor> pieces;  // rank j's piece, flattened, in rank order
+          for (const at::Tensor& t : inputs[i]) pieces.push_back(t.reshape({-1}));
+          at::Tensor dst = full[i];  // a handle: the lambda's copy is const
+          at::cat_out(dst, pieces);
+        }
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        if (uneven) {
+          run_uneven(plan::GatherScatterKind::kReduceScatter, full[0], out[0], sizes[0],
+                     shape_hash(inputs[0]), op, timeout);
+        } else {
+          run_reduce_scatter(out, full, op, timeout, /*single_copy=*/false);
+        }
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
+    std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
+    std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
+                    " output list(s) for ", inputs.size(), " input(s)");
+  std::vector<at::Tensor> full;
+  std::vector<std::vector<int64_t>> sizes;
+  std::vector<at::Tensor> work_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    sizes.push_back(list_sizes("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
+    full.push_back(at::empty({sum(sizes.back())}, inputs[i].options()));
+    work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
+  }
+  const bool uneven = !is_even(sizes);
+  TORCH_CHECK_VALUE(!uneven || inputs.size() == 1,
+                    "xdev all_gather: uneven sizes need a single input");
+  return group_.enqueue(
+      c10d::OpType::ALLGATHER, "xdev:all_gather", work_outputs,
+      [this, outputs, inputs, full, sizes, uneven, timeout] {
+        const std::vector<at::Tensor> in = contiguous(inputs);
+        if (uneven) {
+          run_uneven(plan::GatherScatterKind::kAllGather, full[0], in[0], sizes[0],
+                     shape_hash(outputs[0]), kernels::ReduceOp::kSum, timeout);
+        } else {
+          run_all_gather(full, in, timeout, /*single_copy=*/false);
+        }
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          int64_t start = 0;
+          for (const at::Tensor& out : outputs[i]) {
+            out.copy_(full[i].narrow(0, start, out.numel()).view(out.sizes()));
+            start += out.numel();
+          }
+        }
+      },
+      async_op);
+}
+
+void CpuGatherScatter::run_uneven(plan::GatherScatterKind kind, const at::Tensor& full,
+                                  const at::Tensor& block, const std::vector<int64_t>& sizes,
+                                  uint64_t list_hash, kernels::ReduceOp op,
+                                  std::chrono::milliseconds timeout) {
+  const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+  if (executor_ == nullptr) {  // a world of one: its block is the whole list
+    if (reduce_scatter) {
+      block.view({-1}).copy_(full);
+    } else {
+      full.copy_(block.view({-1}));
+    }
+    return;
+  }
+  // Reduce-scatter reduces elements; all-gather moves bytes.
+  const int64_t elem_size = full.element_size();
+  const int64_t unit = reduce_scatter ? 1 : elem_size;  // of a block, per element
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> starts;
+  int64_t start = 0;
+  for (int64_t n : sizes) {
+    blocks.push_back(n * unit);
+    starts.push_back(start);
+    start += n * unit;
+  }
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  const plan::GatherScatterPlan plan(kind, blocks,
+                                     reduce_scatter ? slot_bytes / elem_size : slot_bytes);
+  // Every piece lies within the largest block.
+  const plan::FlatLayout layout({plan.block_elems()});
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = {static_cast<char*>(full.data_ptr())};
+  req.block = {static_cast<char*>(block.data_ptr())};
+  req.block_starts = std::move(starts);
+  req.dtype = reduce_scatter ? *native_dtype(full.scalar_type()) : kernels::DType::kUInt8;
+  req.op = op;
+  transport::OpDescriptor d =
+      group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
+  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  d.dtype = static_cast<int32_t>(req.dtype);
+  d.num_tensors = static_cast<int64_t>(sizes.size());  // the list: one tensor per rank
+  d.total_elems = start;
+  d.shape_hash = list_hash;
+  req.ctx = group_.make_context(d, reduce_scatter ? "reduce_scatter" : "all_gather",
+                                group_.deadline_for(timeout));
+  executor_->run(req);
+}
+
+void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
+                                          const std::vector<at::Tensor>& inputs,
+                                          kernels::ReduceOp op, std::chrono::milliseconds timeout,
+                                          bool single_copy) {
+  if (executor_ == nullptr) {  // a world of one: its block is the whole input
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
+    return;
+  }
+  const auto deadline = group_.deadline_for(timeout);
+  const uint64_t hash = shape_hash(concat(outputs, inputs));
+  std::vector<plan::TensorDesc> descs;
+  for (const at::Tensor& t : outputs) {
+    descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
+                     static_cast<size_t>(t.element_size()), t.numel()});
+  }
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  // One collective per dtype, in order of first appearance: the same on every rank.
+  for (const plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+    // Single copy (one tensor): one window over the whole block.
+    const int64_t window_elems = single_copy
+                                     ? std::max<int64_t>(g.layout.total(), 1) * group_.size()
+                                     : slot_bytes / static_cast<int64_t>(g.elem_size);
+    const plan::GatherScatterPlan plan(plan::GatherScatterKind::kReduceScatter, group_.size(),
+                                       g.layout.total(), window_elems);
+    transport::GatherScatterRequest req;
+    req.plan = &plan;
+    req.block_layout = &g.layout;
+    for (size_t idx : g.tensor_indices) {
+      req.full.push_back(static_cast<char*>(inputs[idx].data_ptr()));
+      req.block.push_back(static_cast<char*>(outputs[idx].data_ptr()));
+    }
+    req.dtype = static_cast<kernels::DType>(g.dtype);
+    req.op = op;
+    req.single_copy = single_copy;
+    transport::OpDescriptor d = group_.next_descriptor(Collective::kReduceScatter);
+    d.reduce_op = static_cast<int32_t>(op);
+    d.single_copy = single_copy ? 1 : 0;
+    d.dtype = g.dtype;
+    d.num_tensors = static_cast<int64_t>(outputs.size());
+    d.total_elems = g.layout.total();
+    d.shape_hash = hash;
+    req.ctx = group_.make_context(d, "reduce_scatter", deadline);
+    executor_->run(req);
+  }
+}
+
+void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& inputs,
+                                      std::chrono::milliseconds timeout, bool single_copy) {
+  if (executor_ == nullptr) {
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
+    return;
+  }
+  // Bytes move: one collective for every dtype of the call.
+  std::vector<int64_t> block_bytes;
+  for (const at::Tensor& t : inputs) block_bytes.push_back(t.numel() * t.element_size());
+  const plan::FlatLayout layout(block_bytes);
+  const int64_t window_bytes = single_copy ? std::max<int64_t>(layout.total(), 1) * group_.size()
+                                           : group_.config().shm_slot_bytes;
+  const plan::GatherScatterPlan plan(plan::GatherScatterKind::kAllGather, group_.size(),
+                                     layout.total(), window_bytes);
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = data_of(outputs);
+  req.block = data_of(inputs);
+  req.dtype = kernels::DType::kUInt8;
+  req.single_copy = single_copy;
+  transport::OpDescriptor d = group_.next_descriptor(Collective::kAllGather);
+  d.single_copy = single_copy ? 1 : 0;
+  d.dtype = static_cast<int32_t>(kernels::DType::kUInt8);
+  d.num_tensors = static_cast<int64_t>(inputs.size());
+  d.total_elems = layout.total();
+  d.shape_hash = shape_hash(concat(outputs, inputs));
+  req.ctx = group_.make_context(d, "all_gather", group_.deadline_for(timeout));
+  executor_->run(req);
+}
+
+}  // namespace xdev::backend

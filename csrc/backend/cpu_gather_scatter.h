@@ -1,0 +1,73 @@
+// Native reduce-scatter and all-gather on CPU tensors of ranks that share a
+// host: the tensor, coalesced and list forms of c10d, all run as one
+// GatherScatterPlan per dtype (per call for all-gather, which moves bytes)
+// over the group's shared-memory channel, on the group's queue like the
+// allreduce. In a world of one (no channel) the output is a copy of the input.
+// The backend selects (plan::select_gather_scatter); this runs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/gather_scatter_plan.h"
+#include "../transport/gather_scatter_executor.h"
+#include "group_context.h"
+
+namespace xdev::backend {
+
+class CpuGatherScatter {
+ public:
+  // Uses the group's channel when it has one (several ranks on this host).
+  explicit CpuGatherScatter(GroupContext& group);
+
+  // outputs[i] (C_i elements) = op over ranks of block `rank` of inputs[i]
+  // (world * C_i elements, blocks in rank order). Native dtypes; dtypes may mix.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor> outputs,
+                                                std::vector<at::Tensor> inputs,
+                                                kernels::ReduceOp op, c10d::OpType type,
+                                                std::chrono::milliseconds timeout, bool async_op,
+                                                bool single_copy);
+  // outputs[i] (world * C_i elements) = every rank's inputs[i] (C_i elements)
+  // in rank order. Any dtype: bytes move. single_copy (one tensor, as
+  // plan::select_gather_scatter decides): peers read inputs in place.
+  c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor> outputs,
+                                            std::vector<at::Tensor> inputs, c10d::OpType type,
+                                            std::chrono::milliseconds timeout, bool async_op,
+                                            bool single_copy);
+
+  // The list forms: inputs (reduce-scatter) or outputs (all-gather) given as
+  // one tensor per rank, copied through a contiguous tensor of the tensor
+  // form. Sizes may differ between ranks (uneven) where there is one list.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_list(std::vector<at::Tensor> outputs,
+                                                     std::vector<std::vector<at::Tensor>> inputs,
+                                                     kernels::ReduceOp op,
+                                                     std::chrono::milliseconds timeout,
+                                                     bool async_op);
+  c10::intrusive_ptr<c10d::Work> all_gather_list(std::vector<std::vector<at::Tensor>> outputs,
+                                                 std::vector<at::Tensor> inputs,
+                                                 std::chrono::milliseconds timeout, bool async_op);
+
+ private:
+  // On the op thread. outputs and inputs are contiguous.
+  void run_reduce_scatter(const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& inputs, kernels::ReduceOp op,
+                          std::chrono::milliseconds timeout, bool single_copy);
+  void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                      std::chrono::milliseconds timeout, bool single_copy);
+
+  // One list of uneven sizes: rank j's block holds sizes[j] elements of full.
+  // list_hash: of the list's shapes, the same on every rank.
+  void run_uneven(plan::GatherScatterKind kind, const at::Tensor& full, const at::Tensor& block,
+                  const std::vector<int64_t>& sizes, uint64_t list_hash, kernels::ReduceOp op,
+                  std::chrono::milliseconds timeout);
+
+  GroupContext& group_;
+  std::unique_ptr<transport::GatherScatterExecutor> executor_;  // null without a channel
+};
+
+}  // namespace xdev::backend

@@ -1,0 +1,65 @@
+// Runs a GatherScatterPlan (reduce-scatter or all-gather) over a ShmChannel by
+// staging: each window, every rank copies the pieces its peers read into its
+// slot, passes one barrier, and runs its steps of the window's schedule. The
+// slot coordinates of the schedule map to tensors as the plan lays them out:
+// rank j's piece of window [a, b) is block elements [a, b) of rank j. A block
+// may span several tensors (the coalesced forms): block_layout says which.
+// Torch-free: tensors arrive as raw contiguous pointers.
+//
+// Single copy (one tensor, peers allowed to read each other's memory): the
+// plan has one window over the whole block and rank j's "slot" is the tensor
+// it would stage from (its reduce-scatter input, its all-gather input), which
+// peers read in place with process_vm_readv: each byte crosses memory once
+// per reader instead of being staged first.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/gather_scatter_plan.h"
+#include "../plan/packing.h"
+#include "shm_channel.h"
+
+namespace xdev::transport {
+
+struct GatherScatterRequest {
+  const plan::GatherScatterPlan* plan = nullptr;
+  // Tensor i's block holds block_layout.numel(i) elements (uneven blocks: one
+  // tensor, the largest block).
+  const plan::FlatLayout* block_layout = nullptr;
+  // Per tensor: all N blocks in rank order (reduce-scatter input, all-gather output)...
+  std::vector<char*> full;
+  // ...and this rank's block (reduce-scatter output, all-gather input). An
+  // all-gather's block may be exactly the full tensor's block of this rank (in place).
+  std::vector<char*> block;
+  // Uneven blocks (one tensor; the plan gives each rank's size): rank j's block
+  // starts at element block_starts[j] of the full tensor. Empty: tensor t's
+  // blocks all hold block_layout->numel(t) elements, rank j's at j times that.
+  std::vector<int64_t> block_starts;
+  // All-gather moves bytes: dtype kUInt8 with byte counts serves every dtype.
+  kernels::DType dtype = kernels::DType::kFloat32;
+  kernels::ReduceOp op = kernels::ReduceOp::kSum;
+  // Peers read this rank's input in place (one tensor, a one-window plan).
+  bool single_copy = false;
+  OpContext ctx;
+};
+
+class GatherScatterExecutor {
+ public:
+  // The channel must outlive the executor.
+  explicit GatherScatterExecutor(ShmChannel& channel) : channel_(channel) {}
+
+  // Publishes the descriptor, then runs every window; the first barrier also
+  // checks that every rank published the same descriptor (MismatchError on
+  // all ranks otherwise, and the channel stays usable).
+  void run(const GatherScatterRequest& req);
+
+ private:
+  void run_single_copy(const GatherScatterRequest& req);
+
+  ShmChannel& channel_;
+  std::vector<std::vector<char>> bounce_;  // single copy: one chunk per remote source
+};
+
+}  // namespace xdev::transport
