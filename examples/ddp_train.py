@@ -5,6 +5,12 @@ Run it as a user would::
     torchrun --nproc_per_node 4 examples/ddp_train.py
     torchrun --nproc_per_node 4 examples/ddp_train.py --backend gloo   # for comparison
     torchrun --nproc_per_node 4 examples/ddp_train.py --shared-grads   # no DDP, see below
+    torchrun --nproc_per_node 2 examples/ddp_train.py --hidden 2048 --depth 4 --steps 10
+
+The last trains a 17M-parameter model, big enough that the gradient allreduce shows: rank 0
+prints steps per second and the share of the step that communication takes (the step against
+the same DDP step with a no-op comm hook, timed after training). On xdev DDP's buckets live in
+memory every rank maps (see the README, "DDP's buckets in shared memory").
 
 ``--shared-grads`` trains the same model without the DDP wrapper: every parameter's
 ``.grad`` is a view into one ``torch_xdev.shared_empty`` buffer, which every rank maps, so
@@ -26,7 +32,9 @@ import argparse
 import dataclasses
 import gc
 import os
+import statistics
 import sys
+import time
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -59,6 +67,9 @@ class TrainConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     shared_grads: bool = False  # no DDP: gradients in one shared_empty buffer (xdev, CPU)
+    hidden: int = HIDDEN
+    depth: int = 1
+    comm_share_steps: int = 0  # >0: time this many steps without communication at the end
     timeout: Optional[timedelta] = None  # of the process group; None: torch's default
 
 
@@ -72,16 +83,16 @@ class TrainResult:
     allreduce: Optional[tuple[str, str]]  # xdev's (algorithm, reason) for the gradients
 
 
-def make_model(seed: int) -> nn.Sequential:
-    """The student: 32 -> 64 -> 64 -> 10 with ReLU; identical on every rank for one seed."""
+def make_model(seed: int, hidden: int = HIDDEN, depth: int = 1) -> nn.Sequential:
+    """The student: 32 -> hidden (-> hidden, ``depth`` times) -> 10 with ReLU; identical on
+    every rank for one seed. The default is small; ``--hidden 2048 --depth 4`` (17M parameters)
+    is a model whose gradient allreduce shows next to its computation."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, OUT_FEATURES),
-    )
+    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+    layers.append(nn.Linear(hidden, OUT_FEATURES))
+    return nn.Sequential(*layers)
 
 
 def make_teacher() -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +202,7 @@ def _train_loop(
     world_size: int,
     say: Callable[[str], None],
 ) -> TrainResult:
-    model = make_model(config.seed).to(device)
+    model = make_model(config.seed, config.hidden, config.depth).to(device)
     grads: Optional[torch.Tensor] = None
     net: nn.Module
     if config.shared_grads:
@@ -209,7 +220,9 @@ def _train_loop(
     losses: list[float] = []
     mean_losses: list[float] = []
     allreduce: Optional[tuple[str, str]] = None
+    step_seconds: list[float] = []
     for step in range(config.steps):
+        started = time.perf_counter()
         x, y = make_batch(teacher, config.seed, rank, step, config.batch_size)
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=grads is None)
@@ -219,10 +232,11 @@ def _train_loop(
         loss.backward()  # with DDP, its gradient allreduce runs (and is waited for) in here
         if grads is not None:
             dist.all_reduce(grads, op=dist.ReduceOp.AVG)  # in place: nothing staged
-        if config.backend == torch_xdev.BACKEND_NAME:
+        optimizer.step()
+        step_seconds.append(time.perf_counter() - started)
+        if config.backend == torch_xdev.BACKEND_NAME and step == config.steps - 1:
             # Read now, before the loss allreduce below replaces it.
             allreduce = torch_xdev.describe()["last_allreduce"]
-        optimizer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # SUM, then divide: Gloo has no AVG
         mean /= world_size
@@ -231,11 +245,56 @@ def _train_loop(
         say(f"step {step:>2}  loss {mean_losses[-1]:.6f}")
     if mean_losses:
         say(f"final loss {mean_losses[-1]:.6f} (first {mean_losses[0]:.6f})")
+    if len(step_seconds) > 1:
+        step_s = statistics.median(step_seconds[1:])  # the first step builds DDP's buckets
+        say(f"throughput: {1 / step_s:.1f} steps/s (median step {1e3 * step_s:.1f} ms)")
+        if config.comm_share_steps > 0 and not config.shared_grads:
+            quiet_s = _step_without_communication(config, device, rank, x, y)
+            share = max(0.0, step_s - quiet_s) / step_s
+            say(
+                f"communication: {100 * share:.0f}% of the step ({1e3 * step_s:.1f} ms, against "
+                f"{1e3 * quiet_s:.1f} ms for the same DDP step with a no-op comm hook)"
+            )
     if allreduce is not None:
         say(f"xdev gradient allreduce: {allreduce[0]} ({allreduce[1]})")
     elif config.backend != torch_xdev.BACKEND_NAME:
         say(f"gradient allreduce: backend {config.backend} (torch_xdev.describe() is for xdev)")
     return TrainResult(model=model, losses=losses, mean_losses=mean_losses, allreduce=allreduce)
+
+
+# Unannotated: DDP compares a hook's annotations with dist.GradBucket and Future[Tensor]
+# themselves, and this module's annotations are postponed (strings).
+def _no_communication(state, bucket):  # type: ignore[no-untyped-def]
+    future = torch.futures.Future()  # type: ignore[var-annotated]
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _step_without_communication(
+    config: TrainConfig, device: torch.device, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """The median step time of the same model under DDP whose comm hook does nothing.
+
+    A copy of the model, so the trained one is untouched; the step minus this is what the
+    gradient allreduce costs (DDP overlaps it with backward, so this is what it adds).
+    """
+    model = make_model(config.seed, config.hidden, config.depth).to(device)
+    net = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+    )
+    net.register_comm_hook(None, _no_communication)
+    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr)
+    seconds = []
+    for _ in range(config.comm_share_steps + 1):
+        dist.barrier()  # start together, as the training steps did
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        (net(x) - y).pow(2).sum(dim=1).mean().backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -258,6 +317,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--shared-grads",
         action="store_true",
         help="no DDP: gradients in one torch_xdev.shared_empty buffer, allreduced in place",
+    )
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="hidden layer width")
+    parser.add_argument("--depth", type=int, default=1, help="hidden-to-hidden layers")
+    parser.add_argument(
+        "--comm-share-steps",
+        type=int,
+        default=5,
+        help="steps of the same DDP model with a no-op comm hook, timed after training to "
+        "report the communication share (0: skip)",
     )
     parser.add_argument("--save", metavar="PATH", help="rank 0 saves the final state_dict here")
     return parser.parse_args(argv)
@@ -283,6 +351,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         find_unused_parameters=args.find_unused_parameters,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         shared_grads=args.shared_grads,
+        hidden=args.hidden,
+        depth=args.depth,
+        comm_share_steps=args.comm_share_steps,
     )
     if rank == 0:
         print(
