@@ -23,19 +23,6 @@ plan::MachineModel host_model(const BackendConfig& c, int size) {
   return plan::cpu_host(size, params);
 }
 
-// Work on contiguous tensors; the caller copies back into non-contiguous ones.
-std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
-  return flat;
-}
-
-void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
-  }
-}
-
 }  // namespace
 
 CpuCollectives::CpuCollectives(GroupContext& group)

@@ -10,19 +10,6 @@
 namespace xdev::backend {
 namespace {
 
-// The tensor itself when contiguous, else a contiguous copy (written back by copy_back).
-std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
-  return flat;
-}
-
-void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
-  }
-}
-
 // Checks, on the calling thread, that full[i] holds world blocks the size of block[i].
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                  const std::vector<at::Tensor>& block, int world) {

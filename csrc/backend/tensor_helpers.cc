@@ -64,4 +64,16 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  return flat;
+}
+
+void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+  }
+}
+
 }  // namespace xdev::backend

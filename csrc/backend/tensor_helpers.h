@@ -24,4 +24,9 @@ uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 
+// Each tensor itself when contiguous, else a contiguous copy: executors work on
+// contiguous memory, and copy_back writes the copies' results into the originals.
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
+void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
+
 }  // namespace xdev::backend
