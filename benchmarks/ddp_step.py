@@ -1,192 +1,544 @@
-"""DDP training-step time on xdev against Gloo, with what communication costs each.
+"""DDP training-step benchmark: xdev's bucket paths against Gloo, a no-op comm hook and no DDP.
 
-Run under torchrun, e.g. ``torchrun --nproc_per_node 2 benchmarks/ddp_step.py``. One job holds a
-process group per variant and a model per variant, all built alike, and times their steps
-round-robin, so drift on the machine hits every variant alike:
+Usage (under torchrun, one process per rank)::
 
-- ``xdev-shared``: DDP on xdev, gradient buckets in the group's symmetric heap (in place);
-- ``xdev-shared-avg``: the same with ``gradient_as_bucket_view=True`` and
-  ``torch_xdev.avg_comm_hook`` (the division folded into the reduction);
-- ``xdev-staged``: DDP on xdev with ``Options(shared_buckets=False)`` (buckets are ordinary
-  tensors, staged through the group's slots);
-- ``gloo``: DDP on Gloo;
-- ``no-comm``: DDP with a comm hook that returns the bucket untouched: the step without
-  communication, which every variant's communication cost is measured against;
-- ``no-ddp``: the bare model, no DDP at all.
+    torchrun --nproc_per_node 2 benchmarks/ddp_step.py [--hidden 2048] [--layers 4]
+        [--batch-size 32] [--bucket-mb MB] [--rounds 7] [--steps 3] [--warmup 1]
+        [--threads 1] [--variants xdev_shared,...,no_ddp] [--json out.json]
 
-A step is forward, backward and an SGD step on a fixed batch. Communication cost per step is a
-variant's median step time minus ``no-comm``'s. The default model (4 x Linear(2048, 2048),
-16.8M parameters, 67 MB of fp32 gradients in DDP's 25 MB buckets) is one where that cost is
-large next to the computation. Rank 0 prints a table and writes JSON (``--json``). At the end
-every variant's parameters are checked equal across ranks, so a broken variant cannot pass as
-a fast one.
+Every variant trains its own copy of one MLP (``--layers`` square ``Linear(hidden, hidden)``
+layers with ReLU between them; the defaults give 16.8M parameters, 67 MB of fp32 gradients,
+in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per rank:
+
+- ``xdev_shared``: DDP on an xdev group with ``Options(shared_buckets=True)``: DDP's buckets
+  live in memory every rank maps, so their allreduce runs in place.
+- ``xdev_shared_avg``: the same plus ``torch_xdev.avg_comm_hook`` (AVG folded into the
+  allreduce) and ``gradient_as_bucket_view=True`` (no copy of the gradients into buckets).
+- ``xdev_staged``: DDP on an xdev group with ``Options(shared_buckets=False)``: ordinary
+  buckets, allreduced through xdev's staging slots.
+- ``gloo``: DDP on a Gloo group.
+- ``noop_hook``: DDP (on a Gloo group: ordinary buckets) with a comm hook that returns each
+  bucket unchanged: the whole DDP step without communication. A variant's median step minus
+  this one's is what communication costs it per step.
+- ``noop_hook_view``: the same with ``gradient_as_bucket_view=True``, the baseline of
+  ``xdev_shared_avg`` (which saves the copies between gradients and buckets that
+  ``noop_hook`` still makes).
+- ``no_ddp``: the bare model, local forward/backward/step.
+
+Each variant has its own process group (created in the same order on every rank), model and
+optimizer. After two untimed steps per variant (DDP fills one bucket in its first backward and
+rebuilds its buckets, in the order the gradients came, in its second forward), the variants
+run round-robin for ``--rounds`` rounds, each round starting one variant later, and each turn
+times ``--steps`` steps after ``--warmup`` untimed ones, so drift on the host hits every
+variant alike. A step's time is the slowest rank's wall time from ``zero_grad`` to the end of
+``optimizer.step()``; the table reports the median, minimum and maximum over all timed steps.
+``zero_grad(set_to_none=False)`` (unless ``--set-to-none``) zeroes the gradients in place, so
+with ``gradient_as_bucket_view`` they stay views of DDP's buckets and backward accumulates
+straight into them. Only the variants that communicate must keep their parameters equal
+across ranks (the ranks see different data); this is checked after the timed steps, so a
+variant whose allreduce is broken cannot be reported as fast.
+
+Two environment variables matter: ``DDP_DISABLE_COMM_MEM`` must be ``0`` for DDP to ask a
+backend for its buckets at all (``import torch_xdev`` sets it when unset on a host without a
+GPU; the header prints it, and the table says per xdev group whether its buckets are shared),
+and ``XDEV_SHARED_BUCKETS`` must be unset (it would override the per-group option and make
+``xdev_shared`` and ``xdev_staged`` alike; the benchmark refuses to run with it).
 """
 
-# No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's
-# annotations against the real types.
+# No `from __future__ import annotations`: DDP's register_comm_hook compares a hook's
+# annotations with dist.GradBucket and Future[Tensor] themselves, not with strings.
 import argparse
+import dataclasses
+import datetime
+import gc
 import json
+import math
+import os
+import platform
+import socket
 import statistics
+import sys
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 import torch_xdev
 
-VARIANTS = ("xdev-shared", "xdev-shared-avg", "xdev-staged", "gloo", "no-comm", "no-ddp")
+# Run from a checkout, sys.path starts at benchmarks/, so this imports the installed package
+# unless PYTHONPATH names the checkout; the header says which one ran.
+XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
+COMM_MEM_VARIABLE = "DDP_DISABLE_COMM_MEM"
+SHARED_BUCKETS_VARIABLE = "XDEV_SHARED_BUCKETS"
+SEED = 20240614
+DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
+BUCKET_CAP_DEFAULT_MB = 25  # DistributedDataParallel's bucket_cap_mb when not given
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def no_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    backend: Optional[str]  # of the variant's process group; None: no DDP, no group
+    shared_buckets: Optional[bool] = None  # xdev's Options(shared_buckets=...)
+    comm_hook: Optional[str] = None  # "avg" (torch_xdev.avg_comm_hook) or "noop"
+    gradient_as_bucket_view: bool = False
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the ranks' gradients are averaged, so their parameters stay equal."""
+        return self.backend is not None and self.comm_hook != "noop"
+
+
+VARIANTS = (
+    Variant("xdev_shared", "xdev", shared_buckets=True),
+    Variant(
+        "xdev_shared_avg",
+        "xdev",
+        shared_buckets=True,
+        comm_hook="avg",
+        gradient_as_bucket_view=True,
+    ),
+    Variant("xdev_staged", "xdev", shared_buckets=False),
+    Variant("gloo", "gloo"),
+    Variant("noop_hook", "gloo", comm_hook="noop"),
+    Variant("noop_hook_view", "gloo", comm_hook="noop", gradient_as_bucket_view=True),
+    Variant("no_ddp", None),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+GLOO = "gloo"
+# The step without communication that a variant is compared with, by its
+# gradient_as_bucket_view.
+NO_COMM_BASELINE = {False: "noop_hook", True: "noop_hook_view"}
+
+
+def noop_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook that communicates nothing: each bucket comes back as it went in."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
 
 
-def make_model(width: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)  # the same start on every rank and for every variant
-    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+def make_model(hidden: int, layers: int) -> nn.Sequential:
+    """``layers`` Linear(hidden, hidden) with ReLU between; the same on every rank."""
+    torch.manual_seed(SEED)
+    modules: list[nn.Module] = []
+    for i in range(layers):
+        if i:
+            modules.append(nn.ReLU())
+        modules.append(nn.Linear(hidden, hidden))
+    return nn.Sequential(*modules)
 
 
-class Variant:
-    """One model and what it steps with."""
+def make_batches(
+    hidden: int, batch_size: int, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's inputs and targets (different on every rank, the same on every run)."""
+    gen = torch.Generator().manual_seed(SEED + 1_000_003 * rank)
+    return [
+        (
+            torch.randn(batch_size, hidden, generator=gen),
+            torch.randn(batch_size, hidden, generator=gen),
+        )
+        for _ in range(DISTINCT_BATCHES)
+    ]
 
-    def __init__(self, name: str, module: nn.Module, group: Optional[dist.ProcessGroup]):
-        self.name = name
-        self.module = module
-        self.group = group
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-        self.times: list[float] = []
 
-    def step(self, x: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-        self.module(x).square().mean().backward()
+@dataclasses.dataclass
+class Runner:
+    """One variant on this rank: its group, model (wrapped or not) and optimizer."""
+
+    variant: Variant
+    group: Optional[dist.ProcessGroup]
+    model: nn.Module  # the bare module
+    net: nn.Module  # what forward runs: the DDP wrapper, or the bare module
+    optimizer: torch.optim.Optimizer
+    set_to_none: bool = False  # how zero_grad clears the gradients
+    samples: list[float] = dataclasses.field(default_factory=list)  # slowest rank, seconds
+    steps_run: int = 0
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One training step; returns this rank's wall time of it in seconds."""
+        x, y = batches[self.steps_run % len(batches)]
+        self.steps_run += 1
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
+        loss = (self.net(x) - y).pow(2).mean()
+        loss.backward()  # under DDP the bucket allreduces are launched and waited for here
         self.optimizer.step()
+        return time.perf_counter() - t0
 
 
-def build(name: str, args: argparse.Namespace, groups: dict[str, Any]) -> Variant:
-    module = make_model(args.width, args.layers)
-    if name == "no-ddp":
-        return Variant(name, module, None)
-    group = groups[name]
-    bucket_view = name == "xdev-shared-avg"
-    ddp = DDP(module, process_group=group, gradient_as_bucket_view=bucket_view)
-    if name == "xdev-shared-avg":
-        ddp.register_comm_hook(group, torch_xdev.avg_comm_hook)
-    elif name == "no-comm":
-        ddp.register_comm_hook(None, no_comm_hook)
-    return Variant(name, ddp, group)
+def make_group(variant: Variant) -> Optional[dist.ProcessGroup]:
+    """The variant's own process group. Collective: every rank creates them in one order."""
+    if variant.backend is None:
+        return None
+    pg_options = None
+    if variant.backend == torch_xdev.BACKEND_NAME:
+        pg_options = torch_xdev.Options(shared_buckets=bool(variant.shared_buckets))
+    group = dist.new_group(backend=variant.backend, pg_options=pg_options, timeout=GROUP_TIMEOUT)
+    assert group is not None  # every rank is a member
+    return group
 
 
-def parameters_agree(variant: Variant, group: dist.ProcessGroup) -> bool:
-    """Whether this variant's parameters are the same on every rank."""
-    flat = torch.cat([p.detach().reshape(-1) for p in variant.module.parameters()]).double()
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    return bool(torch.equal(low, high))
+def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
+    group = make_group(variant)
+    model = make_model(args.hidden, args.layers)
+    net: nn.Module = model
+    if group is not None:
+        ddp = DistributedDataParallel(
+            model,
+            process_group=group,
+            bucket_cap_mb=args.bucket_mb,
+            gradient_as_bucket_view=variant.gradient_as_bucket_view,
+        )
+        if variant.comm_hook == "avg":
+            ddp.register_comm_hook(group, torch_xdev.avg_comm_hook)
+        elif variant.comm_hook == "noop":
+            ddp.register_comm_hook(None, noop_comm_hook)
+        net = ddp
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
+    return Runner(variant, group, model, net, optimizer, set_to_none=args.set_to_none)
 
 
-def summarize(variants: list[Variant], skip: int) -> dict[str, dict[str, float]]:
-    rows: dict[str, dict[str, float]] = {}
-    for v in variants:
-        kept = v.times[skip:]
-        rows[v.name] = {
-            "median_ms": 1e3 * statistics.median(kept),
-            "min_ms": 1e3 * min(kept),
-            "max_ms": 1e3 * max(kept),
-        }
-    base = rows["no-comm"]["median_ms"]
-    gloo = rows["gloo"]["median_ms"] - base
-    for name, row in rows.items():
-        row["comm_ms"] = row["median_ms"] - base
-        row["comm_vs_gloo"] = row["comm_ms"] / gloo if name != "no-ddp" and gloo > 0 else 0.0
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # default group: Gloo
+    return [float(v) for v in tensor]
+
+
+def run_turn(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]], args: Any) -> None:
+    """One variant's turn in a round: ``warmup`` untimed steps, then ``steps`` timed ones."""
+    dist.barrier()  # every rank starts the turn together
+    for _ in range(args.warmup):
+        runner.step(batches)
+    times = [runner.step(batches) for _ in range(args.steps)]
+    runner.samples.extend(max_over_ranks(times))
+
+
+def params_checksum(model: nn.Module) -> float:
+    """A float64 digest of the parameters: equal bits on two ranks give equal digests."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        values = p.detach().double()
+        total += values.sum() + (i + 1) * values.square().sum()
+    return float(total)
+
+
+def ranks_agree(runners: list[Runner]) -> list[Optional[bool]]:
+    """Per runner: whether every rank holds the same finite parameters (None: not expected).
+
+    Collective over the default group; every rank gets the same answers.
+    """
+    sums = torch.tensor([params_checksum(r.model) for r in runners], dtype=torch.float64)
+    high, low = sums.clone(), sums.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    verdicts: list[Optional[bool]] = []
+    for runner, hi, lo in zip(runners, high.tolist(), low.tolist()):
+        if not runner.variant.communicates:
+            verdicts.append(None)  # each rank trained on its own data
+        else:
+            verdicts.append(hi == lo and math.isfinite(hi))
+    return verdicts
+
+
+def bucket_info(runner: Runner) -> dict[str, Any]:
+    """How DDP bucketed the gradients, and whether they live in xdev's shared memory."""
+    info: dict[str, Any] = {
+        "num_buckets": None,
+        "ddp_shared_buckets": None,
+        "ddp_shared_buckets_note": None,
+        "heap_bytes_in_use": None,
+    }
+    if isinstance(runner.net, DistributedDataParallel):
+        # DDP's logging data says nothing of the rebuilt buckets until a sampled iteration;
+        # the Reducer's list of them is current (it returns zeroed copies, freed at once).
+        info["num_buckets"] = len(runner.net.reducer._get_zeros_like_grad_buckets())
+    if runner.variant.backend == torch_xdev.BACKEND_NAME:
+        described = torch_xdev.describe(runner.group)
+        # Whether DDP's buckets on this group are taken from its symmetric heap, and why not.
+        info["ddp_shared_buckets"] = described.get("ddp_shared_buckets")
+        info["ddp_shared_buckets_note"] = described.get("ddp_shared_buckets_note")
+        # The group serves this one model, so what its heap holds is that model's buckets:
+        # seen from the other side, it confirms where they went.
+        heap = described.get("symmetric_heap")
+        if isinstance(heap, dict):
+            info["heap_bytes_in_use"] = heap.get("bytes_in_use")
+    return info
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    lower = int(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def summarise(
+    runners: list[Runner], verdicts: list[Optional[bool]], infos: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The table's rows: times in ms, communication per step, ratios against Gloo."""
+    medians = {r.variant.name: statistics.median(r.samples) for r in runners}
+    gloo = medians.get(GLOO)
+    noop = medians.get(NO_COMM_BASELINE[False])
+    gloo_comm = None if gloo is None or noop is None else gloo - noop
+    rows: list[dict[str, Any]] = []
+    for runner, verdict, info in zip(runners, verdicts, infos):
+        v = runner.variant
+        median = medians[v.name]
+        baseline_name = NO_COMM_BASELINE[v.gradient_as_bucket_view]
+        baseline = medians.get(baseline_name) if v.communicates else None
+        comm = None if baseline is None else median - baseline
+        rows.append(
+            {
+                "variant": v.name,
+                "backend": v.backend,
+                "shared_buckets_option": v.shared_buckets,
+                "comm_hook": v.comm_hook,
+                "gradient_as_bucket_view": v.gradient_as_bucket_view,
+                **info,
+                "median_ms": median * 1e3,
+                "min_ms": min(runner.samples) * 1e3,
+                "max_ms": max(runner.samples) * 1e3,
+                "p25_ms": percentile(runner.samples, 0.25) * 1e3,
+                "p75_ms": percentile(runner.samples, 0.75) * 1e3,
+                "comm_ms": None if comm is None else comm * 1e3,
+                "comm_baseline": baseline_name if comm is not None else None,
+                "step_vs_gloo": None if gloo is None else gloo / median,
+                "comm_vs_gloo": (
+                    gloo_comm / comm if gloo_comm is not None and comm and comm > 0 else None
+                ),
+                "ranks_equal": verdict,
+                "samples_ms": [s * 1e3 for s in runner.samples],
+            }
+        )
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=12, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds left out of the stats")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--json", default=None, help="where rank 0 writes the results")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def text(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
-    dist.init_process_group("gloo")  # the timing barriers; every variant gets its own group
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # The same groups in the same order on every rank.
-    groups: dict[str, Any] = {
-        "xdev-shared": dist.new_group(backend="xdev"),
-        "xdev-staged": dist.new_group(
-            backend="xdev", pg_options=torch_xdev.Options(shared_buckets=False)
-        ),
-        "gloo": dist.new_group(backend="gloo"),
-    }
-    groups["xdev-shared-avg"] = groups["xdev-shared"]
-    groups["no-comm"] = groups["gloo"]
-    variants = [build(name, args, groups) for name in VARIANTS]
-    generator = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch, args.width, generator=generator)
 
-    for _ in range(args.rounds + args.warmup):
-        for v in variants:
-            dist.barrier()  # every rank starts the step together
-            start = time.perf_counter()
-            v.step(x)
-            v.times.append(time.perf_counter() - start)
+def yes_no(value: Optional[bool], broken: str = "no") -> str:
+    return "-" if value is None else ("yes" if value else broken)
 
-    # no-comm's and no-ddp's ranks step on their own gradients: they need not agree.
-    synced = [v for v in variants if v.name not in ("no-comm", "no-ddp")]
-    agree = {v.name: parameters_agree(v, groups["gloo"]) for v in synced}
-    shared = {
-        name: bool(torch_xdev.describe(groups[name])["ddp_shared_buckets"])
-        for name in ("xdev-shared", "xdev-staged")
-    }
-    rows = summarize(variants, args.warmup)
-    params = sum(p.numel() for p in variants[0].module.parameters())
-    if rank == 0:
-        print(
-            f"# DDP step: {world} ranks, {args.layers} x Linear({args.width}, {args.width}) "
-            f"({params / 1e6:.1f}M parameters, {4 * params / 1e6:.0f} MB of fp32 gradients), "
-            f"batch {args.batch}, {args.rounds} rounds after {args.warmup}, "
-            f"{args.threads} thread(s) per rank; shared buckets: {shared}"
+
+def format_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'variant':<16} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'comm ms':>8}"
+        f" {'vs gloo':>8} {'comm vs':>8} {'buckets':>7} {'shared':>7} {'heap MB':>8}"
+        f" {'ranks =':>8}"
+    ]
+    for row in rows:
+        heap = row["heap_bytes_in_use"]
+        lines.append(
+            f"{row['variant']:<16} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f}"
+            f" {row['max_ms']:>8.2f} {text(row['comm_ms'], '.2f'):>8}"
+            f" {text(row['step_vs_gloo'], '.2f', 'x'):>8}"
+            f" {text(row['comm_vs_gloo'], '.2f', 'x'):>8} {text(row['num_buckets'], 'd'):>7}"
+            f" {yes_no(row['ddp_shared_buckets']):>7}"
+            f" {text(None if heap is None else heap / 1e6, '.1f'):>8}"
+            f" {yes_no(row['ranks_equal'], 'BROKEN'):>8}"
         )
-        print(f"# {'variant':<16} {'median ms':>10} {'min':>8} {'max':>8} {'comm ms':>8} "
-              f"{'comm/gloo':>9}  params equal across ranks")
-        for name, row in rows.items():
-            print(
-                f"  {name:<16} {row['median_ms']:10.1f} {row['min_ms']:8.1f} {row['max_ms']:8.1f} "
-                f"{row['comm_ms']:8.1f} {row['comm_vs_gloo']:9.3f}  {agree.get(name, '-')}"
-            )
-        if args.json:
-            report = {
-                "world_size": world,
-                "model": {"width": args.width, "layers": args.layers, "parameters": params},
-                "batch": args.batch,
-                "rounds": args.rounds,
-                "warmup": args.warmup,
-                "threads": args.threads,
-                "shared_buckets": shared,
-                "params_equal_across_ranks": agree,
-                "variants": rows,
-                "samples_ms": {v.name: [1e3 * t for t in v.times] for v in variants},
-            }
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
-            print(f"# wrote {args.json}")
-    bad = [name for name, ok in agree.items() if not ok]
-    variants.clear()  # every DDP model is gone before its group
-    dist.destroy_process_group()
-    if bad:
-        raise SystemExit(f"parameters differ across ranks for {bad}")
+    for row in rows:
+        if row["ddp_shared_buckets"] is False and row["shared_buckets_option"]:
+            lines.append(f"# {row['variant']}: no shared buckets: {row['ddp_shared_buckets_note']}")
+    return lines
+
+
+LEGEND = [
+    "# median/min/max: the slowest rank's step (zero_grad, forward, backward, optimizer.step),",
+    "#   over every timed step. comm: median minus the median of noop_hook (noop_hook_view with",
+    "#   gradient_as_bucket_view), what communication adds to a step. vs gloo: Gloo's median",
+    "#   step / this one. comm vs: Gloo's comm / this comm.",
+    "# buckets: DDP's buckets after its rebuild. shared: describe(group)['ddp_shared_buckets'];",
+    "#   heap MB: bytes in use in the group's symmetric heap (this model's buckets when shared).",
+    "# ranks =: parameters equal on every rank after the run ('-': no communication, so each",
+    "#   rank trained on its own data).",
+]
+
+
+def bucket_text(bucket_mb: Optional[float]) -> str:
+    """DDP's bucket caps; its "MB" are MiB."""
+    if bucket_mb is None:
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES / (1 << 20)
+        return f"DDP's default ({BUCKET_CAP_DEFAULT_MB} MiB, the first {first:g} MiB)"
+    return f"bucket_cap_mb={bucket_mb:g} (MiB)"
+
+
+def header(args: argparse.Namespace, world_size: int, params: int) -> list[str]:
+    grad_mb = params * 4 / 1e6
+    return [
+        f"# ddp_step: {world_size} ranks, MLP of {args.layers} x Linear({args.hidden},"
+        f" {args.hidden}): {params / 1e6:.2f}M parameters, {grad_mb:.1f} MB fp32 gradients,"
+        f" buckets: {bucket_text(args.bucket_mb)}",
+        f"# batch {args.batch_size} per rank; SGD, zero_grad(set_to_none={args.set_to_none});"
+        f" {args.threads} thread(s) per rank",
+        f"# {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} untimed) per variant,"
+        " round-robin, each round starting one variant later",
+        f"# {COMM_MEM_VARIABLE}={os.environ.get(COMM_MEM_VARIABLE, '(unset)')}  torch"
+        f" {torch.__version__}  torch_xdev from {XDEV_PATH}  host {socket.gethostname()}",
+    ]
+
+
+def write_json(
+    path: Path, args: argparse.Namespace, world_size: int, params: int, rows: Any
+) -> None:
+    meta = {
+        "benchmark": "ddp_step",
+        "world_size": world_size,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "parameters": params,
+        "gradient_bytes": params * 4,
+        "batch_size": args.batch_size,
+        "bucket_mb": args.bucket_mb,
+        "lr": args.lr,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "set_to_none": args.set_to_none,
+        "variants": args.variants,
+        COMM_MEM_VARIABLE: os.environ.get(COMM_MEM_VARIABLE),
+        "xdev_environment": {k: v for k, v in os.environ.items() if k.startswith("XDEV_")},
+        "torch_version": torch.__version__,
+        "torch_xdev_version": torch_xdev.__version__,
+        "torch_xdev_path": XDEV_PATH,
+        "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
+    print(f"# wrote {path}", flush=True)
+
+
+def parse_variants(text_value: str) -> list[str]:
+    names = [n.strip() for n in text_value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANT_NAMES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"--variants: a comma-separated subset of {', '.join(VARIANT_NAMES)};"
+            f" got {text_value!r}"
+        )
+    return names
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048, help="width of the MLP")
+    parser.add_argument("--layers", type=int, default=4, help="Linear(hidden, hidden) layers")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket_cap_mb (default: DDP's own, 25 MB and a first bucket of 1 MB)",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--set-to-none",
+        action="store_true",
+        help="zero_grad(set_to_none=True): fresh gradients every backward (default: zeroed in"
+        " place, so with gradient_as_bucket_view they stay views of DDP's buckets)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=parse_variants,
+        default=list(VARIANT_NAMES),
+        help=f"a comma-separated subset of {','.join(VARIANT_NAMES)} (default all; run in this"
+        " order)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="where rank 0 saves the rows (default benchmarks/results/ddp_step_<N>ranks.json)",
+    )
+    args = parser.parse_args(argv)
+    for name in ("hidden", "layers", "batch_size", "rounds", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or (args.bucket_mb is not None and args.bucket_mb <= 0):
+        parser.error("--warmup must be >= 0 and --bucket-mb > 0")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print(
+            "run this under torchrun, e.g. torchrun --nproc_per_node 2 " + sys.argv[0],
+            file=sys.stderr,
+        )
+        return 2
+    if SHARED_BUCKETS_VARIABLE in os.environ:
+        # The environment overrides Options, so "shared" and "staged" would run alike.
+        print(
+            f"unset {SHARED_BUCKETS_VARIABLE}: each xdev variant sets shared_buckets itself",
+            file=sys.stderr,
+        )
+        return 2
+    torch.set_num_threads(args.threads)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    # The default group only times and checks; every variant has a group of its own.
+    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+    try:
+        return run(args, rank, world_size, say)
+    finally:
+        # Free the DDP wrappers (gc breaks their reference cycles) while their groups are
+        # still registered: see examples/ddp_train.py for the deadlock the other order risks.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str], None]) -> int:
+    variants = [v for v in VARIANTS if v.name in args.variants]
+    runners = [make_runner(v, args) for v in variants]  # same order on every rank
+    params = sum(p.numel() for p in runners[0].model.parameters())
+    for line in header(args, world_size, params):
+        say(line)
+    batches = make_batches(args.hidden, args.batch_size, rank)
+    for runner in runners:
+        dist.barrier()
+        # DDP puts every gradient in one bucket for its first backward, which records the
+        # order they come in, and rebuilds its buckets in that order in the second forward.
+        runner.step(batches)
+        runner.step(batches)
+    infos = [bucket_info(r) for r in runners]
+    for round_index in range(args.rounds):
+        start = round_index % len(runners)
+        for runner in runners[start:] + runners[:start]:
+            run_turn(runner, batches, args)
+    verdicts = ranks_agree(runners)
+    rows = summarise(runners, verdicts, infos)
+    for line in format_table(rows):
+        say(line)
+    for line in LEGEND:
+        say(line)
+    broken = [row["variant"] for row in rows if row["ranks_equal"] is False]
+    if broken:
+        say(f"# BROKEN: parameters differ across ranks for {', '.join(broken)}")
+    if rank == 0:
+        default_json = (
+            Path(__file__).resolve().parent / "results" / f"ddp_step_{world_size}ranks.json"
+        )
+        write_json(Path(args.json or default_json), args, world_size, params, rows)
+    del runners
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
