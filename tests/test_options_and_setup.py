@@ -356,7 +356,7 @@ def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
     assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]
 
 
-def test_ddp_comm_mem_default_changes_no_other_backend() -> None:
+def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
     # Set for the user only when unset and no GPU is visible (no NCCL group can exist).
     env: dict[str, str] = {}
     assert torch_xdev.default_comm_mem(env, cuda_visible=False)
@@ -372,8 +372,15 @@ def test_ddp_comm_mem_default_changes_no_other_backend() -> None:
     package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     code = "import os, torch_xdev; print(os.environ.get('DDP_DISABLE_COMM_MEM'))"
+    # Run outside the checkout: `python -c` puts the working directory first on sys.path, and
+    # the source tree has no compiled extension.
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     expected = "None" if torch.cuda.device_count() > 0 else "0"
