@@ -219,14 +219,16 @@ def test_bucket_sizes_differ_between_ranks(results: Results) -> None:
 @pytest.mark.slow
 def test_ddp_mixed_precision(results: Results) -> None:
     """DDP's own mixed precision (bf16 parameters and buckets), where torch runs it on CPU."""
-    errors = [results[r]["mixed_precision"]["xdev"].get("error") for r in range(WORLD_SIZE)]
-    errors += [results[r]["mixed_precision"]["gloo"].get("error") for r in range(WORLD_SIZE)]
-    if all(e is not None and "doesn't support events" in e for e in errors):
-        # torch 2.13: DDP's forward pre-hook records a torch.Event after casting the
-        # parameters, and CPU has no events, so the first forward raises on any backend. The
-        # bf16_params case trains bf16 buckets in the heap without it.
-        why = errors[0].strip().splitlines()[-1]
-        pytest.skip(f"DDP mixed precision cannot run on CPU in torch {torch.__version__}: {why}")
+    gloo_errors = [results[r]["mixed_precision"]["gloo"].get("error") for r in range(WORLD_SIZE)]
+    if all(e is not None for e in gloo_errors):
+        # DDP's mixed precision is not CPU-ready in torch itself, so the Gloo reference fails
+        # too: torch 2.13's forward pre-hook records a torch.Event ("cpu backend doesn't
+        # support events"), and a CUDA build on a machine without a driver fails in DDP's
+        # constructor at torch.Stream(). The bf16_params case trains bf16 buckets in the heap
+        # without it.
+        lines = gloo_errors[0].strip().splitlines()
+        why = next((line for line in reversed(lines) if "Error" in line), lines[-1]).strip()
+        pytest.skip(f"DDP mixed precision fails on Gloo too in torch {torch.__version__}: {why}")
     # Unmeasured (torch 2.13 cannot run it): over 4 ranks bf16's summation order shows (see
     # case_bf16_params), so loosely, and tighten once it runs.
     compare_with_gloo(results, "mixed_precision", rtol=5e-2, atol=5e-3)
