@@ -4,7 +4,8 @@ Usage::
 
     python benchmarks/allreduce.py --nproc 2 [--sizes 4KiB:64MiB] [--dtype float32]
         [--algorithms auto,shared_empty,direct,flat,reduce_to_one,hierarchical_copy,...]
-        [--iters N] [--warmup N] [--json out.json] [--slot-bytes B]
+        [--iters N] [--warmup N] [--rounds N] [--json out.json] [--slot-bytes B]
+        [--arrival back-to-back|skewed] [--no-deepspeed]
     python benchmarks/allreduce.py --device cuda --nproc 8 [--sizes 4KiB:256MiB]
         [--cuda-slot-bytes B] [--topo-file dgx1.json] [--host-overhead-calls N] ...
 
@@ -15,6 +16,18 @@ maps, so the allreduce runs in place; the other rows reduce ordinary tensors, as
 buckets are. Before timing an xdev algorithm its result on random data is checked against
 Gloo's. The parent process also
 measures single-core ``copy_`` bandwidth so each row can be compared to memcpy.
+
+Where ``deepspeed`` is importable, CPU mode adds a ``deepspeed_shm`` row per size: DeepSpeed's
+shared-memory allreduce (``deepspeed.comm.inference_all_reduce``) in the same processes,
+checked against Gloo like the xdev rows (``benchmarks/deepspeed_shm.py``; ``--no-deepspeed``
+leaves it out). Where it cannot run, the header says why and the JSON records it.
+
+``--arrival skewed`` puts a Gloo barrier before every timed call and times the call alone:
+ranks then reach each call tens to hundreds of microseconds apart, as they do after
+unequal work, and a row measures how well the backend waits (the default, back-to-back
+calls, keeps the ranks in step). ``--rounds N`` times every row N times, the backends of
+one size taking turns, and reports the mean: on a noisy machine the rows then share its
+slow spells.
 
 CUDA mode (``--device cuda``): rank r uses GPU ``r % device_count``. xdev's algorithms run
 on CUDA tensors next to NCCL where NCCL can run (every rank on its own GPU); when ranks
@@ -45,12 +58,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import deepspeed_shm
 import torch_xdev
 
 # Which build runs: run from a checkout, `python benchmarks/allreduce.py` imports the installed
@@ -113,6 +127,9 @@ class Config:
     reference_note: str = ""
     ranks_share_gpu: bool = False
     host_overhead_calls: int = 200
+    arrival: str = "back-to-back"  # CPU mode: or "skewed" (a Gloo barrier before each call)
+    rounds: int = 1
+    deepspeed_skipped: Optional[str] = None  # why the DeepSpeed row is left out; None: try it
 
 
 def parse_size(text: str) -> int:
@@ -191,19 +208,19 @@ def random_input(count: int, dtype: torch.dtype, rank: int, size_index: int) -> 
 def check_result(
     cfg: Config,
     name: str,
-    group: Any,
+    allreduce: Callable[[torch.Tensor], Any],
     data: torch.Tensor,
     expected: torch.Tensor,
     reference: str,
     into: Optional[torch.Tensor] = None,
 ) -> None:
-    """Aborts (on every rank together) when ``group``'s allreduce disagrees with the reference's.
+    """Aborts (on every rank together) when ``allreduce`` disagrees with the reference.
 
     ``data`` may be a CPU or CUDA tensor; it is reduced in a clone, or copied into ``into``
     first when given. The verdict is exchanged over the default (Gloo) group.
     """
     got = data.clone() if into is None else into.copy_(data)
-    dist.all_reduce(got, group=group)
+    allreduce(got)
     rtol, atol = TOLERANCES[cfg.dtype]
     ok = torch.allclose(got, expected, rtol=rtol, atol=atol)
     err = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
@@ -226,20 +243,39 @@ def max_over_ranks(value: float) -> float:
     return float(tensor.item())
 
 
-def timed_loop(tensor: torch.Tensor, group: Any, iters: int) -> float:
-    """Slowest rank's seconds per allreduce over ``iters`` back-to-back calls."""
+def group_allreduce(group: Any) -> Callable[[torch.Tensor], Any]:
+    return lambda tensor: dist.all_reduce(tensor, group=group)
+
+
+def timed_loop(
+    tensor: torch.Tensor, allreduce: Callable[[torch.Tensor], Any], iters: int, skewed: bool
+) -> float:
+    """Slowest rank's seconds per allreduce over ``iters`` calls.
+
+    Back to back, or with ``skewed`` each call after a Gloo barrier (the default group),
+    which releases the ranks some microseconds apart; then only the calls are timed.
+    """
     dist.barrier()
-    t0 = time.perf_counter()
+    if not skewed:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            allreduce(tensor)
+        return max_over_ranks((time.perf_counter() - t0) / iters)
+    elapsed = 0.0
     for _ in range(iters):
-        dist.all_reduce(tensor, group=group)
-    elapsed = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        allreduce(tensor)
+        elapsed += time.perf_counter() - t0
     return max_over_ranks(elapsed / iters)
 
 
-def choose_iters(cfg: Config, tensor: torch.Tensor, group: Any) -> int:
+def choose_iters(
+    cfg: Config, tensor: torch.Tensor, allreduce: Callable[[torch.Tensor], Any]
+) -> int:
     if cfg.iters is not None:
         return cfg.iters
-    estimate = timed_loop(tensor, group, CALIBRATION_ITERS)
+    estimate = timed_loop(tensor, allreduce, CALIBRATION_ITERS, cfg.arrival == "skewed")
     wanted = int(TARGET_ROW_SECONDS / max(estimate, 1e-9))
     return max(MIN_ITERS, min(MAX_ITERS, wanted))
 
@@ -297,27 +333,45 @@ def run_rank(rank: int, cfg: Config) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(cfg.port)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.nproc)
-    groups: list[tuple[str, Any]] = [("gloo", dist.group.WORLD)]
+    # (row name, allreduce, its group: None for DeepSpeed, which has its own channel)
+    variants: list[tuple[str, Callable[[torch.Tensor], Any], Any]] = [
+        ("gloo", group_allreduce(dist.group.WORLD), dist.group.WORLD)
+    ]
     for algorithm in cfg.algorithms:
         plan = "auto" if algorithm == SHARED_EMPTY else algorithm
         options = torch_xdev.Options(algorithm=plan)
         if cfg.slot_bytes is not None:
             options = torch_xdev.Options(algorithm=plan, shm_slot_bytes=cfg.slot_bytes)
-        groups.append((f"xdev/{algorithm}", dist.new_group(backend="xdev", pg_options=options)))
+        group = dist.new_group(backend="xdev", pg_options=options)
+        variants.append((f"xdev/{algorithm}", group_allreduce(group), group))
+    deepspeed_skipped = cfg.deepspeed_skipped
+    if deepspeed_skipped is None:
+        ds_allreduce, deepspeed_skipped = deepspeed_shm.start(rank, cfg.nproc, cfg.dtype)
+        if ds_allreduce is not None:
+            variants.append((deepspeed_shm.LABEL, ds_allreduce, None))
+    if rank == 0:
+        if deepspeed_skipped:
+            print(f"# {deepspeed_shm.LABEL}: skipped: {deepspeed_skipped}")
+        else:
+            print(
+                f"# {deepspeed_shm.LABEL}: DeepSpeed {deepspeed_shm.version()} SHM allreduce"
+                " (deepspeed.comm.inference_all_reduce; its waits spin, never sleep)"
+            )
+        print(COLUMNS, flush=True)
 
     dtype = DTYPES[cfg.dtype]
     element_size = torch.empty((), dtype=dtype).element_size()
+    skewed = cfg.arrival == "skewed"
     rows: list[dict[str, Any]] = []
-    if rank == 0:
-        print(COLUMNS, flush=True)
     for size_index, size in enumerate(cfg.sizes):
         count = size // element_size
         data = random_input(count, dtype, rank, size_index)
         expected = data.clone()
         dist.all_reduce(expected)
         tensor = torch.zeros(count, dtype=dtype)  # stays zero: no overflow, no denormals
-        gloo_time: Optional[float] = None
-        for name, group in groups:
+        timed: dict[str, torch.Tensor] = {}
+        iters: dict[str, int] = {}
+        for name, allreduce, group in variants:
             # Collective: every rank allocates it in the same order.
             shared = (
                 torch_xdev.shared_empty(count, dtype=dtype, group=group)
@@ -325,24 +379,28 @@ def run_rank(rank: int, cfg: Config) -> None:
                 else None
             )
             if name != "gloo":
-                check_result(cfg, name, group, data, expected, "gloo", into=shared)
-            timed = tensor if shared is None else shared.zero_()
+                check_result(cfg, name, allreduce, data, expected, "gloo", into=shared)
+            timed[name] = tensor if shared is None else shared.zero_()
             for _ in range(cfg.warmup):
-                dist.all_reduce(timed, group=group)
-            iters = choose_iters(cfg, timed, group)
-            seconds = timed_loop(timed, group, iters)
-            del shared, timed
+                allreduce(timed[name])
+            iters[name] = choose_iters(cfg, timed[name], allreduce)
+        seconds: dict[str, float] = {name: 0.0 for name, _, _ in variants}
+        for _ in range(cfg.rounds):
+            for name, allreduce, _ in variants:
+                seconds[name] += timed_loop(timed[name], allreduce, iters[name], skewed)
+        del timed
+        gloo_time = seconds["gloo"] / cfg.rounds
+        for name, _, group in variants:
+            mean = seconds[name] / cfg.rounds
             label, picked = name, None
             if name == "xdev/auto":
                 last = torch_xdev.describe(group)["last_allreduce"]
                 picked = None if last is None else str(last[0])
                 label = f"{name}({picked})"
-            if gloo_time is None:
-                gloo_time = seconds
-            row = timing_row(cfg, size, count, name, label, iters, seconds)
+            row = timing_row(cfg, size, count, name, label, iters[name], mean)
             row |= {
                 "auto_picked": picked,
-                "vs_gloo": gloo_time / seconds,
+                "vs_gloo": gloo_time / mean,
                 "algbw_vs_memcpy": row["algbw_gbps"] / cfg.memcpy_gbps,
                 "memcpy_us": cfg.memcpy_us[size],
             }
@@ -352,7 +410,7 @@ def run_rank(rank: int, cfg: Config) -> None:
         del data, expected, tensor
 
     if rank == 0:
-        write_json(cfg, rows)
+        write_json(cfg, rows, deepspeed_skipped)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -524,7 +582,7 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
             ran: Optional[str] = None
             label = name
             if name != cfg.reference:
-                check_result(cfg, name, group, data, expected, cfg.reference)
+                check_result(cfg, name, group_allreduce(group), data, expected, cfg.reference)
                 last = torch_xdev.describe(group)["last_allreduce"]
                 ran = None if last is None else str(last[0])
                 if ran != name.split("/")[1]:
@@ -628,7 +686,7 @@ def write_cuda_json(
     print(f"# wrote {path}", flush=True)
 
 
-def write_json(cfg: Config, rows: list[dict[str, Any]]) -> None:
+def write_json(cfg: Config, rows: list[dict[str, Any]], deepspeed_skipped: str) -> None:
     path = Path(cfg.json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -638,6 +696,13 @@ def write_json(cfg: Config, rows: list[dict[str, Any]]) -> None:
         "algorithms": cfg.algorithms,
         "warmup": cfg.warmup,
         "iters": cfg.iters,
+        "rounds": cfg.rounds,
+        "arrival": cfg.arrival,
+        "deepspeed": {
+            "row": deepspeed_shm.LABEL,
+            "version": deepspeed_shm.version(),
+            "skipped": deepspeed_skipped or None,
+        },
         "slot_bytes": cfg.slot_bytes,
         "torch_version": torch.__version__,
         "torch_xdev_version": torch_xdev.__version__,
@@ -683,6 +748,26 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="xdev algorithms")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default: auto)")
     parser.add_argument("--warmup", type=int, default=3, help="warmup iterations (default 3)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="CPU mode: time every row this many times, the backends of a size taking turns,"
+        " and report the mean (default 1)",
+    )
+    parser.add_argument(
+        "--arrival",
+        choices=("back-to-back", "skewed"),
+        default="back-to-back",
+        help="CPU mode: back-to-back calls (default), or skewed: a Gloo barrier before every"
+        " timed call, so ranks arrive apart; only the calls are timed",
+    )
+    parser.add_argument(
+        "--no-deepspeed",
+        action="store_true",
+        help="CPU mode: leave out the DeepSpeed SHM allreduce row (added where deepspeed is"
+        " importable)",
+    )
     parser.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
     parser.add_argument("--slot-bytes", type=parse_size, default=None, help="xdev shm_slot_bytes")
     parser.add_argument(
@@ -764,8 +849,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.sizes = parse_sizes(DEFAULT_SIZES[args.device])
     if args.nproc < 1:
         sys.exit("--nproc must be >= 1")
-    if args.iters is not None and args.iters < 1 or args.warmup < 0:
-        sys.exit("--iters must be >= 1 and --warmup >= 0")
+    if args.iters is not None and args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        sys.exit("--iters and --rounds must be >= 1 and --warmup >= 0")
+    if args.device == "cuda" and (args.arrival != "back-to-back" or args.rounds != 1):
+        sys.exit("--arrival and --rounds apply to CPU mode only")
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     bad_sizes = [s for s in args.sizes if s % element_size]
     if bad_sizes:
@@ -857,12 +944,22 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
 
 def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     memcpy_gbps, memcpy_us = measure_memcpy(args.sizes)
+    deepspeed_skipped = (
+        "left out by --no-deepspeed"
+        if args.no_deepspeed
+        else deepspeed_shm.unavailable_reason("cpu", args.dtype)
+    )
+    # Skewed rows are not for benchmarks/calibrate.py, which reads allreduce_*ranks.json.
+    suffix = "_skewed" if args.arrival == "skewed" else ""
     cfg = make_config(
         args,
         algorithms,
-        f"allreduce_{args.nproc}ranks.json",
+        f"allreduce_{args.nproc}ranks{suffix}.json",
         memcpy_gbps=memcpy_gbps,
         memcpy_us=memcpy_us,
+        arrival=args.arrival,
+        rounds=args.rounds,
+        deepspeed_skipped=deepspeed_skipped,
     )
     print(f"# torch-xdev allreduce benchmark  nproc={cfg.nproc}  dtype={cfg.dtype}")
     print(
@@ -871,9 +968,16 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     print(f"# torch_xdev from {XDEV_PATH}")
     print(f"# single-core memcpy ({format_size(MEMCPY_BYTES)} copy_): {memcpy_gbps:.2f} GB/s")
     print(
-        f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  slot_bytes {cfg.slot_bytes or 'default'}"
-        f"  sizes {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
+        f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  rounds {cfg.rounds}  slot_bytes"
+        f" {cfg.slot_bytes or 'default'}  sizes {format_size(cfg.sizes[0])}.."
+        f"{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
     )
+    arrival = (
+        "skewed: a Gloo barrier before every call, the call alone timed"
+        if cfg.arrival == "skewed"
+        else "back-to-back calls"
+    )
+    print(f"# arrival: {arrival}")
     print("# time = slowest rank's mean per call; busbw = algbw*2(n-1)/n; vs_gloo = speedup")
     return cfg
 

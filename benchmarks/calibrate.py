@@ -377,6 +377,11 @@ def load_results(
     for path in paths:
         data = json.loads(Path(path).read_text())
         meta: dict[str, Any] = data["metadata"]
+        if meta.get("arrival", "back-to-back") != "back-to-back":
+            raise SystemExit(
+                f"{path}: measured with --arrival {meta['arrival']}; the model is fitted to"
+                " back-to-back calls"
+            )
         file_cores = int(meta["cpu_count"])
         file_window = int(meta.get("slot_bytes") or DEFAULT_WINDOW_BYTES)
         if cores is not None and (file_cores, file_window) != (cores, window):
@@ -428,6 +433,7 @@ def run_benchmarks(nprocs: Sequence[int], sizes: str, algorithms: str, out_dir: 
             sizes,
             "--algorithms",
             algorithms,
+            "--no-deepspeed",
             "--json",
             str(path),
         ]

@@ -209,3 +209,52 @@ def test_single_copy_large_payloads(world: int) -> None:
     # Where the host forbids process_vm_readv the staged path runs instead; on
     # the CI machines (same user, no Yama) single copy must really be used.
     assert all(used)
+
+
+def _async_then_sync(rank: int, world: int) -> None:
+    """Synchronous calls queue behind the asynchronous ones before them, on every path.
+
+    A synchronous call runs on the caller's thread when nothing is queued and behind the
+    queue otherwise. Each chain below reduces one tensor with ops whose order changes the
+    result (sum, then product, then sum again), so a synchronous call that overtook the
+    queue would give a different value; and when it returns, every earlier Work must
+    already be complete.
+    """
+    dist.init_process_group(
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT),
+    )
+    SUM, PRODUCT = dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT
+    for trial in range(12):
+        numel = (1, 1021, 3000)[trial % 3]  # 3000 int64 elements span several 4 KiB windows
+        inputs = [make_input(trial, r, numel, torch.int64, PRODUCT) for r in range(world)]
+        expected = reference(inputs, SUM)
+        expected = reference([expected] * world, PRODUCT)
+        expected = reference([expected] * world, SUM)
+        # Independent tensors queued alongside, of several sizes and dtypes.
+        others = [
+            make_input(100 + trial * 7 + i, r, 257 * (i + 1), dtype, SUM)
+            for r in range(world)
+            for i, dtype in enumerate((torch.float32, torch.int32, torch.float64))
+        ]
+        mine = [t.clone() for t in others[3 * rank : 3 * rank + 3]]
+        if trial % 2:
+            dist.all_reduce(mine[0])  # synchronous with nothing queued: runs on this thread
+        x = inputs[rank].clone()
+        works = [dist.all_reduce(x, op=SUM, async_op=True)]
+        works += [dist.all_reduce(t, async_op=True) for t in mine[trial % 2 :]]
+        works.append(dist.all_reduce(x, op=PRODUCT, async_op=True))
+        dist.all_reduce(x, op=SUM)  # synchronous, behind the queue
+        assert all(w.is_completed() for w in works), "a synchronous call overtook the queue"
+        assert torch.equal(x, expected), f"trial {trial}: the chain ran out of order"
+        for i, t in enumerate(mine):
+            want = reference([others[3 * r + i] for r in range(world)], SUM)
+            check_close(t, want, SUM, world, f"trial {trial}, tensor {i}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_then_sync_keeps_order(world: int) -> None:
+    run_ranks(_async_then_sync, world)

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -107,6 +108,7 @@ class GroupContext {
  private:
   void rendezvous_hosts();
   void open_shared_memory();
+  void choose_spin_budgets();
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
@@ -116,6 +118,15 @@ class GroupContext {
   int num_hosts_ = 1;
   int local_world_size_ = 1;
   std::unique_ptr<transport::ShmChannel> channel_;
+
+  // How long a barrier spins before it sleeps, for a collective whose caller
+  // waits for it (its thread is blocked, so the spinner takes no core it
+  // needs) and for one that runs on the worker while the caller goes on.
+  transport::Clock::duration spin_while_caller_waits_{0};
+  transport::Clock::duration spin_while_caller_runs_{0};
+  // Collectives enqueued with async_op false and not yet finished: while
+  // there is one, its caller is blocked, also during the work queued ahead.
+  std::atomic<int> callers_waiting_{0};
 
   uint64_t next_seq_ = 0;  // op thread only
   std::string poisoned_;   // op thread only

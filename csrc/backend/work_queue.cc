@@ -32,11 +32,16 @@ bool WorkQueue::run_inline_or_submit(std::function<void()> task) {
     busy_ = true;
   }
   task();
+  bool worker_has_news = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
+    worker_has_news = !tasks_.empty() || stopping_;
   }
-  cv_.notify_one();  // the worker may hold tasks queued while we ran
+  // Wake the worker only if it has something to do now: a needless notify
+  // still costs a system call and a wake-up of the worker thread, which on
+  // every synchronous call takes a core from the ranks at their barriers.
+  if (worker_has_news) cv_.notify_one();
   return true;
 }
 

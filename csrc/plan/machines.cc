@@ -96,7 +96,7 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
   MachineModel m("cpu-" + std::to_string(ranks), ranks);
   m.links = LinkMatrix::fully_connected(ranks);
   // More ranks than cores: the executor's barrier sleeps in the kernel instead of spinning
-  // (ShmChannel::init_local_rank sets spin_iterations_ to 0) and every rank's per-call and
+  // (GroupContext::choose_spin_budgets gives it no spin) and every rank's per-call and
   // per-barrier work is time-shared with the others on its core. Measured on 2 cores
   // (docs/calibration.md), both costs grow about with the square of the oversubscription.
   const double over = std::max(1.0, static_cast<double>(ranks) / params.cores);

@@ -96,11 +96,16 @@ class ShmChannel {
 
   char* slot(int64_t window_parity, int rank) const;
 
-  // Blocks until every rank has reached the same number of barriers. Spins
-  // briefly (only when there is a core per rank), then sleeps on a futex.
-  // Throws PeerError naming the missing ranks at the deadline, or as soon as a
-  // missing rank's process is gone or it has left the group (mark_left).
+  // Blocks until every rank has reached the same number of barriers. Spins for
+  // at most the spin budget, then sleeps on a futex. Throws PeerError naming
+  // the missing ranks at the deadline, or as soon as a missing rank's process
+  // is gone or it has left the group (mark_left).
   void barrier(Clock::time_point deadline, const std::string& what);
+
+  // How long barrier() spins before it sleeps; zero (the default) sleeps at
+  // once. The owner sets it before each collective: a spin only pays when the
+  // waiting thread has a core that nothing else of this host's job needs.
+  void set_spin_budget(Clock::duration budget) { spin_budget_ = budget; }
 
   // Opens a collective: publishes ctx.descriptor, takes the slot set of its
   // first window, runs prepare(parity) (this rank's part before peers may
@@ -185,7 +190,7 @@ class ShmChannel {
   size_t data_offset_ = 0;
   uint64_t epoch_ = 0;
   int64_t slot_sets_taken_ = 0;
-  int spin_iterations_ = 0;
+  Clock::duration spin_budget_{0};
   // Peers read this through process_vm_readv to test access; on the heap so
   // its address survives moves of the channel.
   std::unique_ptr<uint64_t> probe_token_;
