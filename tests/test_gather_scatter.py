@@ -77,7 +77,9 @@ def _grid(rank: int, world: int) -> int:
     return cases
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)]  # 8 ranks on 2 cores
+)
 def test_tensor_forms_grid(world: int) -> None:
     cases = run_ranks(_grid, world, timeout=300)
     assert cases[0] > 0
