@@ -122,6 +122,7 @@ class Runner:
     optimizer: torch.optim.Optimizer
     samples: list[float] = dataclasses.field(default_factory=list)  # slowest rank, seconds
     faults: list[int] = dataclasses.field(default_factory=list)  # this rank's, per step
+    cpu: list[float] = dataclasses.field(default_factory=list)  # this process's CPU seconds
     steps_run: int = 0
 
     def step(self, batches: Batches) -> float:
@@ -129,9 +130,12 @@ class Runner:
         self.steps_run += 1
         # Minor page faults (every thread of the process): first touches of freshly mapped
         # memory, such as large buffers the allocator gets from mmap on every step.
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        # CPU time of all its threads: above the wall time when threads run side by side.
+        before = resource.getrusage(resource.RUSAGE_SELF)
         seconds = train_step(self.model, self.optimizer, x, y)
-        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        self.faults.append(after.ru_minflt - before.ru_minflt)
+        self.cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         return seconds
 
 
@@ -195,10 +199,12 @@ def differences_from_gloo(runners: list[Runner]) -> list[Optional[float]]:
     return [None if v != v else float(v) for v in tensor.tolist()]
 
 
-def faults_per_step(runners: list[Runner]) -> list[float]:
-    """Per runner: the median minor page faults of a step, on the rank with the most."""
-    medians = [float(statistics.median(r.faults)) if r.faults else 0.0 for r in runners]
-    return max_over_ranks(medians)
+def per_step_counts(runners: list[Runner]) -> tuple[list[float], list[float]]:
+    """Per runner: the median minor page faults and CPU ms of a step, on the rank with most."""
+    faults = [float(statistics.median(r.faults)) for r in runners]
+    cpu = [statistics.median(r.cpu) * 1e3 for r in runners]
+    both = max_over_ranks(faults + cpu)
+    return both[: len(runners)], both[len(runners) :]
 
 
 def heap_reserved(runner: Runner) -> Optional[int]:
@@ -215,6 +221,7 @@ def summarise(
     diffs: list[Optional[float]],
     heaps: list[Optional[int]],
     faults: list[float],
+    cpu: list[float],
 ) -> list[dict[str, Any]]:
     """The table's rows: times in ms, communication per step, ratios against Gloo."""
     medians = {r.variant.name: statistics.median(r.samples) for r in runners}
@@ -223,7 +230,7 @@ def summarise(
     gloo = medians.get(GLOO)
     gloo_comm = None if gloo is None or local is None else gloo - local
     rows: list[dict[str, Any]] = []
-    for runner, diff, heap, fault_count in zip(runners, diffs, heaps, faults):
+    for runner, diff, heap, fault_count, cpu_ms in zip(runners, diffs, heaps, faults, cpu):
         v = runner.variant
         median = medians[v.name]
         comm = median - local if local is not None and v.backend is not None else None
@@ -247,6 +254,7 @@ def summarise(
                 "matches_gloo": None if diff is None else diff <= MATCH_TOLERANCE,
                 "heap_bytes_reserved": heap,
                 "minor_faults_per_step": fault_count,
+                "cpu_ms_per_step": cpu_ms,
             }
         )
     return rows
@@ -255,7 +263,7 @@ def summarise(
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"{'variant':<11} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'comm ms':>8}"
-        f" {'vs alone':>8} {'vs gloo':>8} {'comm vs':>8} {'diff':>8} {'heap MB':>8} {'faults':>7}"
+        f" {'vs alone':>8} {'vs gloo':>8} {'comm vs':>8} {'diff':>8} {'heap MB':>8} {'faults':>7} {'cpu ms':>7}"
     ]
     for row in rows:
         heap = row["heap_bytes_reserved"]
@@ -268,7 +276,7 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
             f" {text(row['comm_vs_gloo'], '.2f', 'x'):>8}"
             f" {'BROKEN' if row['matches_gloo'] is False else text(diff, '.1e'):>8}"
             f" {text(None if heap is None else heap / 1e6, '.1f'):>8}"
-            f" {row['minor_faults_per_step']:>7.0f}"
+            f" {row['minor_faults_per_step']:>7.0f} {row['cpu_ms_per_step']:>7.1f}"
         )
     return lines
 
@@ -282,7 +290,8 @@ LEGEND = [
     "# diff: largest |parameter - Gloo's parameter| on any rank after the run ('-': not",
     "#   compared). heap MB: bytes reserved by the group's symmetric heap (past its first",
     "#   arena only when FSDP2's buffers come from it). faults: minor page faults per step",
-    "#   (median; the rank with the most), each a first touch of freshly mapped memory.",
+    "#   (median; the rank with the most), each a first touch of freshly mapped memory. cpu ms:",
+    "#   CPU time of a step, all the process's threads (median; the rank with the most).",
 ]
 
 
@@ -437,7 +446,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
     run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
     diffs = differences_from_gloo(runners)
     heaps = [heap_reserved(r) for r in runners]
-    rows = summarise(runners, diffs, heaps, faults_per_step(runners))
+    rows = summarise(runners, diffs, heaps, *per_step_counts(runners))
     for line in format_table(rows):
         say(line)
     for line in LEGEND:
