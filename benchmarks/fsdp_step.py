@@ -19,8 +19,8 @@ reduce-scatters their gradients with AVG.
   (``allocate_tensor``), memory every rank maps.
 - ``gloo``: FSDP2 on a Gloo group.
 - ``fsdp_alone``: FSDP2 on a group of this rank alone (Gloo, a world of one), training on
-  this rank's data: FSDP2's own work (copy-in, copy-out, resharding, DTensor bookkeeping,
-  the world-of-one all-gather copy) with nobody to talk to.
+  this rank's data: FSDP2's own work (copy-in, copy-out, resharding, DTensor bookkeeping;
+  in a world of one it calls no collective) with nobody to talk to.
 - ``local``: the plain model, unsharded, local forward/backward/step: the step without
   communication. A variant's median step minus this one's (``comm``) is what sharding and
   communication cost it per step; minus ``fsdp_alone``'s is what talking to the peers costs
@@ -36,9 +36,10 @@ difference; BROKEN and exit status 1 beyond ``MATCH_TOLERANCE``).
 
 ``--profile`` then says where a step's time goes. First ``--steps`` more steps of every
 variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
-``dist.reduce_scatter_single`` (what FSDP2 calls; synchronously on CPU) wrapped in timers:
-per variant, the slowest rank's median time in each collective per step and the rest of the
-step. Then one step of each variant under ``torch.profiler``: rank 0's CPU time by operator
+``dist.reduce_scatter_single`` (what FSDP2 calls; synchronously on CPU) wrapped in timers,
+each call preceded by a barrier on its group that is timed apart (``arrival``: waiting for
+the last rank): per variant, the time per step in each collective, in arrival and in the
+rest of the step (the ranks' mean, median over steps). Then one step of each variant under ``torch.profiler``: rank 0's CPU time by operator
 (the collectives, FSDP2's copy-in and copy-out, compute).
 """
 
