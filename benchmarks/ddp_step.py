@@ -49,16 +49,11 @@ and ``XDEV_SHARED_BUCKETS`` must be unset (it would override the per-group optio
 # annotations with dist.GradBucket and Future[Tensor] themselves, not with strings.
 import argparse
 import dataclasses
-import datetime
 import gc
-import json
 import math
 import os
-import platform
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -68,16 +63,28 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_xdev
+from step_common import (
+    GROUP_TIMEOUT,
+    Batches,
+    add_step_arguments,
+    check_step_arguments,
+    host_line,
+    make_batches,
+    make_model,
+    metadata,
+    parse_variant_list,
+    run_rounds,
+    text,
+    timing_stats,
+    train_step,
+    under_torchrun,
+    write_json,
+    yes_no,
+)
 
-# Run from a checkout, sys.path starts at benchmarks/, so this imports the installed package
-# unless PYTHONPATH names the checkout; the header says which one ran.
-XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
 COMM_MEM_VARIABLE = "DDP_DISABLE_COMM_MEM"
 SHARED_BUCKETS_VARIABLE = "XDEV_SHARED_BUCKETS"
-SEED = 20240614
-DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
 BUCKET_CAP_DEFAULT_MB = 25  # DistributedDataParallel's bucket_cap_mb when not given
-GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,31 +130,6 @@ def noop_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
     return future
 
 
-def make_model(hidden: int, layers: int) -> nn.Sequential:
-    """``layers`` Linear(hidden, hidden) with ReLU between; the same on every rank."""
-    torch.manual_seed(SEED)
-    modules: list[nn.Module] = []
-    for i in range(layers):
-        if i:
-            modules.append(nn.ReLU())
-        modules.append(nn.Linear(hidden, hidden))
-    return nn.Sequential(*modules)
-
-
-def make_batches(
-    hidden: int, batch_size: int, rank: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's inputs and targets (different on every rank, the same on every run)."""
-    gen = torch.Generator().manual_seed(SEED + 1_000_003 * rank)
-    return [
-        (
-            torch.randn(batch_size, hidden, generator=gen),
-            torch.randn(batch_size, hidden, generator=gen),
-        )
-        for _ in range(DISTINCT_BATCHES)
-    ]
-
-
 @dataclasses.dataclass
 class Runner:
     """One variant on this rank: its group, model (wrapped or not) and optimizer."""
@@ -161,16 +143,11 @@ class Runner:
     samples: list[float] = dataclasses.field(default_factory=list)  # slowest rank, seconds
     steps_run: int = 0
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def step(self, batches: Batches) -> float:
         """One training step; returns this rank's wall time of it in seconds."""
         x, y = batches[self.steps_run % len(batches)]
         self.steps_run += 1
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=self.set_to_none)
-        loss = (self.net(x) - y).pow(2).mean()
-        loss.backward()  # under DDP the bucket allreduces are launched and waited for here
-        self.optimizer.step()
-        return time.perf_counter() - t0
+        return train_step(self.net, self.optimizer, x, y, self.set_to_none)
 
 
 def make_group(variant: Variant) -> Optional[dist.ProcessGroup]:
@@ -203,21 +180,6 @@ def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
         net = ddp
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
     return Runner(variant, group, model, net, optimizer, set_to_none=args.set_to_none)
-
-
-def max_over_ranks(values: Sequence[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # default group: Gloo
-    return [float(v) for v in tensor]
-
-
-def run_turn(runner: Runner, batches: list[tuple[torch.Tensor, torch.Tensor]], args: Any) -> None:
-    """One variant's turn in a round: ``warmup`` untimed steps, then ``steps`` timed ones."""
-    dist.barrier()  # every rank starts the turn together
-    for _ in range(args.warmup):
-        runner.step(batches)
-    times = [runner.step(batches) for _ in range(args.steps)]
-    runner.samples.extend(max_over_ranks(times))
 
 
 def params_checksum(model: nn.Module) -> float:
@@ -272,14 +234,6 @@ def bucket_info(runner: Runner) -> dict[str, Any]:
     return info
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    position = fraction * (len(ordered) - 1)
-    lower = int(position)
-    upper = min(lower + 1, len(ordered) - 1)
-    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
-
-
 def summarise(
     runners: list[Runner], verdicts: list[Optional[bool]], infos: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -303,11 +257,7 @@ def summarise(
                 "comm_hook": v.comm_hook,
                 "gradient_as_bucket_view": v.gradient_as_bucket_view,
                 **info,
-                "median_ms": median * 1e3,
-                "min_ms": min(runner.samples) * 1e3,
-                "max_ms": max(runner.samples) * 1e3,
-                "p25_ms": percentile(runner.samples, 0.25) * 1e3,
-                "p75_ms": percentile(runner.samples, 0.75) * 1e3,
+                **timing_stats(runner.samples),
                 "comm_ms": None if comm is None else comm * 1e3,
                 "comm_baseline": baseline_name if comm is not None else None,
                 "step_vs_gloo": None if gloo is None else gloo / median,
@@ -315,18 +265,9 @@ def summarise(
                     gloo_comm / comm if gloo_comm is not None and comm and comm > 0 else None
                 ),
                 "ranks_equal": verdict,
-                "samples_ms": [s * 1e3 for s in runner.samples],
             }
         )
     return rows
-
-
-def text(value: Optional[float], spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
-def yes_no(value: Optional[bool], broken: str = "no") -> str:
-    return "-" if value is None else ("yes" if value else broken)
 
 
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -382,72 +323,35 @@ def header(args: argparse.Namespace, world_size: int, params: int) -> list[str]:
         f" {args.threads} thread(s) per rank",
         f"# {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} untimed) per variant,"
         " round-robin, each round starting one variant later",
-        f"# {COMM_MEM_VARIABLE}={os.environ.get(COMM_MEM_VARIABLE, '(unset)')}  torch"
-        f" {torch.__version__}  torch_xdev from {XDEV_PATH}  host {socket.gethostname()}",
+        host_line([COMM_MEM_VARIABLE]),
     ]
 
 
-def write_json(
+def save_json(
     path: Path, args: argparse.Namespace, world_size: int, params: int, rows: Any
 ) -> None:
-    meta = {
-        "benchmark": "ddp_step",
-        "world_size": world_size,
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "parameters": params,
-        "gradient_bytes": params * 4,
-        "batch_size": args.batch_size,
-        "bucket_mb": args.bucket_mb,
-        "lr": args.lr,
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "threads": args.threads,
-        "set_to_none": args.set_to_none,
-        "variants": args.variants,
-        COMM_MEM_VARIABLE: os.environ.get(COMM_MEM_VARIABLE),
-        "xdev_environment": {k: v for k, v in os.environ.items() if k.startswith("XDEV_")},
-        "torch_version": torch.__version__,
-        "torch_xdev_version": torch_xdev.__version__,
-        "torch_xdev_path": XDEV_PATH,
-        "cpu_count": os.cpu_count(),
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
-    print(f"# wrote {path}", flush=True)
+    meta = metadata("ddp_step", args, world_size, params)
+    meta.update(
+        bucket_mb=args.bucket_mb,
+        set_to_none=args.set_to_none,
+        **{COMM_MEM_VARIABLE: os.environ.get(COMM_MEM_VARIABLE)},
+    )
+    write_json(path, meta, rows)
 
 
 def parse_variants(text_value: str) -> list[str]:
-    names = [n.strip() for n in text_value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANT_NAMES]
-    if unknown or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"--variants: a comma-separated subset of {', '.join(VARIANT_NAMES)};"
-            f" got {text_value!r}"
-        )
-    return names
+    return parse_variant_list(text_value, VARIANT_NAMES)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=2048, help="width of the MLP")
-    parser.add_argument("--layers", type=int, default=4, help="Linear(hidden, hidden) layers")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    add_step_arguments(parser)
     parser.add_argument(
         "--bucket-mb",
         type=float,
         default=None,
         help="DDP's bucket_cap_mb (default: DDP's own, 25 MB and a first bucket of 1 MB)",
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument(
         "--set-to-none",
         action="store_true",
@@ -467,21 +371,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="where rank 0 saves the rows (default benchmarks/results/ddp_step_<N>ranks.json)",
     )
     args = parser.parse_args(argv)
-    for name in ("hidden", "layers", "batch_size", "rounds", "steps", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0 or (args.bucket_mb is not None and args.bucket_mb <= 0):
-        parser.error("--warmup must be >= 0 and --bucket-mb > 0")
+    check_step_arguments(parser, args)
+    if args.bucket_mb is not None and args.bucket_mb <= 0:
+        parser.error("--bucket-mb must be > 0")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(
-            "run this under torchrun, e.g. torchrun --nproc_per_node 2 " + sys.argv[0],
-            file=sys.stderr,
-        )
+    if not under_torchrun(sys.argv[0]):
         return 2
     if SHARED_BUCKETS_VARIABLE in os.environ:
         # The environment overrides Options, so "shared" and "staged" would run alike.
@@ -518,10 +416,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
         runner.step(batches)
         runner.step(batches)
     infos = [bucket_info(r) for r in runners]
-    for round_index in range(args.rounds):
-        start = round_index % len(runners)
-        for runner in runners[start:] + runners[:start]:
-            run_turn(runner, batches, args)
+    run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
     verdicts = ranks_agree(runners)
     rows = summarise(runners, verdicts, infos)
     for line in format_table(rows):
@@ -535,7 +430,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
         default_json = (
             Path(__file__).resolve().parent / "results" / f"ddp_step_{world_size}ranks.json"
         )
-        write_json(Path(args.json or default_json), args, world_size, params, rows)
+        save_json(Path(args.json or default_json), args, world_size, params, rows)
     del runners
     return 1 if broken else 0
 

@@ -48,13 +48,6 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def format_size(nbytes: int) -> str:
-    for unit in ("GiB", "MiB", "KiB"):
-        if nbytes >= UNITS[unit.upper()] and nbytes % UNITS[unit.upper()] == 0:
-            return f"{nbytes // UNITS[unit.upper()]}{unit}"
-    return f"{nbytes}B"
-
-
 def run_op(collective: str, full: torch.Tensor, block: torch.Tensor, group: Any) -> None:
     if collective == "reduce_scatter":
         dist.reduce_scatter_tensor(block, full, group=group)
@@ -86,6 +79,37 @@ def check(collective: str, size: int, dtype: torch.dtype, xdev: Any, rank: int, 
         run_op(collective, f, b, group)
         results.append(b if collective == "reduce_scatter" else f)
     torch.testing.assert_close(results[1], results[0], msg=f"{collective} {size}: xdev != gloo")
+
+
+def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
+    """nccl-tests' layout: size (B) and count (elements) of the whole tensor, type, redop,
+    then time and bandwidths; one block per collective, a row per backend."""
+    lines = [
+        f"# {world} ranks, torch_xdev from {Path(torch_xdev.__file__).parent}",
+        "# time = median over rounds of the slowest rank's mean per call. size/count: the whole",
+        "# tensor (a reduce-scatter's input, an all-gather's output: world x the block);",
+        "# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); vs_gloo = Gloo's time / this",
+    ]
+    columns = (
+        f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>10} {'time':>10}"
+        f" {'algbw':>8} {'busbw':>8} {'vs_gloo':>8}"
+    )
+    units = (
+        f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>10} {'(us)':>10}"
+        f" {'(GB/s)':>8} {'(GB/s)':>8} {'':>8}"
+    )
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        lines += ["#", f"# {collective}", "#" + columns[1:], ("#" + units[1:]).rstrip()]
+        for r in rows:
+            if r["collective"] != collective:
+                continue
+            redop = "sum" if collective == "reduce_scatter" else "none"
+            lines.append(
+                f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>9} {redop:>6}"
+                f" {r['backend']:>10} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
+                f" {r['busbw_gbps']:>8.3f} {r['vs_gloo']:>8.2f}"
+            )
+    return lines
 
 
 def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
@@ -138,23 +162,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                     }
                 )
     if rank == 0:
-        print(f"# {world} ranks, {args.dtype}, torch_xdev from {Path(torch_xdev.__file__).parent}")
-        print("# time = median over rounds of the slowest rank's mean per call;")
-        print("# size = whole tensor (world x block); busbw = algbw*(n-1)/n; vs_gloo = speedup")
-        print(
-            f"{'collective':>19} {'size':>9} {'backend':>8} {'time(us)':>11} {'algbw(GB/s)':>11}"
-            f" {'busbw(GB/s)':>11} {'vs_gloo':>8}"
-        )
         gloo_us = {
             (r["collective"], r["size_bytes"]): r["time_us"] for r in rows if r["backend"] == "gloo"
         }
         for r in rows:
             r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
-            print(
-                f"{r['collective']:>19} {format_size(r['size_bytes']):>9} {r['backend']:>8}"
-                f" {r['time_us']:>11.2f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
-                f" {r['vs_gloo']:>8.2f}"
-            )
+        for line in format_table(rows, world):
+            print(line)
         if args.json:
             Path(args.json).write_text(json.dumps({"world": world, "rows": rows}, indent=2))
     dist.destroy_process_group()

@@ -4,12 +4,13 @@ dtype x op x size (0, 1, odd, larger than one slot window) x world, each result 
 reference computed here from every rank's input (collective_cases), and every reduce-scatter
 compared bitwise with the matching slice of xdev's own flat allreduce of the same inputs (the
 same sums in the same order). Also: a mismatched call fails on every rank and the group goes
-on; async_op with futures; non-contiguous outputs; the list forms; a world of one; the native
-path shows in the XDEV_DEBUG log.
+on; async_op with futures; non-contiguous outputs; the list forms and all_gather_coalesced
+(c10d's list of lists); a world of one; the native path shows in the XDEV_DEBUG log.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -76,7 +77,9 @@ def _grid(rank: int, world: int) -> int:
     return cases
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)]  # 8 ranks on 2 cores
+)
 def test_tensor_forms_grid(world: int) -> None:
     cases = run_ranks(_grid, world, timeout=300)
     assert cases[0] > 0
@@ -194,6 +197,75 @@ def test_coalesced_list_async_and_mismatch(world: int) -> None:
     run_ranks(_forms_and_failures, world)
 
 
+def _zeros_strided(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``shape``; transposed (not contiguous) where it has two dimensions."""
+    if len(shape) == 2:
+        return torch.zeros(shape[::-1], dtype=dtype).t()
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _coalesced_lists(rank: int, world: int) -> None:
+    """dist.all_gather_coalesced: outputs[r][i] receives rank r's inputs[i]."""
+    options = torch_xdev.Options(shm_slot_bytes=SMALL_SLOT)
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    # One dtype per call (c10d's rule); shapes of several dims, empty, spanning windows.
+    shapes = [(3, 4), (0,), (1021,), (2, 3, 5)]
+    for k, dtype in enumerate((torch.float32, torch.int64, torch.bfloat16, torch.complex64)):
+
+        def parts(r: int) -> list[torch.Tensor]:
+            flat = [
+                _all_gather_input(70 + 13 * k + i, r, math.prod(s), dtype)
+                for i, s in enumerate(shapes)
+            ]
+            return [t.view(s) for t, s in zip(flat, shapes)]
+
+        mine = parts(rank)
+        # Non-contiguous outputs, written back through their views.
+        outputs = [[_zeros_strided(s, dtype) for s in shapes] for _ in range(world)]
+        dist.all_gather_coalesced(outputs, mine)
+        for r in range(world):
+            for i, (got, expected) in enumerate(zip(outputs[r], parts(r))):
+                assert torch.equal(got, expected), f"{dtype}: rank {r}'s tensor {i}"
+    # Async: a future whose wait completes the outputs.
+    outputs = [[torch.empty(4097), torch.empty(3)] for _ in range(world)]
+    future = dist.all_gather_coalesced(
+        outputs, [torch.full((4097,), rank + 0.5), torch.full((3,), -rank * 1.0)], async_op=True
+    )
+    future.wait()
+    for r in range(world):
+        assert torch.equal(outputs[r][0], torch.full((4097,), r + 0.5))
+        assert torch.equal(outputs[r][1], torch.full((3,), -r * 1.0))
+
+    # Outputs that do not fit the inputs: a ValueError on the calling rank, no collective.
+    with pytest.raises(ValueError, match="must match input 1"):
+        dist.all_gather_coalesced(
+            [[torch.empty(2), torch.empty(4)]] * world, [torch.ones(2), torch.ones(3)]
+        )
+    with pytest.raises(ValueError, match="one output list per rank"):
+        dist.all_gather_coalesced([[torch.empty(2)]] * (world + 1), [torch.ones(2)])
+    # Calls that differ between ranks (each consistent in itself) fail on every rank.
+    n = 10 + (rank == world - 1)
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        dist.all_gather_coalesced(
+            [[torch.empty(5), torch.empty(n)] for _ in range(world)], [torch.ones(5), torch.ones(n)]
+        )
+    count = 2 + (rank == 0)
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        dist.all_gather_coalesced(
+            [[torch.empty(4)] * count for _ in range(world)], [torch.ones(4)] * count
+        )
+    # The group goes on.
+    outputs = [[torch.empty(6, dtype=torch.int32)] for _ in range(world)]
+    dist.all_gather_coalesced(outputs, [torch.full((6,), rank, dtype=torch.int32)])
+    assert [int(o[0][0]) for o in outputs] == list(range(world))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_coalesced_lists(world: int) -> None:
+    run_ranks(_coalesced_lists, world)
+
+
 def _dead_peer(rank: int, world: int) -> None:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)
@@ -219,6 +291,7 @@ def _debug_log(rank: int, world: int) -> None:
     out = torch.empty(4)
     dist.reduce_scatter_tensor(out, torch.ones(world * 4), op=dist.ReduceOp.AVG)
     dist.all_gather_into_tensor(torch.empty(world * 4), out)
+    dist.all_gather_coalesced([[torch.empty(4)] for _ in range(world)], [out])
     dist.destroy_process_group()
 
 
@@ -227,6 +300,7 @@ def test_debug_log_names_the_native_path(capfd: pytest.CaptureFixture[str]) -> N
     err = capfd.readouterr().err
     assert "reduce_scatter on CPU tensors -> native" in err, err
     assert "all_gather on CPU tensors -> native" in err, err
+    assert "all_gather_coalesced on CPU tensors -> native" in err, err
 
 
 def _single_copy(rank: int, world: int) -> bool:

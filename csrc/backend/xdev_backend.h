@@ -4,6 +4,8 @@
 // select_allreduce) and routes it to the part that runs it:
 //   - CpuCollectives: allreduce, broadcast and barrier of CPU tensors on one
 //     host, over the group's shared memory;
+//   - CpuGatherScatter: all-gather and reduce-scatter of CPU tensors on one
+//     host, in their tensor, coalesced and list forms;
 //   - CudaCollectives: allreduce of CUDA tensors on one host whose GPUs reach
 //     each other (built only with CUDA);
 //   - SharedBuffers: torch_xdev.shared_empty, whose tensors reduce in place;
@@ -70,7 +72,8 @@ class XdevBackend : public c10d::Backend {
   // backend but Gloo by name before it gets here.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
-  // Delegated to the fallback engines.
+  // All-gather and reduce-scatter (every form) of CPU tensors run natively on
+  // one host (CpuGatherScatter); the rest go to the fallback engines.
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,

@@ -1,0 +1,477 @@
+"""FSDP2 training-step benchmark: ``fully_shard`` on xdev against Gloo and steps without comm.
+
+Usage (under torchrun, one process per rank)::
+
+    torchrun --nproc_per_node 2 benchmarks/fsdp_step.py [--hidden 2048] [--layers 4]
+        [--batch-size 32] [--rounds 7] [--steps 3] [--warmup 1] [--threads 1]
+        [--variants xdev,...,local] [--profile] [--json out.json]
+
+Every variant trains its own copy of one MLP (``--layers`` square ``Linear(hidden, hidden)``
+layers with ReLU between them; the defaults give 16.8M parameters, 67 MB in fp32) with SGD
+on synthetic data that differs per rank. The FSDP2 variants call ``fully_shard`` on each
+Linear, then on the root, over a process group of their own: each step all-gathers every
+layer's parameters in forward and again in backward (the layers reshard after forward) and
+reduce-scatters their gradients with AVG.
+
+- ``xdev``: FSDP2 on an xdev group.
+- ``xdev_heap``: the same with ``set_allocate_memory_from_process_group_for_comm(True)``:
+  FSDP2 takes its all-gather and reduce-scatter buffers from the group's symmetric heap
+  (``allocate_tensor``), memory every rank maps.
+- ``gloo``: FSDP2 on a Gloo group.
+- ``fsdp_alone``: FSDP2 on a group of this rank alone (Gloo, a world of one), training on
+  this rank's data: FSDP2's own work (copy-in, copy-out, resharding, DTensor bookkeeping;
+  in a world of one it calls no collective) with nobody to talk to.
+- ``local``: the plain model, unsharded, local forward/backward/step: the step without
+  communication. A variant's median step minus this one's (``comm``) is what sharding and
+  communication cost it per step; minus ``fsdp_alone``'s is what talking to the peers costs
+  beyond FSDP2's own work.
+
+After one untimed step per variant, the variants run round-robin for ``--rounds`` rounds,
+each round starting one variant later; each turn times ``--steps`` steps after ``--warmup``
+untimed ones, so drift on the host hits every variant alike. A step's time is the slowest
+rank's wall time from ``zero_grad`` to the end of ``optimizer.step()``. Every FSDP2 variant
+that spans the ranks runs the same steps on the same batches, so after timing their
+parameter shards must match Gloo's within fp32 tolerance (the table prints the largest
+difference; BROKEN and exit status 1 beyond ``MATCH_TOLERANCE``).
+
+``--profile`` then says where a step's time goes. First ``--steps`` more steps of every
+variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
+``dist.reduce_scatter_single`` (what FSDP2 calls; synchronously on CPU) wrapped in timers,
+each call preceded by a barrier on its group that is timed apart (``arrival``: waiting for
+the last rank): per variant, the time per step in each collective, in arrival and in the
+rest of the step (the ranks' mean, median over steps). Then one step of each variant under ``torch.profiler``: rank 0's CPU time by operator
+(the collectives, FSDP2's copy-in and copy-out, compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+import torch_xdev
+from step_common import (
+    GROUP_TIMEOUT,
+    Batches,
+    add_step_arguments,
+    check_step_arguments,
+    host_line,
+    make_batches,
+    make_model,
+    max_over_ranks,
+    metadata,
+    parse_variant_list,
+    run_rounds,
+    text,
+    timing_stats,
+    train_step,
+    under_torchrun,
+    write_json,
+)
+
+GLOO = "gloo"
+NO_COMM = "local"
+ALONE = "fsdp_alone"
+# Largest |shard - Gloo's shard| accepted after the run; the reductions may round differently.
+MATCH_TOLERANCE = 1e-4
+PROFILE_ROWS = 14
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    backend: Optional[str]  # of the variant's group; None: no FSDP
+    heap_buffers: bool = False  # set_allocate_memory_from_process_group_for_comm(True)
+    alone: bool = False  # a group of this rank alone
+
+    @property
+    def spans_ranks(self) -> bool:
+        return self.backend is not None and not self.alone
+
+
+VARIANTS = (
+    Variant("xdev", "xdev"),
+    Variant("xdev_heap", "xdev", heap_buffers=True),
+    Variant(GLOO, "gloo"),
+    Variant(ALONE, "gloo", alone=True),
+    Variant(NO_COMM, None),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+
+
+@dataclasses.dataclass
+class Runner:
+    """One variant on this rank: its group, model and optimizer."""
+
+    variant: Variant
+    group: Optional[dist.ProcessGroup]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    samples: list[float] = dataclasses.field(default_factory=list)  # slowest rank, seconds
+    faults: list[int] = dataclasses.field(default_factory=list)  # this rank's, per step
+    cpu: list[float] = dataclasses.field(default_factory=list)  # this process's CPU seconds
+    steps_run: int = 0
+
+    def step(self, batches: Batches) -> float:
+        x, y = batches[self.steps_run % len(batches)]
+        self.steps_run += 1
+        # Minor page faults (every thread of the process): first touches of freshly mapped
+        # memory, such as large buffers the allocator gets from mmap on every step.
+        # CPU time of all its threads: above the wall time when threads run side by side.
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        seconds = train_step(self.model, self.optimizer, x, y)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        self.faults.append(after.ru_minflt - before.ru_minflt)
+        self.cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        return seconds
+
+
+def make_group(variant: Variant) -> Optional[dist.ProcessGroup]:
+    """The variant's own group. Collective: every rank creates them in one order."""
+    if variant.backend is None:
+        return None
+    if variant.alone:
+        # Creates one group per rank on every rank, and returns this rank's.
+        mine, _ = dist.new_subgroups(group_size=1, backend=variant.backend, timeout=GROUP_TIMEOUT)
+        return mine
+    group = dist.new_group(backend=variant.backend, timeout=GROUP_TIMEOUT)
+    assert group is not None  # every rank is a member
+    return group
+
+
+def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
+    group = make_group(variant)
+    model = make_model(args.hidden, args.layers)
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if variant.heap_buffers:
+            # The setting is per FSDP module (each fully_shard call has its own buffers):
+            # on the root alone it would reach none of the layers.
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_allocate_memory_from_process_group_for_comm(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    return Runner(variant, group, model, optimizer)
+
+
+def local_shards(model: nn.Module) -> list[torch.Tensor]:
+    return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+
+def differences_from_gloo(runners: list[Runner]) -> list[Optional[float]]:
+    """Per runner: the largest |parameter - Gloo's| over the ranks (None: not compared).
+
+    Each rank compares its own shards, which cover the same elements in every variant.
+    Collective over the default group; every rank gets the same answers.
+    """
+    gloo = next((r for r in runners if r.variant.name == GLOO), None)
+    diffs = []
+    for runner in runners:
+        if gloo is None or not runner.variant.spans_ranks:
+            diffs.append(float("nan"))
+            continue
+        worst = 0.0
+        for mine, ref in zip(local_shards(runner.model), local_shards(gloo.model)):
+            if mine.numel():
+                # A non-finite parameter counts as an infinite difference.
+                diff = (mine - ref).abs().max().item()
+                worst = max(worst, diff if diff == diff else float("inf"))
+        diffs.append(worst)
+    tensor = torch.tensor(diffs, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [None if v != v else float(v) for v in tensor.tolist()]
+
+
+def per_step_counts(runners: list[Runner]) -> tuple[list[float], list[float]]:
+    """Per runner: the median minor page faults and CPU ms of a step, on the rank with most."""
+    faults = [float(statistics.median(r.faults)) for r in runners]
+    cpu = [statistics.median(r.cpu) * 1e3 for r in runners]
+    both = max_over_ranks(faults + cpu)
+    return both[: len(runners)], both[len(runners) :]
+
+
+def heap_reserved(runner: Runner) -> Optional[int]:
+    """Bytes an xdev group's symmetric heap has reserved: it grows past its first arena only
+    when FSDP2 takes its buffers from it (they are freed after each collective)."""
+    if runner.variant.backend != torch_xdev.BACKEND_NAME or runner.group is None:
+        return None
+    heap = torch_xdev.describe(runner.group).get("symmetric_heap")
+    return heap.get("bytes_reserved") if isinstance(heap, dict) else None
+
+
+def summarise(
+    runners: list[Runner],
+    diffs: list[Optional[float]],
+    heaps: list[Optional[int]],
+    faults: list[float],
+    cpu: list[float],
+) -> list[dict[str, Any]]:
+    """The table's rows: times in ms, communication per step, ratios against Gloo."""
+    medians = {r.variant.name: statistics.median(r.samples) for r in runners}
+    local = medians.get(NO_COMM)
+    alone = medians.get(ALONE)
+    gloo = medians.get(GLOO)
+    gloo_comm = None if gloo is None or local is None else gloo - local
+    rows: list[dict[str, Any]] = []
+    for runner, diff, heap, fault_count, cpu_ms in zip(runners, diffs, heaps, faults, cpu):
+        v = runner.variant
+        median = medians[v.name]
+        comm = median - local if local is not None and v.backend is not None else None
+        beyond = median - alone if alone is not None and v.spans_ranks else None
+        rows.append(
+            {
+                "variant": v.name,
+                "backend": v.backend,
+                "heap_buffers": v.heap_buffers,
+                "alone": v.alone,
+                **timing_stats(runner.samples),
+                "comm_ms": None if comm is None else comm * 1e3,
+                "beyond_alone_ms": None if beyond is None else beyond * 1e3,
+                "step_vs_gloo": None if gloo is None else gloo / median,
+                "comm_vs_gloo": (
+                    gloo_comm / comm
+                    if gloo_comm is not None and comm is not None and comm > 0 and v.spans_ranks
+                    else None
+                ),
+                "max_diff_vs_gloo": diff,
+                "matches_gloo": None if diff is None else diff <= MATCH_TOLERANCE,
+                "heap_bytes_reserved": heap,
+                "minor_faults_per_step": fault_count,
+                "cpu_ms_per_step": cpu_ms,
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'variant':<11} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'comm ms':>8}"
+        f" {'vs alone':>8} {'vs gloo':>8} {'comm vs':>8} {'diff':>8} {'heap MB':>8} {'faults':>7} {'cpu ms':>7}"
+    ]
+    for row in rows:
+        heap = row["heap_bytes_reserved"]
+        diff = row["max_diff_vs_gloo"]
+        lines.append(
+            f"{row['variant']:<11} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f}"
+            f" {row['max_ms']:>8.2f} {text(row['comm_ms'], '.2f'):>8}"
+            f" {text(row['beyond_alone_ms'], '.2f'):>8}"
+            f" {text(row['step_vs_gloo'], '.2f', 'x'):>8}"
+            f" {text(row['comm_vs_gloo'], '.2f', 'x'):>8}"
+            f" {'BROKEN' if row['matches_gloo'] is False else text(diff, '.1e'):>8}"
+            f" {text(None if heap is None else heap / 1e6, '.1f'):>8}"
+            f" {row['minor_faults_per_step']:>7.0f} {row['cpu_ms_per_step']:>7.1f}"
+        )
+    return lines
+
+
+LEGEND = [
+    "# median/min/max: the slowest rank's step (zero_grad, forward, backward, optimizer.step),",
+    f"#   over every timed step. comm: median minus {NO_COMM}'s (the unsharded model, no",
+    f"#   communication). vs alone: median minus {ALONE}'s (FSDP2 on a group of one rank):",
+    "#   what talking to the peers adds to FSDP2's own work. vs gloo: Gloo's median step /",
+    "#   this one. comm vs: Gloo's comm / this comm.",
+    "# diff: largest |parameter - Gloo's parameter| on any rank after the run ('-': not",
+    "#   compared). heap MB: bytes reserved by the group's symmetric heap (past its first",
+    "#   arena only when FSDP2's buffers come from it). faults: minor page faults per step",
+    "#   (median; the rank with the most), each a first touch of freshly mapped memory. cpu ms:",
+    "#   CPU time of a step, all the process's threads (median; the rank with the most).",
+]
+
+
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+ARRIVAL = "arrival"  # the barrier before each collective: waiting for the last rank
+
+
+@contextlib.contextmanager
+def timed_collectives(record: dict[str, list[float]]) -> Iterator[None]:
+    """Adds the wall time of every call FSDP2 makes to the collectives to ``record``.
+
+    A barrier on the collective's group goes first, timed apart (``ARRIVAL``), so that a
+    collective's time is its own and not the wait for a peer still computing. FSDP2 on CPU
+    calls the collectives with async_op=False, so a call's time is the whole collective.
+    """
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            dist.barrier(group=kwargs.get("group"))
+            t1 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            record[ARRIVAL].append(t1 - t0)
+            record[name].append(time.perf_counter() - t1)
+            return result
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, timed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def breakdown(runners: list[Runner], batches: Batches, args: argparse.Namespace) -> list[str]:
+    """Per variant: a step's time in each collective, waiting for peers, and the rest."""
+    keys = (*COLLECTIVES, ARRIVAL)
+    per_step: dict[int, list[list[float]]] = {id(r): [] for r in runners}
+    for _ in range(args.rounds):
+        for runner in runners:
+            dist.barrier()
+            for _ in range(args.steps):
+                record: dict[str, list[float]] = {name: [] for name in keys}
+                with timed_collectives(record):
+                    seconds = runner.step(batches)
+                values = [seconds] + [sum(record[name]) for name in keys]
+                values += [float(len(record[name])) for name in COLLECTIVES]
+                # The mean over the ranks: the parts add up to the step on every rank.
+                total = torch.tensor(values, dtype=torch.float64)
+                dist.all_reduce(total)
+                per_step[id(runner)].append([v / dist.get_world_size() for v in total.tolist()])
+    lines = [
+        "# where a step goes (--profile; a barrier before each collective): ms per step,",
+        "#   median over steps of the ranks' mean; collective calls per step in ()",
+        f"#   {'variant':<11} {'step':>8} {'all_gather':>15} {'reduce_scatter':>15}"
+        f" {'arrival':>8} {'rest':>8}",
+    ]
+    for runner in runners:
+        steps = per_step[id(runner)]
+        step, ag, rs, arrival = (statistics.median(s[i] for s in steps) * 1e3 for i in range(4))
+        ag_calls, rs_calls = (round(steps[0][i]) for i in (4, 5))
+        lines.append(
+            f"#   {runner.variant.name:<11} {step:>8.1f} {ag:>8.1f} ({ag_calls:>3})"
+            f" {rs:>8.1f} ({rs_calls:>3}) {arrival:>8.1f} {step - ag - rs - arrival:>8.1f}"
+        )
+    return lines
+
+
+def profile_step(runner: Runner, batches: Batches) -> list[str]:
+    """One step under torch.profiler: this rank's CPU time by operator, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = runner.step(batches)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    lines = [f"# profile of one {runner.variant.name} step ({seconds * 1e3:.1f} ms on this rank):"]
+    lines.append(f"#   {'self ms':>8} {'total ms':>9} {'calls':>6}  operator")
+    for e in events[:PROFILE_ROWS]:
+        lines.append(
+            f"#   {e.self_cpu_time_total / 1e3:>8.2f} {e.cpu_time_total / 1e3:>9.2f}"
+            f" {e.count:>6}  {e.key}"
+        )
+    return lines
+
+
+def header(args: argparse.Namespace, world_size: int, params: int) -> list[str]:
+    return [
+        f"# fsdp_step: {world_size} ranks, MLP of {args.layers} x Linear({args.hidden},"
+        f" {args.hidden}): {params / 1e6:.2f}M parameters ({params * 4 / 1e6:.1f} MB fp32),"
+        " fully_shard per Linear and on the root",
+        f"# batch {args.batch_size} per rank; SGD; {args.threads} thread(s) per rank",
+        f"# {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} untimed) per variant,"
+        " round-robin, each round starting one variant later",
+        host_line(),
+    ]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_arguments(parser)
+    parser.add_argument(
+        "--variants",
+        type=lambda s: parse_variant_list(s, VARIANT_NAMES),
+        default=list(VARIANT_NAMES),
+        help=f"a comma-separated subset of {','.join(VARIANT_NAMES)} (default all; run in this"
+        " order)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one step of each FSDP2 variant after"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="where rank 0 saves the rows (default benchmarks/results/fsdp_step_<N>ranks.json)",
+    )
+    args = parser.parse_args(argv)
+    check_step_arguments(parser, args)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if not under_torchrun(sys.argv[0]):
+        return 2
+    torch.set_num_threads(args.threads)
+    # The default group only times and checks; every variant has a group of its own.
+    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    try:
+        return run(args, rank, world_size, say)
+    finally:
+        gc.collect()  # free the FSDP2 modules while their groups are still registered
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str], None]) -> int:
+    variants = [v for v in VARIANTS if v.name in args.variants]
+    runners = [make_runner(v, args) for v in variants]  # same order on every rank
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    for line in header(args, world_size, params):
+        say(line)
+    batches = make_batches(args.hidden, args.batch_size, rank)
+    for runner in runners:
+        dist.barrier()
+        runner.step(batches)  # first use: lazy initialisation, first buffers
+    run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
+    diffs = differences_from_gloo(runners)
+    heaps = [heap_reserved(r) for r in runners]
+    rows = summarise(runners, diffs, heaps, *per_step_counts(runners))
+    for line in format_table(rows):
+        say(line)
+    for line in LEGEND:
+        say(line)
+    broken = [row["variant"] for row in rows if row["matches_gloo"] is False]
+    if broken:
+        say(f"# BROKEN: parameters differ from Gloo's beyond {MATCH_TOLERANCE} for {broken}")
+    if args.profile:
+        for line in breakdown(runners, batches, args):
+            say(line)
+        for runner in runners:
+            if runner.variant.backend is not None:
+                for line in profile_step(runner, batches):
+                    say(line)
+    if rank == 0:
+        default_json = (
+            Path(__file__).resolve().parent / "results" / f"fsdp_step_{world_size}ranks.json"
+        )
+        meta = metadata("fsdp_step", args, world_size, params)
+        meta["match_tolerance"] = MATCH_TOLERANCE
+        write_json(Path(args.json or default_json), meta, rows)
+    del runners
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""What the training-step benchmarks (ddp_step.py, fsdp_step.py) share.
+
+The model and data, one timed training step, the round-robin turns that interleave variants
+so drift on the host hits every variant alike, the slowest-rank reduction of the samples, the
+statistics and the JSON metadata. Run as scripts, the benchmarks find this module beside them
+(``sys.path`` starts at ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torch_xdev
+
+# Run from a checkout, sys.path starts at benchmarks/, so this imports the installed package
+# unless PYTHONPATH names the checkout; the header says which one ran.
+XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
+SEED = 20240614
+DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_model(hidden: int, layers: int) -> nn.Sequential:
+    """``layers`` Linear(hidden, hidden) with ReLU between; the same on every rank."""
+    torch.manual_seed(SEED)
+    modules: list[nn.Module] = []
+    for i in range(layers):
+        if i:
+            modules.append(nn.ReLU())
+        modules.append(nn.Linear(hidden, hidden))
+    return nn.Sequential(*modules)
+
+
+def make_batches(hidden: int, batch_size: int, rank: int) -> Batches:
+    """This rank's inputs and targets (different on every rank, the same on every run)."""
+    gen = torch.Generator().manual_seed(SEED + 1_000_003 * rank)
+    return [
+        (
+            torch.randn(batch_size, hidden, generator=gen),
+            torch.randn(batch_size, hidden, generator=gen),
+        )
+        for _ in range(DISTINCT_BATCHES)
+    ]
+
+
+def train_step(
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    set_to_none: bool = False,
+) -> float:
+    """One step (zero_grad, forward, MSE backward, optimizer.step); this rank's seconds."""
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    loss = (net(x) - y).pow(2).mean()
+    loss.backward()  # under DDP/FSDP the collectives are launched and waited for here
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+class Stepper(Protocol):
+    """A variant on this rank: ``step`` runs one timed step, ``samples`` collects them."""
+
+    samples: list[float]
+
+    def step(self, batches: Batches) -> float: ...
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum over the ranks, on the default group (which only times)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor]
+
+
+def run_turn(runner: Stepper, batches: Batches, steps: int, warmup: int) -> None:
+    """One variant's turn in a round: ``warmup`` untimed steps, then ``steps`` timed ones."""
+    dist.barrier()  # every rank starts the turn together
+    for _ in range(warmup):
+        runner.step(batches)
+    times = [runner.step(batches) for _ in range(steps)]
+    runner.samples.extend(max_over_ranks(times))
+
+
+def run_rounds(
+    runners: Sequence[Stepper], batches: Batches, rounds: int, steps: int, warmup: int
+) -> None:
+    """Round-robin turns, each round starting one variant later, so drift hits all alike."""
+    order = list(runners)
+    for round_index in range(rounds):
+        start = round_index % len(order)
+        for runner in order[start:] + order[:start]:
+            run_turn(runner, batches, steps, warmup)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    lower = int(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def timing_stats(samples: Sequence[float]) -> dict[str, Any]:
+    """Median, spread and the samples themselves, in milliseconds."""
+    return {
+        "median_ms": statistics.median(samples) * 1e3,
+        "min_ms": min(samples) * 1e3,
+        "max_ms": max(samples) * 1e3,
+        "p25_ms": percentile(samples, 0.25) * 1e3,
+        "p75_ms": percentile(samples, 0.75) * 1e3,
+        "samples_ms": [s * 1e3 for s in samples],
+    }
+
+
+def text(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def yes_no(value: Optional[bool], broken: str = "no") -> str:
+    return "-" if value is None else ("yes" if value else broken)
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, data and timing options both step benchmarks take."""
+    parser.add_argument("--hidden", type=int, default=2048, help="width of the MLP")
+    parser.add_argument("--layers", type=int, default=4, help="Linear(hidden, hidden) layers")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+
+
+def check_step_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("hidden", "layers", "batch_size", "rounds", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+
+
+def parse_variant_list(text_value: str, known: Sequence[str]) -> list[str]:
+    names = [n.strip() for n in text_value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"--variants: a comma-separated subset of {', '.join(known)}; got {text_value!r}"
+        )
+    return names
+
+
+def under_torchrun(script: str) -> bool:
+    """Whether torchrun started this process; says how to run it otherwise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    print(f"run this under torchrun, e.g. torchrun --nproc_per_node 2 {script}", file=sys.stderr)
+    return False
+
+
+def host_line(variables: Sequence[str] = ()) -> str:
+    """The header line that says which torch, which torch_xdev and which host ran."""
+    shown = "".join(f"{v}={os.environ.get(v, '(unset)')}  " for v in variables)
+    return (
+        f"# {shown}torch {torch.__version__}  torch_xdev from {XDEV_PATH}"
+        f"  host {socket.gethostname()}"
+    )
+
+
+def metadata(
+    benchmark: str, args: argparse.Namespace, world_size: int, params: int
+) -> dict[str, Any]:
+    """What a JSON result says about the run besides its rows."""
+    return {
+        "benchmark": benchmark,
+        "world_size": world_size,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "parameters": params,
+        "gradient_bytes": params * 4,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "variants": args.variants,
+        "xdev_environment": {k: v for k, v in os.environ.items() if k.startswith("XDEV_")},
+        "torch_version": torch.__version__,
+        "torch_xdev_version": torch_xdev.__version__,
+        "torch_xdev_path": XDEV_PATH,
+        "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
+    print(f"# wrote {path}", flush=True)
