@@ -315,9 +315,14 @@ void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
 void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const at::Tensor& full,
                                    const char* name) {
   // One tensor, staged (single copy keeps precedence: its choice is made
-  // without knowing where peers' tensors lie, so it must not depend on it).
+  // without knowing where peers' tensors lie, so it must not depend on it),
+  // of more than one window: in place ends with a barrier of its own (no rank
+  // may change its tensor while peers read it), which a one-window staged run
+  // does without, so it pays from two windows on.
   SharedPlacement placement;
-  if (req.full.size() == 1 && !req.single_copy) placement = shared_.find(full);
+  if (req.full.size() == 1 && !req.single_copy && req.plan->num_windows() > 1) {
+    placement = shared_.find(full);
+  }
   if (placement.heap == nullptr) {
     executor_->run(req);
     return;
