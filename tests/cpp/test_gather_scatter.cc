@@ -126,13 +126,13 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
   for (const int world : {2, 3, 4}) {
     for (const int64_t block : {1, 5, 100, 1001}) {
       const GatherScatterPlan p(GatherScatterKind::kReduceScatter, world, block, 64);
-      CHECK_EQ(p.piece_elems(), 64 / world);
+      CHECK_EQ(p.piece_elems(), 64 / (world - 1));  // the N-1 pieces peers reduce, packed
       int64_t next = 0;
       for (int64_t k = 0; k < p.num_windows(); ++k) {
         const plan::GatherScatterWindow w = p.window(k);
         CHECK_EQ(w.block.begin, next);
         CHECK(w.block.size() >= 1 && w.block.size() <= p.piece_elems());
-        CHECK(w.block.size() * world <= 64);  // fits one slot
+        CHECK(w.block.size() * (world - 1) <= 64);  // fits one slot
         next = w.block.end;
       }
       CHECK_EQ(next, block);
@@ -141,7 +141,9 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
       const GatherScatterPlan ag(GatherScatterKind::kAllGather, world, block, 64);
       CHECK_EQ(ag.piece_elems(), 64);
       CHECK_EQ(ag.slot_memory_offset(world - 1, (world - 1) * 64 + 5, 64), 5);
-      CHECK_EQ(p.slot_memory_offset(world - 1, (world - 1) * 16 + 5, 16), (world - 1) * 16 + 5);
+      // A reduce-scatter's slot skips its owner's piece: later pieces move down one.
+      CHECK_EQ(p.slot_memory_offset(world - 1, 5, 16), 5);
+      CHECK_EQ(p.slot_memory_offset(0, (world - 1) * 16 + 5, 16), (world - 2) * 16 + 5);
     }
   }
 }
@@ -157,7 +159,7 @@ std::vector<float> random_floats(int64_t n, uint64_t seed) {
 
 // Two tensors per rank (the coalesced form), blocks split over several windows.
 TEST(gather_scatter_executor_reduce_scatter_is_the_slice_of_flat_allreduce) {
-  constexpr int64_t kSlotElems = 60;
+  constexpr int64_t kSlotElems = 30;
   const std::vector<int64_t> block_numels = {37, 1};
   const plan::FlatLayout block_layout(block_numels);
   for (const int world : {2, 3, 4}) {
