@@ -13,6 +13,7 @@ that fits one staging window is staged too: in place would cost a closing barrie
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,9 @@ def test_heap_tensors_run_in_place_only_where_every_place_agrees(
         assert _ranks_logging(STAGED[name], err) == ({0, 1} if misplace else set()), err
 
 
-def _fsdp2_training(rank: int, world: int, backend: str, alloc_from_group: bool) -> dict:
+def _fsdp2_training(
+    rank: int, world: int, backend: str, alloc_from_group: bool
+) -> dict[str, list[Any]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
