@@ -6,7 +6,10 @@ Usage::
         [--dtype float32] [--rounds 5] [--json out.json]
 
 Every rank runs a Gloo default group and two xdev groups: default options (``xdev``) and
-``single_copy=True`` (``xdev_sc``: from 256 KiB peers read one tensor in place). For each size
+``single_copy=True`` (``xdev_sc``: from 256 KiB peers read one tensor in place). ``xdev_heap``
+runs the default xdev group on tensors from its ``allocate_tensor`` (the group's symmetric heap,
+as FSDP2 allocates them with ``set_allocate_memory_from_process_group_for_comm(True)``): the
+full tensor is at the same place on every rank, so nothing is staged. For each size
 the variants take turns (interleaved rounds of back-to-back calls, so drift on a shared machine
 hits them all); a row gives the median over rounds of the slowest rank's mean time per call. Before timing,
 xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
@@ -66,7 +69,35 @@ def slowest_mean(fn: Callable[[], None], iters: int) -> float:
     return float(seconds.item())
 
 
-def check(collective: str, size: int, dtype: torch.dtype, xdev: Any, rank: int, world: int) -> None:
+def heap_empty(group: Any, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor from the group's symmetric heap, as FSDP2's ProcessGroupAllocMixin gets one."""
+    backend = group._get_backend(torch.device("cpu"))
+    assert backend.supports_tensor_alloc(torch.device("cpu")), "this xdev group has no heap"
+    return backend.allocate_tensor(count, dtype=dtype, device=torch.device("cpu"))
+
+
+def make_tensors(
+    collective: str, count: int, dtype: torch.dtype, rank: int, world: int, heap: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, block) for one call; from ``heap``'s symmetric heap unless it is None."""
+    if heap is None:
+        full, block = torch.empty(count, dtype=dtype), torch.empty(count // world, dtype=dtype)
+    else:
+        full, block = heap_empty(heap, count, dtype), heap_empty(heap, count // world, dtype)
+    if collective == "all_gather_in_place":
+        block = full.narrow(0, rank * (count // world), count // world)
+    return full, block
+
+
+def check(
+    collective: str,
+    size: int,
+    dtype: torch.dtype,
+    xdev: Any,
+    rank: int,
+    world: int,
+    heap: bool = False,
+) -> None:
     count = size // torch.tensor([], dtype=dtype).element_size()
     g = torch.Generator().manual_seed(rank)
     full = torch.randn(count, generator=g).to(dtype)
@@ -74,6 +105,11 @@ def check(collective: str, size: int, dtype: torch.dtype, xdev: Any, rank: int, 
     results = []
     for group in (None, xdev):
         f, b = full.clone(), block.clone()
+        if group is not None and heap:
+            f, b = make_tensors(collective, count, dtype, rank, world, xdev)
+            f.copy_(full)
+            if collective != "all_gather_in_place":
+                b.copy_(block)
         if collective == "all_gather_in_place":
             b = f.narrow(0, rank * (count // world), count // world)
         run_op(collective, f, b, group)
@@ -131,9 +167,19 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 block = full.narrow(0, rank * (count // world), count // world)
             for group in (xdev, xdev_sc):
                 check(collective, count * esize, dtype, group, rank, world)
+            check(collective, count * esize, dtype, xdev, rank, world, heap=True)
+            heap_full, heap_block = make_tensors(collective, count, dtype, rank, world, xdev)
+            heap_full.copy_(full)
+            if collective != "all_gather_in_place":
+                heap_block.copy_(block)
             fns = {
-                name: (lambda g=group: run_op(collective, full, block, g))
-                for name, group in (("gloo", None), ("xdev", xdev), ("xdev_sc", xdev_sc))
+                name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
+                for name, f, b, group in (
+                    ("gloo", full, block, None),
+                    ("xdev", full, block, xdev),
+                    ("xdev_sc", full, block, xdev_sc),
+                    ("xdev_heap", heap_full, heap_block, xdev),
+                )
             }
             iters = {}
             for name, fn in fns.items():

@@ -75,7 +75,8 @@ std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
-CpuGatherScatter::CpuGatherScatter(GroupContext& group) : group_(group) {
+CpuGatherScatter::CpuGatherScatter(GroupContext& group, const SharedBuffers& shared)
+    : group_(group), shared_(shared) {
   if (group.channel() != nullptr) {
     executor_ = std::make_unique<transport::GatherScatterExecutor>(*group.channel());
   }
@@ -275,7 +276,7 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
     d.total_elems = g.layout.total();
     d.shape_hash = hash;
     req.ctx = group_.make_context(d, "reduce_scatter", deadline);
-    executor_->run(req);
+    run_request(req, inputs[g.tensor_indices[0]], "reduce_scatter");
   }
 }
 
@@ -308,7 +309,39 @@ void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
   d.total_elems = layout.total();
   d.shape_hash = shape_hash(concat(outputs, inputs));
   req.ctx = group_.make_context(d, "all_gather", group_.deadline_for(timeout));
-  executor_->run(req);
+  run_request(req, outputs[0], "all_gather");
+}
+
+void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const at::Tensor& full,
+                                   const char* name) {
+  // One tensor, staged (single copy keeps precedence: its choice is made
+  // without knowing where peers' tensors lie, so it must not depend on it),
+  // of more than one window: in place ends with a barrier of its own (no rank
+  // may change its tensor while peers read it), which a one-window staged run
+  // does without, so it pays from two windows on.
+  SharedPlacement placement;
+  if (req.full.size() == 1 && !req.single_copy && req.plan->num_windows() > 1) {
+    placement = shared_.find(full);
+  }
+  if (placement.heap == nullptr) {
+    executor_->run(req);
+    return;
+  }
+  req.ctx.descriptor.heap_arena = placement.heap_location.arena;
+  req.ctx.descriptor.heap_offset = placement.heap_location.offset;
+  transport::ShmChannel& channel = *group_.channel();
+  req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
+  const std::string op = name;
+  if (executor_->run(req)) {
+    group_.log_once(op + ":in-place", op + " ran in place from the symmetric heap (every rank's " +
+                                          (op == "all_gather" ? "output" : "input") +
+                                          " at the same place): nothing staged");
+  } else {
+    group_.log_once(op + ":heap-places-differ",
+                    op + ": a tensor of the symmetric heap is not at the same place on every "
+                         "rank (allocated in another order, or an ordinary tensor on some rank); "
+                         "staged");
+  }
 }
 
 }  // namespace xdev::backend

@@ -3,7 +3,11 @@
 // GatherScatterPlan per dtype (per call for all-gather, which moves bytes)
 // over the group's shared-memory channel, on the group's queue like the
 // allreduce. In a world of one (no channel) the output is a copy of the input.
-// The backend selects (plan::select_gather_scatter); this runs.
+// The backend selects (plan::select_gather_scatter); this runs. A tensor form
+// whose full tensor (reduce-scatter input, all-gather output) lies in the
+// group's symmetric heap runs in place when every rank's lies at the same
+// place (GatherScatterExecutor), as FSDP2's buffers do with
+// set_allocate_memory_from_process_group_for_comm(True).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,13 +21,16 @@
 #include "../plan/gather_scatter_plan.h"
 #include "../transport/gather_scatter_executor.h"
 #include "group_context.h"
+#include "shared_buffers.h"
 
 namespace xdev::backend {
 
 class CpuGatherScatter {
  public:
   // Uses the group's channel when it has one (several ranks on this host).
-  explicit CpuGatherScatter(GroupContext& group);
+  // shared (not used before the first collective) says which tensors lie in
+  // the group's symmetric heap.
+  CpuGatherScatter(GroupContext& group, const SharedBuffers& shared);
 
   // outputs[i] (C_i elements) = op over ranks of block `rank` of inputs[i]
   // (world * C_i elements, blocks in rank order). Native dtypes; dtypes may mix.
@@ -66,7 +73,12 @@ class CpuGatherScatter {
                   const std::vector<int64_t>& sizes, uint64_t list_hash, kernels::ReduceOp op,
                   std::chrono::milliseconds timeout);
 
+  // Runs req, in place from the heap when `full` (the one full tensor) lies
+  // there on every rank at the same place; logs which, once.
+  void run_request(transport::GatherScatterRequest& req, const at::Tensor& full, const char* name);
+
   GroupContext& group_;
+  const SharedBuffers& shared_;
   std::unique_ptr<transport::GatherScatterExecutor> executor_;  // null without a channel
 };
 

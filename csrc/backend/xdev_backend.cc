@@ -22,7 +22,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     : c10d::Backend(rank, size),
       group_(store, rank, size, std::move(config)),
       cpu_(group_.channel() ? std::make_unique<CpuCollectives>(group_) : nullptr),
-      gather_scatter_(std::make_unique<CpuGatherScatter>(group_)),
+      gather_scatter_(std::make_unique<CpuGatherScatter>(group_, shared_)),
       cuda_(make_cuda_collectives(group_)),
       shared_(group_),
       fallbacks_(std::move(fallback), std::move(cuda_fallback), cuda_.get()) {

@@ -109,7 +109,9 @@ GatherScatterPlan::GatherScatterPlan(GatherScatterKind kind, std::vector<int64_t
                                 " element(s) cannot hold one element of each of " +
                                 std::to_string(world_size_) + " ranks");
   }
-  piece_elems_ = kind == GatherScatterKind::kAllGather ? slot_elems : slot_elems / world_size_;
+  piece_elems_ = kind == GatherScatterKind::kAllGather || world_size_ == 1
+                     ? slot_elems
+                     : slot_elems / (world_size_ - 1);
   num_windows_ = (block_elems_ + piece_elems_ - 1) / piece_elems_;
 }
 

@@ -9,10 +9,11 @@
 //
 // A *window* covers the same block elements [a, b) of every rank. In its slot
 // coordinates (the Schedule's ranges) rank j's piece of the window lies at
-// [j*p, (j+1)*p), p = b - a. A reduce-scatter stages all those pieces into
-// one slot, so p is at most slot_elems / N; an all-gather's slot only ever
-// holds its owner's piece, which lies at the slot's start (slot_memory_offset),
-// so there p may fill the slot.
+// [j*p, (j+1)*p), p = b - a. A reduce-scatter stages into its slot the N-1
+// pieces its peers reduce (its own it reads from its input), packed in rank
+// order (slot_memory_offset), so p is at most slot_elems / (N-1); an
+// all-gather's slot only ever holds its owner's piece, at the slot's start,
+// so there p may fill the slot. Fewer, larger windows: each costs a barrier.
 //
 // Blocks may differ in size between ranks (the list forms with uneven
 // sizes): rank j's block holds C_j elements, a window still covers [a, b) of
@@ -82,7 +83,8 @@ class GatherScatterPlan {
   // Where slot coordinate x (a window of pieces of p elements) lies in the
   // memory of rank owner's slot, in elements from its start.
   int64_t slot_memory_offset(int owner, int64_t x, int64_t p) const {
-    return kind_ == GatherScatterKind::kAllGather ? x - owner * p : x;
+    if (kind_ == GatherScatterKind::kAllGather) return x - owner * p;
+    return x / p > owner ? x - p : x;  // the owner's own piece is never staged
   }
 
  private:

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "shared_buffer.h"
 #include "single_copy_executor.h"
 
 namespace xdev::transport {
@@ -57,19 +58,24 @@ class WindowMap {
 
 }  // namespace
 
-void GatherScatterExecutor::run(const GatherScatterRequest& req) {
+bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
   const plan::GatherScatterPlan& plan = *req.plan;
   const int me = channel_.rank();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
   if (req.single_copy && plan.num_windows() > 0) {
     run_single_copy(req);
-    return;
+    return false;
   }
   if (plan.num_windows() == 0) {
     // Nothing to move, but peers may disagree: take part in the descriptor check.
     channel_.open_collective(req.ctx);
-    return;
+    return false;
   }
+  const bool in_heap = static_cast<bool>(req.full_copies);
+  if (in_heap && (req.full.size() != 1 || !req.block_starts.empty())) {
+    throw std::invalid_argument("in-place gather/scatter needs one tensor and even blocks");
+  }
+  const bool all_gather = plan.kind() == plan::GatherScatterKind::kAllGather;
   std::vector<const void*> sources;
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const plan::GatherScatterWindow w = plan.window(k);
@@ -77,6 +83,14 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
     const WindowMap map(req, w.block, me);
     const int64_t p = w.block.size();
     const auto stage_mine = [&](int64_t parity) {
+      if (k == 0 && in_heap && all_gather) {
+        // Should this run in place, peers read this rank's block from its
+        // output: put it there before the barrier (FSDP's input already is).
+        char* mine = req.full[0] + me * req.block_layout->total() * es;
+        if (mine != req.block[0]) {
+          std::memmove(mine, req.block[0], static_cast<size_t>(req.block_layout->total() * es));
+        }
+      }
       char* slot = channel_.slot(parity, me);
       for (const plan::Range& r : sched.staged_ranges[static_cast<size_t>(me)]) {
         map.for_each_piece(r, [&](int64_t slot_pos, char* input, char*, int64_t count) {
@@ -88,6 +102,13 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
     // The first window's barrier also checks every rank's descriptor.
     const int64_t parity = k == 0 ? channel_.open_collective(req.ctx, stage_mine)
                                   : channel_.open_window(req.ctx, stage_mine);
+    // Every rank has passed the first barrier and published where its full
+    // tensor lies; all reach the same answer here (window 0's staging, done
+    // in case, goes unused).
+    if (k == 0 && in_heap && same_heap_place_on_every_rank(channel_, req.ctx.descriptor)) {
+      run_in_place(req, req.full_copies());
+      return true;
+    }
     // One phase: every step reads slots staged before the barrier and writes
     // only this rank's output.
     for (const plan::Step& s : sched.steps) {
@@ -114,6 +135,39 @@ void GatherScatterExecutor::run(const GatherScatterRequest& req) {
       });
     }
   }
+  return false;
+}
+
+// Peers' inputs are ready (the first barrier). Each rank reads only what it
+// keeps: a reduce-scatter its block of every rank's input, in rank order, so
+// the sum is the staged one bit for bit; an all-gather each peer's block of
+// the peer's output. Both read every source byte once and write each output
+// byte once, so there is nothing a cache-sized window would reuse. The
+// closing barrier keeps every full tensor alive and unchanged until no peer
+// reads it: FSDP frees an all-gather output, or refills a reduce-scatter
+// input, as soon as the call returns.
+void GatherScatterExecutor::run_in_place(const GatherScatterRequest& req,
+                                         const std::vector<char*>& full) {
+  const int me = channel_.rank();
+  const int world = channel_.world_size();
+  const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
+  const int64_t count = req.block_layout->total();
+  const auto block_bytes = static_cast<size_t>(count * es);
+  if (req.plan->kind() == plan::GatherScatterKind::kAllGather) {
+    // Starting at the next rank spreads the readers over the owners.
+    for (int step = 1; step < world; ++step) {
+      const int owner = (me + step) % world;
+      const int64_t at = owner * count * es;
+      std::memcpy(req.full[0] + at, full[static_cast<size_t>(owner)] + at, block_bytes);
+    }
+  } else {
+    std::vector<const void*> sources;
+    for (int r = 0; r < world; ++r)
+      sources.push_back(full[static_cast<size_t>(r)] + me * count * es);
+    const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
+    kernels::reduce(req.dtype, req.op, req.block[0], sources.data(), world, count, divisor);
+  }
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads this rank's tensor any more
 }
 
 void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {

@@ -11,9 +11,20 @@
 // it would stage from (its reduce-scatter input, its all-gather input), which
 // peers read in place with process_vm_readv: each byte crosses memory once
 // per reader instead of being staged first.
+//
+// In place (one tensor whose full tensor lies in the group's symmetric heap,
+// as FSDP2 allocates it with set_allocate_memory_from_process_group_for_comm):
+// the run starts staged; after its first barrier, when every rank's
+// descriptor puts the full tensor at the same place of the heap, each rank
+// reads its peers' full tensors where it maps them and nothing more is
+// staged. A reduce-scatter sums block r of every rank's input in rank order
+// (the same sum as staged, so the same bits); an all-gather copies each peer's
+// block out of the peer's output. Otherwise (places differ, or some rank's
+// tensor is elsewhere) every rank goes on staged.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
@@ -42,7 +53,14 @@ struct GatherScatterRequest {
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
   // Peers read this rank's input in place (one tensor, a one-window plan).
   bool single_copy = false;
+  // Its descriptor's heap_arena/heap_offset say where the full tensor lies in
+  // this rank's symmetric heap (arena -1: not there).
   OpContext ctx;
+  // Set when the one full tensor lies in the symmetric heap: every rank's
+  // full tensor as mapped in this process, by rank. Called only after the
+  // first barrier, once every rank's place is known to agree (a peer's arena
+  // is mapped on first use).
+  std::function<std::vector<char*>()> full_copies;
 };
 
 class GatherScatterExecutor {
@@ -52,11 +70,14 @@ class GatherScatterExecutor {
 
   // Publishes the descriptor, then runs every window; the first barrier also
   // checks that every rank published the same descriptor (MismatchError on
-  // all ranks otherwise, and the channel stays usable).
-  void run(const GatherScatterRequest& req);
+  // all ranks otherwise, and the channel stays usable). Returns whether it
+  // ran in place from the symmetric heap (the same on every rank).
+  bool run(const GatherScatterRequest& req);
 
  private:
   void run_single_copy(const GatherScatterRequest& req);
+  // After the first barrier, every rank's full tensor at one place of the heap.
+  void run_in_place(const GatherScatterRequest& req, const std::vector<char*>& full);
 
   ShmChannel& channel_;
   std::vector<std::vector<char>> bounce_;  // single copy: one chunk per remote source

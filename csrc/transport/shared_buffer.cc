@@ -30,6 +30,15 @@ int64_t SharedBuffer::offset_of(const void* p, size_t n) const {
   return static_cast<int64_t>(at - begin);
 }
 
+bool same_heap_place_on_every_rank(const ShmChannel& channel, const OpDescriptor& mine) {
+  if (mine.heap_arena < 0) return false;
+  for (int r = 0; r < channel.world_size(); ++r) {
+    const OpDescriptor peer = channel.descriptor_of(r, mine.seq);
+    if (peer.heap_arena != mine.heap_arena || peer.heap_offset != mine.heap_offset) return false;
+  }
+  return true;
+}
+
 bool SharedBufferExecutor::run(const SharedBufferRequest& req) {
   channel_.open_collective(req.ctx);  // every rank's input is ready (its slot set goes unused)
   return run_opened(req);
@@ -40,12 +49,7 @@ bool SharedBufferExecutor::run_opened(const SharedBufferRequest& req) {
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
   const OpDescriptor& mine = req.ctx.descriptor;
-  if (mine.heap_arena >= 0) {
-    for (int r = 0; r < world; ++r) {
-      const OpDescriptor peer = channel_.descriptor_of(r, mine.seq);
-      if (peer.heap_arena != mine.heap_arena || peer.heap_offset != mine.heap_offset) return false;
-    }
-  }
+  if (mine.heap_arena >= 0 && !same_heap_place_on_every_rank(channel_, mine)) return false;
   const std::vector<char*> copies = req.copies();
 
   const plan::Range slice =

@@ -58,6 +58,12 @@ struct SharedBufferRequest {
   std::function<std::vector<char*>()> copies;
 };
 
+// After the first barrier of the collective `mine` describes: whether every
+// rank's descriptor puts its tensor at mine's place of the symmetric heap
+// (heap_arena, heap_offset). The same answer on every rank, so all run in
+// place or all stage. False when mine is not in the heap.
+bool same_heap_place_on_every_rank(const ShmChannel& channel, const OpDescriptor& mine);
+
 class SharedBufferExecutor {
  public:
   // The channel (its barriers and descriptor check) must outlive the executor.

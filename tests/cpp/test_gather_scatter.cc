@@ -1,10 +1,14 @@
 // Reduce-scatter and all-gather: the plans (csrc/plan/gather_scatter_plan.h) checked as data, and
 // the executor (GatherScatterExecutor) end to end with one thread per rank over a real ShmChannel,
-// against results computed here and, for reduce-scatter, against the bits of the flat allreduce.
+// against results computed here and, for reduce-scatter, against the bits of the flat allreduce;
+// staged, single copy, and in place from a symmetric heap per rank.
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -18,6 +22,7 @@
 #include "test_harness.h"
 #include "transport/gather_scatter_executor.h"
 #include "transport/shm_executor.h"
+#include "transport/symmetric_heap.h"
 #include "transport_test_util.h"
 
 namespace {
@@ -121,13 +126,13 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
   for (const int world : {2, 3, 4}) {
     for (const int64_t block : {1, 5, 100, 1001}) {
       const GatherScatterPlan p(GatherScatterKind::kReduceScatter, world, block, 64);
-      CHECK_EQ(p.piece_elems(), 64 / world);
+      CHECK_EQ(p.piece_elems(), 64 / (world - 1));  // the N-1 pieces peers reduce, packed
       int64_t next = 0;
       for (int64_t k = 0; k < p.num_windows(); ++k) {
         const plan::GatherScatterWindow w = p.window(k);
         CHECK_EQ(w.block.begin, next);
         CHECK(w.block.size() >= 1 && w.block.size() <= p.piece_elems());
-        CHECK(w.block.size() * world <= 64);  // fits one slot
+        CHECK(w.block.size() * (world - 1) <= 64);  // fits one slot
         next = w.block.end;
       }
       CHECK_EQ(next, block);
@@ -136,7 +141,9 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
       const GatherScatterPlan ag(GatherScatterKind::kAllGather, world, block, 64);
       CHECK_EQ(ag.piece_elems(), 64);
       CHECK_EQ(ag.slot_memory_offset(world - 1, (world - 1) * 64 + 5, 64), 5);
-      CHECK_EQ(p.slot_memory_offset(world - 1, (world - 1) * 16 + 5, 16), (world - 1) * 16 + 5);
+      // A reduce-scatter's slot skips its owner's piece: later pieces move down one.
+      CHECK_EQ(p.slot_memory_offset(world - 1, 5, 16), 5);
+      CHECK_EQ(p.slot_memory_offset(0, (world - 1) * 16 + 5, 16), (world - 2) * 16 + 5);
     }
   }
 }
@@ -152,7 +159,7 @@ std::vector<float> random_floats(int64_t n, uint64_t seed) {
 
 // Two tensors per rank (the coalesced form), blocks split over several windows.
 TEST(gather_scatter_executor_reduce_scatter_is_the_slice_of_flat_allreduce) {
-  constexpr int64_t kSlotElems = 60;
+  constexpr int64_t kSlotElems = 30;
   const std::vector<int64_t> block_numels = {37, 1};
   const plan::FlatLayout block_layout(block_numels);
   for (const int world : {2, 3, 4}) {
@@ -391,6 +398,148 @@ TEST(gather_scatter_executor_uneven_blocks) {
       const std::vector<float> got(ag_out[static_cast<size_t>(r)].begin(),
                                    ag_out[static_cast<size_t>(r)].begin() + total);
       CHECK(got == totals);  // sums in rank order, as this loop does
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+using transport::HeapLocation;
+using transport::SymmetricHeap;
+
+// One symmetric heap and one channel per rank, as the backend has. Each rank allocates
+// `extra_first[r]` bytes, then its full tensor (reduce-scatter input, all-gather output) from
+// the heap, or, where `in_heap[r]` is false, an ordinary buffer, and runs the collective twice
+// (then a bare barrier: the ranks stay in step). Returns, per rank and run, whether it ran in
+// place; checks every result against one computed here, bit for bit, either way.
+std::vector<bool> heap_gather_scatter(GatherScatterKind kind,
+                                      const std::vector<size_t>& extra_first,
+                                      const std::vector<bool>& in_heap, int64_t block,
+                                      bool input_inside_output) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  constexpr int64_t kSlotElems = 512;  // several windows when staged
+  const bool rs = kind == GatherScatterKind::kReduceScatter;
+  const int world = static_cast<int>(extra_first.size());
+  const auto uworld = static_cast<size_t>(world);
+  auto channels = make_group(world, kSlotElems * sizeof(float));
+  std::vector<std::unique_ptr<SymmetricHeap>> heaps;
+  std::vector<std::vector<float>> ordinary(uworld), blocks(uworld);
+  std::vector<float*> full(uworld);
+  std::vector<HeapLocation> where(uworld);
+  // inputs[r]: rank r's reduce-scatter input or all-gather block.
+  std::vector<std::vector<float>> inputs;
+  for (int r = 0; r < world; ++r)
+    inputs.push_back(random_floats(rs ? world * block : block, 9 + r));
+  const int64_t full_elems = world * block;
+  for (int r = 0; r < world; ++r) {
+    const auto ur = static_cast<size_t>(r);
+    transport::ShmChannel& ch = channels[ur];
+    heaps.push_back(std::make_unique<SymmetricHeap>(
+        r, world, 2 * kMiB,
+        [&ch](int arena, const transport::ArenaAddress& a) { ch.publish_arena(arena, a); }));
+    if (extra_first[ur] > 0) heaps[ur]->allocate(extra_first[ur]);
+    if (in_heap[ur]) {
+      const auto b = heaps[ur]->allocate(static_cast<size_t>(full_elems) * sizeof(float));
+      full[ur] = reinterpret_cast<float*>(b.data);
+      where[ur] = b.where;
+    } else {
+      ordinary[ur].resize(static_cast<size_t>(full_elems));
+      full[ur] = ordinary[ur].data();
+    }
+    std::fill(full[ur], full[ur] + full_elems, -1.0f);
+    blocks[ur].assign(static_cast<size_t>(block), -1.0f);
+    if (rs) {
+      std::copy(inputs[ur].begin(), inputs[ur].end(), full[ur]);
+    } else if (input_inside_output) {  // FSDP's all-gather input: its block of the output
+      std::copy(inputs[ur].begin(), inputs[ur].end(), full[ur] + r * block);
+    } else {
+      blocks[ur] = inputs[ur];
+    }
+  }
+  const GatherScatterPlan p(kind, world, block, kSlotElems);
+  CHECK(p.num_windows() > 1);
+  const plan::FlatLayout layout({block});
+  std::vector<bool> in_place(2 * uworld, false);
+  const auto errors = on_threads(world, [&](int r) {
+    const auto ur = static_cast<size_t>(r);
+    transport::ShmChannel& ch = channels[ur];
+    transport::GatherScatterExecutor exec(ch);
+    transport::GatherScatterRequest req;
+    req.plan = &p;
+    req.block_layout = &layout;
+    req.full = {reinterpret_cast<char*>(full[ur])};
+    req.block = {reinterpret_cast<char*>(!rs && input_inside_output ? full[ur] + r * block
+                                                                    : blocks[ur].data())};
+    req.op = kernels::ReduceOp::kSum;
+    SymmetricHeap& heap = *heaps[ur];
+    if (in_heap[ur]) {
+      req.full_copies = [&] {
+        std::vector<char*> copies;
+        for (int peer = 0; peer < world; ++peer) {
+          const int arena = where[ur].arena;
+          copies.push_back(heap.arena_of(peer, arena, ch.arena_of(peer, arena)) + where[ur].offset);
+        }
+        return copies;
+      };
+    }
+    for (uint64_t seq = 1; seq <= 2; ++seq) {
+      req.ctx = make_ctx(seq, block);
+      req.ctx.descriptor.heap_arena = in_heap[ur] ? where[ur].arena : -1;
+      req.ctx.descriptor.heap_offset = in_heap[ur] ? where[ur].offset : 0;
+      in_place[(seq - 1) * uworld + ur] = exec.run(req);
+    }
+    ch.barrier(transport::Clock::now() + std::chrono::seconds(30), "closing barrier");
+  });
+  for (int r = 0; r < world; ++r) {
+    const auto ur = static_cast<size_t>(r);
+    CHECK_EQ(errors[ur], "");
+    if (rs) {
+      // The sum in rank order, as the flat allreduce takes it: bit for bit.
+      std::vector<float> want(static_cast<size_t>(block), 0.0f);
+      for (int src = 0; src < world; ++src) {
+        for (int64_t i = 0; i < block; ++i)
+          want[i] += inputs[static_cast<size_t>(src)][r * block + i];
+      }
+      CHECK(blocks[ur] == want);
+    } else {
+      std::vector<float> want;
+      for (const auto& v : inputs) want.insert(want.end(), v.begin(), v.end());
+      CHECK(std::vector<float>(full[ur], full[ur] + full_elems) == want);
+    }
+  }
+  return in_place;
+}
+
+TEST(gather_scatter_in_place_from_the_heap_when_every_place_agrees) {
+  for (const GatherScatterKind kind :
+       {GatherScatterKind::kReduceScatter, GatherScatterKind::kAllGather}) {
+    for (const bool inside : {true, false}) {
+      CHECK(heap_gather_scatter(kind, {0, 0, 0}, {true, true, true}, 3001, inside) ==
+            std::vector<bool>(6, true));
+      // The same extra allocation on every rank: still the same place.
+      CHECK(heap_gather_scatter(kind, {512, 512}, {true, true}, 2000, inside) ==
+            std::vector<bool>(4, true));
+    }
+  }
+}
+
+TEST(gather_scatter_heap_tensors_at_different_places_stage_on_every_rank) {
+  for (const GatherScatterKind kind :
+       {GatherScatterKind::kReduceScatter, GatherScatterKind::kAllGather}) {
+    // Rank 1 allocated something first: its tensor is elsewhere, so every rank stages.
+    CHECK(heap_gather_scatter(kind, {0, 4096, 0}, {true, true, true}, 3001, true) ==
+          std::vector<bool>(6, false));
+  }
+}
+
+TEST(gather_scatter_heap_tensor_on_some_ranks_only_stages_on_every_rank) {
+  for (const GatherScatterKind kind :
+       {GatherScatterKind::kReduceScatter, GatherScatterKind::kAllGather}) {
+    for (const bool inside : {true, false}) {
+      CHECK(heap_gather_scatter(kind, {0, 0, 0}, {true, false, true}, 3001, inside) ==
+            std::vector<bool>(6, false));
     }
   }
 }
