@@ -32,7 +32,9 @@ SMALL_SLOT = 4096
 def _hosts_env(ranks_per_host: list[int]) -> list[dict[str, str]]:
     """XDEV_HOSTNAME for each rank: host 0's ranks first, then host 1's, and so on."""
     return [
-        {"XDEV_HOSTNAME": f"fake-host-{h}"} for h, count in enumerate(ranks_per_host) for _ in range(count)
+        {"XDEV_HOSTNAME": f"fake-host-{h}"}
+        for h, count in enumerate(ranks_per_host)
+        for _ in range(count)
     ]
 
 
@@ -65,7 +67,9 @@ def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, A
     shapes = [(5,), (0,), (3, 7), (300,), (2000,)]
     inputs = [
         [
-            make_input(500 + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM).view(s)
+            make_input(
+                500 + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM
+            ).view(s)
             for i, s in enumerate(shapes)
         ]
         for r in range(world)

@@ -173,8 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (!cross_host_engine.is_none()) {
                // A handle, not an owner: this runs without the GIL. It is called
                // during construction only, while the caller's argument lives.
-               make_engine = [factory = cross_host_engine](const std::string& prefix, int engine_rank,
-                                       int engine_size) {
+               make_engine = [factory = cross_host_engine](const std::string& prefix,
+                                                           int engine_rank, int engine_size) {
                  py::gil_scoped_acquire gil;
                  py::object engine = factory(prefix, engine_rank, engine_size);
                  auto* raw = engine.cast<c10d::Backend*>();
@@ -187,8 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
            py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
-           py::arg("cross_host_engine") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cross_host_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
       .def(
           "shared_empty",

@@ -44,8 +44,10 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10
   // Errors of the host's channel number its ranks locally: say which group ranks they are.
   std::string ranks;
   for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  const std::string where = " in host '" + group.config().hostname + "', whose local ranks are "
-                            "group ranks " + ranks + ")";
+  const std::string where = " in host '" + group.config().hostname +
+                            "', whose local ranks are "
+                            "group ranks " +
+                            ranks + ")";
   what_reduce_scatter_ = "two-level allreduce (reduce-scatter" + where;
   what_all_gather_ = "two-level allreduce (all-gather" + where;
 }
@@ -88,8 +90,8 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
   std::vector<at::Tensor> engine_tensors{slice};
   c10d::AllreduceOptions opts;
   opts.reduceOp = engine_op(op);
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - transport::Clock::now());
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
   opts.timeout = std::max(left, std::chrono::milliseconds(1));
   c10::intrusive_ptr<c10d::Work> work = engine_->allreduce(engine_tensors, opts);
   if (!work->wait(opts.timeout)) {
@@ -97,8 +99,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
   }
   if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
 
-  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum,
-              deadline);
+  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, deadline);
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
@@ -116,8 +117,8 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
     start += n * unit;
   }
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
-  const plan::GatherScatterPlan plan(kind, blocks,
-                                     reduce_scatter ? slot_bytes / flat.element_size() : slot_bytes);
+  const plan::GatherScatterPlan plan(
+      kind, blocks, reduce_scatter ? slot_bytes / flat.element_size() : slot_bytes);
   const plan::FlatLayout layout({plan.block_elems()});  // every piece lies within the largest block
   transport::GatherScatterRequest req;
   req.plan = &plan;
@@ -134,9 +135,8 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);
   d.total_elems = start;
   d.shape_hash = shape_hash({flat});
-  req.ctx = group_.make_context(d, reduce_scatter ? what_reduce_scatter_.c_str()
-                                                 : what_all_gather_.c_str(),
-                                deadline);
+  req.ctx = group_.make_context(
+      d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
   executor_.run(req);
 }
 

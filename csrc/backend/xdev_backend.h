@@ -41,8 +41,8 @@ class XdevBackend : public c10d::Backend {
  public:
   // Makes an engine (Gloo) for `size` ranks, this one being `rank`, on the
   // keys under `prefix` of the group's store.
-  using EngineFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
-      const std::string& prefix, int rank, int size)>;
+  using EngineFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string& prefix,
+                                                                        int rank, int size)>;
 
   // fallback runs CPU tensors (Gloo); cuda_fallback, when given, runs CUDA
   // tensors (NCCL) unless ranks share a GPU, where Gloo takes them too.
@@ -198,7 +198,7 @@ class XdevBackend : public c10d::Backend {
   GroupContext group_;                   // first member: everything below uses it
   std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
   std::unique_ptr<CpuGatherScatter> gather_scatter_;
-  std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA
+  std::unique_ptr<CudaCollectives> cuda_;         // null without CUDA
   std::unique_ptr<TwoLevelAllreduce> two_level_;  // null unless ranks span hosts evenly
   std::string two_level_note_;                    // why two_level_ is null
   SharedBuffers shared_;

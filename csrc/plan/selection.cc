@@ -57,12 +57,13 @@ Selection across_hosts(const SelectionInput& in) {
     return s;
   }
   if (in.host_model == nullptr || in.network == nullptr) {
-    throw std::invalid_argument("select_allreduce: the two-level plan needs a host and a network "
-                                "model");
+    throw std::invalid_argument(
+        "select_allreduce: the two-level plan needs a host and a network "
+        "model");
   }
-  const AcrossHostsChoice c = choose_across_hosts({in.num_hosts, in.ranks_per_host},
-                                                  model_bucket_bytes(in.payload_bytes),
-                                                  *in.network, *in.host_model);
+  const AcrossHostsChoice c =
+      choose_across_hosts({in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
+                          *in.network, *in.host_model);
   s.reason = c.reason;
   s.predicted_s = c.predicted_s;
   if (c.two_level) {

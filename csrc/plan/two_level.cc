@@ -28,8 +28,8 @@ double ring_s(int n, double bytes, double rate, double latency_s) {
 // sockets: one stream's own limit, the host's share of its link (for streams
 // that leave it), and the host's memory, which all of them cross.
 double stream_rate(const NetworkParams& net, int streams, int leaving) {
-  double rate = std::min(net.stream_bytes_per_s,
-                         net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
+  double rate =
+      std::min(net.stream_bytes_per_s, net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
   if (leaving > 0) rate = std::min(rate, net.host_bytes_per_s / leaving);
   return rate;
 }
@@ -70,8 +70,7 @@ double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const Network
   check(hosts);
   // Every rank of a host sends at each step: one message leaves the host, the
   // others go to its neighbours on the host, all through sockets.
-  const double rate =
-      stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
   return ring_s(hosts.world_size(), static_cast<double>(bytes), rate, net.latency_s);
 }
 
