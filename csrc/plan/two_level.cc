@@ -28,8 +28,10 @@ double ring_s(int n, double bytes, double rate, double latency_s) {
 // sockets: one stream's own limit, the host's share of its link (for streams
 // that leave it), and the host's memory, which all of them cross.
 double stream_rate(const NetworkParams& net, int streams, int leaving) {
-  double rate =
-      std::min(net.stream_bytes_per_s, net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
+  double rate = net.stream_bytes_per_s;
+  if (net.host_memory_bytes_per_s > 0) {
+    rate = std::min(rate, net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
+  }
   if (leaving > 0) rate = std::min(rate, net.host_bytes_per_s / leaving);
   return rate;
 }

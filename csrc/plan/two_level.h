@@ -19,7 +19,6 @@
 #include <string>
 
 #include "cost_model.h"
-#include "machines.h"
 
 namespace xdev::plan {
 
@@ -38,8 +37,9 @@ struct NetworkParams {
   double latency_s = network_default::kLatencyUs * 1e-6;
   // The host's memory, which every byte through a socket crosses
   // kSocketMemoryPasses times (into the kernel and out: a read and a write
-  // each), shared by all its ranks' streams.
-  double host_memory_bytes_per_s = cpu_fit::kMemoryGbps * 1e9;
+  // each), shared by all its ranks' streams; 0: not modelled. The backend
+  // sets it from its CPU model.
+  double host_memory_bytes_per_s = 0;
 };
 inline constexpr double kSocketMemoryPasses = 4;
 

@@ -63,7 +63,8 @@ TEST(two_level_traffic_of_one_host_is_empty) {
 }
 
 TEST(two_level_is_predicted_faster_with_several_ranks_per_host) {
-  const NetworkParams net;
+  NetworkParams net;
+  net.host_memory_bytes_per_s = CpuHostParams{}.memory_bytes_per_s;
   for (int per_host : {2, 4, 8}) {
     CpuHostParams params;
     params.cores = per_host;  // a core per rank, as on a real host
@@ -103,7 +104,8 @@ TEST(predict_two_level_checks_the_host_model) {
 }
 
 TEST(select_allreduce_across_hosts) {
-  const NetworkParams net;
+  NetworkParams net;
+  net.host_memory_bytes_per_s = CpuHostParams{}.memory_bytes_per_s;
   const MachineModel host = cpu_host(2, CpuHostParams{});
   SelectionInput in = across_hosts_input(host, net, 2, 2, kMiB);
   Selection s = select_allreduce(in);
