@@ -130,6 +130,7 @@ class Config:
     arrival: str = "back-to-back"  # CPU mode: or "skewed" (a Gloo barrier before each call)
     rounds: int = 1
     deepspeed_skipped: Optional[str] = None  # why the DeepSpeed row is left out; None: try it
+    hosts: int = 1  # CPU mode: the ranks split over this many hosts (XDEV_HOSTNAME)
 
 
 def parse_size(text: str) -> int:
@@ -330,6 +331,8 @@ def run_rank(rank: int, cfg: Config) -> None:
         run_rank_cuda(rank, cfg)
         return
     torch.set_num_threads(1)
+    if cfg.hosts > 1:  # host-contiguous: ranks 0..L-1 on the first host, and so on
+        os.environ["XDEV_HOSTNAME"] = f"fake-host-{rank // (cfg.nproc // cfg.hosts)}"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(cfg.port)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.nproc)
@@ -535,6 +538,8 @@ def host_overhead(group: Any, device: torch.device, calls: int) -> dict[str, flo
 
 def run_rank_cuda(rank: int, cfg: Config) -> None:
     torch.set_num_threads(1)
+    if cfg.hosts > 1:  # host-contiguous: ranks 0..L-1 on the first host, and so on
+        os.environ["XDEV_HOSTNAME"] = f"fake-host-{rank // (cfg.nproc // cfg.hosts)}"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(cfg.port)
     if cfg.topo_file is not None:
@@ -768,6 +773,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="CPU mode: leave out the DeepSpeed SHM allreduce row (added where deepspeed is"
         " importable)",
     )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="CPU mode: split the ranks over this many hosts as xdev sees them (XDEV_HOSTNAME),"
+        " host by host; xdev runs auto (the two-level plan across hosts) next to Gloo, and the"
+        " header gives each plan's traffic per host from the plans (default 1)",
+    )
     parser.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
     parser.add_argument("--slot-bytes", type=parse_size, default=None, help="xdev shm_slot_bytes")
     parser.add_argument(
@@ -871,6 +884,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             algorithms.append(algorithm)
     if args.slot_bytes is not None:
         torch_xdev.Options(shm_slot_bytes=args.slot_bytes)  # validates early
+    if args.hosts != 1:
+        if args.device != "cpu" or args.hosts < 1 or args.nproc % args.hosts:
+            sys.exit("--hosts needs CPU mode and divides --nproc")
+        algorithms = ["auto"]  # the forced native plans need one host
+        args.no_deepspeed = True
 
     if args.device == "cuda":
         cfg = make_cuda_config(args, algorithms)
@@ -945,12 +963,14 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
 def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     memcpy_gbps, memcpy_us = measure_memcpy(args.sizes)
     deepspeed_skipped = (
-        "left out by --no-deepspeed"
+        "left out by --no-deepspeed or --hosts"
         if args.no_deepspeed
         else deepspeed_shm.unavailable_reason("cpu", args.dtype)
     )
     # Skewed rows are not for benchmarks/calibrate.py, which reads allreduce_*ranks.json.
     suffix = "_skewed" if args.arrival == "skewed" else ""
+    if args.hosts > 1:
+        suffix += f"_{args.hosts}hosts"
     cfg = make_config(
         args,
         algorithms,
@@ -960,8 +980,11 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         arrival=args.arrival,
         rounds=args.rounds,
         deepspeed_skipped=deepspeed_skipped,
+        hosts=args.hosts,
     )
     print(f"# torch-xdev allreduce benchmark  nproc={cfg.nproc}  dtype={cfg.dtype}")
+    if cfg.hosts > 1:
+        print_traffic(cfg)
     print(
         f"# torch {torch.__version__}  torch_xdev {torch_xdev.__version__}  cpus {os.cpu_count()}"
     )
@@ -980,6 +1003,24 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     print(f"# arrival: {arrival}")
     print("# time = slowest rank's mean per call; busbw = algbw*2(n-1)/n; vs_gloo = speedup")
     return cfg
+
+
+def print_traffic(cfg: Config) -> None:
+    """Where each plan's bytes go, per host, from the plans (loopback hides it here)."""
+    per_host = cfg.nproc // cfg.hosts
+    print(
+        f"# {cfg.hosts} hosts x {per_host} ranks (XDEV_HOSTNAME); per host, from the plans:"
+        " MB sent to other hosts / sequential steps across hosts / streams leaving at once /"
+        " MB between ranks of one host through sockets"
+    )
+    for size in cfg.sizes:
+        plans = torch_xdev._C.plan.across_hosts_traffic(cfg.hosts, per_host, size)
+        cells = [
+            f"{name} {t['inter_host_bytes'] / 1e6:.3f} / {t['inter_host_steps']} /"
+            f" {t['inter_host_streams']} / {t['intra_host_socket_bytes'] / 1e6:.3f}"
+            for name, t in (("two-level", plans["two_level"]), ("gloo ring", plans["flat_ring"]))
+        ]
+        print(f"#   {format_size(size):>8}: " + ";  ".join(cells))
 
 
 def launch(cfg: Config) -> int:

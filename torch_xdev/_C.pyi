@@ -1,6 +1,6 @@
 # Type stub for the compiled extension (csrc/backend/bindings.cc).
 from datetime import timedelta
-from typing import Any, TypedDict
+from typing import Any, Callable, Optional, TypedDict
 
 from torch._C._distributed_c10d import Backend, Store
 
@@ -41,6 +41,9 @@ class BackendConfig:
     cpu_barrier_us: float  # CPU cost model: barrier, us
     cpu_step_us: float  # CPU cost model: per step, us
     cpu_sleeping_barrier_us: float  # CPU cost model: barrier with more ranks than cores, us
+    net_host_gbps: float  # network model: one host's link, GB/s
+    net_stream_gbps: float  # network model: one TCP stream, GB/s
+    net_latency_us: float  # network model: one message between hosts, us
     def __init__(self) -> None: ...
     def validate(self) -> None: ...
     @staticmethod
@@ -55,6 +58,9 @@ class XdevBackend(Backend):
         config: BackendConfig,
         fallback: Any,  # a c10d Backend (ProcessGroupGloo); its stub does not say so
         cuda_fallback: Any = None,  # ProcessGroupNCCL for CUDA tensors, or None
+        # (prefix, rank, size) -> an engine (ProcessGroupGloo) for the ranks of one local
+        # index across hosts; called once at construction where ranks span hosts evenly.
+        cross_host_engine: Optional[Callable[[str, int, int], Any]] = None,
     ) -> None: ...
     def describe(self) -> dict[str, Any]: ...
     @property
@@ -103,6 +109,17 @@ class plan:
     class Choice(TypedDict):
         best: plan.Prediction
         predictions: list[plan.Prediction]
+
+    class Traffic(TypedDict):
+        inter_host_bytes: float  # sent by each host to other hosts
+        inter_host_steps: int  # sequential steps whose messages cross hosts
+        inter_host_streams: int  # leaving each host at once
+        intra_host_socket_bytes: float  # between ranks of one host, through sockets
+
+    @staticmethod
+    def across_hosts_traffic(
+        num_hosts: int, ranks_per_host: int, nbytes: int
+    ) -> dict[str, plan.Traffic]: ...  # keys "two_level" and "flat_ring"
 
     @staticmethod
     def builtin_machine(name: str) -> plan.MachineModel: ...

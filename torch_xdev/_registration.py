@@ -6,7 +6,7 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ CPU_MODEL_FIELDS = {
     "barrier_us": "cpu_barrier_us",
     "step_us": "cpu_step_us",
     "sleeping_barrier_us": "cpu_sleeping_barrier_us",
+    "net_host_gbps": "net_host_gbps",
+    "net_stream_gbps": "net_stream_gbps",
+    "net_latency_us": "net_latency_us",
 }
 
 
@@ -86,6 +89,23 @@ def _make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     return ProcessGroupNCCL(PrefixStore("xdev/nccl/", store), rank, size, options)
 
 
+def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, int], Any]:
+    """Makes the Gloo group of the two-level allreduce's step across hosts.
+
+    The backend calls it once per group where ranks span hosts evenly: the ranks of one local
+    index, one per host. Its device connects lazily, so a group that never allreduces across
+    hosts opens no sockets for it.
+    """
+
+    def make(prefix: str, rank: int, size: int) -> Any:
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_default_device(lazy_init=True)]
+        return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+
+    return make
+
+
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     # One XdevBackend serves every device type of its group: c10d registers it
     # for "cpu" and "cuda" and calls this creator once.
@@ -104,7 +124,15 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     store = dist_opts.store
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
-    return _C.XdevBackend(store, rank, size, config, fallback, cuda_fallback)
+    return _C.XdevBackend(
+        store,
+        rank,
+        size,
+        config,
+        fallback,
+        cuda_fallback,
+        cross_host_engine=_cross_host_engine(store, config.timeout),
+    )
 
 
 def register() -> None:

@@ -1,7 +1,9 @@
 #include "backend_config.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace xdev::backend {
 
@@ -16,6 +18,28 @@ void validate(const BackendConfig& config) {
                                 " and >= " + std::to_string(kMinSlotBytes) + "; got " +
                                 std::to_string(config.cuda_slot_bytes));
   }
+}
+
+plan::MachineModel cpu_host_model(const BackendConfig& c, int ranks) {
+  plan::CpuHostParams params;
+  params.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  params.core_bytes_per_s = c.cpu_core_gbps * 1e9;
+  params.memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
+  params.launch_latency_s = c.cpu_launch_us * 1e-6;
+  params.barrier_latency_s = c.cpu_barrier_us * 1e-6;
+  params.step_latency_s = c.cpu_step_us * 1e-6;
+  params.sleeping_barrier_latency_s = c.cpu_sleeping_barrier_us * 1e-6;
+  params.window_bytes = c.shm_slot_bytes;
+  return plan::cpu_host(ranks, params);
+}
+
+plan::NetworkParams network_model(const BackendConfig& c) {
+  plan::NetworkParams net;
+  net.host_bytes_per_s = c.net_host_gbps * 1e9;
+  net.stream_bytes_per_s = c.net_stream_gbps * 1e9;
+  net.latency_s = c.net_latency_us * 1e-6;
+  net.host_memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
+  return net;
 }
 
 }  // namespace xdev::backend

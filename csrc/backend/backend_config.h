@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../plan/machines.h"
+#include "../plan/two_level.h"
 
 // clang-format off
 #define XDEV_OPTION_FIELDS(X)                                                                    \
@@ -58,7 +59,13 @@
   X(double, cpu_barrier_us, xdev::plan::cpu_fit::kBarrierUs, "CPU cost model: barrier, us")      \
   X(double, cpu_step_us, xdev::plan::cpu_fit::kStepUs, "CPU cost model: per step, us")           \
   X(double, cpu_sleeping_barrier_us, xdev::plan::cpu_fit::kSleepingBarrierUs,                    \
-    "CPU cost model: barrier with more ranks than cores, us")
+    "CPU cost model: barrier with more ranks than cores, us")                                   \
+  X(double, net_host_gbps, xdev::plan::network_default::kHostGbps,                               \
+    "network model: one host's link, GB/s")                                                      \
+  X(double, net_stream_gbps, xdev::plan::network_default::kStreamGbps,                           \
+    "network model: one TCP stream, GB/s")                                                       \
+  X(double, net_latency_us, xdev::plan::network_default::kLatencyUs,                             \
+    "network model: one message between hosts, us")
 // clang-format on
 
 namespace xdev::backend {
@@ -81,5 +88,11 @@ inline constexpr int64_t kCudaSlotAlignment = 256;
 // depends on the group (reduce_to_rank, an algorithm that needs an even world) are checked
 // where the group is known.
 void validate(const BackendConfig& config);
+
+// The cost models algorithm="auto" weighs plans with: this host's
+// shared-memory path for `ranks` ranks (the cpu_* settings), and the network
+// between hosts (the net_* settings).
+plan::MachineModel cpu_host_model(const BackendConfig& config, int ranks);
+plan::NetworkParams network_model(const BackendConfig& config);
 
 }  // namespace xdev::backend

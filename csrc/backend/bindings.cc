@@ -102,6 +102,8 @@ py::dict describe(const XdevBackend& b) {
   d["num_hosts"] = b.num_hosts();
   d["hostname"] = c.hostname;
   d["shared_memory"] = b.has_shared_memory();
+  d["two_level"] = b.two_level_available();
+  d["two_level_note"] = b.two_level_note();
   d["single_copy"] = b.single_copy_available();
   d["single_copy_note"] = b.single_copy_note();
   d["shared_buffers"] = b.live_shared_buffers();
@@ -156,7 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<XdevBackend, c10d::Backend, GilReleasingHolder<XdevBackend>>(m, "XdevBackend")
       .def(py::init([](c10d::Store* store, int rank, int size, const BackendConfig& config,
-                       c10d::Backend* fallback, c10d::Backend* cuda_fallback) {
+                       c10d::Backend* fallback, c10d::Backend* cuda_fallback,
+                       py::handle cross_host_engine) {
              TORCH_CHECK_VALUE(store != nullptr, "store must not be None");
              TORCH_CHECK_VALUE(fallback != nullptr, "fallback must not be None");
              // Take our own references on objects Python also holds.
@@ -166,12 +169,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (cuda_fallback != nullptr) {
                cuda_ref = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(cuda_fallback);
              }
+             XdevBackend::EngineFactory make_engine;
+             if (!cross_host_engine.is_none()) {
+               // A handle, not an owner: this runs without the GIL. It is called
+               // during construction only, while the caller's argument lives.
+               make_engine = [factory = cross_host_engine](const std::string& prefix,
+                                                           int engine_rank, int engine_size) {
+                 py::gil_scoped_acquire gil;
+                 py::object engine = factory(prefix, engine_rank, engine_size);
+                 auto* raw = engine.cast<c10d::Backend*>();
+                 TORCH_CHECK_VALUE(raw != nullptr, "cross_host_engine returned None");
+                 return c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
+               };
+             }
              return GilReleasingHolder<XdevBackend>(c10::make_intrusive<XdevBackend>(
-                 store_ref, rank, size, config, fallback_ref, cuda_ref));
+                 store_ref, rank, size, config, fallback_ref, cuda_ref, make_engine));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
            py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cross_host_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
       .def(
           "shared_empty",

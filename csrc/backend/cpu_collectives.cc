@@ -4,30 +4,13 @@
 #include <cstdio>
 #include <thread>
 
-#include "../plan/machines.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
-namespace {
-
-plan::MachineModel host_model(const BackendConfig& c, int size) {
-  plan::CpuHostParams params;
-  params.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  params.core_bytes_per_s = c.cpu_core_gbps * 1e9;
-  params.memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
-  params.launch_latency_s = c.cpu_launch_us * 1e-6;
-  params.barrier_latency_s = c.cpu_barrier_us * 1e-6;
-  params.step_latency_s = c.cpu_step_us * 1e-6;
-  params.sleeping_barrier_latency_s = c.cpu_sleeping_barrier_us * 1e-6;
-  params.window_bytes = c.shm_slot_bytes;
-  return plan::cpu_host(size, params);
-}
-
-}  // namespace
 
 CpuCollectives::CpuCollectives(GroupContext& group)
     : group_(group),
-      model_(host_model(group.config(), group.size())),
+      model_(cpu_host_model(group.config(), group.size())),
       staged_(*group.channel()),
       in_place_(*group.channel()),
       planner_(plan::LinkMatrix::fully_connected(group.size())) {

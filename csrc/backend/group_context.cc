@@ -61,8 +61,13 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   check_options(config_, size_);
   rendezvous_hosts();
   plan::check_forced_algorithm(requested_, size_, num_hosts_);
-  if (num_hosts_ == 1 && size_ > 1 && requested_ != plan::Algorithm::kFallback) {
-    open_shared_memory();
+  if (requested_ != plan::Algorithm::kFallback) {
+    if (num_hosts_ == 1 && size_ > 1) {
+      channel_ = open_shared_memory("xdev/shm/", size_, rank_);
+    } else if (num_hosts_ > 1 && hosts_even_ && local_world_size_ > 1) {
+      host_channel_ = open_shared_memory("xdev/host_shm/" + std::to_string(host_index_) + "/",
+                                         local_world_size_, local_rank_);
+    }
   }
   choose_spin_budgets();
   queue_ = std::make_unique<WorkQueue>();
@@ -74,34 +79,49 @@ GroupContext::~GroupContext() {
 
 void GroupContext::rendezvous_hosts() {
   store_->set("xdev/host/" + std::to_string(rank_), config_.hostname);
-  std::set<std::string> hosts;
+  std::vector<std::string> hosts;  // by lowest rank
+  std::vector<int> ranks_on_host;
   local_world_size_ = 0;
   for (int r = 0; r < size_; ++r) {
     const std::string host = store_->get_to_str("xdev/host/" + std::to_string(r));
-    hosts.insert(host);
-    if (host == config_.hostname) ++local_world_size_;
+    const auto it = std::find(hosts.begin(), hosts.end(), host);
+    const auto index = static_cast<size_t>(it - hosts.begin());
+    if (it == hosts.end()) {
+      hosts.push_back(host);
+      ranks_on_host.push_back(0);
+    }
+    if (host == config_.hostname) {
+      host_index_ = static_cast<int>(index);
+      if (r == rank_) local_rank_ = ranks_on_host[index];
+      host_ranks_.push_back(r);
+    }
+    ++ranks_on_host[index];
   }
   num_hosts_ = static_cast<int>(hosts.size());
+  local_world_size_ = ranks_on_host[static_cast<size_t>(host_index_)];
+  hosts_even_ = std::all_of(ranks_on_host.begin(), ranks_on_host.end(),
+                            [&](int n) { return n == ranks_on_host[0]; });
 }
 
-// Rank 0 creates the segment and publishes its name; once every rank has
-// mapped it (counted through the store), rank 0 unlinks the name, so the
-// memory disappears with the last process that maps it, crash or not.
-void GroupContext::open_shared_memory() {
+// The channel's first rank creates the segment and publishes its name; once
+// every rank has mapped it (counted through the store), it unlinks the name,
+// so the memory disappears with the last process that maps it, crash or not.
+std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const std::string& prefix,
+                                                                        int ranks, int rank) {
   const auto slot_bytes = static_cast<size_t>(config_.shm_slot_bytes);
   transport::ShmChannel channel;
-  if (rank_ == 0) {
+  if (rank == 0) {
     transport::ShmSegment::remove_orphans();
     const std::string name = transport::ShmSegment::make_name();
-    channel = transport::ShmChannel::create(name, size_, rank_, slot_bytes);
-    store_->set("xdev/shm/name", name);
+    channel = transport::ShmChannel::create(name, ranks, rank, slot_bytes);
+    store_->set(prefix + "name", name);
   } else {
-    const std::string name = store_->get_to_str("xdev/shm/name");
-    channel = transport::ShmChannel::attach(name, size_, rank_, slot_bytes);
+    const std::string name = store_->get_to_str(prefix + "name");
+    channel = transport::ShmChannel::attach(name, ranks, rank, slot_bytes);
   }
-  store_barrier(*store_, "xdev/shm/attached/", size_);
-  if (rank_ == 0) channel.unlink_name();
-  channel_ = std::make_unique<transport::ShmChannel>(std::move(channel));
+  store_barrier(*store_, prefix + "attached/", ranks);
+  if (rank == 0) channel.unlink_name();
+  return std::make_unique<transport::ShmChannel>(std::move(channel));
 }
 
 // A rank that reaches a barrier before the others spins for a while, then
@@ -203,11 +223,13 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
     });
-    if (channel_ != nullptr) {
-      // Whoever waits behind this collective is blocked, so its core is free.
-      const bool a_caller_waits = !async_op || callers_waiting_.load() > 0;
-      channel_->set_spin_budget(a_caller_waits ? spin_while_caller_waits_
-                                               : spin_while_caller_runs_);
+    // Whoever waits behind this collective is blocked, so its core is free.
+    const bool a_caller_waits = !async_op || callers_waiting_.load() > 0;
+    for (transport::ShmChannel* channel : {channel_.get(), host_channel_.get()}) {
+      if (channel != nullptr) {
+        channel->set_spin_budget(a_caller_waits ? spin_while_caller_waits_
+                                                : spin_while_caller_runs_);
+      }
     }
     if (!poisoned_.empty()) {
       work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +

@@ -71,6 +71,20 @@ class GroupContext {
   // or with algorithm="fallback".
   transport::ShmChannel* channel() const { return channel_.get(); }
 
+  // Where this rank sits when the ranks span hosts (hosts are numbered by
+  // their lowest rank; a host's ranks are ordered by rank).
+  int host_index() const { return host_index_; }
+  int local_rank() const { return local_rank_; }
+  // The group ranks of this host's ranks, in order: local rank l is host_ranks()[l].
+  const std::vector<int>& host_ranks() const { return host_ranks_; }
+  // Whether every host holds the same number of ranks.
+  bool hosts_even() const { return hosts_even_; }
+  // The channel of this host's ranks in a group that spans hosts (for the
+  // two-level collectives, plan/two_level.h): open when every host holds the
+  // same number of ranks, more than one, and the fallback is not forced;
+  // null otherwise. Its ranks are the local ranks.
+  transport::ShmChannel* host_channel() const { return host_channel_.get(); }
+
   // ---- Native collectives: numbering, description, deadlines, order ----
 
   // A descriptor of the next native collective (takes its sequence number; op
@@ -100,6 +114,8 @@ class GroupContext {
   void close_channel() {
     if (channel_) channel_->mark_left();
     channel_.reset();
+    if (host_channel_) host_channel_->mark_left();
+    host_channel_.reset();
   }
 
   // With Options.debug, prints message once per key (stderr, tagged with group and rank).
@@ -107,7 +123,10 @@ class GroupContext {
 
  private:
   void rendezvous_hosts();
-  void open_shared_memory();
+  // A channel of `ranks` ranks (this one is `rank` among them), agreed on
+  // through Store keys under `prefix`.
+  std::unique_ptr<transport::ShmChannel> open_shared_memory(const std::string& prefix, int ranks,
+                                                            int rank);
   void choose_spin_budgets();
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -117,7 +136,12 @@ class GroupContext {
   plan::Algorithm requested_ = plan::Algorithm::kAuto;
   int num_hosts_ = 1;
   int local_world_size_ = 1;
+  int host_index_ = 0;
+  int local_rank_ = 0;
+  std::vector<int> host_ranks_;
+  bool hosts_even_ = true;
   std::unique_ptr<transport::ShmChannel> channel_;
+  std::unique_ptr<transport::ShmChannel> host_channel_;
 
   // How long a barrier spins before it sleeps, for a collective whose caller
   // waits for it (its thread is blocked, so the spinner takes no core it

@@ -13,6 +13,7 @@
 #include "../plan/predict.h"
 #include "../plan/schedule.h"
 #include "../plan/topology.h"
+#include "../plan/two_level.h"
 
 namespace py = pybind11;
 
@@ -186,6 +187,29 @@ void bind_plan(py::module_& parent) {
         return std::string(plan::to_string(plan::classify(link_matrix(links))));
       },
       py::arg("links"), "'none', 'partial', 'fully_connected' or 'dgx1'.");
+
+  m.def(
+      "across_hosts_traffic",
+      [](int num_hosts, int ranks_per_host, int64_t nbytes) {
+        const plan::HostLayout layout{num_hosts, ranks_per_host};
+        py::dict d;
+        for (const auto& [name, t] :
+             {std::pair{"two_level", plan::two_level_traffic(layout, nbytes)},
+              std::pair{"flat_ring", plan::flat_ring_traffic(layout, nbytes)}}) {
+          py::dict row;
+          row["inter_host_bytes"] = t.inter_host_bytes;
+          row["inter_host_steps"] = t.inter_host_steps;
+          row["inter_host_streams"] = t.inter_host_streams;
+          row["intra_host_socket_bytes"] = t.intra_host_socket_bytes;
+          d[name] = row;
+        }
+        return d;
+      },
+      py::arg("num_hosts"), py::arg("ranks_per_host"), py::arg("nbytes"),
+      "Per host, for an allreduce of nbytes: bytes sent to other hosts, sequential steps that "
+      "cross hosts, streams leaving the host at once, and bytes between ranks of one host "
+      "through sockets; for the two-level plan ('two_level') and the engine's ring over all "
+      "ranks ('flat_ring').");
 }
 
 }  // namespace xdev::backend

@@ -18,7 +18,8 @@ std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext&) {
 
 XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback,
-                         c10::intrusive_ptr<c10d::Backend> cuda_fallback)
+                         c10::intrusive_ptr<c10d::Backend> cuda_fallback,
+                         const EngineFactory& cross_host_engine)
     : c10d::Backend(rank, size),
       group_(store, rank, size, std::move(config)),
       cpu_(group_.channel() ? std::make_unique<CpuCollectives>(group_) : nullptr),
@@ -27,6 +28,22 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
       shared_(group_),
       fallbacks_(std::move(fallback), std::move(cuda_fallback), cuda_.get()) {
   const BackendConfig& c = group_.config();
+  if (group_.num_hosts() > 1) {
+    if (group_.host_channel() != nullptr && cross_host_engine) {
+      // One engine per local index: the ranks of local rank l on every host.
+      two_level_ = std::make_unique<TwoLevelAllreduce>(
+          group_, cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
+                                    group_.host_index(), group_.num_hosts()));
+    } else if (group_.requested() == plan::Algorithm::kFallback) {
+      two_level_note_ = "algorithm='fallback' requested";
+    } else if (!group_.hosts_even()) {
+      two_level_note_ = "hosts hold different numbers of ranks";
+    } else if (group_.local_world_size() == 1) {
+      two_level_note_ = "one rank per host: nothing to share inside a host";
+    } else {
+      two_level_note_ = "no engine across hosts was given";
+    }
+  }
   if (c.debug && rank == 0) {
     const plan::Selection small = selection_for(1, false);
     const plan::Selection large = selection_for(int64_t{1} << 30, false);
@@ -53,6 +70,7 @@ void XdevBackend::shutdown() {
   if (!group_.stop_queue()) return;  // already shut down
   if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
   cpu_.reset();
+  two_level_.reset();  // joins its engine's threads
   gather_scatter_.reset();
   group_.close_channel();
   fallbacks_.shutdown();
@@ -93,6 +111,13 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
     }
   } else {
     in.transport_available = cpu_ != nullptr || size_ == 1;
+    in.two_level_available = two_level_ != nullptr;
+    in.two_level_note = two_level_note_;
+    if (two_level_ != nullptr) {
+      in.ranks_per_host = group_.local_world_size();
+      in.host_model = &two_level_->host_model();
+      in.network = &two_level_->network();
+    }
     if (cpu_ != nullptr) {
       in.single_copy_available = cpu_->single_copy_available();
       in.model = &cpu_->model();
@@ -146,11 +171,28 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
     in.in_symmetric_heap = shared.heap != nullptr;
   }
+  if (in.two_level_available) {
+    // One flat payload, cut into the same slices on every host; the engine
+    // has no AVG, which is a division after its SUM, so for floating dtypes only.
+    for (const at::Tensor& t : tensors) {
+      if (t.scalar_type() != tensors[0].scalar_type()) {
+        in.two_level_available = false;
+        in.two_level_note = "tensors of several dtypes";
+      }
+    }
+    if (in.op_is_avg && !at::isFloatingType(tensors[0].scalar_type())) {
+      in.two_level_available = false;
+      in.two_level_note = "AVG of integers";
+    }
+  }
   const plan::Selection sel = plan::select_allreduce(in);
   if (!sel.in_place_shared) shared = {};
   log_choice(sel, device.is_cuda());
   if (sel.algorithm == plan::Algorithm::kFallback) {
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
+  }
+  if (sel.two_level) {
+    return two_level_->allreduce(tensors, *native_op(opts.reduceOp), opts.timeout, opts.asyncOp);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it

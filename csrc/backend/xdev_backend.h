@@ -9,6 +9,8 @@
 //   - CudaCollectives: allreduce of CUDA tensors on one host whose GPUs reach
 //     each other (built only with CUDA);
 //   - SharedBuffers: torch_xdev.shared_empty, whose tensors reduce in place;
+//   - TwoLevelAllreduce: allreduce of CPU tensors across hosts, shared memory
+//     inside each host and an engine across;
 //   - FallbackEngines: Gloo, and NCCL for CUDA tensors, for everything else.
 // What they share (rank, store, options, the channel, the op queue) is the
 // GroupContext.
@@ -18,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,16 +35,25 @@
 #include "fallback_engines.h"
 #include "group_context.h"
 #include "shared_buffers.h"
+#include "two_level_allreduce.h"
 
 namespace xdev::backend {
 
 class XdevBackend : public c10d::Backend {
  public:
+  // Makes an engine (Gloo) for `size` ranks, this one being `rank`, on the
+  // keys under `prefix` of the group's store.
+  using EngineFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::string& prefix,
+                                                                        int rank, int size)>;
+
   // fallback runs CPU tensors (Gloo); cuda_fallback, when given, runs CUDA
   // tensors (NCCL) unless ranks share a GPU, where Gloo takes them too.
+  // cross_host_engine, when given, makes the engine of the two-level plan's
+  // part across hosts; it is called here (once) where the plan can run.
   XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
               BackendConfig config, c10::intrusive_ptr<c10d::Backend> fallback,
-              c10::intrusive_ptr<c10d::Backend> cuda_fallback = {});
+              c10::intrusive_ptr<c10d::Backend> cuda_fallback = {},
+              const EngineFactory& cross_host_engine = {});
   ~XdevBackend() override;
 
   const std::string getBackendName() const override { return "xdev"; }
@@ -150,6 +162,9 @@ class XdevBackend : public c10d::Backend {
   plan::Selection selection_for(int64_t payload_bytes, bool cuda) const {
     return plan::select_allreduce(selection_input(payload_bytes, cuda));
   }
+  // Whether allreduces across hosts can run the two-level plan, and why not.
+  bool two_level_available() const { return two_level_ != nullptr; }
+  const std::string& two_level_note() const { return two_level_note_; }
   // The model auto chooses CPU plans by; null without a native CPU path.
   const plan::MachineModel* cpu_model() const { return cpu_ ? &cpu_->model() : nullptr; }
   // The CUDA side: null in builds without CUDA; info() null before the first
@@ -186,7 +201,9 @@ class XdevBackend : public c10d::Backend {
   GroupContext group_;                   // first member: everything below uses it
   std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
   std::unique_ptr<CpuGatherScatter> gather_scatter_;
-  std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA
+  std::unique_ptr<CudaCollectives> cuda_;         // null without CUDA
+  std::unique_ptr<TwoLevelAllreduce> two_level_;  // null unless ranks span hosts evenly
+  std::string two_level_note_;                    // why two_level_ is null
   SharedBuffers shared_;
   FallbackEngines fallbacks_;
 

@@ -39,6 +39,40 @@ ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, 
   return c;
 }
 
+// Ranks on several hosts: the two-level plan where it can run and the model
+// predicts it faster than the engine's ring over all ranks; the engine otherwise.
+Selection across_hosts(const SelectionInput& in) {
+  Selection s;
+  s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+  if (in.device == DeviceKind::kCuda) {
+    s.reason += "; CUDA tensors go to NCCL, whose trees already cross hosts";
+    return s;
+  }
+  if (!in.two_level_available) {
+    if (!in.two_level_note.empty()) s.reason += "; no two-level plan: " + in.two_level_note;
+    return s;
+  }
+  if (!in.op_supported) {
+    s.reason += "; no native kernel for this reduce op / dtype";
+    return s;
+  }
+  if (in.host_model == nullptr || in.network == nullptr) {
+    throw std::invalid_argument(
+        "select_allreduce: the two-level plan needs a host and a network "
+        "model");
+  }
+  const AcrossHostsChoice c =
+      choose_across_hosts({in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
+                          *in.network, *in.host_model);
+  s.reason = c.reason;
+  s.predicted_s = c.predicted_s;
+  if (c.two_level) {
+    s.algorithm = Algorithm::kFlat;
+    s.two_level = true;
+  }
+  return s;
+}
+
 // The plan itself, before the transport details (single copy) are settled.
 Selection choose_plan(const SelectionInput& in) {
   Selection s;
@@ -50,10 +84,7 @@ Selection choose_plan(const SelectionInput& in) {
   // Before the host check below: a forced native plan on several hosts is refused, not quietly
   // replaced by the fallback.
   check_forced_algorithm(in.requested, in.world_size, in.num_hosts);
-  if (in.num_hosts > 1) {
-    s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
-    return s;
-  }
+  if (in.num_hosts > 1) return across_hosts(in);
   if (!in.transport_available) {
     s.reason = std::string("no native transport for ") + to_string(in.device) + " tensors";
     if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
@@ -183,7 +214,7 @@ Selection select_allreduce(const SelectionInput& in) {
   Selection s = choose_plan(in);
   if (s.algorithm == Algorithm::kFallback) {
     s.avg_as_sum_then_divide = in.op_is_avg && !in.fallback_has_avg;
-  } else if (in.device == DeviceKind::kCpu && !s.in_place_shared) {
+  } else if (in.device == DeviceKind::kCpu && !s.in_place_shared && !s.two_level) {
     s.single_copy = use_single_copy(s.algorithm, in.payload_bytes, in.num_tensors == 1,
                                     in.single_copy_available);
     // A heap tensor takes the plan any tensor of its size would, so that a

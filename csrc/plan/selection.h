@@ -21,6 +21,7 @@
 #include "cost_model.h"
 #include "schedule.h"
 #include "topology.h"
+#include "two_level.h"
 
 namespace xdev::plan {
 
@@ -102,6 +103,15 @@ struct SelectionInput {
   // there; model_cache, when given, memoises its choices.
   const MachineModel* model = nullptr;
   ModelChoiceCache* model_cache = nullptr;
+  // Several hosts, CPU tensors: whether the two-level plan can run (every host
+  // holds ranks_per_host > 1 ranks, each host's channel is open, the engine
+  // can reduce each slice), else why not; and the models it is weighed by:
+  // one host's shared-memory path and the network. Required when available.
+  bool two_level_available = false;
+  std::string two_level_note;
+  int ranks_per_host = 1;
+  const MachineModel* host_model = nullptr;
+  const NetworkParams* network = nullptr;
 };
 
 struct Selection {
@@ -116,6 +126,9 @@ struct Selection {
   bool single_copy = false;
   // Fallback: run AVG as SUM through the engine, then divide by the world size.
   bool avg_as_sum_then_divide = false;
+  // Several hosts: `algorithm` (flat) inside each host, the engine across
+  // hosts (plan/two_level.h).
+  bool two_level = false;
 };
 
 // Throws std::invalid_argument when a forced algorithm cannot run on this job

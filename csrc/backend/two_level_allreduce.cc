@@ -1,0 +1,143 @@
+#include "two_level_allreduce.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+c10d::ReduceOp engine_op(kernels::ReduceOp op) {
+  switch (op) {
+    case kernels::ReduceOp::kSum:
+    case kernels::ReduceOp::kAvg:  // summed across hosts, divided once after
+      return c10d::ReduceOp::SUM;
+    case kernels::ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case kernels::ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case kernels::ReduceOp::kProduct:
+      return c10d::ReduceOp::PRODUCT;
+  }
+  TORCH_CHECK(false, "xdev two-level allreduce: unknown reduce op");
+}
+
+// Slice j of `total` elements cut into `parts` (the first total % parts one
+// element longer), as the host's reduce-scatter leaves them on local rank j.
+std::vector<int64_t> slice_sizes(int64_t total, int parts) {
+  std::vector<int64_t> sizes(static_cast<size_t>(parts), total / parts);
+  for (int64_t j = 0; j < total % parts; ++j) ++sizes[static_cast<size_t>(j)];
+  return sizes;
+}
+
+}  // namespace
+
+TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
+    : group_(group),
+      host_model_(cpu_host_model(group.config(), group.local_world_size())),
+      network_(network_model(group.config())),
+      executor_(*group.host_channel()),
+      engine_(std::move(engine)) {
+  // Errors of the host's channel number its ranks locally: say which group ranks they are.
+  std::string ranks;
+  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  const std::string where = " in host '" + group.config().hostname +
+                            "', whose local ranks are "
+                            "group ranks " +
+                            ranks + ")";
+  what_reduce_scatter_ = "two-level allreduce (reduce-scatter" + where;
+  what_all_gather_ = "two-level allreduce (all-gather" + where;
+}
+
+c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tensor> tensors,
+                                                            kernels::ReduceOp op,
+                                                            std::chrono::milliseconds timeout,
+                                                            bool async_op) {
+  return group_.enqueue(
+      c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
+      [this, tensors, op, timeout] {
+        if (tensors.size() == 1 && tensors[0].is_contiguous()) {
+          run(tensors[0].view({-1}), op, timeout);
+          return;
+        }
+        // Several tensors (allreduce_coalesced) or a strided one: one flat
+        // payload, so that every slice is cut the same way on every host.
+        std::vector<at::Tensor> flat_views;
+        for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
+        const at::Tensor flat = at::cat(flat_views);
+        run(flat, op, timeout);
+        int64_t start = 0;
+        for (const at::Tensor& t : tensors) {
+          t.copy_(flat.narrow(0, start, t.numel()).view(t.sizes()));
+          start += t.numel();
+        }
+      },
+      async_op);
+}
+
+void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
+                            std::chrono::milliseconds timeout) {
+  const auto deadline = group_.deadline_for(timeout);
+  const int local_rank = group_.local_rank();
+  const std::vector<int64_t> sizes = slice_sizes(flat.numel(), group_.local_world_size());
+  const at::Tensor slice = at::empty({sizes[static_cast<size_t>(local_rank)]}, flat.options());
+  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, deadline);
+
+  std::vector<at::Tensor> engine_tensors{slice};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = engine_op(op);
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
+  opts.timeout = std::max(left, std::chrono::milliseconds(1));
+  c10::intrusive_ptr<c10d::Work> work = engine_->allreduce(engine_tensors, opts);
+  if (!work->wait(opts.timeout)) {
+    TORCH_CHECK(false, "xdev two-level allreduce: the engine's allreduce across hosts failed");
+  }
+  if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
+
+  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, deadline);
+}
+
+void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
+                                    const at::Tensor& slice, kernels::ReduceOp op,
+                                    transport::Clock::time_point deadline) {
+  const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+  // A reduce-scatter reduces elements; an all-gather moves bytes.
+  const int64_t unit = reduce_scatter ? 1 : flat.element_size();
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> starts;
+  int64_t start = 0;
+  for (int64_t n : slice_sizes(flat.numel(), group_.local_world_size())) {
+    blocks.push_back(n * unit);
+    starts.push_back(start);
+    start += n * unit;
+  }
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  const plan::GatherScatterPlan plan(
+      kind, blocks, reduce_scatter ? slot_bytes / flat.element_size() : slot_bytes);
+  const plan::FlatLayout layout({plan.block_elems()});  // every piece lies within the largest block
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = {static_cast<char*>(flat.data_ptr())};
+  req.block = {static_cast<char*>(slice.data_ptr())};
+  req.block_starts = std::move(starts);
+  req.dtype = reduce_scatter ? *native_dtype(flat.scalar_type()) : kernels::DType::kUInt8;
+  req.op = op;
+  transport::OpDescriptor d =
+      group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
+  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  d.dtype = static_cast<int32_t>(req.dtype);
+  d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);
+  d.total_elems = start;
+  d.shape_hash = shape_hash({flat});
+  req.ctx = group_.make_context(
+      d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
+  executor_.run(req);
+}
+
+}  // namespace xdev::backend

@@ -1,0 +1,64 @@
+// Allreduce of CPU tensors across hosts by the two-level plan
+// (plan/two_level.h): a reduce-scatter over this host's shared-memory channel
+// leaves local rank l with its host's sum of slice l; the engine (Gloo)
+// allreduces slice l among the ranks of local index l, one per host; an
+// all-gather over the host's channel puts the slices together. Every rank
+// ends with the same bits: the engine's result is only copied.
+//
+// Runs on the group's queue like every native collective, so it keeps their
+// order; the engine's part blocks the op thread until the engine is done.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/cost_model.h"
+#include "../plan/two_level.h"
+#include "../transport/gather_scatter_executor.h"
+#include "group_context.h"
+
+namespace xdev::backend {
+
+class TwoLevelAllreduce {
+ public:
+  // The group must have a host channel (GroupContext::host_channel). engine:
+  // the ranks of this local rank on every host, in host order (their ranks
+  // there are host indices).
+  TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+
+  const plan::MachineModel& host_model() const { return host_model_; }
+  const plan::NetworkParams& network() const { return network_; }
+
+  // Tensors of one native dtype; op as the native kernels run it (AVG: SUM
+  // everywhere, then a division by the world size of the slice before the
+  // all-gather, for floating dtypes only, as the selection ensures).
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors, kernels::ReduceOp op,
+                                           std::chrono::milliseconds timeout, bool async_op);
+
+  // Drops the engine (its destructor joins its threads).
+  void shutdown() { engine_.reset(); }
+
+ private:
+  // On the op thread: `flat` is contiguous and holds the whole payload.
+  void run(const at::Tensor& flat, kernels::ReduceOp op, std::chrono::milliseconds timeout);
+  // One half over the host channel: reduce-scatter `flat` into `slice`
+  // (this local rank's), or all-gather the slices back into `flat`.
+  void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
+                   kernels::ReduceOp op, transport::Clock::time_point deadline);
+
+  GroupContext& group_;
+  plan::MachineModel host_model_;
+  plan::NetworkParams network_;
+  transport::GatherScatterExecutor executor_;
+  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::string what_reduce_scatter_;  // how errors name each half
+  std::string what_all_gather_;
+};
+
+}  // namespace xdev::backend

@@ -1,0 +1,113 @@
+#include "two_level.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <stdexcept>
+
+#include "predict.h"
+
+namespace xdev::plan {
+namespace {
+
+void check(const HostLayout& hosts) {
+  if (hosts.num_hosts < 1 || hosts.ranks_per_host < 1) {
+    throw std::invalid_argument("two-level plan: need at least one host of one rank; got " +
+                                std::to_string(hosts.num_hosts) + " host(s) of " +
+                                std::to_string(hosts.ranks_per_host) + " rank(s)");
+  }
+}
+
+// A ring of n ranks moving `bytes` (reduce-scatter then all-gather): 2(n-1)
+// steps, each as long as its slowest message of bytes/n takes at `rate`.
+double ring_s(int n, double bytes, double rate, double latency_s) {
+  if (n <= 1) return 0;
+  return 2.0 * (n - 1) * (latency_s + bytes / n / rate);
+}
+
+// The rate of each of `streams` messages a host sends at once through
+// sockets: one stream's own limit, the host's share of its link (for streams
+// that leave it), and the host's memory, which all of them cross.
+double stream_rate(const NetworkParams& net, int streams, int leaving) {
+  double rate = net.stream_bytes_per_s;
+  if (net.host_memory_bytes_per_s > 0) {
+    rate = std::min(rate, net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
+  }
+  if (leaving > 0) rate = std::min(rate, net.host_bytes_per_s / leaving);
+  return rate;
+}
+
+}  // namespace
+
+Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes) {
+  check(hosts);
+  Traffic t;
+  const int p = hosts.world_size();
+  if (p == 1) return t;
+  // Every link of the ring carries 2(P-1) messages of bytes/P. A host-contiguous
+  // ring leaves each host by one link; the other L-1 links of a host join its
+  // own ranks, through loopback sockets.
+  const double per_link = 2.0 * (p - 1) * static_cast<double>(bytes) / p;
+  if (hosts.num_hosts > 1) {
+    t.inter_host_bytes = per_link;
+    t.inter_host_steps = 2 * (p - 1);
+    t.inter_host_streams = 1;
+  }
+  t.intra_host_socket_bytes = per_link * (hosts.ranks_per_host - 1);
+  return t;
+}
+
+Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes) {
+  check(hosts);
+  Traffic t;
+  const int h = hosts.num_hosts;
+  if (h == 1) return t;
+  // Each of the L local ranks rings its slice of bytes/L among the H hosts.
+  t.inter_host_bytes = 2.0 * (h - 1) * static_cast<double>(bytes) / h;
+  t.inter_host_steps = 2 * (h - 1);
+  t.inter_host_streams = hosts.ranks_per_host;
+  return t;
+}
+
+double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {
+  check(hosts);
+  // Every rank of a host sends at each step: one message leaves the host, the
+  // others go to its neighbours on the host, all through sockets.
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
+  return ring_s(hosts.world_size(), static_cast<double>(bytes), rate, net.latency_s);
+}
+
+double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
+                           const MachineModel& host) {
+  check(hosts);
+  if (host.num_devices() != hosts.ranks_per_host) {
+    throw std::invalid_argument("two-level plan: a host model of " +
+                                std::to_string(host.num_devices()) + " devices for " +
+                                std::to_string(hosts.ranks_per_host) + " ranks per host");
+  }
+  const double intra =
+      hosts.ranks_per_host > 1
+          ? predict_allreduce(host, Candidate{Algorithm::kFlat, 0, false}, bytes).seconds
+          : 0.0;
+  // L streams leave each host at once, sharing its link and its memory.
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
+  const double slice = static_cast<double>(bytes) / hosts.ranks_per_host;
+  return intra + ring_s(hosts.num_hosts, slice, rate, net.latency_s);
+}
+
+AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
+                                      const NetworkParams& net, const MachineModel& host) {
+  const double ring = predict_flat_ring_s(hosts, bytes, net);
+  const double two = predict_two_level_s(hosts, bytes, net, host);
+  AcrossHostsChoice c;
+  c.two_level = two < ring;
+  c.predicted_s = std::min(two, ring);
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "%d hosts x %d ranks: two-level (shared memory inside hosts, the engine across) "
+                "predicted %.1f us, the engine's ring over all ranks %.1f us",
+                hosts.num_hosts, hosts.ranks_per_host, two * 1e6, ring * 1e6);
+  c.reason = buf;
+  return c;
+}
+
+}  // namespace xdev::plan

@@ -1,0 +1,85 @@
+// Allreduce across hosts: the fallback engine's flat ring over every rank,
+// against xdev's two-level plan, the structure of Horovod's hierarchical
+// allreduce and of TensorFlow's HierarchicalCopyAllReduce one level up:
+//   1. inside each host, a reduce-scatter over shared memory: local rank l
+//      ends with the host's sum of slice l (of L slices);
+//   2. across hosts, an allreduce of slice l by the engine (Gloo), among the
+//      ranks of local index l on every host: L such groups run at once, each
+//      on 1/L of the payload;
+//   3. inside each host, an all-gather of the L slices.
+// Hosts must hold the same number of ranks, so that slice l means the same
+// elements on every host. Both plans are modelled with a network of per-host
+// link rates and per-message latency, so that auto can say which is faster
+// and the README can show where the bytes go.
+//
+// Pure C++17, no torch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cost_model.h"
+
+namespace xdev::plan {
+
+// The defaults describe a 100 Gb/s Ethernet link per host, driven through TCP
+// sockets by one core per stream as Gloo does. A cost-model file
+// (XDEV_CPU_MODEL) may replace them with measured values.
+namespace network_default {
+inline constexpr double kHostGbps = 12.5;   // one host's link to the others, each direction
+inline constexpr double kStreamGbps = 3.0;  // one TCP stream, as one core drives it
+inline constexpr double kLatencyUs = 30.0;  // one message between two ranks through the engine
+}  // namespace network_default
+
+struct NetworkParams {
+  double host_bytes_per_s = network_default::kHostGbps * 1e9;
+  double stream_bytes_per_s = network_default::kStreamGbps * 1e9;
+  double latency_s = network_default::kLatencyUs * 1e-6;
+  // The host's memory, which every byte through a socket crosses
+  // kSocketMemoryPasses times (into the kernel and out: a read and a write
+  // each), shared by all its ranks' streams; 0: not modelled. The backend
+  // sets it from its CPU model.
+  double host_memory_bytes_per_s = 0;
+};
+inline constexpr double kSocketMemoryPasses = 4;
+
+struct HostLayout {
+  int num_hosts = 1;
+  int ranks_per_host = 1;
+  int world_size() const { return num_hosts * ranks_per_host; }
+};
+
+// Where a plan's bytes go, per host, for an allreduce of `bytes`.
+struct Traffic {
+  double inter_host_bytes = 0;   // bytes each host sends to other hosts
+  int64_t inter_host_steps = 0;  // sequential steps whose messages cross hosts
+  int64_t inter_host_streams = 0;
+  double intra_host_socket_bytes = 0;  // bytes between ranks of one host through sockets
+};
+
+// The engine's ring over all ranks, host by host (Gloo's default allreduce):
+// 2(P-1) steps of bytes/P per rank; one link per host leaves it, and at each
+// step all L ranks of a host push their message through sockets at once.
+Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes);
+// The two-level plan: nothing through sockets inside a host; across hosts L
+// rings of H ranks, each on bytes/L.
+Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes);
+
+// Predicted seconds. `host` models one host's shared-memory path for
+// ranks_per_host ranks (the reduce-scatter and all-gather together cost what
+// its flat allreduce costs).
+double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
+double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
+                           const MachineModel& host);
+
+struct AcrossHostsChoice {
+  bool two_level = false;
+  double predicted_s = 0;
+  std::string reason;
+};
+
+// The faster of the two plans for `bytes`, with both predictions in the reason.
+AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
+                                      const NetworkParams& net, const MachineModel& host);
+
+}  // namespace xdev::plan

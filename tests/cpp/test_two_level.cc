@@ -1,0 +1,142 @@
+// Unit tests of the plan across hosts (csrc/plan/two_level.h): where each plan's bytes go, its
+// predicted time, the choice, and select_allreduce's decisions for ranks on several hosts.
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "plan/machines.h"
+#include "plan/selection.h"
+#include "plan/two_level.h"
+#include "test_harness.h"
+
+using namespace xdev::plan;  // NOLINT: test file, every name under test lives there
+
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+bool near(double a, double b, double tolerance) {
+  return std::abs(a - b) <= tolerance;
+}
+
+SelectionInput across_hosts_input(const MachineModel& host, const NetworkParams& net, int hosts,
+                                  int per_host, int64_t bytes) {
+  SelectionInput in;
+  in.world_size = hosts * per_host;
+  in.num_hosts = hosts;
+  in.payload_bytes = bytes;
+  in.transport_available = false;  // no channel of the whole group
+  in.two_level_available = true;
+  in.ranks_per_host = per_host;
+  in.host_model = &host;
+  in.network = &net;
+  return in;
+}
+
+}  // namespace
+
+TEST(two_level_traffic_keeps_intra_host_bytes_off_sockets) {
+  const HostLayout layout{2, 4};  // 8 ranks
+  const int64_t bytes = 64 * kMiB;
+  const Traffic ring = flat_ring_traffic(layout, bytes);
+  const Traffic two = two_level_traffic(layout, bytes);
+  // The ring: each link carries 2(P-1)/P of the payload; one leaves the host, 3 stay inside.
+  CHECK(near(ring.inter_host_bytes, 2.0 * 7 / 8 * bytes, 1.0));
+  CHECK(near(ring.intra_host_socket_bytes, 3 * 2.0 * 7 / 8 * bytes, 1.0));
+  CHECK_EQ(ring.inter_host_steps, 14);
+  CHECK_EQ(ring.inter_host_streams, 1);
+  // Two-level: 4 rings of 2 hosts on a quarter each, nothing inside a host through sockets.
+  CHECK(near(two.inter_host_bytes, 2.0 * 1 / 2 * bytes, 1.0));
+  CHECK(near(two.intra_host_socket_bytes, 0.0, 0.0));
+  CHECK_EQ(two.inter_host_steps, 2);
+  CHECK_EQ(two.inter_host_streams, 4);
+  // Within a factor of 2 across hosts, as any host-contiguous ring: the gain is elsewhere.
+  CHECK(two.inter_host_bytes <= ring.inter_host_bytes);
+}
+
+TEST(two_level_traffic_of_one_host_is_empty) {
+  const Traffic two = two_level_traffic({1, 8}, kMiB);
+  CHECK(near(two.inter_host_bytes, 0.0, 0.0));
+  CHECK_EQ(two.inter_host_steps, 0);
+  CHECK_THROWS(flat_ring_traffic({0, 2}, kMiB), std::invalid_argument, "at least one host");
+}
+
+TEST(two_level_is_predicted_faster_with_several_ranks_per_host) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = CpuHostParams{}.memory_bytes_per_s;
+  for (int per_host : {2, 4, 8}) {
+    CpuHostParams params;
+    params.cores = per_host;  // a core per rank, as on a real host
+    const MachineModel host = cpu_host(per_host, params);
+    for (int64_t bytes : {int64_t{4096}, 64 * int64_t{1024}, 16 * kMiB, 256 * kMiB}) {
+      const HostLayout layout{2, per_host};
+      const double ring = predict_flat_ring_s(layout, bytes, net);
+      const double two = predict_two_level_s(layout, bytes, net, host);
+      CHECK(two > 0 && ring > 0);
+      CHECK(two < ring);
+      const AcrossHostsChoice c = choose_across_hosts(layout, bytes, net, host);
+      CHECK(c.two_level);
+      CHECK(near(c.predicted_s, two, 0.0));
+      CHECK(c.reason.find("two-level") != std::string::npos);
+    }
+  }
+}
+
+TEST(a_fast_network_and_slow_host_memory_favour_the_ring) {
+  // With sockets as fast as memory and a host path far slower, the model must say so.
+  NetworkParams net;
+  net.stream_bytes_per_s = 1e13;
+  net.host_bytes_per_s = 1e13;
+  net.latency_s = 0;
+  CpuHostParams slow;
+  slow.core_bytes_per_s = 1e8;
+  slow.memory_bytes_per_s = 1e8;
+  const MachineModel host = cpu_host(2, slow);
+  const AcrossHostsChoice c = choose_across_hosts({2, 2}, 64 * kMiB, net, host);
+  CHECK(!c.two_level);
+}
+
+TEST(predict_two_level_checks_the_host_model) {
+  const MachineModel host = cpu_host(4, CpuHostParams{});
+  CHECK_THROWS(predict_two_level_s({2, 2}, kMiB, NetworkParams{}, host), std::invalid_argument,
+               "host model of 4 devices");
+}
+
+TEST(select_allreduce_across_hosts) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = CpuHostParams{}.memory_bytes_per_s;
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  SelectionInput in = across_hosts_input(host, net, 2, 2, kMiB);
+  Selection s = select_allreduce(in);
+  CHECK(s.two_level);
+  CHECK(s.algorithm == Algorithm::kFlat);
+  CHECK(!s.single_copy && !s.in_place_shared);
+  CHECK(s.predicted_s > 0);
+
+  in.op_supported = false;
+  s = select_allreduce(in);
+  CHECK(!s.two_level && s.algorithm == Algorithm::kFallback);
+  CHECK(s.reason.find("no native kernel") != std::string::npos);
+
+  in = across_hosts_input(host, net, 2, 2, kMiB);
+  in.two_level_available = false;
+  in.two_level_note = "hosts hold different numbers of ranks";
+  s = select_allreduce(in);
+  CHECK(!s.two_level && s.algorithm == Algorithm::kFallback);
+  CHECK(s.reason.find("different numbers of ranks") != std::string::npos);
+
+  in = across_hosts_input(host, net, 2, 2, kMiB);
+  in.device = DeviceKind::kCuda;
+  s = select_allreduce(in);
+  CHECK(!s.two_level && s.algorithm == Algorithm::kFallback);
+
+  in = across_hosts_input(host, net, 2, 2, kMiB);
+  in.requested = Algorithm::kFallback;
+  s = select_allreduce(in);
+  CHECK(!s.two_level && s.algorithm == Algorithm::kFallback);
+
+  in = across_hosts_input(host, net, 2, 2, kMiB);
+  in.network = nullptr;
+  CHECK_THROWS(select_allreduce(in), std::invalid_argument, "network");
+}

@@ -1,0 +1,222 @@
+"""Allreduce across hosts by the two-level plan, on one machine made to look like several.
+
+XDEV_HOSTNAME gives each rank a host name, so one box holds "hosts" of several ranks. The
+grids compare every result with an independent reference computed in the test
+(collective_cases.reference) and check that every rank of every host holds the same bits
+(checksums compared through a Gloo all_gather). Hosts with different numbers of ranks take
+the engine's flat allreduce and say why; a killed rank fails every other rank's call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from collective_cases import ALL_DTYPES, FLOAT_DTYPES, OPS, check_close, make_input, reference
+from harness import run_ranks
+from test_allreduce import _digest
+
+SIZES = (0, 1, 7, 1021, 10007)  # 10007 float64 elements span many 4 KiB slots
+SMALL_SLOT = 4096
+
+
+def _hosts_env(ranks_per_host: list[int]) -> list[dict[str, str]]:
+    """XDEV_HOSTNAME for each rank: host 0's ranks first, then host 1's, and so on."""
+    return [
+        {"XDEV_HOSTNAME": f"fake-host-{h}"}
+        for h, count in enumerate(ranks_per_host)
+        for _ in range(count)
+    ]
+
+
+def _expect_two_level(dtype: torch.dtype, op: dist.ReduceOp) -> bool:
+    # The engine across hosts has no AVG: it is a division after its SUM, floating dtypes only.
+    return op != dist.ReduceOp.AVG or dtype.is_floating_point
+
+
+def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
+    info = torch_xdev.describe(group)
+    digests: list[int] = []
+    plans: set[str] = set()
+    for d, dtype in enumerate(dtypes):
+        for o, op in enumerate(OPS):
+            for numel in SIZES:
+                seed = (d * 7 + o) * 100003 + numel
+                inputs = [make_input(seed, r, numel, dtype, op) for r in range(world)]
+                what = f"{dtype} {op} n={numel}"
+                got = inputs[rank].clone()
+                dist.all_reduce(got, op=op, group=group)
+                check_close(got, reference(inputs, op), op, world, what)
+                digests.append(_digest(got))
+                algorithm, reason = torch_xdev.describe(group)["last_allreduce"]
+                two_level = "two-level" in reason and algorithm == "flat"
+                assert two_level == _expect_two_level(dtype, op), (what, algorithm, reason)
+                plans.add(reason)
+    # allreduce_coalesced of several shapes: one flat payload, cut the same on every host.
+    shapes = [(5,), (0,), (3, 7), (300,), (2000,)]
+    inputs = [
+        [
+            make_input(
+                500 + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM
+            ).view(s)
+            for i, s in enumerate(shapes)
+        ]
+        for r in range(world)
+    ]
+    mine = [t.clone() for t in inputs[rank]]
+    dist.all_reduce_coalesced(mine, group=group)
+    for i in range(len(shapes)):
+        expected = reference([inputs[r][i].flatten() for r in range(world)], dist.ReduceOp.SUM)
+        check_close(mine[i].flatten(), expected, dist.ReduceOp.SUM, world, f"coalesced #{i}")
+        digests.append(_digest(mine[i]))
+    # A strided tensor, written back in place.
+    base = torch.arange(600, dtype=torch.float32).view(20, 30) * (rank + 1)
+    view = base.t()
+    dist.all_reduce(view, group=group)
+    expected_base = torch.arange(600, dtype=torch.float32).view(20, 30) * sum(range(1, world + 1))
+    assert torch.equal(base, expected_base)
+    # Same bits on every rank of every host.
+    mine_t = torch.tensor(digests, dtype=torch.int64)
+    everyone = [torch.empty_like(mine_t) for _ in range(world)]
+    dist.all_gather(everyone, mine_t)
+    for r in range(world):
+        assert torch.equal(everyone[r], everyone[0]), f"rank {r} holds different bits than rank 0"
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    return {"info": info, "plans": sorted(plans)}
+
+
+# With 4 ranks on this 2-core machine's host model the two-level plan is predicted slower than
+# Gloo's ring for small payloads, so that layout runs with a slow network in the cost model
+# (XDEV_CPU_MODEL): the plan then runs at every size.
+LAYOUTS = [
+    ([2, 2], ALL_DTYPES, None),
+    ([2, 2, 2, 2], (torch.float32,), None),
+    ([4, 4], FLOAT_DTYPES, 5000.0),
+]
+
+
+@pytest.mark.parametrize(
+    "ranks_per_host,dtypes,net_latency_us",
+    LAYOUTS,
+    ids=["x".join(map(str, h)) for h, _, _ in LAYOUTS],
+)
+def test_two_level_grid(
+    ranks_per_host: list[int],
+    dtypes: tuple[torch.dtype, ...],
+    net_latency_us: Optional[float],
+    tmp_path: Path,
+) -> None:
+    world = sum(ranks_per_host)
+    env = _hosts_env(ranks_per_host)
+    if net_latency_us is not None:
+        model = tmp_path / "model.json"
+        model.write_text(json.dumps({"params": {"net_latency_us": net_latency_us}}))
+        env = [{**e, "XDEV_CPU_MODEL": str(model)} for e in env]
+    results = run_ranks(_grid, world, dtypes, per_rank_env=env, timeout=600)
+    info = results[0]["info"]
+    assert info["num_hosts"] == len(ranks_per_host)
+    assert info["local_world_size"] == ranks_per_host[0]
+    assert info["two_level"], info["two_level_note"]
+    assert not info["shared_memory"]  # no channel of the whole group: it spans hosts
+
+
+def _uneven(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    info = torch_xdev.describe()
+    dist.destroy_process_group()
+    return info
+
+
+def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
+    infos = run_ranks(_uneven, 5, per_rank_env=_hosts_env([3, 2]))
+    for info in infos:
+        assert not info["two_level"]
+        assert info["two_level_note"] == "hosts hold different numbers of ranks"
+        algorithm, reason = info["last_allreduce"]
+        assert algorithm == "fallback" and "different numbers of ranks" in reason, reason
+
+
+def _forced_fallback(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(algorithm="fallback")
+    )
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((10,), float(world)))
+    info = torch_xdev.describe()
+    dist.destroy_process_group()
+    return info
+
+
+def test_fallback_still_forces_the_engine() -> None:
+    info = run_ranks(_forced_fallback, 4, per_rank_env=_hosts_env([2, 2]))[0]
+    assert not info["two_level"] and info["last_allreduce"][0] == "fallback"
+
+
+def _ddp_steps(rank: int, world: int, backend: str) -> list[list[float]]:
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(16, 32, generator=g)).square().mean().backward()
+        opt.step()
+    reason = torch_xdev.describe()["last_allreduce"][1] if backend == "xdev" else ""
+    assert backend == "gloo" or "two-level" in reason, reason
+    dist.destroy_process_group()
+    # Plain lists: a tensor would travel through shared memory its process unmaps on exit.
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_ddp_across_two_hosts_matches_gloo() -> None:
+    env = _hosts_env([2, 2])
+    xdev = run_ranks(_ddp_steps, 4, "xdev", per_rank_env=env)
+    gloo = run_ranks(_ddp_steps, 4, "gloo")
+    for rank in range(4):
+        for got, ref, first in zip(xdev[rank], gloo[rank], xdev[0]):
+            assert got == first, f"rank {rank} differs from rank 0"
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+TIMEOUT_S = 20.0
+
+
+def _killed_on_one_host(rank: int, world: int, victim: int) -> str:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    dist.all_reduce(torch.ones(1000))  # every channel and engine connection is up
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(torch.ones(1 << 16))
+    assert time.monotonic() - start < TIMEOUT_S + 15
+    return str(info.value)
+
+
+def test_killed_rank_fails_every_rank_of_every_host() -> None:
+    messages = run_ranks(
+        _killed_on_one_host, 4, 3, per_rank_env=_hosts_env([2, 2]), timeout=180, expect_dead=(3,)
+    )
+    assert all(m for m in messages[:3]), messages
+    # Its host's other rank sees it exit in the host's shared-memory barrier.
+    assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
