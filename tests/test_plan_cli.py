@@ -182,7 +182,7 @@ def test_gather_scatter_table_marks_the_fastest_form(collective: str) -> None:
         for m in matches:
             algbw, busbw = float(m["algbw"]), float(m["busbw"])
             assert busbw == pytest.approx(algbw * (4 - 1) / 4, abs=0.015), m.group(0)
-            assert algbw == pytest.approx(size / float(m["time"]) / 1e3, rel=0.01), m.group(0)
+            assert algbw == pytest.approx(size / float(m["time"]) / 1e3, abs=0.006), m.group(0)
     assert [m["label"] for m in by_size[4096] if m["choice"]] == ["staged/256KiB"]
     assert [m["label"] for m in by_size[16 << 20] if m["choice"]] == ["in_place"]
     # Larger payloads take longer in every form.

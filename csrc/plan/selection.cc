@@ -299,27 +299,19 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
     s.reason = "no shared-memory channel";
   } else {
     s.path = GatherScatterPath::kNative;
-    // Both direct forms lend one tensor for peers to read.
+    // The model chooses between staged and reading in place from the heap.
+    // Single copy follows Options.single_copy as the allreduce's does: the
+    // user turns it on where the kernel's cross-process copy is fast, a rate
+    // the model only knows for the machine it was measured on.
     GatherScatterOptions opts;
-    opts.single_copy = in.single_copy_available && in.num_tensors == 1;
     opts.in_place = in.in_symmetric_heap && in.num_tensors == 1;
     GatherScatterForm form = GatherScatterForm::kStaged;
-    if (in.model == nullptr) {
-      if (opts.single_copy && in.payload_bytes >= kCpuSingleCopyMinBytes) {
-        form = GatherScatterForm::kSingleCopy;
-      }
-      s.reason = describe(form);
-    } else if (in.model->num_devices() != in.world_size) {
+    if (in.model != nullptr && in.model->num_devices() != in.world_size) {
       throw std::invalid_argument("select_gather_scatter: model of " +
                                   std::to_string(in.model->num_devices()) + " devices for " +
                                   std::to_string(in.world_size) + " ranks");
-    } else if (!opts.single_copy && !opts.in_place) {
-      // Nothing to choose between.
-      s.reason = std::string(describe(form)) +
-                 (in.num_tensors != 1 ? " (several tensors: no direct form)"
-                                      : " (no direct form: single copy off, tensor not in the "
-                                        "symmetric heap)");
-    } else {
+    }
+    if (in.model != nullptr && opts.in_place) {
       const int64_t bucket = model_bucket_bytes(in.payload_bytes);
       const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
       const GatherScatterChoiceCache::Choice c =
@@ -329,6 +321,17 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
       form = c.form;
       s.predicted_s = c.predicted_s;
       s.reason = c.reason;
+    }
+    const bool single_copy = form == GatherScatterForm::kStaged && in.single_copy_available &&
+                             in.num_tensors == 1 && in.payload_bytes >= kCpuSingleCopyMinBytes;
+    if (single_copy) {
+      form = GatherScatterForm::kSingleCopy;
+      s.reason = std::string(describe(form)) + " (Options.single_copy, one tensor of at least " +
+                 std::to_string(kCpuSingleCopyMinBytes / 1024) + " KiB)";
+      s.predicted_s = 0;
+    } else if (s.reason.empty()) {
+      s.reason = describe(form);
+      if (in.num_tensors != 1) s.reason += " (several tensors)";
     }
     s.single_copy = form == GatherScatterForm::kSingleCopy;
     s.in_place = form == GatherScatterForm::kInPlace;

@@ -186,10 +186,9 @@ struct GatherScatterInput {
   // The one tensor peers would read (reduce-scatter input, all-gather input)
   // lies in the group's symmetric heap on this rank: the in-place form may run.
   bool in_symmetric_heap = false;
-  // The machine model that chooses between the native forms (its device
-  // count must be world_size); without one, single copy from
-  // kCpuSingleCopyMinBytes, staged below. model_cache, when given, memoises
-  // its choices per size class.
+  // The machine model that chooses between staged and in place (its device
+  // count must be world_size); without one, a heap tensor is staged.
+  // model_cache, when given, memoises its choices per size class.
   const MachineModel* model = nullptr;
   GatherScatterChoiceCache* model_cache = nullptr;
 };
@@ -209,12 +208,12 @@ struct GatherScatterSelection {
 // The decision, in order: algorithm='fallback'; several hosts; CUDA tensors
 // (no native CUDA path yet); no kernel for the op/dtype; shapes the native
 // path does not take; a world of one (a copy); no shared-memory channel;
-// otherwise native, in the form the model predicts fastest at the payload's
-// size class among staged, single copy (one tensor, every rank may read its
-// peers) and in place (one tensor in the symmetric heap). Without a model:
-// single copy for one tensor of at least kCpuSingleCopyMinBytes where peers
-// may read each other, staged otherwise. Throws std::invalid_argument for a
-// model whose device count is not world_size.
+// otherwise native: for one tensor in the symmetric heap, staged or in place
+// as the model predicts faster at the payload's size class; where that is
+// staged, single copy for one tensor of at least kCpuSingleCopyMinBytes
+// where peers may read each other (Options.single_copy, as for the
+// allreduce); staged otherwise. Throws std::invalid_argument for a model
+// whose device count is not world_size.
 GatherScatterSelection select_gather_scatter(const GatherScatterInput& in);
 
 }  // namespace xdev::plan

@@ -184,17 +184,17 @@ TEST(gather_scatter_selection_is_the_models_choice_at_the_size_class) {
     for (int64_t bytes : {int64_t{4096}, int64_t{100000}, int64_t{16} << 20}) {
       int64_t bucket = 4;
       while (bucket < bytes) bucket <<= 1;
+      // The model weighs staged against in place; single copy is the user's call.
       const GatherScatterChoice want =
-          choose_gather_scatter(m, kind, bucket, {true, true}, false, kind == kRS ? 4 : 1);
+          choose_gather_scatter(m, kind, bucket, {false, true}, false, kind == kRS ? 4 : 1);
       for (GatherScatterChoiceCache* c :
            {static_cast<GatherScatterChoiceCache*>(nullptr), &cache, &cache}) {
         GatherScatterInput in = native_input(m, kind, bytes);
-        in.single_copy_available = true;
         in.in_symmetric_heap = true;
         in.model_cache = c;
         const GatherScatterSelection s = select_gather_scatter(in);
         CHECK_EQ(s.path, GatherScatterPath::kNative);
-        CHECK_EQ(s.single_copy, want.best.candidate.form == GatherScatterForm::kSingleCopy);
+        CHECK(!s.single_copy);
         CHECK_EQ(s.in_place, want.best.candidate.form == GatherScatterForm::kInPlace);
         CHECK_EQ(s.predicted_s, want.best.seconds);
         CHECK(contains(s.reason, "model '" + m.name() + "': " + want.best.candidate.label()));
@@ -212,20 +212,30 @@ TEST(gather_scatter_selection_is_the_models_choice_at_the_size_class) {
   s = select_gather_scatter(in);
   CHECK(s.in_place && !s.single_copy);
   CHECK(contains(s.reason, "in place: peers read each other's inputs in the symmetric heap"));
-  // Several tensors or no direct form: staged, and why, without a prediction.
+  // Where the model says staged, Options.single_copy turns large tensors single copy, as for
+  // the allreduce; where it says in place, nothing beats that (no staging, no syscall).
+  in.single_copy_available = true;
+  CHECK(select_gather_scatter(in).in_place);
+  for (int64_t bytes : {kCpuSingleCopyMinBytes, int64_t{4} << 20}) {
+    in.payload_bytes = bytes;
+    const bool staged = choose_gather_scatter(m, kRS, bytes, {false, true}).best.candidate.form ==
+                        GatherScatterForm::kStaged;
+    s = select_gather_scatter(in);
+    CHECK_EQ(s.single_copy, staged);
+    CHECK_EQ(s.in_place, !staged);
+    CHECK_EQ(contains(s.reason, "(Options.single_copy, one tensor of at least 256 KiB)"), staged);
+  }
+  // Several tensors: staged, without a prediction.
   in.num_tensors = 2;
+  in.payload_bytes = 16 << 20;
   s = select_gather_scatter(in);
-  CHECK(!s.in_place && contains(s.reason, "several tensors"));
+  CHECK(!s.in_place && !s.single_copy && contains(s.reason, "several tensors"));
   CHECK_EQ(s.predicted_s, 0.0);
-  in.num_tensors = 1;
-  in.in_symmetric_heap = false;
-  s = select_gather_scatter(in);
-  CHECK(!s.in_place && contains(s.reason, "single copy off"));
   // Another model in the same cache, or a model of another world size, is refused.
   const MachineModel other = builtin_machine("cpu-4");
   CHECK_THROWS(cache.get(other, kRS, 4096, 4, {}), std::invalid_argument, "after model");
+  in.num_tensors = 1;
   in.world_size = 2;
-  in.in_symmetric_heap = true;
   CHECK_THROWS(select_gather_scatter(in), std::invalid_argument, "model of 4 devices for 2 ranks");
 }
 
@@ -248,12 +258,22 @@ TEST(gather_scatter_selection_keeps_the_fixed_facts_with_a_model) {
   GatherScatterInput one = in;
   one.world_size = 1;
   CHECK_EQ(select_gather_scatter(one).path, GatherScatterPath::kOneRank);
-  // Without a model: the fixed threshold, as before the model chose.
-  GatherScatterInput fixed = in;
-  fixed.model = nullptr;
-  fixed.payload_bytes = kCpuSingleCopyMinBytes;
-  CHECK(select_gather_scatter(fixed).single_copy);
-  CHECK(!select_gather_scatter(fixed).in_place);
-  fixed.payload_bytes -= 1;
-  CHECK(!select_gather_scatter(fixed).single_copy);
+  // Outside the heap: single copy from kCpuSingleCopyMinBytes of one tensor, model or not.
+  for (const MachineModel* model : {&m, static_cast<const MachineModel*>(nullptr)}) {
+    GatherScatterInput fixed = in;
+    fixed.model = model;
+    fixed.in_symmetric_heap = false;
+    fixed.payload_bytes = kCpuSingleCopyMinBytes;
+    CHECK(select_gather_scatter(fixed).single_copy);
+    CHECK(!select_gather_scatter(fixed).in_place);
+    fixed.payload_bytes -= 1;
+    CHECK(!select_gather_scatter(fixed).single_copy);
+    CHECK_EQ(select_gather_scatter(fixed).reason,
+             std::string("staged through shared memory, one barrier per window"));
+  }
+  // In the heap without a model: staged (the model decides when to read in place).
+  GatherScatterInput no_model = in;
+  no_model.model = nullptr;
+  no_model.single_copy_available = false;
+  CHECK(!select_gather_scatter(no_model).in_place);
 }
