@@ -150,3 +150,89 @@ def test_parse_sizes() -> None:
     assert plan.parse_sizes("4K:64M:16") == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     assert plan.parse_sizes("8,1K, 2MiB,1G") == [8, 1024, 2 << 20, 1 << 30]
     assert plan.parse_sizes("4kib:12KiB") == [4096, 8192]
+
+
+def parse_rows(stdout: str) -> dict[int, list[re.Match[str]]]:
+    by_size: dict[int, list[re.Match[str]]] = {}
+    for line in stdout.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = ROW.match(line)
+        assert match is not None, f"unparsed line {line!r} in\n{stdout}"
+        by_size.setdefault(int(match["size"]), []).append(match)
+    return by_size
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_gather_scatter_table_marks_the_fastest_form(collective: str) -> None:
+    # Four ranks on a two-core host: staged wins small payloads (one barrier fewer, and
+    # barriers sleep there), reading in place from the heap wins large ones.
+    proc = run_cli("--topology", "cpu-4", "--collective", collective, "--sizes", "4KiB,16MiB")
+    assert proc.returncode == 0, proc.stderr
+    assert f"# predicted {collective}" in proc.stdout, proc.stdout
+    by_size = parse_rows(proc.stdout)
+    assert sorted(by_size) == [4096, 16 << 20], proc.stdout
+    for size, matches in by_size.items():
+        labels = [m["label"] for m in matches]
+        assert labels == ["staged/256KiB", "single_copy", "in_place", "ring (reference)"], labels
+        chosen = [m for m in matches if m["choice"] == "*"]
+        assert len(chosen) == 1 and chosen[0]["label"] != "ring (reference)", proc.stdout
+        runnable = [float(m["time"]) for m in matches if "reference" not in m["label"]]
+        assert float(chosen[0]["time"]) == min(runnable), size
+        for m in matches:
+            algbw, busbw = float(m["algbw"]), float(m["busbw"])
+            assert busbw == pytest.approx(algbw * (4 - 1) / 4, abs=0.015), m.group(0)
+            assert algbw == pytest.approx(size / float(m["time"]) / 1e3, abs=0.006), m.group(0)
+    assert [m["label"] for m in by_size[4096] if m["choice"]] == ["staged/256KiB"]
+    assert [m["label"] for m in by_size[16 << 20] if m["choice"]] == ["in_place"]
+    # Larger payloads take longer in every form.
+    for small, large in zip(by_size[4096], by_size[16 << 20]):
+        assert float(small["time"]) < float(large["time"])
+
+
+def test_gather_scatter_json_rows_and_forms_left_out(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["--topology", "cpu-2", "--collective", "all_gather", "--sizes", "1MiB"]
+    assert plan.main([*argv, "--no-in-place", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    # The allreduce's row format, the form in "algorithm".
+    assert set(rows[0]) == set(plan.Row.__annotations__)
+    assert [(r["label"], r["algorithm"]) for r in rows] == [
+        ("staged/256KiB", "staged"),
+        ("single_copy", "single_copy"),
+        ("in_place", "in_place"),
+        ("ring (reference)", "ring"),
+    ]
+    # in_place is still predicted, but cannot be chosen.
+    assert [r["label"] for r in rows if r["chosen"]] != ["in_place"]
+    chosen = [r for r in rows if r["chosen"]]
+    allowed = [r for r in rows if r["label"] in ("staged/256KiB", "single_copy")]
+    assert len(chosen) == 1 and chosen[0]["time_us"] == min(r["time_us"] for r in allowed)
+    assert plan.main([*argv, "--no-in-place", "--no-single-copy", "--json", str(out)]) == 0
+    assert [r["label"] for r in json.loads(out.read_text()) if r["chosen"]] == ["staged/256KiB"]
+
+
+def test_collective_default_is_the_allreduce(tmp_path: Path) -> None:
+    explicit, default = tmp_path / "explicit.json", tmp_path / "default.json"
+    argv = ["--topology", "cpu-2", "--sizes", "64KiB"]
+    assert plan.main([*argv, "--collective", "allreduce", "--json", str(explicit)]) == 0
+    assert plan.main([*argv, "--json", str(default)]) == 0
+    assert json.loads(explicit.read_text()) == json.loads(default.read_text())
+    assert "flat" in [r["label"] for r in json.loads(default.read_text())]
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--collective", "allreduce", "--no-in-place"], "apply to reduce_scatter and all_gather"),
+        (["--collective", "all_gather", "--num-packs", "8"], "applies to the allreduce only"),
+        (["--collective", "broadcast"], "invalid choice: 'broadcast'"),
+    ],
+)
+def test_gather_scatter_bad_arguments(
+    capsys: pytest.CaptureFixture[str], args: list[str], problem: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan.main(["--topology", "cpu-2", "--sizes", "4KiB", *args])
+    assert exc.value.code == 2
+    assert problem in capsys.readouterr().err

@@ -1,15 +1,28 @@
-"""Predicted allreduce times from the plan layer's cost model.
+"""Predicted allreduce, reduce-scatter and all-gather times from the plan layer's cost model.
 
 Run as::
 
     python -m torch_xdev.plan --topology dgx1-v100 --sizes 4KiB:1GiB \\
-        [--num-packs N] [--plot out.png] [--json out.json]
+        [--collective allreduce|reduce_scatter|all_gather] [--num-packs N] \\
+        [--no-single-copy] [--no-in-place] [--plot out.png] [--json out.json]
 
 For every payload size it prints, nccl-tests style, the predicted time, algbw and busbw
 of every candidate plan (and of the ring reference: NCCL's ring algorithm modelled with
-the same costs, never run by xdev), and marks with ``*`` the one ``algorithm="auto"``
-would choose by predicted time. The numbers come from ideal hardware figures; they
-predict the shape of each plan's cost on that wiring, not a measured time.
+the same costs, never run by xdev), and marks with ``*`` the one xdev would choose by
+predicted time (``algorithm="auto"`` for the allreduce). The numbers come from ideal
+hardware figures; they predict the shape of each plan's cost on that wiring, not a
+measured time.
+
+Reduce-scatter and all-gather
+-----------------------------
+``--collective reduce_scatter`` or ``all_gather`` predicts the forms of those collectives
+instead: ``staged/<window>`` (through shared-memory slots, window by window),
+``single_copy`` (peers read the input in place with ``process_vm_readv``; CPU machines
+only) and ``in_place`` (peers read the input where every rank maps it: the symmetric
+heap). The size is the whole tensor (all ranks' blocks), busbw is algbw x (n-1)/n, as
+nccl-tests reports them. ``--no-single-copy`` and ``--no-in-place`` leave a form out of
+the choice, as a group without single copy, or a tensor outside the heap, would; the
+ring reference is the reduce-scatter or all-gather half of NCCL's ring.
 
 ``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``pcie-8gpu``,
 ``cpu-<N>``) or the path of a topology file.
@@ -59,7 +72,9 @@ MachineModel = _plan.MachineModel
 __all__ = [
     "MachineModel",
     "Row",
+    "COLLECTIVES",
     "format_table",
+    "gather_scatter_rows",
     "load_topology_file",
     "machine",
     "main",
@@ -69,6 +84,7 @@ __all__ = [
 ]
 
 ELEM_BYTES = 4  # float32
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 MAX_SIZES = 256
 MAX_BYTES = 1 << 40
 
@@ -228,17 +244,56 @@ def rows(model: MachineModel, sizes: Sequence[int], num_packs: int = -1) -> list
     return [r for size in sizes for r in size_rows(model, size, num_packs)]
 
 
+def gather_scatter_rows(
+    model: MachineModel,
+    collective: str,
+    size: int,
+    single_copy: bool = True,
+    in_place: bool = True,
+) -> list[Row]:
+    """Every form's prediction of a reduce-scatter or all-gather of ``size`` bytes (the whole
+    tensor), the ring reference last; ``chosen`` marks the fastest form allowed."""
+    choice = _plan.choose_gather_scatter(model, collective, size, True, True, True)
+    best = choice["best"]["label"]
+    if not (single_copy and in_place):  # every form shown, the choice among those allowed
+        allowed = _plan.choose_gather_scatter(model, collective, size, single_copy, in_place, False)
+        best = allowed["best"]["label"]
+    labels = [p["label"] for p in choice["predictions"]]
+    if labels.count(best) != 1:  # the C++ API promises best is one of the predictions
+        raise RuntimeError(f"choose_gather_scatter({size}) chose '{best}', not once in {labels}")
+    return [
+        Row(
+            size=size,
+            label=p["label"],
+            algorithm=p["form"],
+            num_packs=0,
+            ring_reference=p["ring_reference"],
+            time_us=p["seconds"] * 1e6,
+            algbw_gbps=p["algbw"] / 1e9,
+            busbw_gbps=p["busbw"] / 1e9,
+            chosen=p["label"] == best,
+        )
+        for p in choice["predictions"]
+    ]
+
+
 LABEL_WIDTH = len("hierarchical_balanced/9999")
 
 
-def format_header(model: MachineModel) -> str:
+_WHAT = {
+    "allreduce": "allreduce of float32 sums; * = the choice of algorithm=auto",
+    "reduce_scatter": "reduce_scatter of float32 sums (size: the whole input); * = xdev's choice",
+    "all_gather": "all_gather (size: the whole output); * = xdev's choice",
+}
+
+
+def format_header(model: MachineModel, collective: str = "allreduce") -> str:
     """The lines above the table: the machine, where its numbers come from, the columns."""
     return "\n".join(
         [
             f"# machine: {model.name} ({model.num_devices} devices)",
             f"# source: {model.source}",
-            "# predicted allreduce of float32 sums; * = the choice of algorithm=auto "
-            "(the ring reference is never chosen)",
+            f"# predicted {_WHAT[collective]} (the ring reference is never chosen)",
             "#",
             f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
             f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice",
@@ -255,9 +310,9 @@ def format_row(r: Row) -> str:
     return line.rstrip()
 
 
-def format_table(model: MachineModel, table: Sequence[Row]) -> str:
+def format_table(model: MachineModel, table: Sequence[Row], collective: str = "allreduce") -> str:
     """The nccl-tests-like text the CLI prints: a blank line between sizes."""
-    lines = [format_header(model)]
+    lines = [format_header(model, collective)]
     for i, r in enumerate(table):
         if i > 0 and r["size"] != table[i - 1]["size"]:
             lines.append("")
@@ -278,7 +333,13 @@ def _import_pyplot() -> Any:
     return importlib.import_module("matplotlib.pyplot")
 
 
-def plot(model: MachineModel, table: Sequence[Row], path: str, pyplot: Any) -> None:
+def plot(
+    model: MachineModel,
+    table: Sequence[Row],
+    path: str,
+    pyplot: Any,
+    collective: str = "allreduce",
+) -> None:
     """busbw against size, one line per algorithm (its best num_packs at each size)."""
     families: dict[str, dict[int, Row]] = {}
     for r in table:
@@ -308,16 +369,16 @@ def plot(model: MachineModel, table: Sequence[Row], path: str, pyplot: Any) -> N
         facecolors="none",
         edgecolors="red",
         zorder=3,
-        label="chosen (auto)",
+        label="chosen",
     )
     sizes_all = sorted({r["size"] for r in table})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes_all)
     ax.set_xticklabels([format_size(s) for s in sizes_all], rotation=45, ha="right")
     ax.minorticks_off()
-    ax.set_xlabel("size (bytes, float32 allreduce)")
+    ax.set_xlabel(f"size (bytes, float32 {collective})")
     ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"Predicted allreduce busbw on {model.name}")
+    ax.set_title(f"Predicted {collective} busbw on {model.name}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -332,8 +393,8 @@ def plot(model: MachineModel, table: Sequence[Row], path: str, pyplot: Any) -> N
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torch_xdev.plan",
-        description="Predicted allreduce times of xdev's plans (and NCCL's ring, for "
-        "reference) on a machine model.",
+        description="Predicted allreduce, reduce-scatter or all-gather times of xdev's plans "
+        "(and NCCL's ring, for reference) on a machine model.",
         epilog="Topology file format and size syntax: see `pydoc torch_xdev.plan`.",
     )
     parser.add_argument(
@@ -350,10 +411,28 @@ def _parser() -> argparse.ArgumentParser:
         "(default 4KiB:1GiB)",
     )
     parser.add_argument(
+        "--collective",
+        choices=COLLECTIVES,
+        default="allreduce",
+        help="the collective to predict (default allreduce)",
+    )
+    parser.add_argument(
+        "--no-single-copy",
+        action="store_true",
+        help="reduce_scatter/all_gather: leave single copy out of the choice (still shown)",
+    )
+    parser.add_argument(
+        "--no-in-place",
+        action="store_true",
+        help="reduce_scatter/all_gather: leave the in-place form (symmetric heap) out of the "
+        "choice (still shown)",
+    )
+    parser.add_argument(
         "--num-packs",
         type=int,
         default=-1,
-        help="restrict the hierarchical plans to this many packs (default: try several)",
+        help="allreduce: restrict the hierarchical plans to this many packs (default: try "
+        "several)",
     )
     parser.add_argument("--plot", metavar="PNG", help="plot busbw against size (matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
@@ -365,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_packs < -1:
         parser.error("--num-packs must be >= 0 (or -1: try several)")
+    gather_scatter = args.collective != "allreduce"
+    if not gather_scatter and (args.no_single_copy or args.no_in_place):
+        parser.error("--no-single-copy and --no-in-place apply to reduce_scatter and all_gather")
+    if gather_scatter and args.num_packs != -1:
+        parser.error("--num-packs applies to the allreduce only")
     pyplot = None
     if args.plot is not None:
         pyplot = _import_pyplot()
@@ -377,10 +461,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Printed size by size: large payloads on a CPU model take a while to simulate.
-    print(format_header(model), flush=True)
+    print(format_header(model, args.collective), flush=True)
     table: list[Row] = []
     for i, size in enumerate(args.sizes):
-        table_rows = size_rows(model, size, args.num_packs)
+        if gather_scatter:
+            table_rows = gather_scatter_rows(
+                model, args.collective, size, not args.no_single_copy, not args.no_in_place
+            )
+        else:
+            table_rows = size_rows(model, size, args.num_packs)
         block = "\n".join(format_row(r) for r in table_rows)
         print(("\n" if i > 0 else "") + block, flush=True)
         table += table_rows
@@ -389,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(table, f, indent=1)
             f.write("\n")
     if pyplot is not None:
-        plot(model, table, args.plot, pyplot)
+        plot(model, table, args.plot, pyplot, args.collective)
     return 0
 
 

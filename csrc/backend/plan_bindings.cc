@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../plan/cost_model.h"
+#include "../plan/gather_scatter_predict.h"
 #include "../plan/machines.h"
 #include "../plan/predict.h"
 #include "../plan/schedule.h"
@@ -57,6 +58,27 @@ py::dict to_dict(const plan::Prediction& p) {
   d["algbw"] = p.algbw;
   d["busbw"] = p.busbw;
   return d;
+}
+
+py::dict to_dict(const plan::GatherScatterPrediction& p) {
+  py::dict d;
+  d["label"] = p.candidate.label();
+  d["form"] = p.candidate.ring_reference ? std::string("ring")
+                                         : std::string(plan::to_string(p.candidate.form));
+  d["window_bytes"] = p.candidate.window_bytes;
+  d["ring_reference"] = p.candidate.ring_reference;
+  d["bytes"] = p.bytes;
+  d["seconds"] = p.seconds;
+  d["algbw"] = p.algbw;
+  d["busbw"] = p.busbw;
+  return d;
+}
+
+plan::GatherScatterKind gather_scatter_kind(const std::string& collective) {
+  if (collective == "reduce_scatter") return plan::GatherScatterKind::kReduceScatter;
+  if (collective == "all_gather") return plan::GatherScatterKind::kAllGather;
+  throw std::invalid_argument("collective '" + collective +
+                              "': use 'reduce_scatter' or 'all_gather'");
 }
 
 void check_bytes(int64_t nbytes, int64_t elem_bytes) {
@@ -180,6 +202,34 @@ void bind_plan(py::module_& parent) {
       py::arg("with_ring_reference") = true,
       "The fastest runnable candidate ('best') and every prediction behind the choice "
       "('predictions', ring reference last).");
+
+  m.def(
+      "choose_gather_scatter",
+      [](const plan::MachineModel& mm, const std::string& collective, int64_t nbytes,
+         bool single_copy, bool in_place, bool with_ring_reference, int64_t elem_bytes) {
+        check_bytes(nbytes, elem_bytes);
+        const plan::GatherScatterKind kind = gather_scatter_kind(collective);
+        plan::GatherScatterChoice choice;
+        {
+          py::gil_scoped_release no_gil;
+          choice = plan::choose_gather_scatter(mm, kind, nbytes, {single_copy, in_place},
+                                               with_ring_reference, elem_bytes);
+        }
+        py::list predictions;
+        for (const plan::GatherScatterPrediction& p : choice.predictions) {
+          predictions.append(to_dict(p));
+        }
+        py::dict d;
+        d["best"] = to_dict(choice.best);
+        d["predictions"] = predictions;
+        return d;
+      },
+      py::arg("machine"), py::arg("collective"), py::arg("nbytes"), py::arg("single_copy") = true,
+      py::arg("in_place") = true, py::arg("with_ring_reference") = true, py::arg("elem_bytes") = 4,
+      "Reduce-scatter or all-gather of a full tensor of nbytes: the fastest form allowed "
+      "('best': staged, plus single_copy / in_place where allowed) and every prediction "
+      "('predictions': dicts with label, form, window_bytes, ring_reference, bytes, seconds, "
+      "algbw and busbw; ring reference last).");
 
   m.def(
       "classify",

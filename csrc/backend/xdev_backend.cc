@@ -227,6 +227,14 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   in.payload_bytes = payload_bytes(full_tensors);
   in.num_tensors = static_cast<int64_t>(full_tensors.size());
   in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
+  // The CPU model chooses the form; a reduce-scatter predicts with its dtype's width.
+  in.kind =
+      op == nullptr ? plan::GatherScatterKind::kAllGather : plan::GatherScatterKind::kReduceScatter;
+  if (!full_tensors.empty()) in.elem_bytes = full_tensors[0].element_size();
+  if (cpu_ != nullptr) {
+    in.model = &cpu_->model();
+    in.model_cache = &gather_scatter_choices_;
+  }
   const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
   const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
   group_.log_once(std::string(name) + ":" + device + ":" + sel.reason,

@@ -207,7 +207,8 @@ class XdevBackend : public c10d::Backend {
   SharedBuffers shared_;
   FallbackEngines fallbacks_;
 
-  mutable plan::ModelChoiceCache model_choices_;  // the CPU model's, per size class
+  mutable plan::ModelChoiceCache model_choices_;           // the CPU model's, per size class
+  plan::GatherScatterChoiceCache gather_scatter_choices_;  // the same for gather/scatter
 
   std::atomic<uint64_t> collectives_called_{0};  // getSequenceNumberForGroup
 

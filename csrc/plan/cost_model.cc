@@ -16,6 +16,7 @@ MachineModel::MachineModel(std::string name, int num_devices)
   latencies_.assign(pairs, 0.0);
   has_route_.assign(pairs, false);
   local_.assign(static_cast<size_t>(n_), {});
+  cross_process_.assign(static_cast<size_t>(n_), -1);
 }
 
 int MachineModel::add_resource(std::string name, double bytes_per_s) {
@@ -82,6 +83,23 @@ void MachineModel::set_local(int device, std::vector<int> resources) {
 const std::vector<int>& MachineModel::local(int device) const {
   pair_index(n_, device, device);
   return local_[static_cast<size_t>(device)];
+}
+
+void MachineModel::set_cross_process_read(int device, int resource) {
+  pair_index(n_, device, device);
+  if (resource < 0 || resource >= static_cast<int>(resources_.size())) {
+    throw std::out_of_range("MachineModel: resource id");
+  }
+  cross_process_[static_cast<size_t>(device)] = resource;
+}
+
+int MachineModel::cross_process_read(int device) const {
+  pair_index(n_, device, device);
+  return cross_process_[static_cast<size_t>(device)];
+}
+
+bool MachineModel::has_cross_process_read() const {
+  return std::all_of(cross_process_.begin(), cross_process_.end(), [](int r) { return r >= 0; });
 }
 
 // ---------------------------------------------------------------------------
@@ -248,13 +266,17 @@ SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy
       if (f.rate > 0) next = std::min(next, now + f.remaining / f.rate);
     }
     const double dt = next - now;
+    const double before = now;
     now = next;
     std::vector<ActiveFlow> still;
     std::vector<int> ended;
     for (ActiveFlow& f : active) {
+      // A flow due by `next` ends there even where now + remaining / rate
+      // rounds to now (a few bytes late in a long program): else no time passes.
+      const bool due = f.rate > 0 && before + f.remaining / f.rate <= next;
       f.remaining -= f.rate * dt;
       // Relative tolerance: rates and sizes span many orders of magnitude.
-      if (f.remaining <= 1e-9 * f.flow->bytes) {
+      if (due || f.remaining <= 1e-9 * f.flow->bytes) {
         if (--flows_left[static_cast<size_t>(f.task)] == 0) ended.push_back(f.task);
       } else {
         still.push_back(f);
@@ -460,6 +482,41 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
   }
   if (ids.size() != tasks.size()) throw std::logic_error("append_window: dependence cycle");
   return ids;
+}
+
+std::vector<std::vector<int>> append_windows(const MachineModel& m,
+                                             const std::vector<Schedule>& windows,
+                                             const std::vector<int64_t>& window_elems,
+                                             int64_t elem_bytes, Program& p,
+                                             const std::vector<std::vector<Range>>& packs) {
+  if (window_elems.size() != windows.size() || (!packs.empty() && packs.size() != windows.size())) {
+    throw std::invalid_argument("append_windows: one size (and pack list) per window");
+  }
+  std::vector<std::vector<int>> ids;
+  double priority = 0;
+  for (size_t k = 0; k < windows.size(); ++k) {
+    std::vector<int> after{0};
+    if (m.barrier_between_phases && k >= 1) after = ids[k - 1];
+    if (!m.barrier_between_phases && k >= 2) after = ids[k - 2];
+    const std::vector<Range> none;
+    const std::vector<Range>& window_packs = packs.empty() ? none : packs[k];
+    ids.push_back(append_window(m, windows[k], window_elems[k], elem_bytes, after, p, window_packs,
+                                priority));
+    priority += static_cast<double>(std::max<size_t>(1, window_packs.size()));
+  }
+  return ids;
+}
+
+double predict_windowed_seconds(const MachineModel& m, int64_t bytes, int64_t window_bytes,
+                                const std::function<Program(int64_t)>& program) {
+  constexpr int64_t kSimulatedWindows = 8;
+  if (m.barrier_between_phases && window_bytes > 0 &&
+      bytes > 2 * kSimulatedWindows * window_bytes) {
+    const double some = simulate(m, program(kSimulatedWindows * window_bytes), m.policy).seconds;
+    const double windows = static_cast<double>(bytes) / static_cast<double>(window_bytes);
+    return m.launch_latency_s + (some - m.launch_latency_s) * windows / kSimulatedWindows;
+  }
+  return simulate(m, program(bytes), m.policy).seconds;
 }
 
 }  // namespace xdev::plan

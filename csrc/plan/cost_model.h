@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,15 @@ class MachineModel {
   void set_local(int device, std::vector<int> resources);
   const std::vector<int>& local(int device) const;
 
+  // Single copy: where a device reads a peer's private memory through the
+  // kernel (process_vm_readv), the read also crosses this resource of the
+  // reader (the kernel's copy rate) and costs cross_process_call_s more to
+  // start. -1 (the default): the machine has no such path.
+  void set_cross_process_read(int device, int resource);
+  int cross_process_read(int device) const;
+  bool has_cross_process_read() const;
+  double cross_process_call_s = 0;
+
   // Direct links (NVLink counts; 1 per pair for a CPU host). Schedules are
   // checked against these; the ring search walks them.
   LinkMatrix links;
@@ -87,6 +97,7 @@ class MachineModel {
   std::vector<double> latencies_;         // n*n
   std::vector<bool> has_route_;           // n*n
   std::vector<std::vector<int>> local_;   // n
+  std::vector<int> cross_process_;        // n
 };
 
 struct Flow {
@@ -133,5 +144,26 @@ SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy
 std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t window_elems,
                                int64_t elem_bytes, const std::vector<int>& after, Program& p,
                                const std::vector<Range>& packs = {}, double priority_base = 0);
+
+// Appends the windows of one collective (task 0 of `p` is its launch), each
+// with append_window, in the order the machine's executor runs them: where it
+// has a barrier per phase, a window starts after the previous one; otherwise
+// after the window two before it, whose staging buffers it reuses (two sets).
+// windows[k] covers window_elems[k] slot elements; packs, when not empty, are
+// each window's packs in pipeline order. Returns each window's task indices.
+std::vector<std::vector<int>> append_windows(const MachineModel& m,
+                                             const std::vector<Schedule>& windows,
+                                             const std::vector<int64_t>& window_elems,
+                                             int64_t elem_bytes, Program& p,
+                                             const std::vector<std::vector<Range>>& packs = {});
+
+// The predicted seconds of a windowed collective of `bytes`, `window_bytes`
+// of which each window moves (0: one window), whose program `program(b)`
+// builds for any multiple b of window_bytes. Where the machine's executor has
+// a barrier per phase, windows run one after another and all but the last
+// are alike: a large payload is predicted from a few windows, scaled, so it
+// costs no more to predict than a small one.
+double predict_windowed_seconds(const MachineModel& m, int64_t bytes, int64_t window_bytes,
+                                const std::function<Program(int64_t)>& program);
 
 }  // namespace xdev::plan

@@ -117,7 +117,10 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
     core[static_cast<size_t>(r)] =
         m.add_resource("rank" + std::to_string(r) + " core", params.core_bytes_per_s * share);
     m.set_local(r, {core[static_cast<size_t>(r)], memory});
+    m.set_cross_process_read(r, m.add_resource("rank" + std::to_string(r) + " cross-process copy",
+                                               params.cross_process_bytes_per_s * share));
   }
+  m.cross_process_call_s = params.cross_process_call_s;
   for (int a = 0; a < ranks; ++a) {
     for (int b = 0; b < ranks; ++b) {
       if (a != b) m.set_route(a, b, {core[static_cast<size_t>(b)], memory}, 0.0);

@@ -61,12 +61,21 @@ struct CpuHostParams {
   double sleeping_barrier_latency_s = cpu_fit::kSleepingBarrierUs * 1e-6;
   double step_latency_s = cpu_fit::kStepUs * 1e-6;
   int64_t window_bytes = 256 * 1024;  // staging slot per rank
+  // Single copy: the kernel's cross-process copy (process_vm_readv) of one reader, and what
+  // a step that reads peers that way costs to start. Not fitted by benchmarks/calibrate.py:
+  // the rate is the one measured for the single-copy allreduce on the development machine
+  // (README, single_copy); the start is what a 64 KiB single-copy all-gather took over a
+  // staged one in benchmarks/gather_scatter.py --nproc 2 there (lending the buffer, finding
+  // the peer's, the first calls, the second barrier on a busy host).
+  double cross_process_bytes_per_s = 2.7e9;
+  double cross_process_call_s = 40e-6;
 };
 
 // `ranks` processes of one host exchanging through shared memory with the
 // staged executor: phases separated by barriers, every byte moved by the
 // reading rank's core, all cores sharing the host's memory bandwidth. With
-// more ranks than cores, the cores' time is shared.
+// more ranks than cores, the cores' time is shared. Each rank also has a
+// cross-process read path (single copy).
 MachineModel cpu_host(int ranks, const CpuHostParams& params);
 
 // Names the CLI accepts: "dgx1-p100", "dgx1-v100", "pcie-8gpu", "cpu-<N>"

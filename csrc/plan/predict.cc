@@ -63,19 +63,7 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
     }
   }
 
-  // Two sets of staging buffers: a window reuses the set of the window two
-  // before it. With barriers the executor finishes one window before staging
-  // the next.
-  std::vector<std::vector<int>> ids;
-  double priority = 0;
-  for (size_t k = 0; k < windows.size(); ++k) {
-    std::vector<int> after{0};
-    if (m.barrier_between_phases && k >= 1) after = ids[k - 1];
-    if (!m.barrier_between_phases && k >= 2) after = ids[k - 2];
-    ids.push_back(append_window(m, windows[k], window_sizes[k], elem_bytes, after, p,
-                                window_packs[k], priority));
-    priority += static_cast<double>(std::max<size_t>(1, window_packs[k].size()));
-  }
+  append_windows(m, windows, window_sizes, elem_bytes, p, window_packs);
   return p;
 }
 
@@ -84,19 +72,9 @@ Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t 
   Prediction pr;
   pr.candidate = c;
   pr.bytes = bytes;
-  // With barriers, windows run one after another and all but the last are
-  // alike: simulate a few and scale, so large payloads cost no more to predict.
   const int64_t window = m.window_bytes > 0 ? m.window_bytes / elem_bytes * elem_bytes : 0;
-  constexpr int64_t kSimulatedWindows = 8;
-  if (m.barrier_between_phases && window > 0 && bytes > 2 * kSimulatedWindows * window) {
-    const double some =
-        simulate(m, allreduce_program(m, c, kSimulatedWindows * window, elem_bytes), m.policy)
-            .seconds;
-    const double windows = static_cast<double>(bytes) / static_cast<double>(window);
-    pr.seconds = m.launch_latency_s + (some - m.launch_latency_s) * windows / kSimulatedWindows;
-  } else {
-    pr.seconds = simulate(m, allreduce_program(m, c, bytes, elem_bytes), m.policy).seconds;
-  }
+  pr.seconds = predict_windowed_seconds(
+      m, bytes, window, [&](int64_t b) { return allreduce_program(m, c, b, elem_bytes); });
   const int n = m.num_devices();
   pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
   pr.busbw = n > 1 ? pr.algbw * 2.0 * (n - 1) / n : pr.algbw;

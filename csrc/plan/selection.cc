@@ -244,6 +244,72 @@ const char* to_string(GatherScatterPath p) {
   return "?";
 }
 
+namespace {
+
+const char* describe(GatherScatterForm f) {
+  switch (f) {
+    case GatherScatterForm::kStaged:
+      return "staged through shared memory, one barrier per window";
+    case GatherScatterForm::kSingleCopy:
+      return "single copy: peers read each other's inputs in place";
+    case GatherScatterForm::kInPlace:
+      return "in place: peers read each other's inputs in the symmetric heap";
+  }
+  return "?";
+}
+
+// The model's fastest form, with the runner-up in the reason, as for the allreduce.
+GatherScatterChoiceCache::Choice gather_scatter_model_choice(const MachineModel& model,
+                                                             GatherScatterKind kind, int64_t bytes,
+                                                             int64_t elem_bytes,
+                                                             const GatherScatterOptions& opts) {
+  const GatherScatterChoice choice =
+      choose_gather_scatter(model, kind, bytes, opts, false, elem_bytes);
+  GatherScatterChoiceCache::Choice c;
+  c.form = choice.best.candidate.form;
+  c.predicted_s = choice.best.seconds;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s; model '%s': %s predicted %.1f us", describe(c.form),
+                model.name().c_str(), choice.best.candidate.label().c_str(),
+                choice.best.seconds * 1e6);
+  c.reason = buf;
+  const GatherScatterPrediction* second = nullptr;
+  for (const GatherScatterPrediction& p : choice.predictions) {
+    if (p.candidate.label() == choice.best.candidate.label()) continue;
+    if (second == nullptr || p.seconds < second->seconds) second = &p;
+  }
+  if (second != nullptr) {
+    std::snprintf(buf, sizeof buf, ", next %s %.1f us", second->candidate.label().c_str(),
+                  second->seconds * 1e6);
+    c.reason += buf;
+  }
+  return c;
+}
+
+}  // namespace
+
+GatherScatterChoiceCache::Choice GatherScatterChoiceCache::get(const MachineModel& model,
+                                                               GatherScatterKind kind,
+                                                               int64_t bucket_bytes,
+                                                               int64_t elem_bytes,
+                                                               const GatherScatterOptions& opts) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (model_ == nullptr) model_ = &model;
+  if (model_ != &model) {
+    throw std::invalid_argument("GatherScatterChoiceCache: used with model '" + model.name() +
+                                "' after model '" + model_->name() + "'");
+  }
+  const auto key = std::make_tuple(static_cast<int>(kind), bucket_bytes, elem_bytes,
+                                   opts.single_copy, opts.in_place);
+  auto it = choices_.find(key);
+  if (it == choices_.end()) {
+    it = choices_
+             .emplace(key, gather_scatter_model_choice(model, kind, bucket_bytes, elem_bytes, opts))
+             .first;
+  }
+  return it->second;
+}
+
 GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
   GatherScatterSelection s;
   if (in.requested == Algorithm::kFallback) {
@@ -264,10 +330,42 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
     s.reason = "no shared-memory channel";
   } else {
     s.path = GatherScatterPath::kNative;
-    s.single_copy = in.single_copy_available && in.num_tensors == 1 &&
-                    in.payload_bytes >= kCpuSingleCopyMinBytes;
-    s.reason = s.single_copy ? "single copy: peers read each other's inputs in place"
-                             : "staged through shared memory, one barrier per window";
+    // The model chooses between staged and reading in place from the heap.
+    // Single copy follows Options.single_copy as the allreduce's does: the
+    // user turns it on where the kernel's cross-process copy is fast, a rate
+    // the model only knows for the machine it was measured on.
+    GatherScatterOptions opts;
+    opts.in_place = in.in_symmetric_heap && in.num_tensors == 1;
+    GatherScatterForm form = GatherScatterForm::kStaged;
+    if (in.model != nullptr && in.model->num_devices() != in.world_size) {
+      throw std::invalid_argument("select_gather_scatter: model of " +
+                                  std::to_string(in.model->num_devices()) + " devices for " +
+                                  std::to_string(in.world_size) + " ranks");
+    }
+    if (in.model != nullptr && opts.in_place) {
+      const int64_t bucket = model_bucket_bytes(in.payload_bytes);
+      const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
+      const GatherScatterChoiceCache::Choice c =
+          in.model_cache != nullptr
+              ? in.model_cache->get(*in.model, in.kind, bucket, elem_bytes, opts)
+              : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
+      form = c.form;
+      s.predicted_s = c.predicted_s;
+      s.reason = c.reason;
+    }
+    const bool single_copy = form == GatherScatterForm::kStaged && in.single_copy_available &&
+                             in.num_tensors == 1 && in.payload_bytes >= kCpuSingleCopyMinBytes;
+    if (single_copy) {
+      form = GatherScatterForm::kSingleCopy;
+      s.reason = std::string(describe(form)) + " (Options.single_copy, one tensor of at least " +
+                 std::to_string(kCpuSingleCopyMinBytes / 1024) + " KiB)";
+      s.predicted_s = 0;
+    } else if (s.reason.empty()) {
+      s.reason = describe(form);
+      if (in.num_tensors != 1) s.reason += " (several tensors)";
+    }
+    s.single_copy = form == GatherScatterForm::kSingleCopy;
+    s.in_place = form == GatherScatterForm::kInPlace;
   }
   return s;
 }

@@ -16,9 +16,12 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cost_model.h"
+#include "gather_scatter_plan.h"
+#include "gather_scatter_predict.h"
 #include "schedule.h"
 #include "topology.h"
 #include "two_level.h"
@@ -147,12 +150,31 @@ Selection select_allreduce(const SelectionInput& in);
 
 // What runs a reduce-scatter or all-gather (tensor, coalesced or list form).
 enum class GatherScatterPath {
-  kNative,    // staged through the host's shared-memory slots (GatherScatterPlan)
+  kNative,    // over the host's shared-memory channel (GatherScatterPlan), in the selected form
   kOneRank,   // a world of one: the output is a copy of the input, whatever the op
   kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
 };
 
 const char* to_string(GatherScatterPath p);
+
+// The model's gather/scatter choice per collective, size class, element
+// width and allowed direct forms: ModelChoiceCache's counterpart. For one
+// model only (the first it is used with; another throws). Thread-safe.
+class GatherScatterChoiceCache {
+ public:
+  struct Choice {
+    GatherScatterForm form = GatherScatterForm::kStaged;
+    double predicted_s = 0;
+    std::string reason;
+  };
+  Choice get(const MachineModel& model, GatherScatterKind kind, int64_t bucket_bytes,
+             int64_t elem_bytes, const GatherScatterOptions& opts);
+
+ private:
+  std::mutex mutex_;
+  const MachineModel* model_ = nullptr;
+  std::map<std::tuple<int, int64_t, int64_t, bool, bool>, Choice> choices_;
+};
 
 struct GatherScatterInput {
   Algorithm requested = Algorithm::kAuto;  // only 'fallback' matters: one native plan
@@ -166,26 +188,45 @@ struct GatherScatterInput {
   // Tensor shapes the native path accepts (e.g. even list sizes); otherwise unsupported_note.
   bool shapes_supported = true;
   std::string unsupported_note;
-  // For single copy: the full tensor's bytes (all ranks' blocks), how many
-  // tensors, and whether every rank may read its peers' memory.
+  // The full tensor's bytes (all ranks' blocks), how many tensors, and whether
+  // every rank may read its peers' memory (single copy).
   int64_t payload_bytes = 0;
   int64_t num_tensors = 1;
   bool single_copy_available = false;
+  // Which collective, and a reduce-scatter's element width: what the model predicts.
+  GatherScatterKind kind = GatherScatterKind::kReduceScatter;
+  int64_t elem_bytes = 4;
+  // The one tensor peers would read (reduce-scatter input, all-gather input)
+  // lies in the group's symmetric heap on this rank: the in-place form may run.
+  bool in_symmetric_heap = false;
+  // The machine model that chooses between staged and in place (its device
+  // count must be world_size); without one, a heap tensor is staged.
+  // model_cache, when given, memoises its choices per size class.
+  const MachineModel* model = nullptr;
+  GatherScatterChoiceCache* model_cache = nullptr;
 };
 
 struct GatherScatterSelection {
   GatherScatterPath path = GatherScatterPath::kFallback;
-  // Native: peers read each other's inputs in place (process_vm_readv), as the
-  // allreduce does from kCpuSingleCopyMinBytes of one tensor; else staged.
+  // Native: peers read each other's inputs in place (process_vm_readv); else
+  // staged (unless in_place).
   bool single_copy = false;
+  // Native: peers read each other's inputs where every rank maps them (the
+  // symmetric heap); nothing staged, no syscall. Only where in_symmetric_heap.
+  bool in_place = false;
   std::string reason;
+  double predicted_s = 0;  // by the model, when it chose; else 0
 };
 
 // The decision, in order: algorithm='fallback'; several hosts; CUDA tensors
 // (no native CUDA path yet); no kernel for the op/dtype; shapes the native
 // path does not take; a world of one (a copy); no shared-memory channel;
-// otherwise native: single copy for one tensor of at least
-// kCpuSingleCopyMinBytes where peers may read each other, staged otherwise.
+// otherwise native: for one tensor in the symmetric heap, staged or in place
+// as the model predicts faster at the payload's size class; where that is
+// staged, single copy for one tensor of at least kCpuSingleCopyMinBytes
+// where peers may read each other (Options.single_copy, as for the
+// allreduce); staged otherwise. Throws std::invalid_argument for a model
+// whose device count is not world_size.
 GatherScatterSelection select_gather_scatter(const GatherScatterInput& in);
 
 }  // namespace xdev::plan

@@ -115,6 +115,17 @@ MachineModel two_gpus() {
 // ---------------------------------------------------------------------------------------------
 // simulate
 
+TEST(simulate_ends_a_flow_too_small_to_advance_the_clock) {
+  // A byte at 1e18 B/s after a second: 1 s + 1e-18 s rounds to 1 s. The flow still ends.
+  MachineModel m = bare_machine(1);
+  Program p;
+  p.tasks.push_back(task("wait", {}, {}, 1.0));
+  p.tasks.push_back(task("byte", {{m.local(0), 1.0}}, {0}, 0.0));
+  const SimulationResult r = simulate(m, p, SharingPolicy::kFairShare);
+  CHECK_NEAR(r.seconds, 1.0);
+  CHECK_NEAR(r.finish_s[1], 1.0);
+}
+
 TEST(cost_one_transfer_is_latency_plus_bytes_over_bandwidth) {
   MachineModel m = bare_machine(2);
   const int link = m.add_resource("link 0->1", 10e9);
