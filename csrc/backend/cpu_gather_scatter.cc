@@ -84,29 +84,28 @@ CpuGatherScatter::CpuGatherScatter(GroupContext& group, const SharedBuffers& sha
 
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
-    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op, bool single_copy) {
+    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op,
+    const plan::GatherScatterSelection& how) {
   check_pairs("reduce_scatter", inputs, outputs, group_.size());
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
-      [this, outputs, inputs, op, timeout, single_copy] {
+      [this, outputs, inputs, op, timeout, how] {
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_reduce_scatter(out, contiguous(inputs), op, timeout, single_copy);
+        run_reduce_scatter(out, contiguous(inputs), op, timeout, how);
         copy_back(out, outputs);
       },
       async_op);
 }
 
-c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(std::vector<at::Tensor> outputs,
-                                                            std::vector<at::Tensor> inputs,
-                                                            c10d::OpType type,
-                                                            std::chrono::milliseconds timeout,
-                                                            bool async_op, bool single_copy) {
+c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
+    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
+    std::chrono::milliseconds timeout, bool async_op, const plan::GatherScatterSelection& how) {
   check_pairs("all_gather", outputs, inputs, group_.size());
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
-      [this, outputs, inputs, timeout, single_copy] {
+      [this, outputs, inputs, timeout, how] {
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_all_gather(out, contiguous(inputs), timeout, single_copy);
+        run_all_gather(out, contiguous(inputs), timeout, how);
         copy_back(out, outputs);
       },
       async_op);
@@ -141,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
           run_uneven(plan::GatherScatterKind::kReduceScatter, full[0], out[0], sizes[0],
                      shape_hash(inputs[0]), op, timeout);
         } else {
-          run_reduce_scatter(out, full, op, timeout, /*single_copy=*/false);
+          run_reduce_scatter(out, full, op, timeout, plan::GatherScatterSelection{});
         }
         copy_back(out, outputs);
       },
@@ -172,7 +171,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
           run_uneven(plan::GatherScatterKind::kAllGather, full[0], in[0], sizes[0],
                      shape_hash(outputs[0]), kernels::ReduceOp::kSum, timeout);
         } else {
-          run_all_gather(full, in, timeout, /*single_copy=*/false);
+          run_all_gather(full, in, timeout, plan::GatherScatterSelection{});
         }
         for (size_t i = 0; i < outputs.size(); ++i) {
           int64_t start = 0;
@@ -237,7 +236,8 @@ void CpuGatherScatter::run_uneven(plan::GatherScatterKind kind, const at::Tensor
 void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
                                           const std::vector<at::Tensor>& inputs,
                                           kernels::ReduceOp op, std::chrono::milliseconds timeout,
-                                          bool single_copy) {
+                                          const plan::GatherScatterSelection& how) {
+  const bool single_copy = how.single_copy;
   if (executor_ == nullptr) {  // a world of one: its block is the whole input
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
     return;
@@ -276,13 +276,15 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
     d.total_elems = g.layout.total();
     d.shape_hash = hash;
     req.ctx = group_.make_context(d, "reduce_scatter", deadline);
-    run_request(req, inputs[g.tensor_indices[0]], "reduce_scatter");
+    run_request(req, inputs[g.tensor_indices[0]], "reduce_scatter", how.in_place);
   }
 }
 
 void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
                                       const std::vector<at::Tensor>& inputs,
-                                      std::chrono::milliseconds timeout, bool single_copy) {
+                                      std::chrono::milliseconds timeout,
+                                      const plan::GatherScatterSelection& how) {
+  const bool single_copy = how.single_copy;
   if (executor_ == nullptr) {
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].view({-1}).copy_(inputs[i].view({-1}));
     return;
@@ -309,18 +311,17 @@ void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
   d.total_elems = layout.total();
   d.shape_hash = shape_hash(concat(outputs, inputs));
   req.ctx = group_.make_context(d, "all_gather", group_.deadline_for(timeout));
-  run_request(req, outputs[0], "all_gather");
+  run_request(req, outputs[0], "all_gather", how.in_place);
 }
 
 void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const at::Tensor& full,
-                                   const char* name) {
-  // One tensor, staged (single copy keeps precedence: its choice is made
-  // without knowing where peers' tensors lie, so it must not depend on it),
-  // of more than one window: in place ends with a barrier of its own (no rank
-  // may change its tensor while peers read it), which a one-window staged run
-  // does without, so it pays from two windows on.
+                                   const char* name, bool in_place) {
+  // In place where the selection chose it (one tensor of the heap, a size
+  // where the model says skipping the staging pays for the closing barrier
+  // that keeps every tensor unchanged while peers read it), and where the
+  // tensor is in the heap on this rank too.
   SharedPlacement placement;
-  if (req.full.size() == 1 && !req.single_copy && req.plan->num_windows() > 1) {
+  if (in_place && req.full.size() == 1 && !req.single_copy) {
     placement = shared_.find(full);
   }
   if (placement.heap == nullptr) {

@@ -19,6 +19,7 @@
 
 #include "../kernels/cpu_reduce.h"
 #include "../plan/gather_scatter_plan.h"
+#include "../plan/selection.h"
 #include "../transport/gather_scatter_executor.h"
 #include "group_context.h"
 #include "shared_buffers.h"
@@ -38,14 +39,16 @@ class CpuGatherScatter {
                                                 std::vector<at::Tensor> inputs,
                                                 kernels::ReduceOp op, c10d::OpType type,
                                                 std::chrono::milliseconds timeout, bool async_op,
-                                                bool single_copy);
+                                                const plan::GatherScatterSelection& how);
   // outputs[i] (world * C_i elements) = every rank's inputs[i] (C_i elements)
-  // in rank order. Any dtype: bytes move. single_copy (one tensor, as
-  // plan::select_gather_scatter decides): peers read inputs in place.
+  // in rank order. Any dtype: bytes move. `how` is plan::select_gather_scatter's
+  // form: staged, single copy (one tensor: peers read inputs with
+  // process_vm_readv) or in place (one tensor of the symmetric heap: staged
+  // after all unless it lies at the same place on every rank).
   c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor> outputs,
                                             std::vector<at::Tensor> inputs, c10d::OpType type,
                                             std::chrono::milliseconds timeout, bool async_op,
-                                            bool single_copy);
+                                            const plan::GatherScatterSelection& how);
 
   // The list forms: inputs (reduce-scatter) or outputs (all-gather) given as
   // one tensor per rank, copied through a contiguous tensor of the tensor
@@ -63,9 +66,10 @@ class CpuGatherScatter {
   // On the op thread. outputs and inputs are contiguous.
   void run_reduce_scatter(const std::vector<at::Tensor>& outputs,
                           const std::vector<at::Tensor>& inputs, kernels::ReduceOp op,
-                          std::chrono::milliseconds timeout, bool single_copy);
+                          std::chrono::milliseconds timeout,
+                          const plan::GatherScatterSelection& how);
   void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                      std::chrono::milliseconds timeout, bool single_copy);
+                      std::chrono::milliseconds timeout, const plan::GatherScatterSelection& how);
 
   // One list of uneven sizes: rank j's block holds sizes[j] elements of full.
   // list_hash: of the list's shapes, the same on every rank.
@@ -73,9 +77,10 @@ class CpuGatherScatter {
                   const std::vector<int64_t>& sizes, uint64_t list_hash, kernels::ReduceOp op,
                   std::chrono::milliseconds timeout);
 
-  // Runs req, in place from the heap when `full` (the one full tensor) lies
-  // there on every rank at the same place; logs which, once.
-  void run_request(transport::GatherScatterRequest& req, const at::Tensor& full, const char* name);
+  // Runs req; with in_place, in place from the heap when `full` (the one full
+  // tensor) lies there on every rank at the same place; logs which, once.
+  void run_request(transport::GatherScatterRequest& req, const at::Tensor& full, const char* name,
+                   bool in_place);
 
   GroupContext& group_;
   const SharedBuffers& shared_;

@@ -234,6 +234,9 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   if (cpu_ != nullptr) {
     in.model = &cpu_->model();
     in.model_cache = &gather_scatter_choices_;
+    // The tensor peers would read in place: a reduce-scatter's input, an all-gather's output.
+    in.in_symmetric_heap = full_tensors.size() == 1 && full_tensors[0].device().is_cpu() &&
+                           shared_.find(full_tensors[0]).heap != nullptr;
   }
   const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
   const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
@@ -334,7 +337,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
     return delegate(input)->_allgather_base(output, input, opts);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
-                                     opts.asyncOp, sel.single_copy);
+                                     opts.asyncOp, sel);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
@@ -386,7 +389,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
-                                     opts.asyncOp, sel.single_copy);
+                                     opts.asyncOp, sel);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -431,7 +434,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
                                          c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
-                                         opts.asyncOp, sel.single_copy);
+                                         opts.asyncOp, sel);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
@@ -445,7 +448,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                                         opts.timeout, opts.asyncOp, sel.single_copy);
+                                         opts.timeout, opts.asyncOp, sel);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,

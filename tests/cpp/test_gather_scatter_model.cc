@@ -70,27 +70,28 @@ GatherScatterInput native_input(const MachineModel& model, GatherScatterKind kin
 TEST(gather_scatter_model_staged_costs_its_memory_traffic) {
   const MachineModel m = cpu_host(2, hand_params());
   const double mem = 10e9;
-  // Reduce-scatter of float32, 2 windows: a window holds 64 KiB / 4 B / 2 ranks = 8192
-  // elements of each rank's piece, p*e = 32 KiB. Staging: each rank copies its peer's piece
-  // (read + write, 2pe), both at once: 4pe of memory traffic. Then a barrier, then each rank
-  // reduces: its peer's piece (pe) and its own (pe) read, its output written (pe): 6pe in all.
-  // Memory is the only bottleneck throughout, so a window takes 10pe / mem + barrier.
-  const double pe = 32.0 * 1024;
-  const int64_t bytes = 2 * 2 * 32 * 1024;  // two windows of both ranks' pieces
+  // Reduce-scatter of float32 blocks of 64 KiB, one window: a slot holds the N-1 pieces
+  // peers reduce, 64 KiB / 4 B / 1 = 16384 elements, p*e = 64 KiB. Staging: each rank copies
+  // its peer's piece (read + write, 2pe), both at once: 4pe of memory traffic. Then a barrier,
+  // then each rank reduces: its peer's piece (pe) and its own (pe) read, its output written
+  // (pe): 6pe in all. Memory is the only bottleneck throughout, so a window takes
+  // 10pe / mem + barrier.
+  const double pe = 64.0 * 1024;
+  const int64_t bytes = 2 * 64 * 1024;  // both ranks' blocks
   const double rs = predict_gather_scatter(m, kRS, kStaged, bytes).seconds;
-  CHECK(near(rs, 50e-6 + 2 * (10 * pe / mem + 2e-6)));
+  CHECK(near(rs, 50e-6 + 10 * pe / mem + 2e-6));
   // All-gather, one window of C = 16 KiB blocks (a slot holds a whole piece): each rank stages
   // its block (2C, 4C in all); then copies its own block from its input (2C) and its peer's
   // from the slot (C read, C written): 8C in all.
   const double c = 16.0 * 1024;
   const double ag = predict_gather_scatter(m, kAG, kStaged, 2 * 16 * 1024).seconds;
   CHECK(near(ag, 50e-6 + 12 * c / mem + 2e-6));
-  // A window as a parameter: 16 KiB slots make the reduce-scatter above 8 windows, each of
+  // A window as a parameter: 16 KiB slots make the reduce-scatter above 4 windows, each of
   // a quarter of the traffic and one barrier.
   const GatherScatterCandidate small{GatherScatterForm::kStaged, 16 * 1024, false};
   CHECK_EQ(small.label(), std::string("staged/16KiB"));
   const double rs_small = predict_gather_scatter(m, kRS, small, bytes).seconds;
-  CHECK(near(rs_small, 50e-6 + 8 * (10 * pe / 4 / mem + 2e-6)));
+  CHECK(near(rs_small, 50e-6 + 4 * (10 * pe / 4 / mem + 2e-6)));
 }
 
 TEST(gather_scatter_model_direct_forms_skip_staging) {
