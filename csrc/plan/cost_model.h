@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "nccl_model.h"
 #include "schedule.h"
 #include "topology.h"
 
@@ -88,6 +89,9 @@ class MachineModel {
   // does not price cache-line ownership.
   bool forwards_own_input = false;
   std::string source;  // where the numbers come from, for the CLI and docs
+  // What NCCL's tuning model sees on this machine (GPU hosts); the NCCL
+  // candidates are predicted from it (nccl_model.h).
+  NcclHost nccl;
 
  private:
   std::string name_;

@@ -4,20 +4,58 @@
 #include <stdexcept>
 
 namespace xdev::plan {
+namespace {
 
-MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params) {
+// What NCCL's topology search finds, per machine (NcclHost): its ring and
+// tree graphs take every NVLink of a GPU, at NCCL's own per-link figure for
+// the generation (SM60/70/80/90_NVLINK_BW in src/graph/topo.h: 18, 20, 20,
+// 20.6 GB/s), split over one channel per link (16 channels on NVSwitch
+// hosts); PCIe hosts are limited by their slowest hop. NVLS runs NCCL's
+// default 16 channels of one link each (H100 only).
+NcclHost nccl_view(int compute_capability, int channels, double channel_gbps, int nvls_channels = 0,
+                   double nvls_channel_gbps = 0) {
+  NcclHost h;
+  h.present = true;
+  h.compute_capability = compute_capability;
+  h.channels = channels;
+  h.channel_gbps = channel_gbps;
+  h.nvls_channels = nvls_channels;
+  h.nvls_channel_gbps = nvls_channel_gbps;
+  return h;
+}
+
+}  // namespace
+
+MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params,
+                      const std::vector<int>& nvswitch_links) {
   const int n = links.size();
+  if (!nvswitch_links.empty() && static_cast<int>(nvswitch_links.size()) != n) {
+    throw std::invalid_argument("gpu_host: " + std::to_string(nvswitch_links.size()) +
+                                " NVSwitch link counts for " + std::to_string(n) + " GPUs");
+  }
+  for (int count : nvswitch_links) {
+    if (count < 0) throw std::invalid_argument("gpu_host: negative NVSwitch link count");
+  }
+  const auto switch_links = [&](int d) {
+    return nvswitch_links.empty() ? 0 : nvswitch_links[static_cast<size_t>(d)];
+  };
   MachineModel m(std::move(name), n);
   m.links = links;
   m.launch_latency_s = params.launch_latency_s;
   m.step_latency_s = params.step_latency_s;
   m.policy = SharingPolicy::kOldestFirst;
   std::vector<int> pcie_out(static_cast<size_t>(n)), pcie_in(static_cast<size_t>(n));
+  std::vector<int> port_out(static_cast<size_t>(n), -1), port_in(static_cast<size_t>(n), -1);
   for (int d = 0; d < n; ++d) {
     const std::string gpu = "gpu" + std::to_string(d);
     m.set_local(d, {m.add_resource(gpu + " memory", params.memory_bytes_per_s)});
     pcie_out[static_cast<size_t>(d)] = m.add_resource(gpu + " pcie out", params.pcie_bytes_per_s);
     pcie_in[static_cast<size_t>(d)] = m.add_resource(gpu + " pcie in", params.pcie_bytes_per_s);
+    if (switch_links(d) > 0) {
+      const double rate = switch_links(d) * params.nvlink_bytes_per_s;
+      port_out[static_cast<size_t>(d)] = m.add_resource(gpu + " nvswitch port out", rate);
+      port_in[static_cast<size_t>(d)] = m.add_resource(gpu + " nvswitch port in", rate);
+    }
   }
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
@@ -28,6 +66,11 @@ MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostPa
             "nvlink " + std::to_string(a) + "->" + std::to_string(b) + " x" + std::to_string(count),
             count * params.nvlink_bytes_per_s);
         m.set_route(a, b, {id}, params.nvlink_latency_s);
+      } else if (switch_links(a) > 0 && switch_links(b) > 0) {
+        m.set_route(a, b, {port_out[static_cast<size_t>(a)], port_in[static_cast<size_t>(b)]},
+                    params.nvlink_latency_s);
+        // The plans ask the link matrix who reaches whom directly: through the switch, all do.
+        m.links.set_links(a, b, std::min(switch_links(a), switch_links(b)));
       } else {
         m.set_route(a, b, {pcie_out[static_cast<size_t>(a)], pcie_in[static_cast<size_t>(b)]},
                     params.pcie_latency_s);
@@ -59,6 +102,7 @@ MachineModel dgx1_p100() {
   p.nvlink_bytes_per_s = 20e9;
   p.memory_bytes_per_s = 732e9;
   MachineModel m = gpu_host("dgx1-p100", LinkMatrix::dgx1(), p);
+  m.nccl = nccl_view(60, 4, 18.0);
   m.source = "DGX-1 (P100): NVLink 1, one 20 GB/s link per direction to each of 4 neighbours";
   return m;
 }
@@ -77,16 +121,124 @@ MachineModel dgx1_v100() {
   p.nvlink_bytes_per_s = 25e9;
   p.memory_bytes_per_s = 900e9;
   MachineModel m = gpu_host("dgx1-v100", dgx1_v100_links(), p);
+  m.nccl = nccl_view(70, 6, 20.0);
   m.source = "DGX-1 (V100): NVLink 2, six 25 GB/s links per direction, 4 neighbours, 2 doubled";
   return m;
 }
 
-MachineModel pcie_8gpu() {
+// Newer machines (docs/cost_model.md has the quotes):
+//  - H100 SXM5: 18 NVLink 4 links, 900 GB/s per GPU in both directions, i.e.
+//    25 GB/s per link and direction, all to the NVSwitches of the HGX board;
+//    HBM3 3.35 TB/s (NVIDIA H100 datasheet). A100 SXM4: 12 NVLink 3 links,
+//    600 GB/s per GPU in both directions; HBM2e 2.04 TB/s (A100 datasheet,
+//    80 GB). The A100 PCIe NVLink bridge joins two cards with 600 GB/s both
+//    ways (12 links); the HGX A100 4-GPU board joins every pair with 4 links.
+//  - PCIe Gen4 x16: 32 GB/s raw per direction, about 24 GB/s measured; GPU
+//    peer traffic across CPU sockets crosses the socket link, which NCCL models
+//    at 10 GB/s for Skylake-class Intel CPUs (SKL_QPI_BW in src/graph/topo.h).
+//  - Latencies of xdev's own kernels on these GPUs are not calibrated yet (no
+//    multi-GPU host has run xdev). They are set so that the model's one-shot
+//    allreduce matches what published one-shot kernels take on 8xH100 (vLLM's
+//    custom allreduce: about 10 us at 512 B; PyTorch's symmetric-memory
+//    two-shot: 15 us at 512 KiB): 5 us to launch, 2 us per NVLink flag
+//    hand-off. benchmarks/calibrate.py's GPU fit is the way to replace them.
+namespace {
+
+GpuHostParams nvlink_kernel_params(double memory_bytes_per_s) {
   GpuHostParams p;
-  p.memory_bytes_per_s = 900e9;
-  p.step_latency_s = 5.7e-6;  // NCCL's PCI hwLat for the Simple protocol
-  MachineModel m = gpu_host("pcie-8gpu", LinkMatrix(8), p);
-  m.source = "8 GPUs on PCIe Gen3 x16 (12 GB/s per direction), no NVLink";
+  p.nvlink_bytes_per_s = 25e9;
+  p.memory_bytes_per_s = memory_bytes_per_s;
+  p.launch_latency_s = 5e-6;
+  p.step_latency_s = 2e-6;
+  return p;
+}
+
+MachineModel nvswitch_host(std::string name, int links_per_gpu, double memory_bytes_per_s) {
+  return gpu_host(std::move(name), LinkMatrix(8), nvlink_kernel_params(memory_bytes_per_s),
+                  std::vector<int>(8, links_per_gpu));
+}
+
+}  // namespace
+
+MachineModel hgx_h100() {
+  MachineModel m = nvswitch_host("hgx-h100", 18, 3.35e12);
+  m.nccl = nccl_view(90, 16, 18 * 20.6 / 16, 16, 20.6);
+  m.source =
+      "HGX/DGX H100: 8 GPUs, 18 NVLink 4 links each to the NVSwitches (450 GB/s per "
+      "direction per GPU), HBM3 3.35 TB/s";
+  return m;
+}
+
+MachineModel hgx_a100() {
+  MachineModel m = nvswitch_host("hgx-a100", 12, 2.04e12);
+  m.nccl = nccl_view(80, 16, 12 * 20.0 / 16);
+  m.source =
+      "HGX/DGX A100: 8 GPUs, 12 NVLink 3 links each to the NVSwitches (300 GB/s per "
+      "direction per GPU), HBM2e 2.04 TB/s";
+  return m;
+}
+
+MachineModel nvlink_2gpu() {
+  LinkMatrix links(2);
+  links.set_links(0, 1, 12);
+  MachineModel m = gpu_host("nvlink-2gpu", links, nvlink_kernel_params(1.94e12));
+  m.nccl = nccl_view(80, 12, 20.0);
+  m.source = "2 A100 PCIe joined by NVLink bridges: 12 NVLink 3 links (300 GB/s per direction)";
+  return m;
+}
+
+MachineModel nvlink_4gpu() {
+  LinkMatrix links(4);
+  for (int a = 0; a < 4; ++a) {
+    for (int b = a + 1; b < 4; ++b) links.set_links(a, b, 4);
+  }
+  MachineModel m = gpu_host("nvlink-4gpu", links, nvlink_kernel_params(2.04e12));
+  m.nccl = nccl_view(80, 12, 20.0);
+  m.source = "HGX A100 4-GPU: every pair joined by 4 NVLink 3 links (100 GB/s per direction)";
+  return m;
+}
+
+MachineModel pcie_8gpu() {
+  constexpr int kGpus = 8, kGpusPerSwitch = 2, kSwitchesPerSocket = 2;
+  constexpr double kPcie = 24e9;        // Gen4 x16, per direction, GPU lanes and uplinks alike
+  constexpr double kSocketLink = 10e9;  // GPU peer traffic between sockets, per direction
+  MachineModel m("pcie-8gpu", kGpus);
+  m.links = LinkMatrix(kGpus);
+  m.launch_latency_s = 8.4e-6;
+  m.step_latency_s = 5.7e-6;  // NCCL's PCI hwLat for the Simple protocol
+  m.policy = SharingPolicy::kOldestFirst;
+  const int switches = kGpus / kGpusPerSwitch;
+  std::vector<int> up(switches), down(switches);
+  for (int s = 0; s < switches; ++s) {
+    up[static_cast<size_t>(s)] = m.add_resource("pcie switch" + std::to_string(s) + " up", kPcie);
+    down[static_cast<size_t>(s)] =
+        m.add_resource("pcie switch" + std::to_string(s) + " down", kPcie);
+  }
+  const int socket_link[2] = {m.add_resource("socket 0->1", kSocketLink),
+                              m.add_resource("socket 1->0", kSocketLink)};
+  std::vector<int> out(kGpus), in(kGpus);
+  for (int d = 0; d < kGpus; ++d) {
+    const std::string gpu = "gpu" + std::to_string(d);
+    m.set_local(d, {m.add_resource(gpu + " memory", 1.94e12)});
+    out[static_cast<size_t>(d)] = m.add_resource(gpu + " pcie out", kPcie);
+    in[static_cast<size_t>(d)] = m.add_resource(gpu + " pcie in", kPcie);
+  }
+  for (int a = 0; a < kGpus; ++a) {
+    for (int b = 0; b < kGpus; ++b) {
+      if (a == b) continue;
+      const int sa = a / kGpusPerSwitch, sb = b / kGpusPerSwitch;
+      const int socket_a = sa / kSwitchesPerSocket, socket_b = sb / kSwitchesPerSocket;
+      std::vector<int> route = {out[static_cast<size_t>(a)]};
+      if (sa != sb) route.push_back(up[static_cast<size_t>(sa)]);
+      if (socket_a != socket_b) route.push_back(socket_link[socket_a]);
+      if (sa != sb) route.push_back(down[static_cast<size_t>(sb)]);
+      route.push_back(in[static_cast<size_t>(b)]);
+      m.set_route(a, b, route, 0.0);
+    }
+  }
+  m.source =
+      "8 A100 PCIe (HBM2e 1.94 TB/s) on PCIe Gen4 x16 (24 GB/s per direction): 2 sockets, "
+      "2 switches of 2 GPUs each per socket, 10 GB/s between sockets; no NVLink";
   return m;
 }
 
@@ -132,13 +284,18 @@ MachineModel cpu_host(int ranks, const CpuHostParams& params) {
 }
 
 std::vector<std::string> builtin_machine_names() {
-  return {"dgx1-p100", "dgx1-v100", "pcie-8gpu", "cpu-<N>"};
+  return {"dgx1-p100",   "dgx1-v100",   "hgx-h100",  "hgx-a100",
+          "nvlink-2gpu", "nvlink-4gpu", "pcie-8gpu", "cpu-<N>"};
 }
 
 MachineModel builtin_machine(const std::string& name) {
   if (name == "dgx1-p100") return dgx1_p100();
   if (name == "dgx1-v100") return dgx1_v100();
   if (name == "pcie-8gpu") return pcie_8gpu();
+  if (name == "hgx-h100") return hgx_h100();
+  if (name == "hgx-a100") return hgx_a100();
+  if (name == "nvlink-2gpu") return nvlink_2gpu();
+  if (name == "nvlink-4gpu") return nvlink_4gpu();
   if (name.rfind("cpu-", 0) == 0) {
     const std::string digits = name.substr(4);
     if (!digits.empty() && digits.size() < 4 &&
@@ -147,8 +304,11 @@ MachineModel builtin_machine(const std::string& name) {
       if (ranks >= 1) return cpu_host(ranks, CpuHostParams{});
     }
   }
-  throw std::invalid_argument("unknown machine '" + name +
-                              "'; built in: dgx1-p100, dgx1-v100, pcie-8gpu, cpu-<N>");
+  throw std::invalid_argument("unknown machine '" + name + "'; built in: " + [] {
+    std::string names;
+    for (const std::string& n : builtin_machine_names()) names += (names.empty() ? "" : ", ") + n;
+    return names;
+  }());
 }
 
 }  // namespace xdev::plan

@@ -23,9 +23,17 @@ struct GpuHostParams {
   double step_latency_s = 3.4e-6;     // one fenced flag hand-off between GPUs
 };
 
-// GPUs joined by `links` (NVLink counts per pair); pairs without NVLink go
-// through each GPU's PCIe lane. Runs as a data-flow pipeline (no barriers).
-MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params);
+// GPUs joined by `links` (NVLink counts per pair) and, where `nvswitch_links`
+// is given (one entry per GPU: its NVLinks to the host's NVSwitches, 0 for
+// none), by NVSwitches. A switch is a non-blocking crossbar: what limits a
+// transfer through it is the sender's and the receiver's ports (their link
+// count times the per-link rate), so a pair without a direct NVLink whose GPUs
+// both reach a switch routes over [sender's port out, receiver's port in].
+// Remaining pairs go through each GPU's PCIe lane. Runs as a data-flow
+// pipeline (no barriers). Throws std::invalid_argument when nvswitch_links is
+// neither empty nor one entry per GPU, or has a negative entry.
+MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params,
+                      const std::vector<int>& nvswitch_links = {});
 
 // DGX-1 with P100 (NVLink 1: 4 links of 20 GB/s per direction, one to each
 // cube-mesh neighbour) and with V100 (NVLink 2: 6 links of 25 GB/s, four
@@ -34,8 +42,20 @@ MachineModel dgx1_p100();
 MachineModel dgx1_v100();
 LinkMatrix dgx1_v100_links();
 
-// 8 GPUs with no NVLink: every transfer crosses PCIe Gen3 x16.
+// 8 GPUs with no NVLink, as in most PCIe servers: two CPU sockets, each with
+// two PCIe Gen4 switches of two GPUs. Peers under one switch exchange through
+// it; peers of one socket through the switches' uplinks to the CPU's root
+// complex; peers of different sockets also cross the inter-socket link.
 MachineModel pcie_8gpu();
+
+// HGX / DGX H100: 8 GPUs, each with 18 NVLink 4 links to the NVSwitches.
+MachineModel hgx_h100();
+// HGX / DGX A100: 8 GPUs, each with 12 NVLink 3 links to the NVSwitches.
+MachineModel hgx_a100();
+// Two A100 PCIe cards joined by NVLink bridges (12 NVLink 3 links).
+MachineModel nvlink_2gpu();
+// HGX A100 4-GPU: every pair of the 4 GPUs joined by 4 NVLink 3 links.
+MachineModel nvlink_4gpu();
 
 // The CPU host's parameters as benchmarks/calibrate.py fitted them on the 2-core development
 // machine, where memory, not a core, is the bottleneck (docs/calibration.md), in the units of
@@ -78,8 +98,9 @@ struct CpuHostParams {
 // cross-process read path (single copy).
 MachineModel cpu_host(int ranks, const CpuHostParams& params);
 
-// Names the CLI accepts: "dgx1-p100", "dgx1-v100", "pcie-8gpu", "cpu-<N>"
-// (N ranks, default CPU parameters). Throws std::invalid_argument listing them.
+// Names the CLI accepts: "dgx1-p100", "dgx1-v100", "hgx-h100", "hgx-a100",
+// "nvlink-2gpu", "nvlink-4gpu", "pcie-8gpu", "cpu-<N>" (N ranks, default CPU
+// parameters). Throws std::invalid_argument listing them.
 MachineModel builtin_machine(const std::string& name);
 std::vector<std::string> builtin_machine_names();
 

@@ -763,18 +763,66 @@ TEST(cost_dgx1_v100_routes) {
   CHECK_EQ(builtin_machine("dgx1-p100").name(), std::string("dgx1-p100"));
 }
 
-TEST(cost_pcie_8gpu_routes_everything_over_pcie) {
+TEST(cost_pcie_8gpu_routes_through_switches_root_complexes_and_the_socket_link) {
   const MachineModel m = pcie_8gpu();
   CHECK_EQ(m.num_devices(), 8);
+  // GPUs 2k and 2k+1 share a switch; switches 0-1 hang off socket 0, 2-3 off socket 1.
+  const auto hops = [&](int a, int b) { return m.route(a, b).size(); };
   for (int a = 0; a < 8; ++a) {
     for (int b = 0; b < 8; ++b) {
       if (a == b) continue;
       CHECK_EQ(m.links.links(a, b), 0);
-      CHECK_EQ(m.route(a, b).size(), size_t{2});
+      const bool same_switch = a / 2 == b / 2, same_socket = a / 4 == b / 4;
+      CHECK_EQ(hops(a, b), same_switch ? size_t{2} : same_socket ? size_t{4} : size_t{5});
     }
   }
+  // The socket link is the slowest resource on a cross-socket route.
+  double slowest = 1e30;
+  for (int r : m.route(0, 7)) slowest = std::min(slowest, m.resources()[r].bytes_per_s);
+  CHECK_NEAR(slowest, 10e9);
   CHECK_NEAR(m.step_latency_s, 5.7e-6);
   CHECK_EQ(builtin_machine("pcie-8gpu").name(), std::string("pcie-8gpu"));
+}
+
+TEST(cost_nvswitch_hosts_route_every_pair_over_the_two_ports) {
+  for (const MachineModel& m : {hgx_h100(), hgx_a100()}) {
+    const double port = m.name() == "hgx-h100" ? 18 * 25e9 : 12 * 25e9;
+    CHECK_EQ(m.num_devices(), 8);
+    for (int a = 0; a < 8; ++a) {
+      for (int b = 0; b < 8; ++b) {
+        if (a == b) continue;
+        CHECK(m.links.linked(a, b));
+        CHECK_EQ(m.route(a, b).size(), size_t{2});
+        for (int r : m.route(a, b)) CHECK_NEAR(m.resources()[r].bytes_per_s, port);
+      }
+    }
+    // One port per direction per GPU: GPU 0's sends to 1 and 2 share its port out.
+    CHECK_EQ(m.route(0, 1)[0], m.route(0, 2)[0]);
+    CHECK(m.route(0, 1)[1] != m.route(0, 2)[1]);
+    CHECK_EQ(builtin_machine(m.name()).name(), m.name());
+  }
+}
+
+TEST(cost_gpu_host_checks_nvswitch_link_counts) {
+  GpuHostParams p;
+  CHECK_THROWS(gpu_host("x", LinkMatrix(2), p, {18}), std::invalid_argument, "1 NVSwitch");
+  CHECK_THROWS(gpu_host("x", LinkMatrix(2), p, {18, -1}), std::invalid_argument, "negative");
+  // A GPU without switch links reaches the others over PCIe.
+  const MachineModel m = gpu_host("x", LinkMatrix(3), p, {4, 4, 0});
+  CHECK_EQ(m.route(0, 1).size(), size_t{2});
+  CHECK_NEAR(m.resources()[m.route(0, 1)[0]].bytes_per_s, 4 * p.nvlink_bytes_per_s);
+  CHECK_NEAR(m.resources()[m.route(0, 2)[0]].bytes_per_s, p.pcie_bytes_per_s);
+  CHECK(!m.links.linked(0, 2));
+}
+
+TEST(cost_nvlink_bridged_hosts_link_every_pair) {
+  const MachineModel two = nvlink_2gpu(), four = nvlink_4gpu();
+  CHECK_EQ(two.links.links(0, 1), 12);
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) {
+      if (a != b) CHECK_EQ(four.links.links(a, b), 4);
+    }
+  }
 }
 
 TEST(cost_cpu_host_shares_cores_between_ranks) {
