@@ -236,3 +236,21 @@ def test_gather_scatter_bad_arguments(
         plan.main(["--topology", "cpu-2", "--sizes", "4KiB", *args])
     assert exc.value.code == 2
     assert problem in capsys.readouterr().err
+
+
+def test_gpu_machines_list_nccl_candidates_and_auto_takes_the_fastest(tmp_path: Path) -> None:
+    out = tmp_path / "h100.json"
+    assert plan.main(["--topology", "hgx-h100", "--sizes", "4KiB,1GiB", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    for size in (4 << 10, 1 << 30):
+        at_size = [r for r in rows if r["size"] == size]
+        nccl = [r for r in at_size if r["nccl"]]
+        assert {r["label"] for r in nccl} >= {"nccl_ring/LL", "nccl_tree/LL128", "nccl_nvls/Simple"}
+        assert all(r["label"].startswith("nccl_") and r["algorithm"] == "nccl" for r in nccl)
+        (chosen,) = [r for r in at_size if r["chosen"]]
+        eligible = [r for r in at_size if not r["ring_reference"]]
+        assert chosen["time_us"] == min(r["time_us"] for r in eligible)
+        # xdev's one-shot wins small; NVLS (the switch reduces) wins large.
+        assert chosen["nccl"] == (size == 1 << 30)
+    # CPU machines have no NCCL rows.
+    assert not any(r["nccl"] for r in plan.rows(plan.machine("cpu-4"), [1 << 20]))

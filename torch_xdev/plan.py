@@ -7,11 +7,17 @@ Run as::
         [--no-single-copy] [--no-in-place] [--plot out.png] [--json out.json]
 
 For every payload size it prints, nccl-tests style, the predicted time, algbw and busbw
-of every candidate plan (and of the ring reference: NCCL's ring algorithm modelled with
-the same costs, never run by xdev), and marks with ``*`` the one xdev would choose by
-predicted time (``algorithm="auto"`` for the allreduce). The numbers come from ideal
-hardware figures; they predict the shape of each plan's cost on that wiring, not a
+of every candidate plan (and of the ring reference: a ring on the machine's links
+modelled with xdev's own costs, never run), and marks with ``*`` the one xdev would
+choose by predicted time (``algorithm="auto"`` for the allreduce). The numbers come from
+ideal hardware figures; they predict the shape of each plan's cost on that wiring, not a
 measured time.
+
+On GPU machines the allreduce's candidates include NCCL itself: one row per algorithm and
+protocol NCCL would enable there (``nccl_ring/LL``, ``nccl_tree/LL128``,
+``nccl_nvls/Simple``, ...), predicted by NCCL's own tuning model (NCCL 2.20.3's
+``src/graph/tuning.cc``, see ``csrc/plan/nccl_model.h``). Where one of them is fastest,
+auto hands the call to NCCL.
 
 Reduce-scatter and all-gather
 -----------------------------
@@ -24,8 +30,9 @@ nccl-tests reports them. ``--no-single-copy`` and ``--no-in-place`` leave a form
 the choice, as a group without single copy, or a tensor outside the heap, would; the
 ring reference is the reduce-scatter or all-gather half of NCCL's ring.
 
-``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``pcie-8gpu``,
-``cpu-<N>``) or the path of a topology file.
+``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``hgx-h100``,
+``hgx-a100``, ``nvlink-2gpu``, ``nvlink-4gpu``, ``pcie-8gpu``, ``cpu-<N>``; sources in
+``docs/cost_model.md``) or the path of a topology file.
 
 Topology file
 -------------
@@ -101,6 +108,7 @@ class Row(TypedDict):
     algorithm: str
     num_packs: int
     ring_reference: bool
+    nccl: bool
     time_us: float
     algbw_gbps: float
     busbw_gbps: float
@@ -230,6 +238,7 @@ def size_rows(model: MachineModel, size: int, num_packs: int = -1) -> list[Row]:
             algorithm=p["algorithm"],
             num_packs=p["num_packs"],
             ring_reference=p["ring_reference"],
+            nccl=p["nccl"],
             time_us=p["seconds"] * 1e6,
             algbw_gbps=p["algbw"] / 1e9,
             busbw_gbps=p["busbw"] / 1e9,
@@ -268,6 +277,7 @@ def gather_scatter_rows(
             algorithm=p["form"],
             num_packs=0,
             ring_reference=p["ring_reference"],
+            nccl=False,
             time_us=p["seconds"] * 1e6,
             algbw_gbps=p["algbw"] / 1e9,
             busbw_gbps=p["busbw"] / 1e9,
@@ -293,7 +303,8 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
         [
             f"# machine: {model.name} ({model.num_devices} devices)",
             f"# source: {model.source}",
-            f"# predicted {_WHAT[collective]} (the ring reference is never chosen)",
+            f"# predicted {_WHAT[collective]} (the ring reference is never chosen; nccl_* rows "
+            "are NCCL's own tuning model)",
             "#",
             f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
             f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice",
@@ -400,7 +411,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--topology",
         required=True,
-        help="a built-in machine (dgx1-p100, dgx1-v100, pcie-8gpu, cpu-<N>) or a JSON "
+        help="a built-in machine (dgx1-p100, dgx1-v100, hgx-h100, hgx-a100, nvlink-2gpu, "
+        "nvlink-4gpu, pcie-8gpu, cpu-<N>) or a JSON "
         "topology file",
     )
     parser.add_argument(

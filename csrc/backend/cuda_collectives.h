@@ -9,10 +9,12 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
+#include "../plan/cost_model.h"
 #include "../plan/selection.h"
 #include "../plan/topology.h"
 
@@ -29,8 +31,13 @@ struct CudaGroupInfo {
   plan::TopologyClass topology = plan::TopologyClass::kNone;
   std::string topology_source;   // "nvml", "XDEV_TOPO_FILE", or why there are no NVLinks
   bool ranks_share_gpu = false;  // NCCL refuses this: CUDA fallback is Gloo then
-  bool transport = false;        // the CUDA IPC channel is open on every rank
-  std::string transport_note;    // why it is on or off
+  int compute_capability = 0;    // the lowest of the ranks' GPUs, major x 10 + minor
+  // The machine auto weighs xdev's plans and NCCL's algorithms on: set where
+  // every rank of the one host has a GPU of its own (ranks sharing a GPU
+  // exchange through its memory, not its links: the fixed rule decides there).
+  std::optional<plan::MachineModel> model;
+  bool transport = false;      // the CUDA IPC channel is open on every rank
+  std::string transport_note;  // why it is on or off
 };
 
 class CudaCollectives {

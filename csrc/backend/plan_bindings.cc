@@ -50,9 +50,11 @@ py::dict to_dict(const plan::Prediction& p) {
   py::dict d;
   d["label"] = p.candidate.label();
   d["algorithm"] = p.candidate.ring_reference ? std::string("ring")
+                   : p.candidate.nccl         ? std::string("nccl")
                                               : std::string(plan::to_string(p.candidate.algorithm));
   d["num_packs"] = p.candidate.num_packs;
   d["ring_reference"] = p.candidate.ring_reference;
+  d["nccl"] = p.candidate.nccl;
   d["bytes"] = p.bytes;
   d["seconds"] = p.seconds;
   d["algbw"] = p.algbw;
@@ -115,12 +117,17 @@ void bind_plan(py::module_& parent) {
   m.def(
       "gpu_machine",
       [](const std::string& name, const Matrix& links, double nvlink_gbps, double pcie_gbps,
-         double memory_gbps) {
+         double memory_gbps, int compute_capability) {
         plan::GpuHostParams p;
         p.nvlink_bytes_per_s = positive_gbps(nvlink_gbps, "nvlink_gbps");
         p.pcie_bytes_per_s = positive_gbps(pcie_gbps, "pcie_gbps");
         p.memory_bytes_per_s = positive_gbps(memory_gbps, "memory_gbps");
-        plan::MachineModel mm = plan::gpu_host(name, link_matrix(links), p);
+        if (compute_capability < 60) {
+          throw std::invalid_argument("compute_capability must be >= 60 (major x 10 + minor)");
+        }
+        const plan::LinkMatrix matrix = link_matrix(links);
+        plan::MachineModel mm = plan::gpu_host(name, matrix, p);
+        mm.nccl = plan::nccl_host_for(matrix, {}, compute_capability, p.pcie_bytes_per_s);
         mm.source = "GPU host '" + name + "' from a link matrix: NVLink " +
                     std::to_string(nvlink_gbps) + " GB/s per link and direction, PCIe " +
                     std::to_string(pcie_gbps) + " GB/s, memory " + std::to_string(memory_gbps) +
@@ -128,9 +135,10 @@ void bind_plan(py::module_& parent) {
         return mm;
       },
       py::arg("name"), py::arg("links"), py::arg("nvlink_gbps") = 25.0, py::arg("pcie_gbps") = 12.0,
-      py::arg("memory_gbps") = 900.0,
+      py::arg("memory_gbps") = 900.0, py::arg("compute_capability") = 70,
       "GPUs joined by an NVLink count matrix (square, symmetric, diagonal ignored); "
-      "bandwidths in GB/s (1e9 bytes/s).");
+      "bandwidths in GB/s (1e9 bytes/s); NCCL's candidates as for GPUs of that compute "
+      "capability (major x 10 + minor; default 70, the V100's NVLink 2).");
 
   m.def(
       "cpu_machine",
@@ -183,25 +191,29 @@ void bind_plan(py::module_& parent) {
 
   m.def(
       "choose",
-      [](const plan::MachineModel& mm, int64_t nbytes, int64_t num_packs,
-         bool with_ring_reference) {
+      [](const plan::MachineModel& mm, int64_t nbytes, int64_t num_packs, bool with_ring_reference,
+         bool with_nccl) {
         check_bytes(nbytes, 1);
         plan::ModelChoice choice;
         {
           py::gil_scoped_release no_gil;
-          choice = plan::choose_allreduce(mm, nbytes, num_packs, with_ring_reference);
+          choice = plan::choose_allreduce(mm, nbytes, num_packs, with_ring_reference, with_nccl);
         }
         py::list predictions;
         for (const plan::Prediction& p : choice.predictions) predictions.append(to_dict(p));
         py::dict d;
         d["best"] = to_dict(choice.best);
+        d["best_native"] = to_dict(choice.best_native);
+        d["best_nccl"] = choice.has_nccl ? py::object(to_dict(choice.best_nccl)) : py::none();
         d["predictions"] = predictions;
         return d;
       },
       py::arg("machine"), py::arg("nbytes"), py::arg("num_packs") = -1,
-      py::arg("with_ring_reference") = true,
-      "The fastest runnable candidate ('best') and every prediction behind the choice "
-      "('predictions', ring reference last).");
+      py::arg("with_ring_reference") = true, py::arg("with_nccl") = true,
+      "The fastest candidate ('best': native, or NCCL's where the machine has NCCL and "
+      "with_nccl), the fastest native one ('best_native') and NCCL one ('best_nccl', None "
+      "without), and every prediction behind the choice ('predictions': native, NCCL, ring "
+      "reference).");
 
   m.def(
       "choose_gather_scatter",

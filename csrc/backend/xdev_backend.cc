@@ -101,7 +101,14 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
     const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
     // A world of one has no CUDA transport: its allreduce is NCCL's no-op.
     in.transport_available = info != nullptr && info->transport;
-    if (info != nullptr) in.topology = info->topology;
+    if (info != nullptr) {
+      in.topology = info->topology;
+      if (info->model) {
+        in.model = &*info->model;
+        in.model_cache = &cuda_model_choices_;
+        in.nccl_available = !info->ranks_share_gpu;
+      }
+    }
     // The note only explains a missing transport: no string copy on the per-call path.
     if (!in.transport_available) {
       in.transport_note = info != nullptr ? info->transport_note

@@ -24,6 +24,11 @@ NcclHost nccl_view(int compute_capability, int channels, double channel_gbps, in
   return h;
 }
 
+// NCCL's per-link NVLink figure by GPU generation (src/graph/topo.h).
+double nccl_link_gbps(int compute_capability) {
+  return compute_capability >= 90 ? 20.6 : compute_capability >= 70 ? 20.0 : 18.0;
+}
+
 }  // namespace
 
 MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params,
@@ -102,7 +107,7 @@ MachineModel dgx1_p100() {
   p.nvlink_bytes_per_s = 20e9;
   p.memory_bytes_per_s = 732e9;
   MachineModel m = gpu_host("dgx1-p100", LinkMatrix::dgx1(), p);
-  m.nccl = nccl_view(60, 4, 18.0);
+  m.nccl = nccl_host_for(m.links, {}, 60);
   m.source = "DGX-1 (P100): NVLink 1, one 20 GB/s link per direction to each of 4 neighbours";
   return m;
 }
@@ -121,14 +126,14 @@ MachineModel dgx1_v100() {
   p.nvlink_bytes_per_s = 25e9;
   p.memory_bytes_per_s = 900e9;
   MachineModel m = gpu_host("dgx1-v100", dgx1_v100_links(), p);
-  m.nccl = nccl_view(70, 6, 20.0);
+  m.nccl = nccl_host_for(m.links, {}, 70);
   m.source = "DGX-1 (V100): NVLink 2, six 25 GB/s links per direction, 4 neighbours, 2 doubled";
   return m;
 }
 
 // Newer machines (docs/cost_model.md has the quotes):
 //  - H100 SXM5: 18 NVLink 4 links, 900 GB/s per GPU in both directions, i.e.
-//    25 GB/s per link and direction, all to the NVSwitches of the HGX board;
+//    25 GB/s raw per link and direction, all to the NVSwitches of the HGX board;
 //    HBM3 3.35 TB/s (NVIDIA H100 datasheet). A100 SXM4: 12 NVLink 3 links,
 //    600 GB/s per GPU in both directions; HBM2e 2.04 TB/s (A100 datasheet,
 //    80 GB). The A100 PCIe NVLink bridge joins two cards with 600 GB/s both
@@ -136,6 +141,10 @@ MachineModel dgx1_v100() {
 //  - PCIe Gen4 x16: 32 GB/s raw per direction, about 24 GB/s measured; GPU
 //    peer traffic across CPU sockets crosses the socket link, which NCCL models
 //    at 10 GB/s for Skylake-class Intel CPUs (SKL_QPI_BW in src/graph/topo.h).
+//  - Link rates: xdev's plans are charged what NCCL's model charges its own
+//    (20.6 GB/s per NVLink 4 link, 20 per NVLink 3 link: NCCL's effective
+//    figures, src/graph/topo.h), so that at sizes where both are bandwidth
+//    bound neither side wins by a difference in assumed link efficiency.
 //  - Latencies of xdev's own kernels on these GPUs are not calibrated yet (no
 //    multi-GPU host has run xdev). They are set so that the model's one-shot
 //    allreduce matches what published one-shot kernels take on 8xH100 (vLLM's
@@ -144,46 +153,50 @@ MachineModel dgx1_v100() {
 //    hand-off. benchmarks/calibrate.py's GPU fit is the way to replace them.
 namespace {
 
-GpuHostParams nvlink_kernel_params(double memory_bytes_per_s) {
+GpuHostParams nvlink_kernel_params(double link_bytes_per_s, double memory_bytes_per_s) {
   GpuHostParams p;
-  p.nvlink_bytes_per_s = 25e9;
+  p.nvlink_bytes_per_s = link_bytes_per_s;
   p.memory_bytes_per_s = memory_bytes_per_s;
   p.launch_latency_s = 5e-6;
   p.step_latency_s = 2e-6;
   return p;
 }
 
-MachineModel nvswitch_host(std::string name, int links_per_gpu, double memory_bytes_per_s) {
-  return gpu_host(std::move(name), LinkMatrix(8), nvlink_kernel_params(memory_bytes_per_s),
+MachineModel nvswitch_host(std::string name, int links_per_gpu, double link_bytes_per_s,
+                           double memory_bytes_per_s) {
+  return gpu_host(std::move(name), LinkMatrix(8),
+                  nvlink_kernel_params(link_bytes_per_s, memory_bytes_per_s),
                   std::vector<int>(8, links_per_gpu));
 }
 
 }  // namespace
 
 MachineModel hgx_h100() {
-  MachineModel m = nvswitch_host("hgx-h100", 18, 3.35e12);
-  m.nccl = nccl_view(90, 16, 18 * 20.6 / 16, 16, 20.6);
+  MachineModel m = nvswitch_host("hgx-h100", 18, 20.6e9, 3.35e12);
+  m.nccl = nccl_host_for(LinkMatrix(8), std::vector<int>(8, 18), 90);
   m.source =
-      "HGX/DGX H100: 8 GPUs, 18 NVLink 4 links each to the NVSwitches (450 GB/s per "
-      "direction per GPU), HBM3 3.35 TB/s";
+      "HGX/DGX H100: 8 GPUs, 18 NVLink 4 links each to the NVSwitches (450 GB/s raw per "
+      "direction per GPU; charged NCCL's 20.6 GB/s per link), HBM3 3.35 TB/s";
   return m;
 }
 
 MachineModel hgx_a100() {
-  MachineModel m = nvswitch_host("hgx-a100", 12, 2.04e12);
-  m.nccl = nccl_view(80, 16, 12 * 20.0 / 16);
+  MachineModel m = nvswitch_host("hgx-a100", 12, 20e9, 2.04e12);
+  m.nccl = nccl_host_for(LinkMatrix(8), std::vector<int>(8, 12), 80);
   m.source =
-      "HGX/DGX A100: 8 GPUs, 12 NVLink 3 links each to the NVSwitches (300 GB/s per "
-      "direction per GPU), HBM2e 2.04 TB/s";
+      "HGX/DGX A100: 8 GPUs, 12 NVLink 3 links each to the NVSwitches (300 GB/s raw per "
+      "direction per GPU; charged NCCL's 20 GB/s per link), HBM2e 2.04 TB/s";
   return m;
 }
 
 MachineModel nvlink_2gpu() {
   LinkMatrix links(2);
   links.set_links(0, 1, 12);
-  MachineModel m = gpu_host("nvlink-2gpu", links, nvlink_kernel_params(1.94e12));
-  m.nccl = nccl_view(80, 12, 20.0);
-  m.source = "2 A100 PCIe joined by NVLink bridges: 12 NVLink 3 links (300 GB/s per direction)";
+  MachineModel m = gpu_host("nvlink-2gpu", links, nvlink_kernel_params(20e9, 1.94e12));
+  m.nccl = nccl_host_for(links, {}, 80);
+  m.source =
+      "2 A100 PCIe joined by NVLink bridges: 12 NVLink 3 links (300 GB/s raw per direction; "
+      "charged NCCL's 20 GB/s per link)";
   return m;
 }
 
@@ -192,9 +205,49 @@ MachineModel nvlink_4gpu() {
   for (int a = 0; a < 4; ++a) {
     for (int b = a + 1; b < 4; ++b) links.set_links(a, b, 4);
   }
-  MachineModel m = gpu_host("nvlink-4gpu", links, nvlink_kernel_params(2.04e12));
-  m.nccl = nccl_view(80, 12, 20.0);
-  m.source = "HGX A100 4-GPU: every pair joined by 4 NVLink 3 links (100 GB/s per direction)";
+  MachineModel m = gpu_host("nvlink-4gpu", links, nvlink_kernel_params(20e9, 2.04e12));
+  m.nccl = nccl_host_for(links, {}, 80);
+  m.source =
+      "HGX A100 4-GPU: every pair joined by 4 NVLink 3 links (100 GB/s raw per direction; charged "
+      "20 GB/s per link)";
+  return m;
+}
+
+NcclHost nccl_host_for(const LinkMatrix& nvlink, const std::vector<int>& nvswitch_links,
+                       int compute_capability, double pcie_bytes_per_s) {
+  const int cc = compute_capability;
+  const double link_gbps = nccl_link_gbps(cc);
+  // NCCL's rings take the least-linked GPU's links (direct and to switches), a channel per link.
+  int links_per_gpu = 0;
+  for (int d = 0; d < nvlink.size(); ++d) {
+    int count = nvswitch_links.empty() ? 0 : nvswitch_links[static_cast<size_t>(d)];
+    for (int e = 0; e < nvlink.size(); ++e) count += e == d ? 0 : nvlink.links(d, e);
+    links_per_gpu = d == 0 ? count : std::min(links_per_gpu, count);
+  }
+  const bool switched =
+      !nvswitch_links.empty() &&
+      std::all_of(nvswitch_links.begin(), nvswitch_links.end(), [](int c) { return c > 0; });
+  if (links_per_gpu == 0) {
+    NcclHost h = nccl_view(cc, 2, pcie_bytes_per_s / 1e9);
+    h.nvlink = false;
+    return h;
+  }
+  const int channels = switched ? 16 : links_per_gpu;
+  return nccl_view(cc, channels, links_per_gpu * link_gbps / channels,
+                   switched && cc >= 90 ? 16 : 0, link_gbps);
+}
+
+MachineModel detected_gpu_host(std::string name, const LinkMatrix& nvlink,
+                               const std::vector<int>& nvswitch_links, int compute_capability) {
+  const int cc = compute_capability;
+  const double memory = cc >= 90 ? 3.35e12 : cc >= 80 ? 2.04e12 : cc >= 70 ? 900e9 : 732e9;
+  GpuHostParams p =
+      cc >= 80 ? nvlink_kernel_params(nccl_link_gbps(cc) * 1e9, memory) : GpuHostParams{};
+  p.memory_bytes_per_s = memory;
+  if (cc < 70) p.nvlink_bytes_per_s = 20e9;
+  MachineModel m = gpu_host(std::move(name), nvlink, p, nvswitch_links);
+  m.nccl = nccl_host_for(nvlink, nvswitch_links, cc, p.pcie_bytes_per_s);
+  m.source = "detected GPUs (compute capability " + std::to_string(cc) + ")";
   return m;
 }
 
@@ -236,6 +289,9 @@ MachineModel pcie_8gpu() {
       m.set_route(a, b, route, 0.0);
     }
   }
+  // NCCL's rings cross the socket link once each way: 2 channels at its rate.
+  m.nccl = nccl_view(80, 2, kSocketLink / 1e9);
+  m.nccl.nvlink = false;
   m.source =
       "8 A100 PCIe (HBM2e 1.94 TB/s) on PCIe Gen4 x16 (24 GB/s per direction): 2 sockets, "
       "2 switches of 2 GPUs each per socket, 10 GB/s between sockets; no NVLink";

@@ -98,6 +98,23 @@ struct CpuHostParams {
 // cross-process read path (single copy).
 MachineModel cpu_host(int ranks, const CpuHostParams& params);
 
+// The machine model of a job's GPUs as the backend detects them: one device
+// per rank, joined by `nvlink` (direct NVLink counts) and `nvswitch_links` (per
+// GPU, links to NVSwitches; may be empty), of compute capability
+// `compute_capability` (major x 10 + minor). Link and memory rates, xdev's
+// kernel latencies and what NCCL would find (NcclHost) follow the GPU
+// generation as for the built-in machines; pairs without NVLink cross PCIe
+// Gen3 x16. `name` names it in reasons and logs.
+MachineModel detected_gpu_host(std::string name, const LinkMatrix& nvlink,
+                               const std::vector<int>& nvswitch_links, int compute_capability);
+
+// What NCCL's topology search would find on GPUs joined so (NcclHost): its
+// rings and trees take every NVLink of the least-linked GPU at NCCL's per-link
+// figure for the generation, a channel per link (16 on NVSwitch hosts, with
+// NVLS on Hopper); without NVLinks, PCIe at `pcie_bytes_per_s`.
+NcclHost nccl_host_for(const LinkMatrix& nvlink, const std::vector<int>& nvswitch_links,
+                       int compute_capability, double pcie_bytes_per_s = 12e9);
+
 // Names the CLI accepts: "dgx1-p100", "dgx1-v100", "hgx-h100", "hgx-a100",
 // "nvlink-2gpu", "nvlink-4gpu", "pcie-8gpu", "cpu-<N>" (N ranks, default CPU
 // parameters). Throws std::invalid_argument listing them.

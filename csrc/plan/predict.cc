@@ -12,6 +12,7 @@ namespace xdev::plan {
 
 std::string Candidate::label() const {
   if (ring_reference) return "ring (reference)";
+  if (nccl) return nccl_candidate.label();
   std::string s = to_string(algorithm);
   if (algorithm == Algorithm::kHierarchicalCopy || algorithm == Algorithm::kHierarchicalBalanced) {
     s += "/" + std::to_string(num_packs);
@@ -72,24 +73,41 @@ Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t 
   Prediction pr;
   pr.candidate = c;
   pr.bytes = bytes;
-  const int64_t window = m.window_bytes > 0 ? m.window_bytes / elem_bytes * elem_bytes : 0;
-  pr.seconds = predict_windowed_seconds(
-      m, bytes, window, [&](int64_t b) { return allreduce_program(m, c, b, elem_bytes); });
   const int n = m.num_devices();
+  if (c.nccl) {
+    pr.seconds = predict_nccl_allreduce(m.nccl, c.nccl_candidate, n, bytes).seconds;
+  } else {
+    const int64_t window = m.window_bytes > 0 ? m.window_bytes / elem_bytes * elem_bytes : 0;
+    pr.seconds = predict_windowed_seconds(
+        m, bytes, window, [&](int64_t b) { return allreduce_program(m, c, b, elem_bytes); });
+  }
   pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
   pr.busbw = n > 1 ? pr.algbw * 2.0 * (n - 1) / n : pr.algbw;
   return pr;
 }
 
+std::vector<Candidate> nccl_candidates(const MachineModel& m) {
+  std::vector<Candidate> out;
+  if (m.num_devices() < 2) return out;
+  for (const NcclCandidate& nc : nccl_candidates(m.nccl)) {
+    Candidate c;
+    c.algorithm = Algorithm::kFallback;
+    c.nccl = true;
+    c.nccl_candidate = nc;
+    out.push_back(c);
+  }
+  return out;
+}
+
 std::vector<Candidate> runnable_candidates(const MachineModel& m) {
   const int n = m.num_devices();
   std::vector<Candidate> out;
-  out.push_back({Algorithm::kDirect, 0, false});
-  out.push_back({Algorithm::kReduceToOne, 0, false});
-  out.push_back({Algorithm::kFlat, 0, false});
+  out.push_back(Candidate::native(Algorithm::kDirect, 0));
+  out.push_back(Candidate::native(Algorithm::kReduceToOne, 0));
+  out.push_back(Candidate::native(Algorithm::kFlat, 0));
   if (n >= 2 && n % 2 == 0) {
     for (int64_t packs : {int64_t{n}, int64_t{4} * n, int64_t{16} * n}) {
-      out.push_back({Algorithm::kHierarchicalCopy, packs, false});
+      out.push_back(Candidate::native(Algorithm::kHierarchicalCopy, packs));
     }
     bool balanced_ok = true;
     try {
@@ -100,7 +118,7 @@ std::vector<Candidate> runnable_candidates(const MachineModel& m) {
     if (balanced_ok) {
       // Many small packs keep a pipeline full; few packs mean fewer steps for small payloads.
       for (int64_t packs : {int64_t{n}, int64_t{3} * n, int64_t{12} * n, int64_t{48} * n}) {
-        out.push_back({Algorithm::kHierarchicalBalanced, packs, false});
+        out.push_back(Candidate::native(Algorithm::kHierarchicalBalanced, packs));
       }
     }
     if (m.barrier_between_phases) {
@@ -114,7 +132,7 @@ std::vector<Candidate> runnable_candidates(const MachineModel& m) {
 }
 
 ModelChoice choose_allreduce(const MachineModel& m, int64_t bytes, int64_t num_packs,
-                             bool with_ring_reference) {
+                             bool with_ring_reference, bool with_nccl) {
   std::vector<Candidate> candidates = runnable_candidates(m);
   if (num_packs >= 0) {
     std::vector<Candidate> kept;
@@ -139,6 +157,14 @@ ModelChoice choose_allreduce(const MachineModel& m, int64_t bytes, int64_t num_p
     if (choice.predictions.size() == 1 || choice.predictions.back().seconds < choice.best.seconds) {
       choice.best = choice.predictions.back();
     }
+  }
+  choice.best_native = choice.best;
+  for (const Candidate& c : with_nccl ? nccl_candidates(m) : std::vector<Candidate>{}) {
+    choice.predictions.push_back(predict_allreduce(m, c, bytes));
+    const Prediction& p = choice.predictions.back();
+    if (!choice.has_nccl || p.seconds < choice.best_nccl.seconds) choice.best_nccl = p;
+    choice.has_nccl = true;
+    if (p.seconds < choice.best.seconds) choice.best = p;
   }
   if (with_ring_reference) {
     Candidate ring;

@@ -13,15 +13,28 @@
 
 namespace xdev::plan {
 
-// One way to run an allreduce: a native algorithm with its number of packs,
-// or the ring reference (NCCL's algorithm on the machine's NVLink rings,
-// modelled with the same per-hop costs; never run by xdev).
+// One way to run an allreduce: a native algorithm with its number of packs;
+// NCCL with one of its algorithms and protocols (run by the engine, so
+// `algorithm` is kFallback, and predicted by NCCL's own tuning model); or the
+// ring reference (a ring on the machine's links simulated with xdev's own
+// per-hop costs; never run).
 struct Candidate {
   Algorithm algorithm = Algorithm::kFlat;
   int64_t num_packs = 0;  // the hierarchical plans only
   bool ring_reference = false;
+  bool nccl = false;
+  NcclCandidate nccl_candidate;  // when nccl
 
-  std::string label() const;  // "hierarchical_copy/8", "flat", "ring (reference)"
+  // A native plan: Candidate::native(Algorithm::kFlat).
+  static Candidate native(Algorithm algorithm, int64_t num_packs = 0) {
+    Candidate c;
+    c.algorithm = algorithm;
+    c.num_packs = num_packs;
+    return c;
+  }
+
+  // "hierarchical_copy/8", "flat", "nccl_ring/LL", "ring (reference)"
+  std::string label() const;
 };
 
 struct Prediction {
@@ -40,6 +53,10 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
 Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t bytes,
                              int64_t elem_bytes = 4);
 
+// The machine's NCCL candidates (nccl_model.h); none on machines without NCCL
+// or with one device.
+std::vector<Candidate> nccl_candidates(const MachineModel& m);
+
 // What xdev could run on this machine: direct, reduce_to_one, flat, and for
 // even device counts hierarchical_copy with N, 4N or 16N packs and
 // hierarchical_balanced with N, 3N, 12N or 48N packs (where every rank has a
@@ -48,14 +65,18 @@ Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t 
 std::vector<Candidate> runnable_candidates(const MachineModel& m);
 
 struct ModelChoice {
-  Prediction best;                      // the fastest runnable candidate
-  std::vector<Prediction> predictions;  // every candidate considered, ring reference last
+  Prediction best;                      // the fastest candidate, native or NCCL
+  Prediction best_native;               // the fastest native one
+  bool has_nccl = false;                // NCCL candidates were weighed
+  Prediction best_nccl;                 // the fastest of them, when has_nccl
+  std::vector<Prediction> predictions;  // native, then NCCL, then the ring reference
 };
 
-// The fastest runnable candidate for `bytes` (ties go to the earlier one in
-// runnable_candidates), and every prediction behind the choice. When
+// The fastest candidate for `bytes` among runnable_candidates and, with
+// `with_nccl`, the machine's NCCL candidates (ties go to the earlier one, so
+// native before NCCL), and every prediction behind the choice. When
 // `num_packs` >= 0 the hierarchical candidates are restricted to it.
 ModelChoice choose_allreduce(const MachineModel& m, int64_t bytes, int64_t num_packs = -1,
-                             bool with_ring_reference = false);
+                             bool with_ring_reference = false, bool with_nccl = true);
 
 }  // namespace xdev::plan

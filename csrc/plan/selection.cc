@@ -15,25 +15,39 @@ bool is_hierarchical(Algorithm a) {
 }
 
 // The model's fastest candidate for `bytes`, with the runner-up in the reason
-// to say how close the call was.
-ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, int64_t num_packs) {
-  const ModelChoice choice = choose_allreduce(model, bytes, num_packs);
+// to say how close the call was, and where NCCL was weighed, its best.
+ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, int64_t num_packs,
+                                      bool with_nccl) {
+  const ModelChoice choice = choose_allreduce(model, bytes, num_packs, false, with_nccl);
   ModelChoiceCache::Choice c;
   c.algorithm = choice.best.candidate.algorithm;
   c.num_packs = choice.best.candidate.num_packs;
   c.predicted_s = choice.best.seconds;
+  char buf[200];
+  if (choice.best.candidate.nccl) {
+    std::snprintf(buf, sizeof buf, "model '%s': %s predicted %.1f us, best native %s %.1f us",
+                  model.name().c_str(), choice.best.candidate.label().c_str(),
+                  choice.best.seconds * 1e6, choice.best_native.candidate.label().c_str(),
+                  choice.best_native.seconds * 1e6);
+    c.reason = buf;
+    return c;
+  }
   const Prediction* second = nullptr;
   for (const Prediction& p : choice.predictions) {
-    if (p.candidate.label() == choice.best.candidate.label()) continue;
+    if (p.candidate.nccl || p.candidate.label() == choice.best.candidate.label()) continue;
     if (second == nullptr || p.seconds < second->seconds) second = &p;
   }
-  char buf[160];
   std::snprintf(buf, sizeof buf, "model '%s': %s predicted %.1f us", model.name().c_str(),
                 choice.best.candidate.label().c_str(), choice.best.seconds * 1e6);
   c.reason = buf;
   if (second != nullptr) {
     std::snprintf(buf, sizeof buf, ", next %s %.1f us", second->candidate.label().c_str(),
                   second->seconds * 1e6);
+    c.reason += buf;
+  }
+  if (choice.has_nccl) {
+    std::snprintf(buf, sizeof buf, "; NCCL's best %s %.1f us",
+                  choice.best_nccl.candidate.label().c_str(), choice.best_nccl.seconds * 1e6);
     c.reason += buf;
   }
   return c;
@@ -114,7 +128,7 @@ Selection choose_plan(const SelectionInput& in) {
     s.reason = "one rank: the input is already the result";
     return s;
   }
-  if (in.device == DeviceKind::kCuda) {
+  if (in.device == DeviceKind::kCuda && in.model == nullptr) {
     if (in.topology == TopologyClass::kDgx1 && in.world_size == 8) {
       s.algorithm = Algorithm::kHierarchicalCopy;
       s.num_packs = hier_packs;
@@ -137,9 +151,10 @@ Selection choose_plan(const SelectionInput& in) {
                                 std::to_string(in.world_size) + " ranks");
   }
   const int64_t bucket = model_bucket_bytes(in.payload_bytes);
-  const ModelChoiceCache::Choice c = in.model_cache != nullptr
-                                         ? in.model_cache->get(*in.model, bucket, in.num_packs)
-                                         : model_choice(*in.model, bucket, in.num_packs);
+  const bool with_nccl = in.device == DeviceKind::kCuda && in.nccl_available;
+  const ModelChoiceCache::Choice c =
+      in.model_cache != nullptr ? in.model_cache->get(*in.model, bucket, in.num_packs, with_nccl)
+                                : model_choice(*in.model, bucket, in.num_packs, with_nccl);
   s.algorithm = c.algorithm;
   s.num_packs = c.num_packs;
   s.predicted_s = c.predicted_s;
@@ -180,17 +195,17 @@ int64_t model_bucket_bytes(int64_t payload_bytes) {
 }
 
 ModelChoiceCache::Choice ModelChoiceCache::get(const MachineModel& model, int64_t bucket_bytes,
-                                               int64_t num_packs) {
+                                               int64_t num_packs, bool with_nccl) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (model_ == nullptr) model_ = &model;
   if (model_ != &model) {
     throw std::invalid_argument("ModelChoiceCache: used with model '" + model.name() +
                                 "' after model '" + model_->name() + "'");
   }
-  const auto key = std::make_pair(bucket_bytes, num_packs);
+  const auto key = std::make_tuple(bucket_bytes, num_packs, with_nccl);
   auto it = choices_.find(key);
   if (it == choices_.end()) {
-    it = choices_.emplace(key, model_choice(model, bucket_bytes, num_packs)).first;
+    it = choices_.emplace(key, model_choice(model, bucket_bytes, num_packs, with_nccl)).first;
   }
   return it->second;
 }

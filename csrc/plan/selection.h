@@ -1,9 +1,11 @@
 // Selection: which algorithm runs an allreduce, how, and why.
 //
-// TensorFlow's choose_the_best carried to one process per device: a
-// DGX-1-like 8-GPU host gets the hierarchical plan with 8 packs; other
-// single-host GPU jobs get reduce-to-one; CPU tensors get the plan a machine
-// model predicts fastest for the size; several hosts, no native transport, or
+// TensorFlow's choose_the_best carried to one process per device, by
+// predicted time: CPU tensors get the plan a machine model predicts fastest
+// for the size; CUDA tensors, where the backend has a model of the GPUs, the
+// fastest of xdev's plans and NCCL's own algorithms (NCCL's tuning model), and
+// otherwise the fixed rule (a DGX-1-like 8-GPU host: the hierarchical plan
+// with 8 packs; other single-host GPU jobs: reduce-to-one); several hosts, no native transport, or
 // an op/dtype without a native kernel go to the fallback engine. A forced
 // algorithm is honoured or refused with a reason; it is never silently
 // replaced.
@@ -47,18 +49,20 @@ bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buf
 class ModelChoiceCache {
  public:
   struct Choice {
-    Algorithm algorithm = Algorithm::kFallback;
+    Algorithm algorithm = Algorithm::kFallback;  // kFallback: NCCL predicted fastest
     int64_t num_packs = 0;
     double predicted_s = 0;
     std::string reason;
   };
-  // The model's choice for `bucket_bytes` (already a size class).
-  Choice get(const MachineModel& model, int64_t bucket_bytes, int64_t num_packs);
+  // The model's choice for `bucket_bytes` (already a size class), among xdev's
+  // plans and, with `with_nccl`, NCCL's.
+  Choice get(const MachineModel& model, int64_t bucket_bytes, int64_t num_packs,
+             bool with_nccl = false);
 
  private:
   std::mutex mutex_;
   const MachineModel* model_ = nullptr;
-  std::map<std::pair<int64_t, int64_t>, Choice> choices_;
+  std::map<std::tuple<int64_t, int64_t, bool>, Choice> choices_;
 };
 
 // The size class a model predicts an allreduce of `payload_bytes` at: the
@@ -101,10 +105,14 @@ struct SelectionInput {
   // For the fallback engine: whether the op is AVG, and whether the engine has it.
   bool op_is_avg = false;
   bool fallback_has_avg = false;
-  // For algorithm="auto" on CPU tensors of more than one rank: the plan this
-  // model predicts fastest (its device count must be world_size). Required
-  // there; model_cache, when given, memoises its choices.
+  // For algorithm="auto" on more than one rank: the plan this model predicts
+  // fastest (its device count must be world_size). Required for CPU tensors;
+  // for CUDA tensors optional (without one, the fixed rule). model_cache, when
+  // given, memoises its choices.
   const MachineModel* model = nullptr;
+  // CUDA: the engine is NCCL (every rank has its own GPU; NCCL refuses ranks
+  // that share one), so the model weighs NCCL's algorithms too.
+  bool nccl_available = false;
   ModelChoiceCache* model_cache = nullptr;
   // Several hosts, CPU tensors: whether the two-level plan can run (every host
   // holds ranks_per_host > 1 ranks, each host's channel is open, the engine
@@ -141,7 +149,8 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 // The decision, in order: algorithm='fallback'; a forced plan that cannot run
 // (throws); several hosts, no transport, no kernel (fallback); a tensor in a
 // shared buffer with auto or flat (in place); a world of one (nothing to
-// exchange); a forced plan; CPU: the model's choice; CUDA: by topology.
+// exchange); a forced plan; the model's choice (CUDA: with NCCL's candidates
+// where nccl_available; without a model, by topology).
 // A tensor in the symmetric heap gets the plan of any tensor, in place when
 // that is flat (in_place_shared).
 Selection select_allreduce(const SelectionInput& in);

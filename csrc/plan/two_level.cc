@@ -86,7 +86,7 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
   }
   const double intra =
       hosts.ranks_per_host > 1
-          ? predict_allreduce(host, Candidate{Algorithm::kFlat, 0, false}, bytes).seconds
+          ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds
           : 0.0;
   // L streams leave each host at once, sharing its link and its memory.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);

@@ -2,15 +2,18 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <ostream>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "plan/packing.h"
 #include "plan/schedule.h"
 #include "plan/selection.h"
 #include "plan/topology.h"
+#include "test_harness.h"
 
 // Found by argument-dependent lookup from the harness's show().
 namespace xdev::plan {
@@ -52,3 +55,20 @@ inline std::vector<xdev::plan::Range> random_tiling(std::mt19937& rng, int64_t t
 }
 
 }  // namespace xdev_test
+
+// Relative closeness of two doubles (the model's predictions), with a message on failure.
+inline bool relatively_near(double a, double b, double rel = 1e-9) {
+  return std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+inline void check_near(double a, double b, const char* what, const char* file, int line) {
+  if (!relatively_near(a, b)) {
+    std::ostringstream os;
+    os.precision(17);
+    os << what << a << " vs " << b;
+    xdev_test::fail(file, line, os.str());
+  }
+}
+
+#define CHECK_NEAR(a, b) \
+  check_near((a), (b), "CHECK_NEAR(" #a ", " #b ") failed: ", __FILE__, __LINE__)

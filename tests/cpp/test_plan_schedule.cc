@@ -720,12 +720,13 @@ TEST(balanced_plan_meets_its_targets_against_ring_on_dgx1_v100) {
   for (int64_t bytes : {int64_t{64} << 20}) {
     const Prediction r = predict_allreduce(m, ring, bytes);
     const Prediction b =
-        predict_allreduce(m, {Algorithm::kHierarchicalBalanced, 384, false}, bytes);
+        predict_allreduce(m, Candidate::native(Algorithm::kHierarchicalBalanced, 384), bytes);
     CHECK(b.busbw >= r.busbw);
   }
   for (int64_t bytes : {int64_t{4} << 10, int64_t{256} << 10}) {
     const Prediction r = predict_allreduce(m, ring, bytes);
-    const Prediction b = predict_allreduce(m, {Algorithm::kHierarchicalBalanced, 8, false}, bytes);
+    const Prediction b =
+        predict_allreduce(m, Candidate::native(Algorithm::kHierarchicalBalanced, 8), bytes);
     CHECK(2 * b.seconds <= r.seconds);
   }
 }

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 
+#include "../../plan/machines.h"
 #include "../../transport/cuda_executor.h"
 #include "../../transport/cuda_ipc_channel.h"
 #include "../../transport/nvml_links.h"
@@ -209,6 +210,16 @@ class CudaCollectivesImpl : public CudaCollectives {
       hosts.push_back(v.substr(0, nl));
       info.gpus.push_back(v.substr(nl + 1));
     }
+    int major = 0, minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+               "cudaDeviceGetAttribute");
+    store.set(key + "cc/" + std::to_string(rank), std::to_string(major * 10 + minor));
+    for (int r = 0; r < size; ++r) {
+      const int cc = std::stoi(store.get_to_str(key + "cc/" + std::to_string(r)));
+      info.compute_capability = r == 0 ? cc : std::min(info.compute_capability, cc);
+    }
 
     // My row of reachability: my GPU to each rank's.
     std::string row(static_cast<size_t>(size), '0');
@@ -269,6 +280,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       info.topology_source = store.get_to_str(key + "nvlink_source");
     }
     info.topology = plan::classify_gpus(info.nvlink, class_reach);
+    if (!info.ranks_share_gpu && g_.num_hosts() == 1 && size > 1) {
+      info.model = plan::detected_gpu_host("this host's " + std::to_string(size) + " GPUs",
+                                           info.nvlink, {}, info.compute_capability);
+    }
     planner_.emplace(info.nvlink);
 
     info.transport_note =
