@@ -5,7 +5,8 @@ are small integers (as floats, or an integer dtype), so every sum is exact whate
 each result must equal, bit for bit, a reference the test computes from every rank's input,
 and so hold the same bits on every rank. One layout numbers its ranks host by host, as
 torchrun does; the other interleaves the hosts (rank r on host r % 3), which the plan must
-place through its host-major copy. Hosts of different sizes go to the engine and say why.
+place through its host-major copy. Broadcasts from roots on different hosts run in two levels
+too. Hosts of different sizes go to the engine and say why.
 Last, two torchrun launchers on this machine, one per fake host, train the DDP example.
 """
 
@@ -78,6 +79,15 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     for k, o in enumerate(outs):
         assert torch.equal(o, torch.cat([ins[r][k] for r in range(world)])), (layout, k)
     paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    # Broadcast from a root on each host, of two tensors of two dtypes (one strided).
+    for root in (0, world - 1):
+        a = torch.arange(1000, dtype=torch.float64) * (root + 1)
+        b = torch.arange(12, dtype=torch.int16).view(3, 4) - root
+        mine_a = a.clone() if rank == root else torch.zeros_like(a)
+        mine_b = b.t().clone().t() if rank == root else torch.zeros_like(b).t().contiguous().t()
+        dist.broadcast(mine_a, src=root, group=group)
+        dist.broadcast(mine_b, src=root, group=group)
+        assert torch.equal(mine_a, a) and torch.equal(mine_b, b), (layout, root)
     # The same bits on every rank of every host (the all-gathers' outputs).
     gathered = torch.cat(gathers)
     everyone = [torch.empty_like(gathered) for _ in range(world)]

@@ -36,6 +36,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                             group_.host_index(), group_.num_hosts());
       two_level_ = std::make_unique<TwoLevelAllreduce>(group_, engine);
       two_level_gather_scatter_ = std::make_unique<TwoLevelGatherScatter>(group_, engine);
+      two_level_broadcast_ = std::make_unique<TwoLevelBroadcast>(group_, engine);
     } else if (group_.requested() == plan::Algorithm::kFallback) {
       two_level_note_ = "algorithm='fallback' requested";
     } else if (!group_.hosts_even()) {
@@ -73,7 +74,8 @@ void XdevBackend::shutdown() {
   if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
   cpu_.reset();
   two_level_.reset();
-  two_level_gather_scatter_.reset();  // the engine's last user: its destructor joins its threads
+  two_level_gather_scatter_.reset();
+  two_level_broadcast_.reset();  // the engine's last user: its destructor joins its threads
   gather_scatter_.reset();
   group_.close_channel();
   fallbacks_.shutdown();
@@ -305,13 +307,20 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
   ++collectives_called_;
-  bool native = cpu_ != nullptr && opts.rootTensor == 0;
+  // Across hosts evenly, two levels whenever they can run: they send what the
+  // engine's broadcast sends across hosts at most, and nothing through sockets
+  // inside a host.
+  bool native = (cpu_ != nullptr || two_level_broadcast_ != nullptr) && opts.rootTensor == 0;
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
   }
   if (!native) return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
+  if (two_level_broadcast_ != nullptr) {
+    return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
+                                           opts.asyncOp);
+  }
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 

@@ -9,9 +9,9 @@
 //   - CudaCollectives: allreduce of CUDA tensors on one host whose GPUs reach
 //     each other (built only with CUDA);
 //   - SharedBuffers: torch_xdev.shared_empty, whose tensors reduce in place;
-//   - TwoLevelAllreduce, TwoLevelGatherScatter: allreduce, all-gather and
-//     reduce-scatter of CPU tensors across hosts, shared memory inside each
-//     host and an engine across;
+//   - TwoLevelAllreduce, TwoLevelGatherScatter, TwoLevelBroadcast: allreduce,
+//     all-gather, reduce-scatter and broadcast of CPU tensors across hosts,
+//     shared memory inside each host and an engine across;
 //   - FallbackEngines: Gloo, and NCCL for CUDA tensors, for everything else.
 // What they share (rank, store, options, the channel, the op queue) is the
 // GroupContext.
@@ -37,6 +37,7 @@
 #include "group_context.h"
 #include "shared_buffers.h"
 #include "two_level_allreduce.h"
+#include "two_level_broadcast.h"
 #include "two_level_gather_scatter.h"
 
 namespace xdev::backend {
@@ -211,6 +212,7 @@ class XdevBackend : public c10d::Backend {
   // Null unless ranks span hosts evenly; they share one engine.
   std::unique_ptr<TwoLevelAllreduce> two_level_;
   std::unique_ptr<TwoLevelGatherScatter> two_level_gather_scatter_;
+  std::unique_ptr<TwoLevelBroadcast> two_level_broadcast_;
   std::string two_level_note_;  // why they are null
   SharedBuffers shared_;
   FallbackEngines fallbacks_;

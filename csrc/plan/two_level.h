@@ -96,7 +96,9 @@ AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
 // blocks of local index l, then the engine reduce-scatters them among the
 // ranks of local index l. Either way half an allreduce's traffic: the
 // engine's flat form is half its ring ((P-1) steps of bytes/P), the two-level
-// form (H-1) steps of bytes/P across hosts, L streams at once.
+// form (H-1) steps of bytes/P across hosts, L streams at once. An engine
+// that runs its reduce-scatter as a whole allreduce only costs more than
+// modelled, so the model errs toward the engine.
 Traffic flat_ring_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes);
 Traffic two_level_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes);
 
