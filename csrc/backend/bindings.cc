@@ -139,6 +139,10 @@ py::dict describe(const XdevBackend& b) {
   }
   d["cuda"] = describe_cuda(b);
   d["cuda_allreduce_plan"] = plan_by_size(b, true);
+  const std::vector<std::string> last_gs = b.last_gather_scatter();
+  d["last_gather_scatter"] = last_gs.empty()
+                                 ? py::object(py::none())
+                                 : py::object(py::make_tuple(last_gs[0], last_gs[1], last_gs[2]));
   const auto last = b.last_selection();
   d["last_allreduce"] = last.first.empty() ? py::object(py::none())
                                            : py::object(py::make_tuple(last.first, last.second));

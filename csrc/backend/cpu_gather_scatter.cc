@@ -10,21 +10,6 @@
 namespace xdev::backend {
 namespace {
 
-// Checks, on the calling thread, that full[i] holds world blocks the size of block[i].
-void check_pairs(const char* what, const std::vector<at::Tensor>& full,
-                 const std::vector<at::Tensor>& block, int world) {
-  TORCH_CHECK_VALUE(full.size() == block.size(), "xdev ", what, ": ", full.size(),
-                    " full tensor(s) for ", block.size(), " block tensor(s)");
-  for (size_t i = 0; i < full.size(); ++i) {
-    TORCH_CHECK_VALUE(full[i].scalar_type() == block[i].scalar_type(), "xdev ", what,
-                      ": input and output dtypes differ (", full[i].scalar_type(), " and ",
-                      block[i].scalar_type(), ")");
-    TORCH_CHECK_VALUE(full[i].numel() == block[i].numel() * world, "xdev ", what, ": tensor ", i,
-                      " has ", full[i].numel(), " element(s) where ", world, " x ",
-                      block[i].numel(), " are needed");
-  }
-}
-
 std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   std::vector<at::Tensor> all = a;
   all.insert(all.end(), b.begin(), b.end());

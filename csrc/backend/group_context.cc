@@ -96,6 +96,7 @@ void GroupContext::rendezvous_hosts() {
       host_ranks_.push_back(r);
     }
     ++ranks_on_host[index];
+    rank_hosts_.push_back(static_cast<int>(index));
   }
   num_hosts_ = static_cast<int>(hosts.size());
   local_world_size_ = ranks_on_host[static_cast<size_t>(host_index_)];

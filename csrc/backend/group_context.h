@@ -77,6 +77,8 @@ class GroupContext {
   int local_rank() const { return local_rank_; }
   // The group ranks of this host's ranks, in order: local rank l is host_ranks()[l].
   const std::vector<int>& host_ranks() const { return host_ranks_; }
+  // The host index of every group rank, by rank.
+  const std::vector<int>& rank_hosts() const { return rank_hosts_; }
   // Whether every host holds the same number of ranks.
   bool hosts_even() const { return hosts_even_; }
   // The channel of this host's ranks in a group that spans hosts (for the
@@ -139,6 +141,7 @@ class GroupContext {
   int host_index_ = 0;
   int local_rank_ = 0;
   std::vector<int> host_ranks_;
+  std::vector<int> rank_hosts_;
   bool hosts_even_ = true;
   std::unique_ptr<transport::ShmChannel> channel_;
   std::unique_ptr<transport::ShmChannel> host_channel_;

@@ -1,5 +1,7 @@
 #include "tensor_helpers.h"
 
+#include <c10/util/Exception.h>
+
 namespace xdev::backend {
 
 std::optional<kernels::DType> native_dtype(at::ScalarType t) {
@@ -73,6 +75,20 @@ std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
+  }
+}
+
+void check_pairs(const char* what, const std::vector<at::Tensor>& full,
+                 const std::vector<at::Tensor>& block, int world) {
+  TORCH_CHECK_VALUE(full.size() == block.size(), "xdev ", what, ": ", full.size(),
+                    " full tensor(s) for ", block.size(), " block tensor(s)");
+  for (size_t i = 0; i < full.size(); ++i) {
+    TORCH_CHECK_VALUE(full[i].scalar_type() == block[i].scalar_type(), "xdev ", what,
+                      ": input and output dtypes differ (", full[i].scalar_type(), " and ",
+                      block[i].scalar_type(), ")");
+    TORCH_CHECK_VALUE(full[i].numel() == block[i].numel() * world, "xdev ", what, ": tensor ", i,
+                      " has ", full[i].numel(), " element(s) where ", world, " x ",
+                      block[i].numel(), " are needed");
   }
 }
 

@@ -29,4 +29,9 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
+// Checks, on the calling thread, that full[i] holds world blocks the size of
+// block[i], of its dtype (ValueError naming `what` otherwise).
+void check_pairs(const char* what, const std::vector<at::Tensor>& full,
+                 const std::vector<at::Tensor>& block, int world);
+
 }  // namespace xdev::backend

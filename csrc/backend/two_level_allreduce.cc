@@ -10,7 +10,17 @@
 namespace xdev::backend {
 namespace {
 
-c10d::ReduceOp engine_op(kernels::ReduceOp op) {
+// Slice j of `total` elements cut into `parts` (the first total % parts one
+// element longer), as the host's reduce-scatter leaves them on local rank j.
+std::vector<int64_t> slice_sizes(int64_t total, int parts) {
+  std::vector<int64_t> sizes(static_cast<size_t>(parts), total / parts);
+  for (int64_t j = 0; j < total % parts; ++j) ++sizes[static_cast<size_t>(j)];
+  return sizes;
+}
+
+}  // namespace
+
+c10d::ReduceOp two_level_engine_op(kernels::ReduceOp op) {
   switch (op) {
     case kernels::ReduceOp::kSum:
     case kernels::ReduceOp::kAvg:  // summed across hosts, divided once after
@@ -22,18 +32,19 @@ c10d::ReduceOp engine_op(kernels::ReduceOp op) {
     case kernels::ReduceOp::kProduct:
       return c10d::ReduceOp::PRODUCT;
   }
-  TORCH_CHECK(false, "xdev two-level allreduce: unknown reduce op");
+  TORCH_CHECK(false, "xdev two-level collective: unknown reduce op");
 }
 
-// Slice j of `total` elements cut into `parts` (the first total % parts one
-// element longer), as the host's reduce-scatter leaves them on local rank j.
-std::vector<int64_t> slice_sizes(int64_t total, int parts) {
-  std::vector<int64_t> sizes(static_cast<size_t>(parts), total / parts);
-  for (int64_t j = 0; j < total % parts; ++j) ++sizes[static_cast<size_t>(j)];
-  return sizes;
+std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline) {
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
 }
 
-}  // namespace
+void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+                     const char* what) {
+  if (!work->wait(timeout)) TORCH_CHECK(false, "xdev ", what, " failed");
+}
 
 TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group),
@@ -89,14 +100,10 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
 
   std::vector<at::Tensor> engine_tensors{slice};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = engine_op(op);
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
-  opts.timeout = std::max(left, std::chrono::milliseconds(1));
-  c10::intrusive_ptr<c10d::Work> work = engine_->allreduce(engine_tensors, opts);
-  if (!work->wait(opts.timeout)) {
-    TORCH_CHECK(false, "xdev two-level allreduce: the engine's allreduce across hosts failed");
-  }
+  opts.reduceOp = two_level_engine_op(op);
+  opts.timeout = engine_timeout(deadline);
+  wait_for_engine(engine_->allreduce(engine_tensors, opts), opts.timeout,
+                  "two-level allreduce: the engine's allreduce across hosts");
   if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
 
   run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, deadline);

@@ -25,6 +25,15 @@
 
 namespace xdev::backend {
 
+// Shared by the two-level collectives. The engine's op for a native op: AVG
+// is a SUM across hosts, divided once after.
+c10d::ReduceOp two_level_engine_op(kernels::ReduceOp op);
+// The time an engine's call may take: what is left until `deadline`, at least 1 ms.
+std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
+// Waits for an engine's call; throws naming `what` when it fails or times out.
+void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+                     const char* what);
+
 class TwoLevelAllreduce {
  public:
   // The group must have a host channel (GroupContext::host_channel). engine:

@@ -31,9 +31,12 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   if (group_.num_hosts() > 1) {
     if (group_.host_channel() != nullptr && cross_host_engine) {
       // One engine per local index: the ranks of local rank l on every host.
-      two_level_ = std::make_unique<TwoLevelAllreduce>(
-          group_, cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
-                                    group_.host_index(), group_.num_hosts()));
+      const c10::intrusive_ptr<c10d::Backend> engine =
+          cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
+                            group_.host_index(), group_.num_hosts());
+      two_level_ = std::make_unique<TwoLevelAllreduce>(group_, engine);
+      two_level_gather_scatter_ = std::make_unique<TwoLevelGatherScatter>(group_, engine);
+      two_level_broadcast_ = std::make_unique<TwoLevelBroadcast>(group_, engine);
     } else if (group_.requested() == plan::Algorithm::kFallback) {
       two_level_note_ = "algorithm='fallback' requested";
     } else if (!group_.hosts_even()) {
@@ -70,7 +73,9 @@ void XdevBackend::shutdown() {
   if (!group_.stop_queue()) return;  // already shut down
   if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
   cpu_.reset();
-  two_level_.reset();  // joins its engine's threads
+  two_level_.reset();
+  two_level_gather_scatter_.reset();
+  two_level_broadcast_.reset();  // the engine's last user: its destructor joins its threads
   gather_scatter_.reset();
   group_.close_channel();
   fallbacks_.shutdown();
@@ -89,6 +94,11 @@ std::string XdevBackend::shm_name() const {
 std::pair<std::string, std::string> XdevBackend::last_selection() const {
   std::lock_guard<std::mutex> lock(selection_mutex_);
   return last_selection_;
+}
+
+std::vector<std::string> XdevBackend::last_gather_scatter() const {
+  std::lock_guard<std::mutex> lock(selection_mutex_);
+  return last_gather_scatter_;
 }
 
 plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) const {
@@ -215,7 +225,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
     const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
-    const char* shape_refusal) {
+    const char* shape_refusal, bool tensor_form) {
   plan::GatherScatterInput in;
   in.requested = group_.requested();
   in.world_size = size_;
@@ -245,7 +255,30 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     in.in_symmetric_heap = full_tensors.size() == 1 && full_tensors[0].device().is_cpu() &&
                            shared_.find(full_tensors[0]).heap != nullptr;
   }
+  in.two_level_note = two_level_note_;
+  if (two_level_gather_scatter_ != nullptr) {
+    in.two_level_available = tensor_form;
+    in.two_level_note = tensor_form ? "" : "the list forms go to the engine";
+    // The engine has no AVG: a division after its SUM, for floating dtypes only.
+    for (const at::Tensor& t : full_tensors) {
+      if (op != nullptr && t.scalar_type() != full_tensors[0].scalar_type()) {
+        in.two_level_available = false;
+        in.two_level_note = "tensors of several dtypes";
+      }
+      if (op != nullptr && op->op_ == c10d::ReduceOp::AVG && !at::isFloatingType(t.scalar_type())) {
+        in.two_level_available = false;
+        in.two_level_note = "AVG of integers";
+      }
+    }
+    in.ranks_per_host = group_.local_world_size();
+    in.host_model = &two_level_->host_model();
+    in.network = &two_level_->network();
+  }
   const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
+  {
+    std::lock_guard<std::mutex> lock(selection_mutex_);
+    last_gather_scatter_ = {name, plan::to_string(sel.path), sel.reason};
+  }
   const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
   group_.log_once(std::string(name) + ":" + device + ":" + sel.reason,
                   std::string(name) + " on " + device + " tensors -> " + plan::to_string(sel.path) +
@@ -281,13 +314,20 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
   ++collectives_called_;
-  bool native = cpu_ != nullptr && opts.rootTensor == 0;
+  // Across hosts evenly, two levels whenever they can run: they send what the
+  // engine's broadcast sends across hosts at most, and nothing through sockets
+  // inside a host.
+  bool native = (cpu_ != nullptr || two_level_broadcast_ != nullptr) && opts.rootTensor == 0;
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
   }
   if (!native) return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
+  if (two_level_broadcast_ != nullptr) {
+    return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
+                                           opts.asyncOp);
+  }
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 
@@ -339,9 +379,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
+  const auto sel =
+      select_gather_scatter("all_gather", {output, input}, {output}, nullptr, nullptr, true);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_allgather_base(output, input, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
+                                                 opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
                                      opts.asyncOp, sel);
@@ -391,9 +436,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr, nullptr, true);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
+                                                 opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
                                      opts.asyncOp, sel);
@@ -434,10 +483,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  const auto sel =
-      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
+  const auto sel = select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp,
+                                         nullptr, true);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_reduce_scatter_base(output, input, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
+                                                     c10d::OpType::_REDUCE_SCATTER_BASE,
+                                                     opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
                                          c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
@@ -449,9 +503,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
+  const auto sel =
+      select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr, true);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
+                                                     c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+                                                     opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,

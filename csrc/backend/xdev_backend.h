@@ -9,8 +9,9 @@
 //   - CudaCollectives: allreduce of CUDA tensors on one host whose GPUs reach
 //     each other (built only with CUDA);
 //   - SharedBuffers: torch_xdev.shared_empty, whose tensors reduce in place;
-//   - TwoLevelAllreduce: allreduce of CPU tensors across hosts, shared memory
-//     inside each host and an engine across;
+//   - TwoLevelAllreduce, TwoLevelGatherScatter, TwoLevelBroadcast: allreduce,
+//     all-gather, reduce-scatter and broadcast of CPU tensors across hosts,
+//     shared memory inside each host and an engine across;
 //   - FallbackEngines: Gloo, and NCCL for CUDA tensors, for everything else.
 // What they share (rank, store, options, the channel, the op queue) is the
 // GroupContext.
@@ -36,6 +37,8 @@
 #include "group_context.h"
 #include "shared_buffers.h"
 #include "two_level_allreduce.h"
+#include "two_level_broadcast.h"
+#include "two_level_gather_scatter.h"
 
 namespace xdev::backend {
 
@@ -155,6 +158,8 @@ class XdevBackend : public c10d::Backend {
   const std::string& fallback_name() const { return fallbacks_.cpu_name(); }
   // What the last allreduce ran and why ("" before the first).
   std::pair<std::string, std::string> last_selection() const;
+  // The last all-gather or reduce-scatter: its name, path and why (empty before the first).
+  std::vector<std::string> last_gather_scatter() const;
   // What select_allreduce weighs about this group for an allreduce of this
   // many bytes (the call's op, tensors and placement are the caller's to add),
   // and the selection an allreduce of supported op and dtype would get.
@@ -182,12 +187,14 @@ class XdevBackend : public c10d::Backend {
   // How a reduce-scatter (op given) or all-gather (op null) of these tensors
   // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
   // plan::select_gather_scatter says; logs the choice once per reason
-  // (XDEV_DEBUG=INFO) and counts a native call.
+  // (XDEV_DEBUG=INFO) and counts a native call. Only the tensor forms
+  // (tensor_form) may run two-level across hosts.
   plan::GatherScatterSelection select_gather_scatter(const char* name,
                                                      const std::vector<at::Tensor>& tensors,
                                                      const std::vector<at::Tensor>& full_tensors,
                                                      const c10d::ReduceOp* op,
-                                                     const char* shape_refusal = nullptr);
+                                                     const char* shape_refusal = nullptr,
+                                                     bool tensor_form = false);
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
     ++collectives_called_;
@@ -201,9 +208,12 @@ class XdevBackend : public c10d::Backend {
   GroupContext group_;                   // first member: everything below uses it
   std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
   std::unique_ptr<CpuGatherScatter> gather_scatter_;
-  std::unique_ptr<CudaCollectives> cuda_;         // null without CUDA
-  std::unique_ptr<TwoLevelAllreduce> two_level_;  // null unless ranks span hosts evenly
-  std::string two_level_note_;                    // why two_level_ is null
+  std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA
+  // Null unless ranks span hosts evenly; they share one engine.
+  std::unique_ptr<TwoLevelAllreduce> two_level_;
+  std::unique_ptr<TwoLevelGatherScatter> two_level_gather_scatter_;
+  std::unique_ptr<TwoLevelBroadcast> two_level_broadcast_;
+  std::string two_level_note_;  // why they are null
   SharedBuffers shared_;
   FallbackEngines fallbacks_;
 
@@ -215,6 +225,7 @@ class XdevBackend : public c10d::Backend {
 
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;
+  std::vector<std::string> last_gather_scatter_;
 };
 
 }  // namespace xdev::backend

@@ -255,6 +255,8 @@ const char* to_string(GatherScatterPath p) {
       return "one_rank";
     case GatherScatterPath::kFallback:
       return "fallback";
+    case GatherScatterPath::kTwoLevel:
+      return "two_level";
   }
   return "?";
 }
@@ -301,6 +303,36 @@ GatherScatterChoiceCache::Choice gather_scatter_model_choice(const MachineModel&
   return c;
 }
 
+// Ranks on several hosts: the two-level form where it can run and the model
+// predicts it faster than the engine's ring over all ranks; the engine otherwise.
+GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in) {
+  GatherScatterSelection s;
+  s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+  if (in.device == DeviceKind::kCuda) {
+    s.reason += "; CUDA tensors go to NCCL";
+  } else if (!in.two_level_available) {
+    if (!in.two_level_note.empty()) s.reason += "; no two-level form: " + in.two_level_note;
+  } else if (!in.op_supported) {
+    s.reason += "; no native kernel for this reduce op / dtype";
+  } else if (!in.shapes_supported) {
+    s.reason += "; " + (in.unsupported_note.empty() ? std::string("tensor shapes without a "
+                                                                  "native path")
+                                                    : in.unsupported_note);
+  } else {
+    if (in.host_model == nullptr || in.network == nullptr) {
+      throw std::invalid_argument(
+          "select_gather_scatter: the two-level form needs a host and a network model");
+    }
+    const AcrossHostsChoice c = choose_gather_scatter_across_hosts(
+        in.kind, {in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
+        in.elem_bytes, *in.network, *in.host_model);
+    s.reason = c.reason;
+    s.predicted_s = c.predicted_s;
+    if (c.two_level) s.path = GatherScatterPath::kTwoLevel;
+  }
+  return s;
+}
+
 }  // namespace
 
 GatherScatterChoiceCache::Choice GatherScatterChoiceCache::get(const MachineModel& model,
@@ -330,7 +362,7 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
   if (in.requested == Algorithm::kFallback) {
     s.reason = "algorithm='fallback' requested";
   } else if (in.num_hosts > 1) {
-    s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+    s = gather_scatter_across_hosts(in);
   } else if (in.device == DeviceKind::kCuda) {
     s.reason = "no native path for CUDA tensors yet";
   } else if (!in.op_supported) {

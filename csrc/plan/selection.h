@@ -162,6 +162,7 @@ enum class GatherScatterPath {
   kNative,    // over the host's shared-memory channel (GatherScatterPlan), in the selected form
   kOneRank,   // a world of one: the output is a copy of the input, whatever the op
   kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
+  kTwoLevel,  // several hosts: shared memory inside each, the engine across (plan/two_level.h)
 };
 
 const char* to_string(GatherScatterPath p);
@@ -213,6 +214,16 @@ struct GatherScatterInput {
   // model_cache, when given, memoises its choices per size class.
   const MachineModel* model = nullptr;
   GatherScatterChoiceCache* model_cache = nullptr;
+  // Several hosts, CPU tensors, as for the allreduce: whether the two-level
+  // form can run (every host holds ranks_per_host > 1 ranks, each host's
+  // channel is open, the engine can reduce the call's op and dtype), else
+  // why not; one host's shared-memory model and the network model weigh it.
+  // Required when available.
+  bool two_level_available = false;
+  std::string two_level_note;
+  int ranks_per_host = 1;
+  const MachineModel* host_model = nullptr;
+  const NetworkParams* network = nullptr;
 };
 
 struct GatherScatterSelection {
@@ -227,7 +238,9 @@ struct GatherScatterSelection {
   double predicted_s = 0;  // by the model, when it chose; else 0
 };
 
-// The decision, in order: algorithm='fallback'; several hosts; CUDA tensors
+// The decision, in order: algorithm='fallback'; several hosts (two-level
+// where it can run and the model predicts it faster than the engine's ring
+// over all ranks, else the engine); CUDA tensors
 // (no native CUDA path yet); no kernel for the op/dtype; shapes the native
 // path does not take; a world of one (a copy); no shared-memory channel;
 // otherwise native: for one tensor in the symmetric heap, staged or in place

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "gather_scatter_predict.h"
 #include "predict.h"
 
 namespace xdev::plan {
@@ -22,6 +23,19 @@ void check(const HostLayout& hosts) {
 double ring_s(int n, double bytes, double rate, double latency_s) {
   if (n <= 1) return 0;
   return 2.0 * (n - 1) * (latency_s + bytes / n / rate);
+}
+
+// Half of that ring (a reduce-scatter or an all-gather alone): n-1 steps.
+double half_ring_s(int n, double bytes, double rate, double latency_s) {
+  return ring_s(n, bytes, rate, latency_s) / 2;
+}
+
+void check_host_model(const HostLayout& hosts, const MachineModel& host) {
+  if (host.num_devices() != hosts.ranks_per_host) {
+    throw std::invalid_argument("two-level plan: a host model of " +
+                                std::to_string(host.num_devices()) + " devices for " +
+                                std::to_string(hosts.ranks_per_host) + " ranks per host");
+  }
 }
 
 // The rate of each of `streams` messages a host sends at once through
@@ -79,11 +93,7 @@ double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const Network
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
                            const MachineModel& host) {
   check(hosts);
-  if (host.num_devices() != hosts.ranks_per_host) {
-    throw std::invalid_argument("two-level plan: a host model of " +
-                                std::to_string(host.num_devices()) + " devices for " +
-                                std::to_string(hosts.ranks_per_host) + " ranks per host");
-  }
+  check_host_model(hosts, host);
   const double intra =
       hosts.ranks_per_host > 1
           ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds
@@ -106,6 +116,70 @@ AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
                 "%d hosts x %d ranks: two-level (shared memory inside hosts, the engine across) "
                 "predicted %.1f us, the engine's ring over all ranks %.1f us",
                 hosts.num_hosts, hosts.ranks_per_host, two * 1e6, ring * 1e6);
+  c.reason = buf;
+  return c;
+}
+
+Traffic flat_ring_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes) {
+  // Half the allreduce's ring: P-1 messages of bytes/P on every link.
+  Traffic t = flat_ring_traffic(hosts, bytes);
+  t.inter_host_bytes /= 2;
+  t.inter_host_steps /= 2;
+  t.intra_host_socket_bytes /= 2;
+  return t;
+}
+
+Traffic two_level_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes) {
+  check(hosts);
+  Traffic t;
+  const int h = hosts.num_hosts;
+  if (h == 1) return t;
+  // Each of the L local ranks of a host sends H-1 blocks of bytes/P: (H-1)/H of the payload.
+  t.inter_host_bytes = static_cast<double>(h - 1) * static_cast<double>(bytes) / h;
+  t.inter_host_steps = h - 1;
+  t.inter_host_streams = hosts.ranks_per_host;
+  return t;
+}
+
+double predict_flat_ring_gather_scatter_s(const HostLayout& hosts, int64_t bytes,
+                                          const NetworkParams& net) {
+  check(hosts);
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
+  return half_ring_s(hosts.world_size(), static_cast<double>(bytes), rate, net.latency_s);
+}
+
+double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayout& hosts,
+                                          int64_t bytes, int64_t elem_bytes,
+                                          const NetworkParams& net, const MachineModel& host) {
+  check(hosts);
+  check_host_model(hosts, host);
+  // Inside the host the full payload moves among L ranks (each holding H blocks).
+  const double intra =
+      hosts.ranks_per_host > 1
+          ? predict_gather_scatter(host, kind, GatherScatterCandidate{}, bytes,
+                                   kind == GatherScatterKind::kAllGather ? 1 : elem_bytes)
+                .seconds
+          : 0.0;
+  // Across hosts L rings of H ranks at once, each on H blocks of bytes/P.
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
+  const double per_ring = static_cast<double>(bytes) / hosts.ranks_per_host;
+  return intra + half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
+}
+
+AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
+                                                     const HostLayout& hosts, int64_t bytes,
+                                                     int64_t elem_bytes, const NetworkParams& net,
+                                                     const MachineModel& host) {
+  const double ring = predict_flat_ring_gather_scatter_s(hosts, bytes, net);
+  const double two = predict_two_level_gather_scatter_s(kind, hosts, bytes, elem_bytes, net, host);
+  AcrossHostsChoice c;
+  c.two_level = two < ring;
+  c.predicted_s = std::min(two, ring);
+  char buf[240];
+  std::snprintf(buf, sizeof buf,
+                "%d hosts x %d ranks: two-level %s (the engine across hosts, shared memory "
+                "inside them) predicted %.1f us, the engine's ring over all ranks %.1f us",
+                hosts.num_hosts, hosts.ranks_per_host, to_string(kind), two * 1e6, ring * 1e6);
   c.reason = buf;
   return c;
 }

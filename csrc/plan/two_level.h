@@ -19,6 +19,7 @@
 #include <string>
 
 #include "cost_model.h"
+#include "gather_scatter_plan.h"
 
 namespace xdev::plan {
 
@@ -81,5 +82,39 @@ struct AcrossHostsChoice {
 // The faster of the two plans for `bytes`, with both predictions in the reason.
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
                                       const NetworkParams& net, const MachineModel& host);
+
+// ---- Reduce-scatter and all-gather across hosts ----
+//
+// `bytes` is the full tensor: all P blocks, one per rank (a reduce-scatter's
+// input, an all-gather's output). The two-level all-gather is
+//   1. across hosts, the engine all-gathers each rank's block among the ranks
+//      of its local index (L groups of H ranks at once): every rank then holds
+//      the H blocks of its local index;
+//   2. inside each host, an all-gather of those H blocks over shared memory.
+// The two-level reduce-scatter is its mirror: inside each host a
+// reduce-scatter leaves local rank l with the host's partial sums of the H
+// blocks of local index l, then the engine reduce-scatters them among the
+// ranks of local index l. Either way half an allreduce's traffic: the
+// engine's flat form is half its ring ((P-1) steps of bytes/P), the two-level
+// form (H-1) steps of bytes/P across hosts, L streams at once. An engine
+// that runs its reduce-scatter as a whole allreduce only costs more than
+// modelled, so the model errs toward the engine.
+Traffic flat_ring_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes);
+Traffic two_level_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes);
+
+// Predicted seconds. `host` models one host's shared-memory path for
+// ranks_per_host ranks; its staged form runs the half inside the host (a
+// reduce-scatter reducing elements of elem_bytes, an all-gather moving bytes).
+double predict_flat_ring_gather_scatter_s(const HostLayout& hosts, int64_t bytes,
+                                          const NetworkParams& net);
+double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayout& hosts,
+                                          int64_t bytes, int64_t elem_bytes,
+                                          const NetworkParams& net, const MachineModel& host);
+
+// The faster of the two forms for `bytes`, with both predictions in the reason.
+AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
+                                                     const HostLayout& hosts, int64_t bytes,
+                                                     int64_t elem_bytes, const NetworkParams& net,
+                                                     const MachineModel& host);
 
 }  // namespace xdev::plan

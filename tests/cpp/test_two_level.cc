@@ -1,10 +1,12 @@
-// Unit tests of the plan across hosts (csrc/plan/two_level.h): where each plan's bytes go, its
-// predicted time, the choice, and select_allreduce's decisions for ranks on several hosts.
+// Unit tests of the plans across hosts (csrc/plan/two_level.h): where each plan's bytes go, its
+// predicted time, the choice, and select_allreduce's and select_gather_scatter's decisions for
+// ranks on several hosts.
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "plan/gather_scatter_predict.h"
 #include "plan/machines.h"
 #include "plan/selection.h"
 #include "plan/two_level.h"
@@ -139,4 +141,97 @@ TEST(select_allreduce_across_hosts) {
   in = across_hosts_input(host, net, 2, 2, kMiB);
   in.network = nullptr;
   CHECK_THROWS(select_allreduce(in), std::invalid_argument, "network");
+}
+
+TEST(gather_scatter_across_hosts_is_half_the_allreduce_traffic) {
+  const HostLayout layout{2, 4};  // 8 ranks
+  const int64_t bytes = 64 * kMiB;
+  const Traffic ring = flat_ring_gather_scatter_traffic(layout, bytes);
+  const Traffic two = two_level_gather_scatter_traffic(layout, bytes);
+  // The ring: P-1 = 7 messages of bytes/8 per link; one link leaves the host, 3 stay inside.
+  CHECK(near(ring.inter_host_bytes, 7.0 / 8 * bytes, 1.0));
+  CHECK(near(ring.intra_host_socket_bytes, 3 * 7.0 / 8 * bytes, 1.0));
+  CHECK_EQ(ring.inter_host_steps, 7);
+  // Two-level: each of 4 local ranks sends its block to the other host, once.
+  CHECK(near(two.inter_host_bytes, 0.5 * bytes, 1.0));
+  CHECK(near(two.intra_host_socket_bytes, 0.0, 0.0));
+  CHECK_EQ(two.inter_host_steps, 1);
+  CHECK_EQ(two.inter_host_streams, 4);
+  // Exactly half of the allreduce's, either way.
+  CHECK(near(2 * two.inter_host_bytes, two_level_traffic(layout, bytes).inter_host_bytes, 1.0));
+  CHECK(near(2 * ring.inter_host_bytes, flat_ring_traffic(layout, bytes).inter_host_bytes, 1.0));
+}
+
+TEST(gather_scatter_predictions_add_up) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;  // links only: the sums below are exact
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{3, 2};  // 6 ranks
+  const int64_t bytes = 6 * kMiB;
+  // The ring: 5 steps of a MiB at one stream's rate, each with its latency.
+  const double ring = predict_flat_ring_gather_scatter_s(layout, bytes, net);
+  CHECK(near(ring, 5 * (net.latency_s + kMiB / net.stream_bytes_per_s), 1e-12));
+  for (GatherScatterKind kind :
+       {GatherScatterKind::kAllGather, GatherScatterKind::kReduceScatter}) {
+    const double intra = predict_gather_scatter(host, kind, GatherScatterCandidate{}, bytes,
+                                                kind == GatherScatterKind::kAllGather ? 1 : 4)
+                             .seconds;
+    // Two steps across 3 hosts, each of one block of a MiB, 2 streams per host.
+    const double across = 2 * (net.latency_s + kMiB / net.stream_bytes_per_s);
+    CHECK(near(predict_two_level_gather_scatter_s(kind, layout, bytes, 4, net, host),
+               intra + across, 1e-12));
+    const AcrossHostsChoice c =
+        choose_gather_scatter_across_hosts(kind, layout, bytes, 4, net, host);
+    CHECK_EQ(c.two_level, intra + across < ring);
+    CHECK(c.reason.find(to_string(kind)) != std::string::npos);
+  }
+  CHECK_THROWS(
+      predict_two_level_gather_scatter_s(GatherScatterKind::kAllGather, {2, 4}, kMiB, 4, net, host),
+      std::invalid_argument, "host model of 2 devices");
+}
+
+TEST(select_gather_scatter_across_hosts) {
+  NetworkParams net;
+  net.latency_s = 5e-3;  // a slow network: two-level wins at every size
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  GatherScatterInput in;
+  in.world_size = 4;
+  in.num_hosts = 2;
+  in.transport_available = false;  // no channel of the whole group
+  in.payload_bytes = kMiB;
+  in.two_level_available = true;
+  in.ranks_per_host = 2;
+  in.host_model = &host;
+  in.network = &net;
+  GatherScatterSelection s = select_gather_scatter(in);
+  CHECK_EQ(s.path, GatherScatterPath::kTwoLevel);
+  CHECK(s.predicted_s > 0);
+  CHECK(s.reason.find("two-level reduce_scatter") != std::string::npos);
+
+  GatherScatterInput fast = in;
+  fast.network = nullptr;
+  CHECK_THROWS(select_gather_scatter(fast), std::invalid_argument, "network");
+
+  GatherScatterInput no = in;
+  no.two_level_available = false;
+  no.two_level_note = "hosts hold different numbers of ranks";
+  s = select_gather_scatter(no);
+  CHECK_EQ(s.path, GatherScatterPath::kFallback);
+  CHECK(s.reason.find("different numbers of ranks") != std::string::npos);
+
+  no = in;
+  no.op_supported = false;
+  CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
+  no = in;
+  no.shapes_supported = false;
+  no.unsupported_note = "uneven sizes in several lists";
+  s = select_gather_scatter(no);
+  CHECK_EQ(s.path, GatherScatterPath::kFallback);
+  CHECK(s.reason.find("uneven sizes") != std::string::npos);
+  no = in;
+  no.device = DeviceKind::kCuda;
+  CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
+  no = in;
+  no.requested = Algorithm::kFallback;
+  CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
 }

@@ -1,0 +1,78 @@
+#include "two_level_broadcast.h"
+
+#include <ATen/ATen.h>
+
+#include "../plan/collective_plan.h"
+#include "tensor_helpers.h"
+#include "two_level_allreduce.h"
+
+namespace xdev::backend {
+
+TwoLevelBroadcast::TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
+    : group_(group), executor_(*group.host_channel()), engine_(std::move(engine)) {
+  std::string ranks;
+  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  what_ = "two-level broadcast (inside host '" + group.config().hostname +
+          "', whose local ranks are group ranks " + ranks + ")";
+}
+
+c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tensor> tensors,
+                                                            int root,
+                                                            std::chrono::milliseconds timeout,
+                                                            bool async_op) {
+  return group_.enqueue(
+      c10d::OpType::BROADCAST, "xdev:broadcast", tensors,
+      [this, tensors, root, timeout] {
+        const auto deadline = group_.deadline_for(timeout);
+        const std::vector<at::Tensor> flat = contiguous(tensors);
+        // The root's local index: the local rank that holds the data on every host after step 1.
+        int root_local = 0;
+        for (int r = 0; r < root; ++r) {
+          root_local += group_.rank_hosts()[static_cast<size_t>(r)] ==
+                                group_.rank_hosts()[static_cast<size_t>(root)]
+                            ? 1
+                            : 0;
+        }
+        std::vector<int64_t> byte_counts;
+        std::vector<at::Tensor> bytes;
+        for (const at::Tensor& t : flat) {
+          byte_counts.push_back(t.numel() * t.element_size());
+          bytes.push_back(t.view({-1}).view(at::kByte));
+        }
+        const plan::FlatLayout layout(byte_counts);
+        if (group_.local_rank() == root_local && layout.total() > 0) {
+          // One tensor of bytes for the engine, whatever the call's tensors and dtypes.
+          std::vector<at::Tensor> payload{bytes.size() == 1 ? bytes[0] : at::cat(bytes)};
+          c10d::BroadcastOptions opts;
+          opts.rootRank = group_.rank_hosts()[static_cast<size_t>(root)];
+          opts.timeout = engine_timeout(deadline);
+          wait_for_engine(engine_->broadcast(payload, opts), opts.timeout,
+                          "two-level broadcast: the engine's broadcast across hosts");
+          if (bytes.size() > 1) {
+            int64_t start = 0;
+            for (const at::Tensor& b : bytes) {
+              at::Tensor(b).copy_(payload[0].narrow(0, start, b.numel()));
+              start += b.numel();
+            }
+          }
+        }
+        const plan::CollectivePlan cp = plan::CollectivePlan::broadcast(
+            group_.local_world_size(), root_local, layout.total(), group_.config().shm_slot_bytes);
+        transport::CollectiveRequest req;
+        req.plan = &cp;
+        req.layout = &layout;
+        for (const at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
+        req.dtype = kernels::DType::kUInt8;
+        transport::OpDescriptor desc = group_.next_descriptor(Collective::kBroadcast);
+        desc.root = root_local;
+        desc.num_tensors = static_cast<int64_t>(flat.size());
+        desc.total_elems = layout.total();
+        desc.shape_hash = shape_hash(tensors);
+        req.ctx = group_.make_context(desc, what_.c_str(), deadline);
+        executor_.run(req);
+        copy_back(flat, tensors);
+      },
+      async_op);
+}
+
+}  // namespace xdev::backend

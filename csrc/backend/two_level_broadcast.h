@@ -1,0 +1,43 @@
+// Broadcast of CPU tensors across hosts in two levels, for groups whose hosts
+// hold the same number L > 1 of ranks: the engine (Gloo) broadcasts from the
+// root among the ranks of the root's local index, one per host; then each
+// host broadcasts over its shared-memory channel from its rank of that local
+// index. Across hosts H-1 copies leave the root's host, none between ranks of
+// one host through sockets. Any dtype: bytes move, and are only copied.
+//
+// Runs on the group's queue like every native collective, so it keeps their
+// order; the engine's part blocks the op thread until the engine is done.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "../transport/shm_executor.h"
+#include "group_context.h"
+
+namespace xdev::backend {
+
+class TwoLevelBroadcast {
+ public:
+  // The group must have a host channel (GroupContext::host_channel). engine:
+  // the ranks of this rank's local index, one per host (their ranks there are
+  // host indices).
+  TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+
+  // Every rank's tensors become root's (group rank).
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor> tensors, int root,
+                                           std::chrono::milliseconds timeout, bool async_op);
+
+ private:
+  GroupContext& group_;
+  transport::ShmExecutor executor_;
+  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::string what_;  // how errors name the step inside the host
+};
+
+}  // namespace xdev::backend

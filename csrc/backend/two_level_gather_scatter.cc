@@ -1,0 +1,226 @@
+#include "two_level_gather_scatter.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "tensor_helpers.h"
+#include "two_level_allreduce.h"
+
+namespace xdev::backend {
+namespace {
+
+// A contiguous tensor's bytes, as a flat uint8 tensor over the same memory.
+at::Tensor bytes_of(const at::Tensor& t) {
+  return t.view({-1}).view(at::kByte);
+}
+
+char* ptr(const at::Tensor& t) {
+  return static_cast<char*>(t.data_ptr());
+}
+
+}  // namespace
+
+TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group,
+                                             c10::intrusive_ptr<c10d::Backend> engine)
+    : group_(group), executor_(*group.host_channel()), engine_(std::move(engine)) {
+  std::vector<int64_t> order;
+  for (int h = 0; h < group.num_hosts(); ++h) {
+    for (int r = 0; r < group.size(); ++r) {
+      if (group.rank_hosts()[static_cast<size_t>(r)] == h) order.push_back(r);
+    }
+  }
+  bool rank_order = true;
+  for (size_t k = 0; k < order.size(); ++k)
+    rank_order = rank_order && order[k] == static_cast<int64_t>(k);
+  if (!rank_order) host_major_ranks_ = at::tensor(order, at::kLong);
+  // Errors of the host's channel number its ranks locally: say which group ranks they are.
+  std::string ranks;
+  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  const std::string where = " in host '" + group.config().hostname +
+                            "', whose local ranks are group ranks " + ranks + ")";
+  what_reduce_scatter_ = "two-level reduce_scatter (reduce-scatter" + where;
+  what_all_gather_ = "two-level all_gather (all-gather" + where;
+}
+
+c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at::Tensor> outputs,
+                                                                 std::vector<at::Tensor> inputs,
+                                                                 c10d::OpType type,
+                                                                 std::chrono::milliseconds timeout,
+                                                                 bool async_op) {
+  check_pairs("all_gather", outputs, inputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:all_gather", outputs,
+      [this, outputs, inputs, timeout] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> all = out;
+        all.insert(all.end(), inputs.begin(), inputs.end());
+        run_all_gather(out, contiguous(inputs), group_.deadline_for(timeout), shape_hash(all));
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
+    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
+    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op) {
+  check_pairs("reduce_scatter", inputs, outputs, group_.size());
+  return group_.enqueue(
+      type, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, op, timeout] {
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> all = out;
+        all.insert(all.end(), inputs.begin(), inputs.end());
+        run_reduce_scatter(out, contiguous(inputs), op, group_.deadline_for(timeout),
+                           shape_hash(all));
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
+void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
+                                           const std::vector<at::Tensor>& inputs,
+                                           transport::Clock::time_point deadline, uint64_t hash) {
+  const int hosts = group_.num_hosts();
+  const int64_t local = group_.local_world_size();
+  // This rank's blocks, every tensor's bytes one after another: what the engine gathers.
+  std::vector<int64_t> block_bytes;
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& t : inputs) {
+    block_bytes.push_back(t.numel() * t.element_size());
+    pieces.push_back(bytes_of(t));
+  }
+  const at::Tensor mine = pieces.size() == 1 ? pieces[0] : at::cat(pieces);
+  const int64_t total = mine.numel();
+  // The blocks of this local index, host by host.
+  at::Tensor gathered = at::empty({hosts * total}, mine.options());
+  if (total > 0) {  // every rank's blocks are empty alike: nothing to send across hosts
+    c10d::AllgatherOptions opts;
+    opts.timeout = engine_timeout(deadline);
+    at::Tensor in = mine;
+    wait_for_engine(engine_->_allgather_base(gathered, in, opts), opts.timeout,
+                    "two-level all_gather: the engine's all-gather across hosts");
+  }
+  std::vector<at::Tensor> full;  // host-major
+  for (const at::Tensor& t : outputs) {
+    full.push_back(host_major_ranks_.defined() ? at::empty_like(t) : t);
+  }
+  std::vector<char*> full_ptrs;
+  std::vector<char*> block_ptrs;
+  std::vector<int64_t> layout;
+  for (int h = 0; h < hosts; ++h) {
+    int64_t offset = h * total;  // host h's blocks in `gathered`
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      full_ptrs.push_back(ptr(full[i]) + h * local * block_bytes[i]);
+      block_ptrs.push_back(ptr(gathered) + offset);
+      layout.push_back(block_bytes[i]);
+      offset += block_bytes[i];
+    }
+  }
+  run_in_host(plan::GatherScatterKind::kAllGather, full_ptrs, block_ptrs, plan::FlatLayout(layout),
+              kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash, deadline);
+  if (host_major_ranks_.defined()) {
+    for (size_t i = 0; i < outputs.size(); ++i) from_host_major(full[i], outputs[i]);
+  }
+}
+
+void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
+                                               const std::vector<at::Tensor>& inputs,
+                                               kernels::ReduceOp op,
+                                               transport::Clock::time_point deadline,
+                                               uint64_t hash) {
+  const int hosts = group_.num_hosts();
+  const int64_t local = group_.local_world_size();
+  const int64_t elem_size = inputs[0].element_size();
+  std::vector<at::Tensor> full;  // host-major
+  int64_t total = 0;             // this rank's block: every tensor's, one after another
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    full.push_back(host_major_ranks_.defined() ? to_host_major(inputs[i]) : inputs[i]);
+    total += outputs[i].numel();
+  }
+  // This host's partial sums of the blocks of this local index, host by host.
+  const at::Tensor packed = at::empty({hosts * total}, inputs[0].options());
+  std::vector<char*> full_ptrs;
+  std::vector<char*> block_ptrs;
+  std::vector<int64_t> layout;
+  for (int h = 0; h < hosts; ++h) {
+    int64_t offset = h * total;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t block = outputs[i].numel();
+      full_ptrs.push_back(ptr(full[i]) + h * local * block * elem_size);
+      block_ptrs.push_back(ptr(packed) + offset * elem_size);
+      layout.push_back(block);
+      offset += block;
+    }
+  }
+  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
+              plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size, host_op,
+              hash, deadline);
+  const at::Tensor mine =
+      outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
+  if (total > 0) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = two_level_engine_op(op);
+    opts.timeout = engine_timeout(deadline);
+    at::Tensor out = mine;
+    at::Tensor in = packed;
+    wait_for_engine(engine_->_reduce_scatter_base(out, in, opts), opts.timeout,
+                    "two-level reduce_scatter: the engine's reduce-scatter across hosts");
+  }
+  if (op == kernels::ReduceOp::kAvg) mine.div_(group_.size());
+  if (outputs.size() > 1) {
+    int64_t start = 0;
+    for (const at::Tensor& t : outputs) {
+      t.view({-1}).copy_(mine.narrow(0, start, t.numel()));
+      start += t.numel();
+    }
+  }
+}
+
+void TwoLevelGatherScatter::run_in_host(plan::GatherScatterKind kind,
+                                        const std::vector<char*>& full,
+                                        const std::vector<char*>& block,
+                                        const plan::FlatLayout& layout, kernels::DType dtype,
+                                        int64_t elem_size, kernels::ReduceOp op, uint64_t hash,
+                                        transport::Clock::time_point deadline) {
+  const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+  const int64_t slot_bytes = group_.config().shm_slot_bytes;
+  const plan::GatherScatterPlan plan(kind, group_.local_world_size(), layout.total(),
+                                     slot_bytes / elem_size);
+  transport::GatherScatterRequest req;
+  req.plan = &plan;
+  req.block_layout = &layout;
+  req.full = full;
+  req.block = block;
+  req.dtype = dtype;
+  req.op = op;
+  transport::OpDescriptor d =
+      group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
+  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  d.dtype = static_cast<int32_t>(dtype);
+  d.num_tensors = static_cast<int64_t>(full.size());
+  d.total_elems = layout.total();
+  d.shape_hash = hash;
+  req.ctx = group_.make_context(
+      d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
+  executor_.run(req);
+}
+
+at::Tensor TwoLevelGatherScatter::to_host_major(const at::Tensor& full) const {
+  return blocks_of(full).index_select(0, host_major_ranks_);
+}
+
+void TwoLevelGatherScatter::from_host_major(const at::Tensor& host_major,
+                                            const at::Tensor& full) const {
+  // Row k of the host-major copy is the block of group rank host_major_ranks_[k].
+  blocks_of(full).index_copy_(0, host_major_ranks_, blocks_of(host_major));
+}
+
+at::Tensor TwoLevelGatherScatter::blocks_of(const at::Tensor& full) const {
+  const int64_t world = group_.size();
+  return bytes_of(full).view({world, full.numel() * full.element_size() / world});
+}
+
+}  // namespace xdev::backend

@@ -1,0 +1,95 @@
+// All-gather and reduce-scatter of CPU tensors across hosts by the two-level
+// plan (plan/two_level.h), for groups whose H hosts hold the same number
+// L > 1 of ranks.
+//
+// Words used here. A rank's *block* is its C elements of a *full* tensor of P
+// blocks in group-rank order (an all-gather's output, a reduce-scatter's
+// input). The ranks of local index l, one per host in host order, form this
+// rank's *cross-host group*: the engine (Gloo) this rank talks to there, as
+// rank host_index. *Host-major order* lists the ranks host by host, each
+// host's in rank order: host h's ranks are positions [h*L, (h+1)*L).
+//
+// All-gather: (1) the engine all-gathers this rank's block in its cross-host
+// group, leaving the H blocks of local index l in host order; (2) an
+// all-gather over the host's channel moves those H blocks to every local
+// rank. Step 2 runs as H tensors, tensor h being host h's L blocks, so that
+// every block lands at its rank's place in the full tensor.
+// Reduce-scatter is its mirror: (1) a reduce-scatter over the host's channel
+// of the same H tensors leaves local rank l with its host's partial sums of
+// the H blocks of local index l, packed in host order; (2) the engine
+// reduce-scatters them in the cross-host group. Sums inside a host go in
+// local-rank order, across hosts in the engine's order.
+//
+// Host h's blocks are one piece of the full tensor when its ranks are
+// consecutive, as torchrun numbers them. When the group's ranks are not in
+// host-major order, the full tensor goes through a host-major copy: permuted
+// after the all-gather, before the reduce-scatter.
+//
+// Runs on the group's queue like every native collective, so it keeps their
+// order; the engine's part blocks the op thread until the engine is done.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "../kernels/cpu_reduce.h"
+#include "../plan/gather_scatter_plan.h"
+#include "../transport/gather_scatter_executor.h"
+#include "group_context.h"
+
+namespace xdev::backend {
+
+class TwoLevelGatherScatter {
+ public:
+  // The group must have a host channel (GroupContext::host_channel). engine:
+  // this rank's cross-host group (its ranks there are host indices).
+  TwoLevelGatherScatter(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+
+  // outputs[i] (P * C_i elements) = every rank's inputs[i] (C_i elements) in
+  // rank order. Any dtype: bytes move.
+  c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor> outputs,
+                                            std::vector<at::Tensor> inputs, c10d::OpType type,
+                                            std::chrono::milliseconds timeout, bool async_op);
+  // outputs[i] (C_i elements) = op over ranks of block `rank` of inputs[i]
+  // (P * C_i elements). One native dtype for every tensor; AVG (floating
+  // dtypes only, as the selection ensures) is a SUM, then a division by P.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor> outputs,
+                                                std::vector<at::Tensor> inputs,
+                                                kernels::ReduceOp op, c10d::OpType type,
+                                                std::chrono::milliseconds timeout, bool async_op);
+
+ private:
+  // On the op thread; outputs and inputs are contiguous.
+  void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                      transport::Clock::time_point deadline, uint64_t hash);
+  void run_reduce_scatter(const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& inputs, kernels::ReduceOp op,
+                          transport::Clock::time_point deadline, uint64_t hash);
+  // Step inside the host: tensor t's L blocks of layout.numel(t) elements
+  // start at full[t] (local rank l's at l times that), its block of this
+  // rank at block[t].
+  void run_in_host(plan::GatherScatterKind kind, const std::vector<char*>& full,
+                   const std::vector<char*>& block, const plan::FlatLayout& layout,
+                   kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op, uint64_t hash,
+                   transport::Clock::time_point deadline);
+  // The full tensor `full` (P blocks) as a host-major copy, or the reverse.
+  at::Tensor to_host_major(const at::Tensor& full) const;
+  void from_host_major(const at::Tensor& host_major, const at::Tensor& full) const;
+  // A full tensor's bytes as P rows, one block each.
+  at::Tensor blocks_of(const at::Tensor& full) const;
+
+  GroupContext& group_;
+  transport::GatherScatterExecutor executor_;
+  c10::intrusive_ptr<c10d::Backend> engine_;
+  // Group ranks in host-major order; undefined when that is rank order.
+  at::Tensor host_major_ranks_;
+  std::string what_reduce_scatter_;  // how errors name the step inside the host
+  std::string what_all_gather_;
+};
+
+}  // namespace xdev::backend

@@ -1,0 +1,221 @@
+"""All-gather and reduce-scatter across hosts by the two-level plan, on one machine.
+
+XDEV_HOSTNAME gives each rank a host name, so one box holds "hosts" of several ranks. Inputs
+are small integers (as floats, or an integer dtype), so every sum is exact whatever its order:
+each result must equal, bit for bit, a reference the test computes from every rank's input,
+and so hold the same bits on every rank. One layout numbers its ranks host by host, as
+torchrun does; the other interleaves the hosts (rank r on host r % 3), which the plan must
+place through its host-major copy. Broadcasts from roots on different hosts run in two levels
+too. Hosts of different sizes go to the engine and say why.
+Last, two torchrun launchers on this machine, one per fake host, train the DDP example.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from harness import free_port, run_ranks
+
+BLOCKS = (0, 1, 7, 1531)  # elements per rank; 1531 spans many 4 KiB slots
+DTYPES = (torch.float32, torch.int32)
+SMALL_SLOT = 4096
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    return torch.randint(-50, 50, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _reduce_reference(full: list[torch.Tensor], op: dist.ReduceOp, world: int) -> torch.Tensor:
+    """Every rank's full input summed exactly in int64, then as the dtype (AVG: divided there)."""
+    total = torch.stack([t.to(torch.int64) for t in full]).sum(0).to(full[0].dtype)
+    return total / world if op == dist.ReduceOp.AVG else total
+
+
+def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
+    gathers: list[torch.Tensor] = []
+    paths: set[str] = set()
+    for d, dtype in enumerate(DTYPES):
+        for block in BLOCKS:
+            seed = d * 100 + block
+            # all_gather_into_tensor: every rank's block at its rank's place.
+            blocks = [_input(seed, r, block, dtype) for r in range(world)]
+            out = torch.full((world * block,), 7, dtype=dtype)
+            dist.all_gather_into_tensor(out, blocks[rank], group=group)
+            assert torch.equal(out, torch.cat(blocks)), (layout, dtype, block)
+            gathers.append(out.to(torch.float64))
+            paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+            ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
+            for op in ops:
+                # reduce_scatter_tensor: block `rank` of every rank's full input, reduced.
+                full = [_input(seed + 1, r, world * block, dtype) for r in range(world)]
+                got = torch.full((block,), 7, dtype=dtype)
+                dist.reduce_scatter_tensor(got, full[rank], op=op, group=group)
+                expected = _reduce_reference(full, op, world)[rank * block : (rank + 1) * block]
+                assert torch.equal(got, expected), (layout, dtype, block, op)
+                paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    reason = torch_xdev.describe(group)["last_gather_scatter"][2]
+    # The coalesced all-gather (FSDP2's form) with blocks of two dtypes and sizes.
+    shapes = [(5, torch.float32), (300, torch.int64)]
+    ins = [[_input(900 + i, r, n, dt) for i, (n, dt) in enumerate(shapes)] for r in range(world)]
+    outs = [torch.empty(world * n, dtype=dt) for n, dt in shapes]
+    with dist._coalescing_manager(group=group):
+        for o, i in zip(outs, ins[rank]):
+            dist.all_gather_into_tensor(o, i, group=group)
+    for k, o in enumerate(outs):
+        assert torch.equal(o, torch.cat([ins[r][k] for r in range(world)])), (layout, k)
+    paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    # Broadcast from a root on each host, of two tensors of two dtypes (one strided).
+    for root in (0, world - 1):
+        a = torch.arange(1000, dtype=torch.float64) * (root + 1)
+        b = torch.arange(12, dtype=torch.int16).view(3, 4) - root
+        mine_a = a.clone() if rank == root else torch.zeros_like(a)
+        mine_b = b.t().clone().t() if rank == root else torch.zeros_like(b).t().contiguous().t()
+        dist.broadcast(mine_a, src=root, group=group)
+        dist.broadcast(mine_b, src=root, group=group)
+        assert torch.equal(mine_a, a) and torch.equal(mine_b, b), (layout, root)
+    # The same bits on every rank of every host (the all-gathers' outputs).
+    gathered = torch.cat(gathers)
+    everyone = [torch.empty_like(gathered) for _ in range(world)]
+    dist.all_gather(everyone, gathered)
+    assert all(torch.equal(e, everyone[0]) for e in everyone)
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    return {"paths": sorted(paths), "reason": reason}
+
+
+def _slow_network_model(tmp_path: Path) -> str:
+    # On this 2-core machine's host model the engine's ring is predicted faster for small
+    # payloads; a slow network in the cost model makes the two-level plan win at every size.
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"params": {"net_latency_us": 5000.0}}))
+    return str(model)
+
+
+LAYOUTS = {
+    "2x2": ["host-0", "host-0", "host-1", "host-1"],
+    "3x2-interleaved": ["host-0", "host-1", "host-2"] * 2,
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_level_gather_scatter(layout: str, tmp_path: Path) -> None:
+    hosts = LAYOUTS[layout]
+    model = _slow_network_model(tmp_path)
+    env = [{"XDEV_HOSTNAME": h, "XDEV_CPU_MODEL": model} for h in hosts]
+    results = run_ranks(_cases, len(hosts), layout, per_rank_env=env, timeout=300)
+    for result in results:
+        assert result["paths"] == ["two_level"], result
+        assert "two-level reduce_scatter" in result["reason"], result["reason"]
+
+
+def _uneven(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    block = 11
+    full = [_input(5, r, world * block, torch.float32) for r in range(world)]
+    got = torch.empty(block)
+    dist.reduce_scatter_tensor(got, full[rank])
+    expected = _reduce_reference(full, dist.ReduceOp.SUM, world)[rank * block : (rank + 1) * block]
+    assert torch.equal(got, expected)
+    out = torch.empty(world * block)
+    dist.all_gather_into_tensor(out, full[rank][:block])
+    assert torch.equal(out, torch.cat([f[:block] for f in full]))
+    last = torch_xdev.describe()["last_gather_scatter"]
+    dist.destroy_process_group()
+    return {"last": last}
+
+
+def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
+    hosts = [{"XDEV_HOSTNAME": "host-a"}] * 3 + [{"XDEV_HOSTNAME": "host-b"}] * 2
+    for result in run_ranks(_uneven, 5, per_rank_env=hosts):
+        name, path, reason = result["last"]
+        assert (name, path) == ("all_gather", "fallback"), result
+        assert "different numbers of ranks" in reason, reason
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    """`torchrun --nnodes 2`: two launchers, one per fake host, sharing a c10d rendezvous."""
+    if shutil.which("torchrun") is None and not _has_module("torch.distributed.run"):
+        pytest.skip("torchrun is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["XDEV_CPU_MODEL"] = _slow_network_model(tmp_path)  # two levels at every size
+    # The ranks must import the torch_xdev this process tested.
+    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = []
+    for node in range(2):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            endpoint,
+            "--rdzv_id",
+            "xdev-nnodes-test",
+            # Both launchers are on this machine: say which one serves the rendezvous store.
+            "--rdzv_conf",
+            f"is_host={'true' if node == 0 else 'false'}",
+            "--local_addr",
+            "127.0.0.1",
+            str(REPO / "examples" / "ddp_train.py"),
+            "--steps",
+            "3",
+            "--comm-share-steps",
+            "0",
+        ]
+        launchers.append(
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env={**env, "XDEV_HOSTNAME": f"node-{node}"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for launcher in launchers:
+            outputs.append(launcher.communicate(timeout=120)[0])
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.communicate()
+    for launcher, output in zip(launchers, outputs):
+        assert launcher.returncode == 0, output
+    everything = "\n".join(outputs)
+    assert "training on 4 rank(s)" in everything, everything
+    # The gradient allreduce ran two levels: 2 hosts of 2 ranks.
+    assert "xdev gradient allreduce: flat (2 hosts x 2 ranks: two-level" in everything, everything
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
