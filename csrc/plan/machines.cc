@@ -49,6 +49,12 @@ MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostPa
   m.launch_latency_s = params.launch_latency_s;
   m.step_latency_s = params.step_latency_s;
   m.policy = SharingPolicy::kOldestFirst;
+  if (params.barrier_per_phase) {
+    m.barrier_between_phases = true;
+    m.barrier_latency_s = params.step_latency_s;  // the barrier is the flag hand-off
+    m.step_latency_s = 0;
+    m.window_bytes = params.window_bytes;
+  }
   std::vector<int> pcie_out(static_cast<size_t>(n)), pcie_in(static_cast<size_t>(n));
   std::vector<int> port_out(static_cast<size_t>(n), -1), port_in(static_cast<size_t>(n), -1);
   for (int d = 0; d < n; ++d) {
@@ -146,11 +152,14 @@ MachineModel dgx1_v100() {
 //    figures, src/graph/topo.h), so that at sizes where both are bandwidth
 //    bound neither side wins by a difference in assumed link efficiency.
 //  - Latencies of xdev's own kernels on these GPUs are not calibrated yet (no
-//    multi-GPU host has run xdev). They are set so that the model's one-shot
-//    allreduce matches what published one-shot kernels take on 8xH100 (vLLM's
-//    custom allreduce: about 10 us at 512 B; PyTorch's symmetric-memory
-//    two-shot: 15 us at 512 KiB): 5 us to launch, 2 us per NVLink flag
-//    hand-off. benchmarks/calibrate.py's GPU fit is the way to replace them.
+//    multi-GPU host has run xdev): 5 us to launch, 2 us per barrier (one
+//    NVLink flag hand-off). With them the model's one-shot (`direct`: launch,
+//    one barrier) takes 7 us and its two-shot (`flat`, two barriers) 12 us at
+//    512 KiB on 8xH100; add the host's share of a call, which NCCL's model
+//    leaves out too (nccl-tests measure 19 us at 128 B where it predicts 15),
+//    and they meet what published kernels take there: vLLM's one-shot about
+//    10 us at 512 B, PyTorch's symmetric-memory two-shot 15 us at 512 KiB.
+//    benchmarks/calibrate.py's GPU fit is the way to replace them.
 namespace {
 
 GpuHostParams nvlink_kernel_params(double link_bytes_per_s, double memory_bytes_per_s) {
@@ -159,6 +168,8 @@ GpuHostParams nvlink_kernel_params(double link_bytes_per_s, double memory_bytes_
   p.memory_bytes_per_s = memory_bytes_per_s;
   p.launch_latency_s = 5e-6;
   p.step_latency_s = 2e-6;
+  p.barrier_per_phase = true;
+  p.window_bytes = kCudaWindowBytes;
   return p;
 }
 
@@ -238,13 +249,16 @@ NcclHost nccl_host_for(const LinkMatrix& nvlink, const std::vector<int>& nvswitc
 }
 
 MachineModel detected_gpu_host(std::string name, const LinkMatrix& nvlink,
-                               const std::vector<int>& nvswitch_links, int compute_capability) {
+                               const std::vector<int>& nvswitch_links, int compute_capability,
+                               int64_t window_bytes) {
   const int cc = compute_capability;
   const double memory = cc >= 90 ? 3.35e12 : cc >= 80 ? 2.04e12 : cc >= 70 ? 900e9 : 732e9;
   GpuHostParams p =
       cc >= 80 ? nvlink_kernel_params(nccl_link_gbps(cc) * 1e9, memory) : GpuHostParams{};
   p.memory_bytes_per_s = memory;
   if (cc < 70) p.nvlink_bytes_per_s = 20e9;
+  p.barrier_per_phase = true;
+  p.window_bytes = window_bytes;
   MachineModel m = gpu_host(std::move(name), nvlink, p, nvswitch_links);
   m.nccl = nccl_host_for(nvlink, nvswitch_links, cc, p.pcie_bytes_per_s);
   m.source = "detected GPUs (compute capability " + std::to_string(cc) + ")";
@@ -258,7 +272,11 @@ MachineModel pcie_8gpu() {
   MachineModel m("pcie-8gpu", kGpus);
   m.links = LinkMatrix(kGpus);
   m.launch_latency_s = 8.4e-6;
-  m.step_latency_s = 5.7e-6;  // NCCL's PCI hwLat for the Simple protocol
+  // xdev's CUDA executor: a barrier per phase, one PCIe flag hand-off (NCCL's PCI hwLat
+  // for the Simple protocol), windows of its staging slot.
+  m.barrier_between_phases = true;
+  m.barrier_latency_s = 5.7e-6;
+  m.window_bytes = kCudaWindowBytes;
   m.policy = SharingPolicy::kOldestFirst;
   const int switches = kGpus / kGpusPerSwitch;
   std::vector<int> up(switches), down(switches);

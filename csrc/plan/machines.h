@@ -21,6 +21,13 @@ struct GpuHostParams {
   double memory_bytes_per_s = 900e9;  // device memory (reductions, staging copies)
   double launch_latency_s = 8.4e-6;   // once per collective
   double step_latency_s = 3.4e-6;     // one fenced flag hand-off between GPUs
+  // How the executor runs a schedule. false: a data-flow pipeline in which a
+  // pack's next phase starts as soon as its data is there (what the wiring
+  // allows; the DGX-1 models). true: xdev's CUDA executor as it is: a barrier
+  // of every rank (one flag hand-off, step_latency_s) between phases, and
+  // windows of window_bytes (its cuda_slot_bytes), so packs do not pipeline.
+  bool barrier_per_phase = false;
+  int64_t window_bytes = 0;
 };
 
 // GPUs joined by `links` (NVLink counts per pair) and, where `nvswitch_links`
@@ -98,15 +105,20 @@ struct CpuHostParams {
 // cross-process read path (single copy).
 MachineModel cpu_host(int ranks, const CpuHostParams& params);
 
+// xdev's CUDA staging slot per rank (Options.cuda_slot_bytes' default).
+inline constexpr int64_t kCudaWindowBytes = 32 << 20;
+
 // The machine model of a job's GPUs as the backend detects them: one device
 // per rank, joined by `nvlink` (direct NVLink counts) and `nvswitch_links` (per
 // GPU, links to NVSwitches; may be empty), of compute capability
 // `compute_capability` (major x 10 + minor). Link and memory rates, xdev's
 // kernel latencies and what NCCL would find (NcclHost) follow the GPU
 // generation as for the built-in machines; pairs without NVLink cross PCIe
-// Gen3 x16. `name` names it in reasons and logs.
+// Gen3 x16. The executor is xdev's CUDA executor (barrier_per_phase) with
+// windows of `window_bytes`. `name` names it in reasons and logs.
 MachineModel detected_gpu_host(std::string name, const LinkMatrix& nvlink,
-                               const std::vector<int>& nvswitch_links, int compute_capability);
+                               const std::vector<int>& nvswitch_links, int compute_capability,
+                               int64_t window_bytes = kCudaWindowBytes);
 
 // What NCCL's topology search would find on GPUs joined so (NcclHost): its
 // rings and trees take every NVLink of the least-linked GPU at NCCL's per-link

@@ -764,7 +764,10 @@ TEST(cost_pcie_8gpu_routes_through_switches_root_complexes_and_the_socket_link) 
   double slowest = 1e30;
   for (int r : m.route(0, 7)) slowest = std::min(slowest, m.resources()[r].bytes_per_s);
   CHECK_NEAR(slowest, 10e9);
-  CHECK_NEAR(m.step_latency_s, 5.7e-6);
+  // xdev's CUDA executor: a barrier (one PCIe flag hand-off) per phase, 32 MiB windows.
+  CHECK(m.barrier_between_phases);
+  CHECK_NEAR(m.barrier_latency_s, 5.7e-6);
+  CHECK_EQ(m.window_bytes, int64_t{32} << 20);
   CHECK_EQ(builtin_machine("pcie-8gpu").name(), std::string("pcie-8gpu"));
 }
 
@@ -780,6 +783,8 @@ TEST(cost_nvswitch_hosts_route_every_pair_over_the_two_ports) {
         for (int r : m.route(a, b)) CHECK_NEAR(m.resources()[r].bytes_per_s, port);
       }
     }
+    CHECK(m.barrier_between_phases);
+    CHECK_NEAR(m.barrier_latency_s, 2e-6);
     // One port per direction per GPU: GPU 0's sends to 1 and 2 share its port out.
     CHECK_EQ(m.route(0, 1)[0], m.route(0, 2)[0]);
     CHECK(m.route(0, 1)[1] != m.route(0, 2)[1]);

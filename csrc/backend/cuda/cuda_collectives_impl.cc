@@ -281,8 +281,9 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     info.topology = plan::classify_gpus(info.nvlink, class_reach);
     if (!info.ranks_share_gpu && g_.num_hosts() == 1 && size > 1) {
-      info.model = plan::detected_gpu_host("this host's " + std::to_string(size) + " GPUs",
-                                           info.nvlink, {}, info.compute_capability);
+      info.model =
+          plan::detected_gpu_host("this host's " + std::to_string(size) + " GPUs", info.nvlink, {},
+                                  info.compute_capability, config.cuda_slot_bytes);
     }
     planner_.emplace(info.nvlink);
 
