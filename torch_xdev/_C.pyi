@@ -97,10 +97,11 @@ class plan:
         def links(self) -> list[list[int]]: ...
 
     class Prediction(TypedDict):
-        label: str  # "hierarchical_copy/8", "flat", "ring (reference)"
-        algorithm: str  # an algorithm name, or "ring" for the ring reference
+        label: str  # "hierarchical_copy/8", "flat", "nccl_ring/LL", "ring (reference)"
+        algorithm: str  # an algorithm name, "nccl", or "ring" for the ring reference
         num_packs: int
         ring_reference: bool
+        nccl: bool  # NCCL's algorithm/protocol, predicted by NCCL's own tuning model
         bytes: int
         seconds: float
         algbw: float  # bytes/s
@@ -108,6 +109,8 @@ class plan:
 
     class Choice(TypedDict):
         best: plan.Prediction
+        best_native: plan.Prediction
+        best_nccl: Optional[plan.Prediction]  # None on machines without NCCL
         predictions: list[plan.Prediction]
 
     class Traffic(TypedDict):
@@ -132,6 +135,7 @@ class plan:
         nvlink_gbps: float = 25.0,
         pcie_gbps: float = 12.0,
         memory_gbps: float = 900.0,
+        compute_capability: int = 70,
     ) -> plan.MachineModel: ...
     @staticmethod
     def cpu_machine(
@@ -160,6 +164,7 @@ class plan:
         nbytes: int,
         num_packs: int = -1,
         with_ring_reference: bool = True,
+        with_nccl: bool = True,
     ) -> plan.Choice: ...
     @staticmethod
     def classify(links: list[list[int]]) -> str: ...
