@@ -9,6 +9,7 @@ every rank must hold the same bits of every full parameter (FSDP2) and the repli
 bits of each shard (HSDP); and the ``XDEV_DEBUG=INFO`` log must show that xdev ran the
 collectives natively on every group.
 """
+
 from __future__ import annotations
 
 import re

@@ -226,8 +226,18 @@ def test_cli_without_gpus(tmp_path: Path) -> None:
     out = json.loads(proc.stdout)
     assert out["class"] == "none"
     assert out["gpus"] == [] and out["nvlink"] == [] and out["reachable"] == []
+    assert out["nvswitch"] == []
     assert out["source"].startswith("none: ") and len(out["source"]) > len("none: ")
-    assert set(out) == {"name", "class", "source", "gpus", "nvlink", "reachable", "note"}
+    assert set(out) == {
+        "name",
+        "class",
+        "source",
+        "gpus",
+        "nvlink",
+        "nvswitch",
+        "reachable",
+        "note",
+    }
 
     path = write(tmp_path, "detected", proc.stdout)
     again = run_cli(XDEV_TOPO_FILE=str(path))
@@ -257,8 +267,15 @@ def test_cli_without_gpus(tmp_path: Path) -> None:
         ({"nvlink": zeros(2), "gpus": [7, 8]}, "'gpus' must be a list of PCI bus ids"),
         ({"nvlink": zeros(2), "name": ""}, "'name' must be a non-empty string"),
         ({"nvlink": zeros(2), "class": 3}, "'class' must be a string"),
-        ({"nvlink": zeros(2), "links": []}, "unknown key(s) 'links'; allowed: class, gpus,"),
+        (
+            {"nvlink": zeros(2), "links": []},
+            "unknown key(s) 'links'; allowed: class, compute_capability, gpus,",
+        ),
         ({"nvlink": zeros(2), "pcie_gbps": -1}, "'pcie_gbps' must be > 0"),
+        ({"nvlink": zeros(2), "nvswitch": [18]}, "'nvswitch' must be a list of 2 non-negative"),
+        ({"nvlink": zeros(2), "nvswitch": [18, -1]}, "'nvswitch' must be a list of 2"),
+        ({"nvlink": zeros(2), "nvswitch": [True, 1]}, "'nvswitch' must be a list of 2"),
+        ({"nvlink": zeros(2), "compute_capability": 9.0}, "'compute_capability' must be an int"),
     ],
 )
 def test_bad_file(
@@ -327,11 +344,12 @@ def test_probe_without_nvml() -> None:
     report = _topology.probe_nvlinks(ids)
     assert report["available"] is False
     assert report["links"] == zeros(4)
+    assert report["nvswitch"] == [0, 0, 0, 0]
     assert report["note"]
     if not nvml_loadable():
         assert report["note"].startswith("libnvidia-ml.so.1 not found: "), report["note"]
     empty = _topology.probe_nvlinks([])
-    assert empty == {"links": [], "available": False, "note": "no GPUs given"}
+    assert empty == {"links": [], "nvswitch": [], "available": False, "note": "no GPUs given"}
 
 
 @pytest.mark.parametrize(
@@ -492,7 +510,12 @@ def test_probe_fake_nvml(tmp_path: Path) -> None:
     ]
     out = probe_with_fake(tmp_path, cases)
     r = out["reports"]
-    assert r[0] == {"links": DGX1_V100, "available": True, "note": r[0]["note"]}
+    assert r[0] == {
+        "links": DGX1_V100,
+        "nvswitch": [0] * 8,
+        "available": True,
+        "note": r[0]["note"],
+    }
     total = sum(DGX1_V100[a][b] for a in range(8) for b in range(a + 1, 8))
     assert r[0]["note"] == (
         f"NVML: 8 GPU(s), {total} direct NVLink(s) between them, 0 pair(s) joined through NVSwitch"
@@ -506,6 +529,7 @@ def test_probe_fake_nvml(tmp_path: Path) -> None:
     c = DGX1_V100[0][3]
     assert r[3] == {
         "links": [[0, 0, c, c], [0, 0, c, c], [c, c, 0, 0], [c, c, 0, 0]],
+        "nvswitch": [0] * 4,
         "available": True,
         "note": r[3]["note"],
     }
@@ -516,9 +540,19 @@ def test_probe_fake_nvml(tmp_path: Path) -> None:
     # Through NVSwitches every pair is linked: min(17, 17), and min(17, 11) with GPU 7.
     switched = [[0 if a == b else 11 if 7 in (a, b) else 17 for b in range(8)] for a in range(8)]
     assert r[6]["links"] == switched and r[6]["available"] is True
+    assert r[6]["nvswitch"] == [17] * 7 + [11]
     assert "28 pair(s) joined through NVSwitch" in r[6]["note"]
+    assert (
+        _topology.classify_gpus(r[6]["links"], topology.reachable_from_links(switched))
+        == "fully_connected"
+    )
+    assert (
+        topology.classify(r[6]["links"], topology.reachable_from_links(switched), r[6]["nvswitch"])
+        == "nvswitch"
+    )
     assert r[7] == {
         "links": zeros(8),
+        "nvswitch": [0] * 8,
         "available": False,
         "note": "nvmlInit_v2 failed: Driver Not Loaded (9) (no NVLink known)",
     }
@@ -535,3 +569,33 @@ def test_probe_fake_nvml_without_remote_device_type(tmp_path: Path) -> None:
     )
     assert out["reports"][0]["links"] == zeros(8) and out["reports"][0]["available"] is True
     assert out["reports"][1]["links"] == [[0, 2], [2, 0]]
+
+
+def test_nvswitch_file_classifies_and_models_the_switch(tmp_path: Path) -> None:
+    # An HGX H100 as detection writes it: every pair joined through the switches (18 each).
+    switched = [[0 if a == b else 18 for b in range(8)] for a in range(8)]
+    path = write(
+        tmp_path,
+        "hgx",
+        {
+            "nvlink": switched,
+            "nvswitch": [18] * 8,
+            "nvlink_gbps": 20.6,
+            "memory_gbps": 3350,
+            "compute_capability": 90,
+        },
+    )
+    topo = topology.load_topology_file(path)
+    assert topo["class"] == "nvswitch" and topo["nvswitch"] == [18] * 8
+    assert json.loads(topology.to_json(topo))["nvswitch"] == [18] * 8
+    # The cost model sees the same NCCL as on the built-in HGX H100 (NVLS included), which it
+    # would not without the switch counts (NCCL's rings would take 7 x 18 links).
+    from_file = plan.size_rows(plan.machine(str(path)), 1 << 30)
+    builtin = plan.size_rows(plan.machine("hgx-h100"), 1 << 30)
+    nccl_file = {r["label"]: r["time_us"] for r in from_file if r["nccl"]}
+    nccl_builtin = {r["label"]: r["time_us"] for r in builtin if r["nccl"]}
+    assert "nccl_nvls/Simple" in nccl_file
+    assert nccl_file == pytest.approx(nccl_builtin, rel=1e-12)
+    # Without "nvswitch" the same matrix is a fully connected host of direct links.
+    plain = write(tmp_path, "plain", {"nvlink": switched})
+    assert topology.load_topology_file(plain)["class"] == "fully_connected"

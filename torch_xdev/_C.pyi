@@ -35,6 +35,7 @@ class BackendConfig:
     topo_file: str  # XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)
     topo_nvlink: list[list[int]]  # NVLinks per pair of local ranks
     topo_reachable: list[list[int]]  # peer access per pair of local ranks; empty: where nvlink > 0
+    topo_nvswitch: list[int]  # NVLinks to NVSwitches per local rank
     cpu_core_gbps: float  # CPU cost model: one core, GB/s
     cpu_memory_gbps: float  # CPU cost model: memory, GB/s
     cpu_launch_us: float  # CPU cost model: per call, us
@@ -123,7 +124,6 @@ class plan:
     def across_hosts_traffic(
         num_hosts: int, ranks_per_host: int, nbytes: int
     ) -> dict[str, plan.Traffic]: ...  # keys "two_level" and "flat_ring"
-
     @staticmethod
     def builtin_machine(name: str) -> plan.MachineModel: ...
     @staticmethod
@@ -177,11 +177,14 @@ class topology:
     """
 
     class NvlinkReport(TypedDict):
-        links: list[list[int]]  # NVLinks per pair of local ranks; 0 on a shared GPU
+        links: list[list[int]]  # NVLinks per pair of local ranks (switched too); 0 on a shared GPU
+        nvswitch: list[int]  # per local rank, its GPU's NVLinks to NVSwitches
         available: bool  # NVML loaded, initialised and knew every GPU
         note: str  # what was found, or why nothing was
 
     @staticmethod
     def probe_nvlinks(bus_ids: list[str]) -> topology.NvlinkReport: ...
     @staticmethod
-    def classify_gpus(nvlink: list[list[int]], reachable: list[list[int]]) -> str: ...
+    def classify_gpus(
+        nvlink: list[list[int]], reachable: list[list[int]], nvswitch: list[int] = ...
+    ) -> str: ...

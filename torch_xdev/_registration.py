@@ -72,6 +72,7 @@ def apply_topology_file(config: Any, path: str) -> None:
     config.topo_file = str(path)
     config.topo_nvlink = [list(row) for row in topo["nvlink"]]
     config.topo_reachable = [list(row) for row in topo["reachable"]]
+    config.topo_nvswitch = list(topo["nvswitch"])
 
 
 def _make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:

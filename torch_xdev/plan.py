@@ -46,10 +46,16 @@ writes; its format, with an example, is in ``pydoc torch_xdev.topology`` (the pa
     ignored.
 ``name``
     Optional; defaults to the file's name without its extension.
+``nvswitch``
+    Optional. Per GPU, its NVLinks to NVSwitches: the model gives each GPU a switch port
+    (links x the per-link rate, each direction) and routes switched pairs over the two ports.
 ``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``
     Optional bandwidths in GB/s (1e9 bytes/s): per NVLink and direction (default 25,
     NVLink 2), per GPU's PCIe lane and direction (default 12) and of each GPU's memory
     (default 900).
+``compute_capability``
+    Optional, major x 10 + minor (default 70): which of NCCL's protocols and figures its
+    candidates get (NVLS needs 90 and switches).
 
 and ignores the other keys (``reachable``, ``gpus``, ``source``, ``class``, ``note``).
 
@@ -201,7 +207,13 @@ def load_topology_file(path: str | os.PathLike[str]) -> MachineModel:
     if "memory_gbps" in topo:
         bandwidths["memory_gbps"] = topo["memory_gbps"]
     try:
-        return _plan.gpu_machine(topo["name"], topo["nvlink"], **bandwidths)
+        return _plan.gpu_machine(
+            topo["name"],
+            topo["nvlink"],
+            **bandwidths,
+            compute_capability=topo.get("compute_capability", 70),
+            nvswitch=topo["nvswitch"],
+        )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -13,6 +13,9 @@ Classes
 ``dgx1``
     Exactly 8 ranks whose NVLinks form the DGX-1 hybrid cube-mesh (each GPU linked to
     exactly its cube-mesh peers; reachability does not matter). Hierarchical copy runs here.
+``nvswitch``
+    Otherwise, more than one rank and every rank's GPU has NVLinks to NVSwitches (HGX /
+    DGX A100 and H100 boards).
 ``fully_connected``
     Otherwise, every pair of ranks is NVLinked or reachable (CUDA peer access, or the same
     GPU). One rank counts as fully connected.
@@ -55,12 +58,18 @@ A JSON object, the one ``python -m torch_xdev.plan --topology`` reads too::
     Optional. A square, symmetric 0/1 matrix of the same size: 1 where ranks i and j can
     access each other's memory. The diagonal is ignored (a GPU reaches itself). Without it,
     a pair is reachable exactly when it is NVLinked.
+``nvswitch``
+    Optional. One non-negative integer per row: the NVLinks from that rank's GPU to the
+    host's NVSwitches (18 per H100 SXM, 12 per A100 SXM). ``nvlink`` counts a pair joined
+    through the switches with the smaller of the two counts, on top of any direct links, as
+    NVML detection writes it. Without it: no switches.
 ``name``
     Optional; defaults to the file's name without its extension.
 ``gpus``
     Optional. The ranks' PCI bus ids (strings), one per row, or an empty list.
-``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``
-    Optional bandwidths in GB/s for the cost model (see ``torch_xdev.plan``).
+``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``, ``compute_capability``
+    Optional bandwidths in GB/s and the GPUs' compute capability (major x 10 + minor), for
+    the cost model (see ``torch_xdev.plan``).
 ``source``, ``class``, ``note``
     Written by this CLI and ignored when read: the class is always computed afresh.
 """
@@ -93,9 +102,20 @@ __all__ = [
 ]
 
 ENV_TOPO_FILE = "XDEV_TOPO_FILE"
-CLASSES = ("dgx1", "fully_connected", "partial", "none")
+CLASSES = ("dgx1", "nvswitch", "fully_connected", "partial", "none")
 BANDWIDTH_KEYS = ("nvlink_gbps", "pcie_gbps", "memory_gbps")
-FILE_KEYS = {"name", "nvlink", "reachable", "gpus", "source", "class", "note", *BANDWIDTH_KEYS}
+FILE_KEYS = {
+    "name",
+    "nvlink",
+    "reachable",
+    "nvswitch",
+    "compute_capability",
+    "gpus",
+    "source",
+    "class",
+    "note",
+    *BANDWIDTH_KEYS,
+}
 
 # "class" is a keyword, hence the functional form for the keys every topology has.
 _TopologyKeys = TypedDict(
@@ -107,6 +127,7 @@ _TopologyKeys = TypedDict(
         "gpus": list[str],
         "nvlink": list[list[int]],
         "reachable": list[list[int]],
+        "nvswitch": list[int],
         "note": str,
     },
 )
@@ -121,6 +142,7 @@ class Topology(_TopologyKeys, total=False):
     nvlink_gbps: float
     pcie_gbps: float
     memory_gbps: float
+    compute_capability: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,9 +210,25 @@ def reachable_from_links(nvlink: list[list[int]]) -> list[list[int]]:
     ]
 
 
-def classify(nvlink: list[list[int]], reachable: list[list[int]]) -> str:
+def classify(
+    nvlink: list[list[int]], reachable: list[list[int]], nvswitch: list[int] | None = None
+) -> str:
     """One of :data:`CLASSES` (the rule: see the module doc). Raises ValueError."""
-    return _topology.classify_gpus(nvlink, reachable)
+    return _topology.classify_gpus(nvlink, reachable, nvswitch or [])
+
+
+def _counts(value: Any, key: str, where: str, n: int) -> list[int]:
+    """A list of n non-negative integers (e.g. each rank's NVLinks to NVSwitches)."""
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value)
+    ):
+        raise ValueError(
+            f"{where}: '{key}' must be a list of {n} non-negative integers, one per 'nvlink' "
+            f"row; got {value!r}"
+        )
+    return list(value)
 
 
 def _read_json(path: str | os.PathLike[str], where: str) -> Any:
@@ -248,8 +286,9 @@ def load_topology_file(path: str | os.PathLike[str]) -> Topology:
     for key in ("source", "class", "note"):
         if key in data and not isinstance(data[key], str):
             raise ValueError(f"{where}: '{key}' must be a string (it is ignored when read)")
+    nvswitch = _counts(data["nvswitch"], "nvswitch", where, n) if "nvswitch" in data else [0] * n
     try:
-        topology_class = classify(nvlink, reachable)
+        topology_class = classify(nvlink, reachable, nvswitch)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     topo: Topology = {
@@ -259,12 +298,21 @@ def load_topology_file(path: str | os.PathLike[str]) -> Topology:
         "gpus": list(gpus),
         "nvlink": nvlink,
         "reachable": reachable,
+        "nvswitch": nvswitch,
         "note": note,
     }
     for key in BANDWIDTH_KEYS:
         value = _gbps(data, key, where)
         if value is not None:
             _set_bandwidth(topo, key, value)
+    if "compute_capability" in data:
+        cc = data["compute_capability"]
+        if not isinstance(cc, int) or isinstance(cc, bool) or not 60 <= cc < 1000:
+            raise ValueError(
+                f"{where}: 'compute_capability' must be an integer major x 10 + minor, "
+                f">= 60 (e.g. 90 for an H100); got {cc!r}"
+            )
+        topo["compute_capability"] = cc
     return topo
 
 
@@ -324,6 +372,7 @@ def _no_gpus(why: str) -> Topology:
         "gpus": [],
         "nvlink": [],
         "reachable": [],
+        "nvswitch": [],
         "note": why,
     }
 
@@ -342,6 +391,7 @@ def _detect_cuda() -> Topology:
     else:
         report = {
             "links": [[0] * n for _ in range(n)],
+            "nvswitch": [0] * n,
             "available": False,
             "note": f"torch {torch.__version__} does not expose the GPUs' PCI bus ids",
         }
@@ -356,11 +406,12 @@ def _detect_cuda() -> Topology:
     models = sorted({str(p.name) for p in properties})
     return {
         "name": f"{socket.gethostname() or 'localhost'} ({n} x {' / '.join(models)})",
-        "class": classify(report["links"], reachable),
+        "class": classify(report["links"], reachable, report["nvswitch"]),
         "source": "nvml" if report["available"] else f"none: {report['note']}",
         "gpus": gpus,
         "nvlink": report["links"],
         "reachable": reachable,
+        "nvswitch": report["nvswitch"],
         "note": f"{report['note']}; reachability from torch.cuda.can_device_access_peer",
     }
 
@@ -382,7 +433,18 @@ def detect() -> Topology:
 # CLI
 
 # The order of the printed keys: the verdict first, the matrices last but the bandwidths.
-_KEY_ORDER = ("name", "class", "source", "gpus", "nvlink", "reachable", "note", *BANDWIDTH_KEYS)
+_KEY_ORDER = (
+    "name",
+    "class",
+    "source",
+    "gpus",
+    "nvlink",
+    "reachable",
+    "nvswitch",
+    "note",
+    *BANDWIDTH_KEYS,
+    "compute_capability",
+)
 
 
 def to_json(topo: Topology) -> str:

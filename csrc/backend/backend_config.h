@@ -53,6 +53,7 @@
   X(std::vector<std::vector<int64_t>>, topo_nvlink, {}, "NVLinks per pair of local ranks")       \
   X(std::vector<std::vector<int64_t>>, topo_reachable, {},                                       \
     "peer access per pair of local ranks; empty: where nvlink > 0")                              \
+  X(std::vector<int64_t>, topo_nvswitch, {}, "NVLinks to NVSwitches per local rank")            \
   X(double, cpu_core_gbps, xdev::plan::cpu_fit::kCoreGbps, "CPU cost model: one core, GB/s")     \
   X(double, cpu_memory_gbps, xdev::plan::cpu_fit::kMemoryGbps, "CPU cost model: memory, GB/s")   \
   X(double, cpu_launch_us, xdev::plan::cpu_fit::kLaunchUs, "CPU cost model: per call, us")       \

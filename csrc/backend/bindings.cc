@@ -72,6 +72,8 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["device"] = info->device;
   d["gpus"] = info->gpus;
   d["topology_class"] = plan::to_string(info->topology);
+  d["nvswitch"] = info->nvswitch;
+  d["model"] = info->model ? py::object(py::str(info->model->name())) : py::none();
   d["topology_source"] = info->topology_source;
   d["nvlink"] = info->nvlink.to_rows();
   d["reachable"] = info->reachable.to_rows();

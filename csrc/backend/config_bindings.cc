@@ -29,6 +29,9 @@ const char* python_type(double) {
 const char* python_type(std::chrono::milliseconds) {
   return "timedelta";
 }
+const char* python_type(const std::vector<int64_t>&) {
+  return "list[int]";
+}
 const char* python_type(const std::vector<std::vector<int64_t>>&) {
   return "list[list[int]]";
 }

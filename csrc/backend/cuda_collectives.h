@@ -26,7 +26,8 @@ class GroupContext;
 struct CudaGroupInfo {
   int device = -1;                // this rank's CUDA device
   std::vector<std::string> gpus;  // PCI bus id of every rank's GPU, by rank
-  plan::LinkMatrix nvlink;        // NVLinks between the ranks' GPUs
+  plan::LinkMatrix nvlink;        // NVLinks between the ranks' GPUs (through switches too)
+  std::vector<int> nvswitch;      // per rank, its GPU's NVLinks to NVSwitches (may be empty)
   plan::LinkMatrix reachable;     // 1 where the two ranks' GPUs can access each other
   plan::TopologyClass topology = plan::TopologyClass::kNone;
   std::string topology_source;   // "nvml", "XDEV_TOPO_FILE", or why there are no NVLinks

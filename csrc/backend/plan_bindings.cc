@@ -117,7 +117,7 @@ void bind_plan(py::module_& parent) {
   m.def(
       "gpu_machine",
       [](const std::string& name, const Matrix& links, double nvlink_gbps, double pcie_gbps,
-         double memory_gbps, int compute_capability) {
+         double memory_gbps, int compute_capability, const std::vector<int>& nvswitch) {
         plan::GpuHostParams p;
         p.nvlink_bytes_per_s = positive_gbps(nvlink_gbps, "nvlink_gbps");
         p.pcie_bytes_per_s = positive_gbps(pcie_gbps, "pcie_gbps");
@@ -125,9 +125,11 @@ void bind_plan(py::module_& parent) {
         if (compute_capability < 60) {
           throw std::invalid_argument("compute_capability must be >= 60 (major x 10 + minor)");
         }
-        const plan::LinkMatrix matrix = link_matrix(links);
-        plan::MachineModel mm = plan::gpu_host(name, matrix, p);
-        mm.nccl = plan::nccl_host_for(matrix, {}, compute_capability, p.pcie_bytes_per_s);
+        // The matrix counts pairs joined through NVSwitches too; the switches are their own
+        // resource in the model, so the pairs keep only their direct links.
+        const plan::LinkMatrix direct = plan::direct_links(link_matrix(links), nvswitch);
+        plan::MachineModel mm = plan::gpu_host(name, direct, p, nvswitch);
+        mm.nccl = plan::nccl_host_for(direct, nvswitch, compute_capability, p.pcie_bytes_per_s);
         mm.source = "GPU host '" + name + "' from a link matrix: NVLink " +
                     std::to_string(nvlink_gbps) + " GB/s per link and direction, PCIe " +
                     std::to_string(pcie_gbps) + " GB/s, memory " + std::to_string(memory_gbps) +
@@ -136,9 +138,12 @@ void bind_plan(py::module_& parent) {
       },
       py::arg("name"), py::arg("links"), py::arg("nvlink_gbps") = 25.0, py::arg("pcie_gbps") = 12.0,
       py::arg("memory_gbps") = 900.0, py::arg("compute_capability") = 70,
-      "GPUs joined by an NVLink count matrix (square, symmetric, diagonal ignored); "
-      "bandwidths in GB/s (1e9 bytes/s); NCCL's candidates as for GPUs of that compute "
-      "capability (major x 10 + minor; default 70, the V100's NVLink 2).");
+      py::arg("nvswitch") = std::vector<int>{},
+      "GPUs joined by an NVLink count matrix (square, symmetric, diagonal ignored; pairs "
+      "joined through NVSwitches count min(nvswitch[a], nvswitch[b]) on top of direct links) "
+      "and, per GPU, NVLinks to NVSwitches (empty: none); bandwidths in GB/s (1e9 bytes/s); "
+      "NCCL's candidates as for GPUs of that compute capability (major x 10 + minor; default "
+      "70, the V100's NVLink 2).");
 
   m.def(
       "cpu_machine",

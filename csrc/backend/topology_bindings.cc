@@ -33,26 +33,30 @@ void bind_topology(py::module_& parent) {
         }
         py::dict d;
         d["links"] = report.links.to_rows();
+        d["nvswitch"] = report.nvswitch;
         d["available"] = report.available;
         d["note"] = report.note;
         return d;
       },
       py::arg("bus_ids"),
       "NVLinks between the GPUs with these PCI bus ids (one per local rank; repeats allowed), "
-      "from NVML loaded at run time: {'links': [[int]], 'available': bool, 'note': str}. "
+      "from NVML loaded at run time: {'links': [[int]] (pairs joined through NVSwitches "
+      "included), 'nvswitch': [int] (each rank's GPU's links to NVSwitches), 'available': "
+      "bool, 'note': str}. "
       "Without NVML: available False, all-zero links and a note saying why.");
 
   m.def(
       "classify_gpus",
-      [](const Matrix& nvlink, const Matrix& reachable) {
-        return std::string(plan::to_string(
-            plan::classify_gpus(plan::LinkMatrix::from_rows(nvlink, "the NVLink matrix"),
-                                plan::LinkMatrix::from_rows(reachable, "the reachability matrix",
-                                                            /*max_links=*/1))));
+      [](const Matrix& nvlink, const Matrix& reachable, const std::vector<int>& nvswitch) {
+        return std::string(plan::to_string(plan::classify_gpus(
+            plan::LinkMatrix::from_rows(nvlink, "the NVLink matrix"),
+            plan::LinkMatrix::from_rows(reachable, "the reachability matrix", /*max_links=*/1),
+            nvswitch)));
       },
-      py::arg("nvlink"), py::arg("reachable"),
-      "'dgx1', 'fully_connected', 'partial' or 'none' for a host's GPUs, from NVLink counts and "
-      "peer reachability (0/1) per pair of local ranks. Raises ValueError if the sizes differ.");
+      py::arg("nvlink"), py::arg("reachable"), py::arg("nvswitch") = std::vector<int>{},
+      "'dgx1', 'nvswitch', 'fully_connected', 'partial' or 'none' for a host's GPUs, from NVLink "
+      "counts and peer reachability (0/1) per pair of local ranks and, optionally, each rank's "
+      "NVLinks to NVSwitches. Raises ValueError if the sizes differ.");
 }
 
 }  // namespace xdev::backend

@@ -133,7 +133,8 @@ Selection choose_plan(const SelectionInput& in) {
       s.algorithm = Algorithm::kHierarchicalCopy;
       s.num_packs = hier_packs;
       s.reason = "8 GPUs wired like a DGX-1";
-    } else if (in.topology == TopologyClass::kFullyConnected) {
+    } else if (in.topology == TopologyClass::kFullyConnected ||
+               in.topology == TopologyClass::kNvSwitch) {
       s.algorithm = Algorithm::kReduceToOne;
       s.reason = "single host, every GPU reaches every other";
     } else {

@@ -29,6 +29,8 @@ const char* to_string(TopologyClass c) {
       return "fully_connected";
     case TopologyClass::kDgx1:
       return "dgx1";
+    case TopologyClass::kNvSwitch:
+      return "nvswitch";
   }
   return "unknown";
 }
@@ -194,17 +196,34 @@ TopologyClass classify(const LinkMatrix& m) {
   return TopologyClass::kPartial;
 }
 
-TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable) {
+namespace {
+
+void check_nvswitch(const std::vector<int>& nvswitch, int n, const char* who) {
+  if (!nvswitch.empty() && static_cast<int>(nvswitch.size()) != n) {
+    throw std::invalid_argument(std::string(who) + ": " + std::to_string(nvswitch.size()) +
+                                " NVSwitch link counts for " + std::to_string(n) + " ranks");
+  }
+}
+
+}  // namespace
+
+TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable,
+                            const std::vector<int>& nvswitch) {
   if (nvlink.size() != reachable.size()) {
     throw std::invalid_argument(
         "classify_gpus: the NVLink matrix has " + std::to_string(nvlink.size()) +
         " ranks but the reachability matrix has " + std::to_string(reachable.size()));
   }
   const int n = nvlink.size();
+  check_nvswitch(nvswitch, n, "classify_gpus");
   if (n == 0) return TopologyClass::kNone;
   // The DGX-1 test looks at NVLinks only: hierarchical copy relies on the
   // cube-mesh's direct links, which peer access over PCIe does not give.
   if (is_dgx1_like(nvlink)) return TopologyClass::kDgx1;
+  if (n > 1 && !nvswitch.empty() &&
+      std::all_of(nvswitch.begin(), nvswitch.end(), [](int c) { return c > 0; })) {
+    return TopologyClass::kNvSwitch;
+  }
   int connected_pairs = 0;
   for (int i = 0; i < n; ++i) {
     for (int j = i + 1; j < n; ++j) {
@@ -214,6 +233,21 @@ TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachabl
   }
   if (connected_pairs == n * (n - 1) / 2) return TopologyClass::kFullyConnected;
   return connected_pairs == 0 ? TopologyClass::kNone : TopologyClass::kPartial;
+}
+
+LinkMatrix direct_links(const LinkMatrix& nvlink, const std::vector<int>& nvswitch) {
+  const int n = nvlink.size();
+  check_nvswitch(nvswitch, n, "direct_links");
+  LinkMatrix direct = nvlink;
+  if (nvswitch.empty()) return direct;
+  for (int a = 0; a < n; ++a) {
+    for (int b = a + 1; b < n; ++b) {
+      const int switched =
+          std::min(nvswitch[static_cast<size_t>(a)], nvswitch[static_cast<size_t>(b)]);
+      direct.set_links(a, b, std::max(0, nvlink.links(a, b) - std::max(0, switched)));
+    }
+  }
+  return direct;
 }
 
 LinkMatrix reachable_from_links(const LinkMatrix& nvlink) {

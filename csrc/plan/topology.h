@@ -17,6 +17,7 @@ enum class TopologyClass {
   kPartial,         // some pairs linked, not DGX-1-like, not fully connected
   kFullyConnected,  // every pair linked
   kDgx1,            // exactly the DGX-1 hybrid cube-mesh of 8 GPUs
+  kNvSwitch,        // every GPU has NVLinks to NVSwitches (HGX / DGX A100, H100)
 };
 
 const char* to_string(TopologyClass c);
@@ -79,13 +80,23 @@ TopologyClass classify(const LinkMatrix& m);
 
 // Classifies the GPUs of one host. Both matrices are indexed by local rank (two
 // ranks may share one GPU). `nvlink` counts NVLinks per pair (0: none, or not
-// known, e.g. without NVML); `reachable` is > 0 where the pair can access each
-// other's memory (CUDA peer access, or the same GPU). DGX-1 iff
-// is_dgx1_like(nvlink), so reachability alone never makes a DGX-1; otherwise
-// fully connected if every pair is reachable or NVLinked, partial if some pair
-// is, else none. No ranks at all is kNone (there is nothing to connect); one
-// rank is kFullyConnected. Throws std::invalid_argument if the sizes differ.
-TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable);
+// known, e.g. without NVML), pairs joined through NVSwitches included;
+// `reachable` is > 0 where the pair can access each other's memory (CUDA peer
+// access, or the same GPU); `nvswitch`, when given, is per rank its GPU's
+// NVLinks to NVSwitches. DGX-1 iff is_dgx1_like(nvlink), so reachability alone
+// never makes a DGX-1; otherwise NVSwitch when more than one rank and every
+// rank's GPU reaches a switch; otherwise fully connected if every pair is
+// reachable or NVLinked, partial if some pair is, else none. No ranks at all
+// is kNone (there is nothing to connect); one rank is kFullyConnected. Throws
+// std::invalid_argument if the sizes differ.
+TopologyClass classify_gpus(const LinkMatrix& nvlink, const LinkMatrix& reachable,
+                            const std::vector<int>& nvswitch = {});
+
+// The direct GPU-to-GPU links of `nvlink`, which counts a pair joined through
+// NVSwitches with min(switch links of a, of b) on top of any direct links (as
+// NVML reports them and topology files give them). Throws
+// std::invalid_argument unless nvswitch is empty or one entry per rank.
+LinkMatrix direct_links(const LinkMatrix& nvlink, const std::vector<int>& nvswitch);
 
 // Reachability as the links imply it: 1 where nvlink has a link, and on the
 // diagonal (a GPU reaches its own memory). For injected topologies that give

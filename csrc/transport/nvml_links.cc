@@ -133,6 +133,7 @@ NvlinkReport probe_nvlinks(const std::vector<std::string>& pci_bus_ids) {
   const int num_ranks = static_cast<int>(pci_bus_ids.size());
   NvlinkReport report;
   report.links = plan::LinkMatrix(num_ranks);
+  report.nvswitch.assign(static_cast<size_t>(num_ranks), 0);
 
   // Each distinct GPU once; gpu_of[rank] indexes `gpus`.
   std::vector<PciAddress> gpus;
@@ -246,6 +247,7 @@ NvlinkReport probe_nvlinks(const std::vector<std::string>& pci_bus_ids) {
     }
   }
   for (int a = 0; a < num_ranks; ++a) {
+    report.nvswitch[static_cast<size_t>(a)] = switch_links[gpu_of[a]];
     for (int b = a + 1; b < num_ranks; ++b) {
       report.links.set_links(a, b, gpu_links[gpu_of[a]][gpu_of[b]]);  // 0 on a shared GPU
     }

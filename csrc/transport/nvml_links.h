@@ -38,6 +38,9 @@ struct NvlinkReport {
   // Indexed by local rank, in the order of the bus ids given: NVLinks between
   // the ranks' GPUs (0 between ranks that share a GPU, and on the diagonal).
   plan::LinkMatrix links;
+  // Indexed by local rank: the NVLinks from the rank's GPU to NVSwitches (the
+  // part of `links` that goes through a switch: plan::direct_links removes it).
+  std::vector<int> nvswitch;
   // True when NVML was loaded and initialised and knew every GPU given.
   bool available = false;
   // What was found, or why nothing was (e.g. "libnvidia-ml.so.1 not found: ...").

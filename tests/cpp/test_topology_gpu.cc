@@ -1,7 +1,7 @@
 // Unit tests of classify_gpus and reachable_from_links (csrc/plan/topology.h): how the GPUs of one
 // host are classified from NVLink counts and peer reachability, per local rank. The matrices are
-// the cases that matter for selection: DGX-1, DGX-1 with one link missing, fully connected 8, 4 GPUs, PCIe
-// only, and ranks sharing a GPU.
+// the cases that matter for selection: DGX-1, DGX-1 with one link missing, fully connected 8, 4
+// GPUs, PCIe only, and ranks sharing a GPU.
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -202,4 +202,33 @@ TEST(gpu_ranks_sharing_one_gpu) {
   const Ranks eight = ranks_on_gpus({0, 1, 2, 3, 0, 1, 2, 3}, dgx, reachable_from_links(dgx));
   CHECK(!is_dgx1_like(eight.nvlink));
   CHECK_EQ(classify_gpus(eight.nvlink, eight.reachable), TopologyClass::kFullyConnected);
+}
+
+TEST(gpu_nvswitch_host_is_nvswitch_and_its_direct_links_are_what_is_left) {
+  // An HGX H100 as NVML reports it: every pair joined through the switches (18 = min of the
+  // two GPUs' switch links), no direct GPU-to-GPU links.
+  LinkMatrix links(8);
+  for (int a = 0; a < 8; ++a) {
+    for (int b = a + 1; b < 8; ++b) links.set_links(a, b, 18);
+  }
+  const std::vector<int> nvswitch(8, 18);
+  CHECK_EQ(classify_gpus(links, all_reachable(8), nvswitch), TopologyClass::kNvSwitch);
+  CHECK_EQ(classify_gpus(links, all_reachable(8)), TopologyClass::kFullyConnected);
+  CHECK_EQ(std::string(to_string(TopologyClass::kNvSwitch)), std::string("nvswitch"));
+  const LinkMatrix direct = direct_links(links, nvswitch);
+  for (int a = 0; a < 8; ++a) {
+    for (int b = 0; b < 8; ++b) CHECK_EQ(direct.links(a, b), 0);
+  }
+  // One GPU without switch links: not an NVSwitch host; its direct links stay.
+  std::vector<int> partial = nvswitch;
+  partial[3] = 0;
+  links.set_links(3, 4, 2);
+  CHECK(classify_gpus(links, all_reachable(8), partial) != TopologyClass::kNvSwitch);
+  CHECK_EQ(direct_links(links, partial).links(3, 4), 2);
+  CHECK_EQ(direct_links(links, partial).links(0, 1), 0);
+  // A DGX-1 stays a DGX-1 whatever the switch counts say; one rank is not a switch host.
+  CHECK_EQ(classify_gpus(LinkMatrix::dgx1(), all_reachable(8), nvswitch), TopologyClass::kDgx1);
+  CHECK_EQ(classify_gpus(LinkMatrix(1), all_reachable(1), {18}), TopologyClass::kFullyConnected);
+  CHECK_THROWS(classify_gpus(links, all_reachable(8), {18}), std::invalid_argument,
+               "1 NVSwitch link counts for 8 ranks");
 }

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,29 @@
 #include "../tensor_helpers.h"
 
 namespace xdev::backend {
+namespace {
+
+// Per-rank counts as one Store value, "c0 c1 ...", and back (no iostreams: see
+// docs/h100_results.md on the statically linked libstdc++).
+std::string counts_to_text(const std::vector<int>& counts) {
+  std::string text;
+  for (int c : counts) text += (text.empty() ? "" : " ") + std::to_string(c);
+  return text;
+}
+
+std::vector<int> counts_from_text(const std::string& text) {
+  std::vector<int> counts;
+  const char* p = text.c_str();
+  char* end = nullptr;
+  for (long v = std::strtol(p, &end, 10); end != p; v = std::strtol(p, &end, 10)) {
+    counts.push_back(static_cast<int>(v));
+    p = end;
+  }
+  return counts;
+}
+
+}  // namespace
+
 namespace {
 
 using transport::check_cuda;
@@ -269,20 +293,27 @@ class CudaCollectivesImpl : public CudaCollectives {
               ? plan::reachable_from_links(info.nvlink)
               : plan::LinkMatrix::from_rows(config.topo_reachable, "XDEV_TOPO_FILE's reachable");
       info.topology_source = "XDEV_TOPO_FILE=" + config.topo_file;
+      for (int64_t c : config.topo_nvswitch) info.nvswitch.push_back(static_cast<int>(c));
+      TORCH_CHECK_VALUE(info.nvswitch.empty() || static_cast<int>(info.nvswitch.size()) == size,
+                        "XDEV_TOPO_FILE=", config.topo_file, " gives ", info.nvswitch.size(),
+                        " NVSwitch link counts but the group has ", size, " ranks");
     } else {
       if (rank == 0) {
         const transport::NvlinkReport report = transport::probe_nvlinks(info.gpus);
         store.set(key + "nvlink", report.links.to_text());
+        store.set(key + "nvswitch", counts_to_text(report.nvswitch));
         store.set(key + "nvlink_source", report.available ? "nvml" : report.note);
       }
       info.nvlink =
           plan::LinkMatrix::from_text(store.get_to_str(key + "nvlink"), "the NVLink matrix");
+      info.nvswitch = counts_from_text(store.get_to_str(key + "nvswitch"));
       info.topology_source = store.get_to_str(key + "nvlink_source");
     }
-    info.topology = plan::classify_gpus(info.nvlink, class_reach);
+    info.topology = plan::classify_gpus(info.nvlink, class_reach, info.nvswitch);
     if (!info.ranks_share_gpu && g_.num_hosts() == 1 && size > 1) {
       info.model =
-          plan::detected_gpu_host("this host's " + std::to_string(size) + " GPUs", info.nvlink, {},
+          plan::detected_gpu_host("this host's " + std::to_string(size) + " GPUs",
+                                  plan::direct_links(info.nvlink, info.nvswitch), info.nvswitch,
                                   info.compute_capability, config.cuda_slot_bytes);
     }
     planner_.emplace(info.nvlink);
