@@ -36,7 +36,10 @@ at::Tensor flat_for_list(const char* what, const std::vector<at::Tensor>& list,
 
 TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group,
                                              c10::intrusive_ptr<c10d::Backend> engine)
-    : group_(group), executor_(*group.host_channel()), engine_(std::move(engine)) {
+    : group_(group),
+      executor_(*group.host_channel()),
+      engine_(engine),
+      check_(group, std::move(engine)) {
   std::vector<int64_t> order;
   for (int h = 0; h < group.num_hosts(); ++h) {
     for (int r = 0; r < group.size(); ++r) {
@@ -152,6 +155,12 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
 void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
                                            const std::vector<at::Tensor>& inputs,
                                            transport::Clock::time_point deadline, uint64_t hash) {
+  transport::OpDescriptor call;
+  call.collective = static_cast<int32_t>(Collective::kAllGather);
+  call.num_tensors = static_cast<int64_t>(inputs.size());
+  for (const at::Tensor& t : inputs) call.total_elems += t.numel() * t.element_size();
+  call.shape_hash = hash;
+  check_.check(call, "two-level all_gather", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   // This rank's blocks, every tensor's bytes one after another: what the engine gathers.
@@ -200,6 +209,14 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
                                                kernels::ReduceOp op,
                                                transport::Clock::time_point deadline,
                                                uint64_t hash) {
+  transport::OpDescriptor call;
+  call.collective = static_cast<int32_t>(Collective::kReduceScatter);
+  call.reduce_op = static_cast<int32_t>(op);
+  call.dtype = static_cast<int32_t>(*native_dtype(inputs[0].scalar_type()));
+  call.num_tensors = static_cast<int64_t>(inputs.size());
+  for (const at::Tensor& t : inputs) call.total_elems += t.numel();
+  call.shape_hash = hash;
+  check_.check(call, "two-level reduce_scatter", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   const int64_t elem_size = inputs[0].element_size();

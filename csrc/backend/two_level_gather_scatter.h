@@ -40,6 +40,7 @@
 #include "../kernels/cpu_reduce.h"
 #include "../plan/gather_scatter_plan.h"
 #include "../transport/gather_scatter_executor.h"
+#include "cross_host_check.h"
 #include "group_context.h"
 
 namespace xdev::backend {
@@ -101,6 +102,7 @@ class TwoLevelGatherScatter {
   GroupContext& group_;
   transport::GatherScatterExecutor executor_;
   c10::intrusive_ptr<c10d::Backend> engine_;
+  CrossHostCheck check_;
   // Group ranks in host-major order; undefined when that is rank order.
   at::Tensor host_major_ranks_;
   std::string what_reduce_scatter_;  // how errors name the step inside the host
