@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deepspeed_shm
+import network_fit
 import torch_xdev
 
 # Which build runs: run from a checkout, `python benchmarks/allreduce.py` imports the installed
@@ -131,6 +132,7 @@ class Config:
     rounds: int = 1
     deepspeed_skipped: Optional[str] = None  # why the DeepSpeed row is left out; None: try it
     hosts: int = 1  # CPU mode: the ranks split over this many hosts (XDEV_HOSTNAME)
+    net_model_path: Optional[str] = None  # --hosts: where the fitted network model goes
 
 
 def parse_size(text: str) -> int:
@@ -414,6 +416,8 @@ def run_rank(rank: int, cfg: Config) -> None:
 
     if rank == 0:
         write_json(cfg, rows, deepspeed_skipped)
+        if cfg.hosts > 1:
+            fit_and_write_network(cfg, rows)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -779,7 +783,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         default=1,
         help="CPU mode: split the ranks over this many hosts as xdev sees them (XDEV_HOSTNAME),"
         " host by host; xdev runs auto (the two-level plan across hosts) next to Gloo, and the"
-        " header gives each plan's traffic per host from the plans (default 1)",
+        " header gives each plan's traffic per host from the plans; after the run the network"
+        " model's latency and per-stream rate are fitted to Gloo's times (default 1)",
+    )
+    parser.add_argument(
+        "--net-model-out",
+        default=None,
+        metavar="PATH",
+        help="--hosts: where the network model fitted to Gloo's times goes, an XDEV_CPU_MODEL"
+        " file; an existing file keeps its other parameters (default"
+        " benchmarks/results/network_model_<N>hosts.json)",
     )
     parser.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
     parser.add_argument("--slot-bytes", type=parse_size, default=None, help="xdev shm_slot_bytes")
@@ -981,6 +994,10 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         rounds=args.rounds,
         deepspeed_skipped=deepspeed_skipped,
         hosts=args.hosts,
+        net_model_path=str(
+            args.net_model_out
+            or Path(__file__).resolve().parent / "results" / f"network_model_{args.hosts}hosts.json"
+        ),
     )
     print(f"# torch-xdev allreduce benchmark  nproc={cfg.nproc}  dtype={cfg.dtype}")
     if cfg.hosts > 1:
@@ -1021,6 +1038,40 @@ def print_traffic(cfg: Config) -> None:
             for name, t in (("two-level", plans["two_level"]), ("gloo ring", plans["flat_ring"]))
         ]
         print(f"#   {format_size(size):>8}: " + ";  ".join(cells))
+
+
+def fit_and_write_network(cfg: Config, rows: list[dict[str, Any]]) -> None:
+    """Fits the network model to Gloo's ring over all ranks across the hosts, prints it next to
+    the defaults and writes it as an XDEV_CPU_MODEL file (benchmarks/network_fit.py)."""
+    gloo = [r for r in rows if r["backend"] == "gloo"]
+    if len(gloo) < 2:
+        print("# network fit: needs at least two sizes")
+        return
+    per_host = cfg.nproc // cfg.hosts
+    sizes = [r["size_bytes"] for r in gloo]
+    seconds = [r["time_us"] * 1e-6 for r in gloo]
+    fit = network_fit.fit_network(cfg.hosts, per_host, sizes, seconds)
+    for line in network_fit.format_fit(fit):
+        print(line)
+    for size, t in zip(sizes, seconds):
+        fitted = network_fit.predict_ring_s(
+            cfg.hosts, per_host, size, fit["net_latency_us"], fit["net_stream_gbps"]
+        )
+        default = network_fit.predict_ring_s(
+            cfg.hosts,
+            per_host,
+            size,
+            network_fit.DEFAULT_LATENCY_US,
+            network_fit.DEFAULT_STREAM_GBPS,
+        )
+        print(
+            f"#   {format_size(size):>8}: Gloo measured {t * 1e6:10.1f} us, fitted model"
+            f" {fitted * 1e6:10.1f} us, default model {default * 1e6:10.1f} us"
+        )
+    assert cfg.net_model_path is not None
+    source = {"benchmark": cfg.json_path, "hosts": cfg.hosts, "ranks_per_host": per_host}
+    network_fit.write_model(Path(cfg.net_model_path), fit, source)
+    print(f"# wrote {cfg.net_model_path} (use it with XDEV_CPU_MODEL={cfg.net_model_path})")
 
 
 def launch(cfg: Config) -> int:

@@ -3,7 +3,7 @@
 Usage::
 
     PYTHONPATH=$PWD python benchmarks/gather_scatter.py --nproc 2 [--sizes 64KiB,16MiB]
-        [--dtype float32] [--rounds 5] [--json out.json]
+        [--dtype float32] [--rounds 5] [--json out.json] [--hosts N]
 
 Every rank runs a Gloo default group and two xdev groups: default options (``xdev``) and
 ``single_copy=True`` (``xdev_sc``: from 256 KiB peers read one tensor in place). ``xdev_heap``
@@ -14,6 +14,15 @@ the variants take turns (interleaved rounds of back-to-back calls, so drift on a
 hits them all); a row gives the median over rounds of the slowest rank's mean time per call. Before timing,
 xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
 all-gather FSDP2 runs: the input is this rank's block of the output.
+
+With ``--hosts N`` the ranks name themselves N fake hosts, host by host (``XDEV_HOSTNAME``), and
+the rows are reduce_scatter and all_gather by Gloo over all ranks, by xdev's ``auto``
+(``xdev(two_level)`` where the model chose the two-level plan, ``xdev(fallback)`` where it left
+the call to Gloo), and by ``xdev_2lvl``: an xdev group whose cost model has a very slow
+network (XDEV_CPU_MODEL with ``net_latency_us`` 1e6, over the user's file if one is set), so
+that it runs the two-level plan at every size, to show what the model weighed against Gloo. The header gives each plan's traffic from the plans' model: what crosses
+hosts per host and from the busiest rank, the sequential steps across hosts, and what goes
+through sockets between ranks of one host (on one machine every "network" byte is loopback).
 
 Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
 input, an all-gather's output: world x the per-rank block); algbw = size / time; busbw = algbw
@@ -27,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -41,6 +51,9 @@ UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
 # all_gather_in_place: the input is this rank's block of the output, as FSDP2 passes it.
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
+# Across fake hosts: the heap and single copy are one host's, and FSDP2's in-place all-gather
+# runs as the plain one there.
+HOSTS_COLLECTIVES = ("reduce_scatter", "all_gather")
 
 
 def parse_size(text: str) -> int:
@@ -127,11 +140,11 @@ def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
         "# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); vs_gloo = Gloo's time / this",
     ]
     columns = (
-        f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>10} {'time':>10}"
+        f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>21} {'time':>10}"
         f" {'algbw':>8} {'busbw':>8} {'vs_gloo':>8}"
     )
     units = (
-        f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>10} {'(us)':>10}"
+        f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>21} {'(us)':>10}"
         f" {'(GB/s)':>8} {'(GB/s)':>8} {'':>8}"
     )
     for collective in dict.fromkeys(r["collective"] for r in rows):
@@ -142,45 +155,150 @@ def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
             redop = "sum" if collective == "reduce_scatter" else "none"
             lines.append(
                 f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>9} {redop:>6}"
-                f" {r['backend']:>10} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
+                f" {r['backend']:>21} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
                 f" {r['busbw_gbps']:>8.3f} {r['vs_gloo']:>8.2f}"
             )
     return lines
 
 
+def one_host_variants(
+    collective: str,
+    count: int,
+    dtype: torch.dtype,
+    rank: int,
+    world: int,
+    groups: dict[str, Any],
+) -> dict[str, Callable[[], None]]:
+    """Gloo, xdev, xdev with single copy and xdev on heap tensors, after checking each."""
+    xdev, xdev_sc = groups["xdev"], groups["xdev_sc"]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    full = torch.randn(count).to(dtype)
+    block = torch.empty(count // world, dtype=dtype)
+    if collective == "all_gather_in_place":
+        block = full.narrow(0, rank * (count // world), count // world)
+    for group in (xdev, xdev_sc):
+        check(collective, count * esize, dtype, group, rank, world)
+    check(collective, count * esize, dtype, xdev, rank, world, heap=True)
+    heap_full, heap_block = make_tensors(collective, count, dtype, rank, world, xdev)
+    heap_full.copy_(full)
+    if collective != "all_gather_in_place":
+        heap_block.copy_(block)
+    return {
+        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
+        for name, f, b, group in (
+            ("gloo", full, block, None),
+            ("xdev", full, block, xdev),
+            ("xdev_sc", full, block, xdev_sc),
+            ("xdev_heap", heap_full, heap_block, xdev),
+        )
+    }
+
+
+def hosts_variants(
+    collective: str,
+    count: int,
+    dtype: torch.dtype,
+    rank: int,
+    world: int,
+    groups: dict[str, Any],
+) -> dict[str, Callable[[], None]]:
+    """Gloo over all ranks and xdev's auto across the fake hosts, after checking xdev."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    for name in ("xdev", "xdev_2lvl"):
+        check(collective, count * esize, dtype, groups[name], rank, world)
+    full = torch.randn(count).to(dtype)
+    block = torch.empty(count // world, dtype=dtype)
+    return {
+        name: (lambda b=b, g=group: run_op(collective, full, b, g))
+        for name, b, group in (
+            ("gloo", block, None),
+            ("xdev", block.clone(), groups["xdev"]),
+            ("xdev_2lvl", block.clone(), groups["xdev_2lvl"]),
+        )
+    }
+
+
+def two_level_group(rank: int) -> Any:
+    """An xdev group whose network model is so slow that it runs two levels at every size."""
+    user = os.environ.get("XDEV_CPU_MODEL")
+    params = json.loads(Path(user).read_text()).get("params", {}) if user else {}
+    path = Path(tempfile.gettempdir()) / f"xdev_slow_network_{os.getpid()}_{rank}.json"
+    path.write_text(json.dumps({"params": {**params, "net_latency_us": 1e6}}))
+    os.environ["XDEV_CPU_MODEL"] = str(path)
+    try:
+        return dist.new_group(backend="xdev")  # reads XDEV_CPU_MODEL now
+    finally:
+        if user is None:
+            del os.environ["XDEV_CPU_MODEL"]
+        else:
+            os.environ["XDEV_CPU_MODEL"] = user
+        path.unlink()
+
+
+def traffic_rows(hosts: int, world: int, sizes: list[int], esize: int) -> list[dict[str, Any]]:
+    """Each plan's traffic per collective and size, from the plans' model."""
+    per_host = world // hosts
+    rows = []
+    for collective in HOSTS_COLLECTIVES:
+        for size in sizes:
+            nbytes = size // esize // world * world * esize
+            plans = torch_xdev._C.plan.across_hosts_traffic(hosts, per_host, nbytes, collective)
+            for plan, t in plans.items():
+                streams = max(1, t["inter_host_streams"])
+                rows.append(
+                    {
+                        "collective": collective,
+                        "size_bytes": nbytes,
+                        "plan": plan,
+                        **t,
+                        # Each stream leaving a host is one rank's: its share is the busiest's.
+                        "inter_host_bytes_per_rank": t["inter_host_bytes"] / streams,
+                    }
+                )
+    return rows
+
+
+def format_traffic(traffic: list[dict[str, Any]], hosts: int, world: int) -> list[str]:
+    if not traffic:
+        return []
+    lines = [
+        f"# {hosts} hosts x {world // hosts} ranks (XDEV_HOSTNAME), from the plans' model, per"
+        " collective of `size` bytes: MB sent to other hosts per host / by the busiest rank,"
+        " sequential steps across hosts, streams leaving a host at once, MB between ranks of"
+        " one host through sockets",
+    ]
+    for t in traffic:
+        lines.append(
+            f"#   {t['collective']:>14} {t['size_bytes']:>10} B {t['plan']:>9}:"
+            f" {t['inter_host_bytes'] / 1e6:8.3f} / {t['inter_host_bytes_per_rank'] / 1e6:8.3f} MB,"
+            f" {t['inter_host_steps']} steps, {t['inter_host_streams']} streams,"
+            f" {t['intra_host_socket_bytes'] / 1e6:8.3f} MB"
+        )
+    return lines
+
+
 def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.hosts > 1:  # host-contiguous: ranks 0..L-1 on the first host, and so on
+        os.environ["XDEV_HOSTNAME"] = f"fake-host-{rank // (world // args.hosts)}"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    xdev = dist.new_group(backend="xdev")
-    # Single copy (off by default): peers read one large tensor in place from 256 KiB.
-    xdev_sc = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(single_copy=True))
+    groups = {"xdev": dist.new_group(backend="xdev")}
+    if args.hosts > 1:
+        groups["xdev_2lvl"] = two_level_group(rank)
+    else:
+        # Single copy (off by default): peers read one large tensor in place from 256 KiB.
+        groups["xdev_sc"] = dist.new_group(
+            backend="xdev", pg_options=torch_xdev.Options(single_copy=True)
+        )
     dtype = getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
-    for collective in COLLECTIVES:
+    for collective in HOSTS_COLLECTIVES if args.hosts > 1 else COLLECTIVES:
         for size in args.sizes:
             count = size // esize // world * world
-            full = torch.randn(count).to(dtype)
-            block = torch.empty(count // world, dtype=dtype)
-            if collective == "all_gather_in_place":
-                block = full.narrow(0, rank * (count // world), count // world)
-            for group in (xdev, xdev_sc):
-                check(collective, count * esize, dtype, group, rank, world)
-            check(collective, count * esize, dtype, xdev, rank, world, heap=True)
-            heap_full, heap_block = make_tensors(collective, count, dtype, rank, world, xdev)
-            heap_full.copy_(full)
-            if collective != "all_gather_in_place":
-                heap_block.copy_(block)
-            fns = {
-                name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
-                for name, f, b, group in (
-                    ("gloo", full, block, None),
-                    ("xdev", full, block, xdev),
-                    ("xdev_sc", full, block, xdev_sc),
-                    ("xdev_heap", heap_full, heap_block, xdev),
-                )
-            }
+            variants = hosts_variants if args.hosts > 1 else one_host_variants
+            fns = variants(collective, count, dtype, rank, world, groups)
             iters = {}
             for name, fn in fns.items():
                 fn()  # warm up
@@ -193,18 +311,24 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             for name in fns:
                 seconds = statistics.median(times[name])
                 algbw = count * esize / seconds / 1e9
+                label, picked = name, None
+                if args.hosts > 1 and name != "gloo":
+                    # What the group ran (its last call was one of the timed ones) and why.
+                    picked = torch_xdev.describe(groups[name])["last_gather_scatter"]
+                    label = f"{name}({picked[1]})"
                 rows.append(
                     {
                         "collective": collective,
                         "size_bytes": count * esize,
                         "count": count,
                         "dtype": args.dtype,
-                        "backend": name,
+                        "backend": label,
                         "iters": iters[name],
                         "rounds": args.rounds,
                         "time_us": seconds * 1e6,
                         "algbw_gbps": algbw,
                         "busbw_gbps": algbw * (world - 1) / world,
+                        "reason": picked[2] if picked is not None else None,
                     }
                 )
     if rank == 0:
@@ -213,10 +337,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         }
         for r in rows:
             r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
-        for line in format_table(rows, world):
+        lines = format_table(rows, world)
+        traffic = traffic_rows(args.hosts, world, args.sizes, esize) if args.hosts > 1 else []
+        for line in lines[:4] + format_traffic(traffic, args.hosts, world) + lines[4:]:
             print(line)
         if args.json:
-            Path(args.json).write_text(json.dumps({"world": world, "rows": rows}, indent=2))
+            result = {"world": world, "hosts": args.hosts, "rows": rows, "traffic": traffic}
+            Path(args.json).write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()
 
 
@@ -227,7 +354,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="split the ranks over this many fake hosts (XDEV_HOSTNAME), host by host: Gloo"
+        " over all ranks against xdev's auto (two levels where the model picks them)",
+    )
     args = parser.parse_args(argv)
+    if args.hosts < 1 or args.nproc % args.hosts:
+        parser.error("--hosts must divide --nproc")
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     import socket
 

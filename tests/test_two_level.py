@@ -4,7 +4,8 @@ XDEV_HOSTNAME gives each rank a host name, so one box holds "hosts" of several r
 grids compare every result with an independent reference computed in the test
 (collective_cases.reference) and check that every rank of every host holds the same bits
 (checksums compared through a Gloo all_gather). Hosts with different numbers of ranks take
-the engine's flat allreduce and say why; a killed rank fails every other rank's call.
+the engine's flat allreduce and say why; a killed rank fails every other rank's call, and
+calls whose shapes differ between hosts fail every rank with a message naming them.
 """
 
 from __future__ import annotations
@@ -197,6 +198,61 @@ def test_ddp_across_two_hosts_matches_gloo() -> None:
 
 
 TIMEOUT_S = 20.0
+
+
+def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
+    """Calls whose shapes differ between hosts fail on every rank, naming the problem."""
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    messages = []
+    start = time.monotonic()
+    # Rank 3 alone passes another size: its host's channel sees it, the other host's does not.
+    t = torch.ones(1000 + (rank == 3))
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(t)
+    messages.append(str(info.value))
+    # Both ranks of host 1 agree with each other, not with host 0: only the engine's side sees it.
+    t = torch.ones(1000 + 7 * (rank >= 2))
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(t)
+    messages.append(str(info.value))
+    # An all-gather, whose first step is the engine's, and a broadcast.
+    block = 64 + (rank == 1)
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_gather_into_tensor(torch.empty(world * block), torch.ones(block))
+    messages.append(str(info.value))
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.broadcast(torch.ones(50 if rank < 2 else 60), src=0)
+    messages.append(str(info.value))
+    # Every rank stopped with an error, none waited for the timeout, and the group goes on.
+    assert time.monotonic() - start < TIMEOUT_S / 2
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    assert "two-level" in torch_xdev.describe()["last_allreduce"][1]
+    dist.destroy_process_group()
+    return messages
+
+
+def test_mismatch_across_hosts_fails_every_rank(tmp_path: Path) -> None:
+    model = tmp_path / "model.json"  # two levels at every size
+    model.write_text(json.dumps({"params": {"net_latency_us": 5000.0}}))
+    env = [{**e, "XDEV_CPU_MODEL": str(model)} for e in _hosts_env([2, 2])]
+    results = run_ranks(_mismatched_across_hosts, 4, per_rank_env=env, timeout=180)
+    for rank, messages in enumerate(results):
+        for call, message in zip(("allreduce", "allreduce", "all_gather", "broadcast"), messages):
+            assert "mismatched collectives" in message, (rank, call, message)
+            assert "timed out" not in message, (rank, call, message)
+        # Local index 1 (ranks 1 and 3) exchanged the differing calls: their message names
+        # both hosts' calls; ranks 0 and 2 learn of it through their host's check.
+        first = messages[0]
+        if rank in (1, 3):
+            assert "on different hosts" in first and "1001 element(s)" in first, first
+        else:
+            assert "differs from a rank's on another host" in first, first
+        # Host 1 as a whole differs from host 0: every rank's group saw both calls.
+        assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
 
 
 def _killed_on_one_host(rank: int, world: int, victim: int) -> str:

@@ -6,7 +6,9 @@ each result must equal, bit for bit, a reference the test computes from every ra
 and so hold the same bits on every rank. One layout numbers its ranks host by host, as
 torchrun does; the other interleaves the hosts (rank r on host r % 3), which the plan must
 place through its host-major copy. Broadcasts from roots on different hosts run in two levels
-too. Hosts of different sizes go to the engine and say why.
+too. The list forms (all_gather into a list, reduce_scatter from one, all_gather_coalesced)
+run as one flat copy of the tensor forms; uneven list sizes go to the engine and say why.
+Hosts of different sizes go to the engine and say why.
 Last, two torchrun launchers on this machine, one per fake host, train the DDP example.
 """
 
@@ -79,6 +81,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     for k, o in enumerate(outs):
         assert torch.equal(o, torch.cat([ins[r][k] for r in range(world)])), (layout, k)
     paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    _list_forms(rank, world, group, gathers, paths)
     # Broadcast from a root on each host, of two tensors of two dtypes (one strided).
     for root in (0, world - 1):
         a = torch.arange(1000, dtype=torch.float64) * (root + 1)
@@ -96,6 +99,62 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     dist.destroy_process_group(group)
     dist.destroy_process_group()
     return {"paths": sorted(paths), "reason": reason}
+
+
+def _list_forms(
+    rank: int, world: int, group: Any, gathers: list[torch.Tensor], paths: set[str]
+) -> None:
+    """all_gather into a list, reduce_scatter from one, all_gather_coalesced: equal sizes run
+    as one flat copy of the two-level tensor form; uneven ones go to the engine and say why."""
+    for d, dtype in enumerate(DTYPES):
+        # A 3 x 37 block per rank; the outputs are transposed views, written back in place.
+        blocks = [_input(700 + d, r, 111, dtype).view(3, 37) for r in range(world)]
+        outs = [torch.full((37, 3), 7, dtype=dtype).t() for _ in range(world)]
+        dist.all_gather(outs, blocks[rank], group=group)
+        for r in range(world):
+            assert torch.equal(outs[r], blocks[r]), (dtype, r)
+        gathers.append(torch.cat([o.flatten() for o in outs]).to(torch.float64))
+        paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+        ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
+        for op in ops:
+            # Rank r's list: one piece of 1531 elements per rank (many 4 KiB slots).
+            pieces = [
+                [_input(800 + d + j, r, 1531, dtype) for j in range(world)] for r in range(world)
+            ]
+            got = torch.full((1531,), 7, dtype=dtype)
+            dist.reduce_scatter(got, pieces[rank], op=op, group=group)
+            expected = _reduce_reference([pieces[r][rank] for r in range(world)], op, world)
+            assert torch.equal(got, expected), (dtype, op)
+            paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    # all_gather_coalesced (one dtype, torch asks): outputs[r][i] = rank r's input i.
+    shapes = [(5,), (20, 15)]
+    ins = [
+        [
+            _input(950 + i, r, 5 if i == 0 else 300, torch.int64).view(s)
+            for i, s in enumerate(shapes)
+        ]
+        for r in range(world)
+    ]
+    coalesced = [[torch.empty_like(t) for t in ins[rank]] for _ in range(world)]
+    dist.all_gather_coalesced(coalesced, ins[rank], group=group)
+    for r in range(world):
+        for i in range(len(shapes)):
+            assert torch.equal(coalesced[r][i], ins[r][i]), (r, i)
+    paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    # Uneven sizes (rank j's entry holds j + 1 elements): the engine's, with the reason.
+    sizes = [j + 1 for j in range(world)]
+    uneven = [torch.full((n,), -1, dtype=torch.int32) for n in sizes]
+    mine = torch.arange(sizes[rank], dtype=torch.int32) + 10 * rank
+    try:
+        dist.all_gather(uneven, mine, group=group)
+    except (RuntimeError, ValueError):
+        pass  # the engine's own limits; the choice and its reason are what this checks
+    else:
+        for j, n in enumerate(sizes):
+            assert torch.equal(uneven[j], torch.arange(n, dtype=torch.int32) + 10 * j), j
+    name, path, reason = torch_xdev.describe(group)["last_gather_scatter"]
+    assert (name, path) == ("all_gather", "fallback"), (name, path, reason)
+    assert "uneven list sizes" in reason, reason
 
 
 def _slow_network_model(tmp_path: Path) -> str:

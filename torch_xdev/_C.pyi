@@ -122,8 +122,10 @@ class plan:
 
     @staticmethod
     def across_hosts_traffic(
-        num_hosts: int, ranks_per_host: int, nbytes: int
-    ) -> dict[str, plan.Traffic]: ...  # keys "two_level" and "flat_ring"
+        num_hosts: int, ranks_per_host: int, nbytes: int, collective: str = "allreduce"
+    ) -> dict[
+        str, plan.Traffic
+    ]: ...  # keys "two_level" and "flat_ring"; or all_gather/reduce_scatter
     @staticmethod
     def builtin_machine(name: str) -> plan.MachineModel: ...
     @staticmethod

@@ -16,26 +16,6 @@ std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vect
   return all;
 }
 
-// Each rank's block size in a list form (one tensor per rank), after checking
-// that the list has one tensor per rank, of one dtype with `mine`, and that
-// this rank's entry has the size of `mine`.
-std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
-                                const at::Tensor& mine, int world, int rank) {
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world, "xdev ", what,
-                    ": a list needs one tensor per rank (", world, "); got ", list.size());
-  std::vector<int64_t> sizes;
-  for (const at::Tensor& t : list) {
-    TORCH_CHECK_VALUE(t.scalar_type() == mine.scalar_type(), "xdev ", what,
-                      ": every tensor must have one dtype; got ", t.scalar_type(), " and ",
-                      mine.scalar_type());
-    sizes.push_back(t.numel());
-  }
-  TORCH_CHECK_VALUE(sizes[static_cast<size_t>(rank)] == mine.numel(), "xdev ", what,
-                    ": this rank's entry of the list has ", sizes[static_cast<size_t>(rank)],
-                    " element(s), its own tensor ", mine.numel());
-  return sizes;
-}
-
 int64_t sum(const std::vector<int64_t>& v) {
   int64_t total = 0;
   for (int64_t x : v) total += x;

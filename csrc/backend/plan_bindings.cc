@@ -257,12 +257,25 @@ void bind_plan(py::module_& parent) {
 
   m.def(
       "across_hosts_traffic",
-      [](int num_hosts, int ranks_per_host, int64_t nbytes) {
+      [](int num_hosts, int ranks_per_host, int64_t nbytes, const std::string& collective) {
         const plan::HostLayout layout{num_hosts, ranks_per_host};
+        plan::Traffic two_level;
+        plan::Traffic flat_ring;
+        if (collective == "allreduce") {
+          two_level = plan::two_level_traffic(layout, nbytes);
+          flat_ring = plan::flat_ring_traffic(layout, nbytes);
+        } else if (collective == "all_gather" || collective == "reduce_scatter") {
+          two_level = plan::two_level_gather_scatter_traffic(layout, nbytes);
+          flat_ring = plan::flat_ring_gather_scatter_traffic(layout, nbytes);
+        } else {
+          throw py::value_error(
+              "across_hosts_traffic: collective is 'allreduce', 'all_gather' "
+              "or 'reduce_scatter'; got '" +
+              collective + "'");
+        }
         py::dict d;
         for (const auto& [name, t] :
-             {std::pair{"two_level", plan::two_level_traffic(layout, nbytes)},
-              std::pair{"flat_ring", plan::flat_ring_traffic(layout, nbytes)}}) {
+             {std::pair{"two_level", two_level}, std::pair{"flat_ring", flat_ring}}) {
           py::dict row;
           row["inter_host_bytes"] = t.inter_host_bytes;
           row["inter_host_steps"] = t.inter_host_steps;
@@ -273,9 +286,11 @@ void bind_plan(py::module_& parent) {
         return d;
       },
       py::arg("num_hosts"), py::arg("ranks_per_host"), py::arg("nbytes"),
-      "Per host, for an allreduce of nbytes: bytes sent to other hosts, sequential steps that "
-      "cross hosts, streams leaving the host at once, and bytes between ranks of one host "
-      "through sockets; for the two-level plan ('two_level') and the engine's ring over all "
+      py::arg("collective") = "allreduce",
+      "Per host, for a collective of nbytes (an allreduce's payload; the full tensor of an "
+      "all-gather or reduce-scatter, every rank's block): bytes sent to other hosts, sequential "
+      "steps that cross hosts, streams leaving the host at once, and bytes between ranks of one "
+      "host through sockets; for the two-level plan ('two_level') and the engine's ring over all "
       "ranks ('flat_ring').");
 }
 

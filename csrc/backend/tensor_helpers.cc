@@ -92,4 +92,21 @@ void check_pairs(const char* what, const std::vector<at::Tensor>& full,
   }
 }
 
+std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
+                                const at::Tensor& mine, int world, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world, "xdev ", what,
+                    ": a list needs one tensor per rank (", world, "); got ", list.size());
+  std::vector<int64_t> sizes;
+  for (const at::Tensor& t : list) {
+    TORCH_CHECK_VALUE(t.scalar_type() == mine.scalar_type(), "xdev ", what,
+                      ": every tensor must have one dtype; got ", t.scalar_type(), " and ",
+                      mine.scalar_type());
+    sizes.push_back(t.numel());
+  }
+  TORCH_CHECK_VALUE(sizes[static_cast<size_t>(rank)] == mine.numel(), "xdev ", what,
+                    ": this rank's entry of the list has ", sizes[static_cast<size_t>(rank)],
+                    " element(s), its own tensor ", mine.numel());
+  return sizes;
+}
+
 }  // namespace xdev::backend

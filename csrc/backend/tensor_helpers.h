@@ -34,4 +34,10 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                  const std::vector<at::Tensor>& block, int world);
 
+// Each rank's block size in a list form (one tensor per rank), after checking
+// that the list has one tensor per rank, of one dtype with `mine`, and that
+// this rank's entry has the size of `mine` (ValueError naming `what` otherwise).
+std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
+                                const at::Tensor& mine, int world, int rank);
+
 }  // namespace xdev::backend

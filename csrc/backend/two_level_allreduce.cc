@@ -51,7 +51,8 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10
       host_model_(cpu_host_model(group.config(), group.local_world_size())),
       network_(network_model(group.config())),
       executor_(*group.host_channel()),
-      engine_(std::move(engine)) {
+      engine_(engine),
+      check_(group, std::move(engine)) {
   // Errors of the host's channel number its ranks locally: say which group ranks they are.
   std::string ranks;
   for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
@@ -70,8 +71,16 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
   return group_.enqueue(
       c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
       [this, tensors, op, timeout] {
+        const auto deadline = group_.deadline_for(timeout);
+        transport::OpDescriptor call;
+        call.collective = static_cast<int32_t>(Collective::kAllreduce);
+        call.reduce_op = static_cast<int32_t>(op);
+        call.dtype = static_cast<int32_t>(*native_dtype(tensors[0].scalar_type()));
+        call.num_tensors = static_cast<int64_t>(tensors.size());
+        for (const at::Tensor& t : tensors) call.total_elems += t.numel();
+        call.shape_hash = shape_hash(tensors);
         if (tensors.size() == 1 && tensors[0].is_contiguous()) {
-          run(tensors[0].view({-1}), op, timeout);
+          run(tensors[0].view({-1}), op, call, deadline);
           return;
         }
         // Several tensors (allreduce_coalesced) or a strided one: one flat
@@ -79,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         std::vector<at::Tensor> flat_views;
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
-        run(flat, op, timeout);
+        run(flat, op, call, deadline);
         int64_t start = 0;
         for (const at::Tensor& t : tensors) {
           t.copy_(flat.narrow(0, start, t.numel()).view(t.sizes()));
@@ -90,8 +99,9 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
 }
 
 void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
-                            std::chrono::milliseconds timeout) {
-  const auto deadline = group_.deadline_for(timeout);
+                            const transport::OpDescriptor& call,
+                            transport::Clock::time_point deadline) {
+  check_.check(call, "two-level allreduce", deadline);
   const int local_rank = group_.local_rank();
   const std::vector<int64_t> sizes = slice_sizes(flat.numel(), group_.local_world_size());
   const at::Tensor slice = at::empty({sizes[static_cast<size_t>(local_rank)]}, flat.options());

@@ -21,6 +21,7 @@
 #include "../plan/cost_model.h"
 #include "../plan/two_level.h"
 #include "../transport/gather_scatter_executor.h"
+#include "cross_host_check.h"
 #include "group_context.h"
 
 namespace xdev::backend {
@@ -51,11 +52,16 @@ class TwoLevelAllreduce {
                                            std::chrono::milliseconds timeout, bool async_op);
 
   // Drops the engine (its destructor joins its threads).
-  void shutdown() { engine_.reset(); }
+  void shutdown() {
+    engine_.reset();
+    check_.shutdown();
+  }
 
  private:
-  // On the op thread: `flat` is contiguous and holds the whole payload.
-  void run(const at::Tensor& flat, kernels::ReduceOp op, std::chrono::milliseconds timeout);
+  // On the op thread: `flat` is contiguous and holds the whole payload;
+  // `call` describes the call for the check across hosts.
+  void run(const at::Tensor& flat, kernels::ReduceOp op, const transport::OpDescriptor& call,
+           transport::Clock::time_point deadline);
   // One half over the host channel: reduce-scatter `flat` into `slice`
   // (this local rank's), or all-gather the slices back into `flat`.
   void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
@@ -66,6 +72,7 @@ class TwoLevelAllreduce {
   plan::NetworkParams network_;
   transport::GatherScatterExecutor executor_;
   c10::intrusive_ptr<c10d::Backend> engine_;
+  CrossHostCheck check_;
   std::string what_reduce_scatter_;  // how errors name each half
   std::string what_all_gather_;
 };

@@ -9,7 +9,10 @@
 namespace xdev::backend {
 
 TwoLevelBroadcast::TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
-    : group_(group), executor_(*group.host_channel()), engine_(std::move(engine)) {
+    : group_(group),
+      executor_(*group.host_channel()),
+      engine_(engine),
+      check_(group, std::move(engine)) {
   std::string ranks;
   for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   what_ = "two-level broadcast (inside host '" + group.config().hostname +
@@ -40,6 +43,15 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           bytes.push_back(t.view({-1}).view(at::kByte));
         }
         const plan::FlatLayout layout(byte_counts);
+        // Every rank checks, not only those whose engine broadcasts: a
+        // refusing rank's host peers must learn of it (cross_host_check.h).
+        transport::OpDescriptor call;
+        call.collective = static_cast<int32_t>(Collective::kBroadcast);
+        call.root = root;
+        call.num_tensors = static_cast<int64_t>(flat.size());
+        call.total_elems = layout.total();
+        call.shape_hash = shape_hash(tensors);
+        check_.check(call, "two-level broadcast", deadline);
         if (group_.local_rank() == root_local && layout.total() > 0) {
           // One tensor of bytes for the engine, whatever the call's tensors and dtypes.
           std::vector<at::Tensor> payload{bytes.size() == 1 ? bytes[0] : at::cat(bytes)};

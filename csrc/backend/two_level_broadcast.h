@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../transport/shm_executor.h"
+#include "cross_host_check.h"
 #include "group_context.h"
 
 namespace xdev::backend {
@@ -37,6 +38,7 @@ class TwoLevelBroadcast {
   GroupContext& group_;
   transport::ShmExecutor executor_;
   c10::intrusive_ptr<c10d::Backend> engine_;
+  CrossHostCheck check_;
   std::string what_;  // how errors name the step inside the host
 };
 

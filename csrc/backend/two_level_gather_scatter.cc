@@ -20,11 +20,26 @@ char* ptr(const at::Tensor& t) {
   return static_cast<char*>(t.data_ptr());
 }
 
+// Checks a list form's list (one tensor per rank, of one dtype and every one
+// the size of `mine`) and returns a flat tensor for all of it, world blocks.
+at::Tensor flat_for_list(const char* what, const std::vector<at::Tensor>& list,
+                         const at::Tensor& mine, int world, int rank) {
+  for (int64_t n : list_sizes(what, list, mine, world, rank)) {
+    TORCH_CHECK_VALUE(n == mine.numel(), "xdev ", what,
+                      ": across hosts every entry of a list must have this rank's size (",
+                      mine.numel(), " element(s)); got ", n);
+  }
+  return at::empty({world * mine.numel()}, mine.options());
+}
+
 }  // namespace
 
 TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group,
                                              c10::intrusive_ptr<c10d::Backend> engine)
-    : group_(group), executor_(*group.host_channel()), engine_(std::move(engine)) {
+    : group_(group),
+      executor_(*group.host_channel()),
+      engine_(engine),
+      check_(group, std::move(engine)) {
   std::vector<int64_t> order;
   for (int h = 0; h < group.num_hosts(); ++h) {
     for (int r = 0; r < group.size(); ++r) {
@@ -79,9 +94,73 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
       async_op);
 }
 
+c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
+    std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
+    std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
+                    " output list(s) for ", inputs.size(), " input(s)");
+  std::vector<at::Tensor> full;
+  std::vector<at::Tensor> work_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    full.push_back(
+        flat_for_list("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
+    work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
+  }
+  return group_.enqueue(
+      type, "xdev:all_gather", work_outputs,
+      [this, outputs, inputs, full, timeout] {
+        const std::vector<at::Tensor> in = contiguous(inputs);
+        std::vector<at::Tensor> all = full;
+        all.insert(all.end(), in.begin(), in.end());
+        run_all_gather(full, in, group_.deadline_for(timeout), shape_hash(all));
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          int64_t start = 0;
+          for (const at::Tensor& out : outputs[i]) {
+            out.copy_(full[i].narrow(0, start, out.numel()).view(out.sizes()));
+            start += out.numel();
+          }
+        }
+      },
+      async_op);
+}
+
+c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
+    std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
+    kernels::ReduceOp op, std::chrono::milliseconds timeout, bool async_op) {
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
+                    " input list(s) for ", outputs.size(), " output(s)");
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    full.push_back(
+        flat_for_list("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
+  }
+  return group_.enqueue(
+      c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
+      [this, outputs, inputs, full, op, timeout] {
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          std::vector<at::Tensor> pieces;  // rank j's piece, flattened, in rank order
+          for (const at::Tensor& t : inputs[i]) pieces.push_back(t.reshape({-1}));
+          at::Tensor dst = full[i];  // a handle: the lambda's copy is const
+          at::cat_out(dst, pieces);
+        }
+        const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> all = out;
+        all.insert(all.end(), full.begin(), full.end());
+        run_reduce_scatter(out, full, op, group_.deadline_for(timeout), shape_hash(all));
+        copy_back(out, outputs);
+      },
+      async_op);
+}
+
 void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
                                            const std::vector<at::Tensor>& inputs,
                                            transport::Clock::time_point deadline, uint64_t hash) {
+  transport::OpDescriptor call;
+  call.collective = static_cast<int32_t>(Collective::kAllGather);
+  call.num_tensors = static_cast<int64_t>(inputs.size());
+  for (const at::Tensor& t : inputs) call.total_elems += t.numel() * t.element_size();
+  call.shape_hash = hash;
+  check_.check(call, "two-level all_gather", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   // This rank's blocks, every tensor's bytes one after another: what the engine gathers.
@@ -130,6 +209,14 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
                                                kernels::ReduceOp op,
                                                transport::Clock::time_point deadline,
                                                uint64_t hash) {
+  transport::OpDescriptor call;
+  call.collective = static_cast<int32_t>(Collective::kReduceScatter);
+  call.reduce_op = static_cast<int32_t>(op);
+  call.dtype = static_cast<int32_t>(*native_dtype(inputs[0].scalar_type()));
+  call.num_tensors = static_cast<int64_t>(inputs.size());
+  for (const at::Tensor& t : inputs) call.total_elems += t.numel();
+  call.shape_hash = hash;
+  check_.check(call, "two-level reduce_scatter", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   const int64_t elem_size = inputs[0].element_size();

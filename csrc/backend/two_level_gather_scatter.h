@@ -40,6 +40,7 @@
 #include "../kernels/cpu_reduce.h"
 #include "../plan/gather_scatter_plan.h"
 #include "../transport/gather_scatter_executor.h"
+#include "cross_host_check.h"
 #include "group_context.h"
 
 namespace xdev::backend {
@@ -62,6 +63,21 @@ class TwoLevelGatherScatter {
                                                 std::vector<at::Tensor> inputs,
                                                 kernels::ReduceOp op, c10d::OpType type,
                                                 std::chrono::milliseconds timeout, bool async_op);
+
+  // The list forms, one tensor per rank in each list, every entry the size of
+  // this rank's (uneven lists go to the engine; the backend sends them there):
+  // outputs[i][r] = rank r's inputs[i] (all_gather, allgather_coalesced), and
+  // outputs[i] = op over ranks of inputs[i][rank] (reduce_scatter). Each list
+  // is one flat copy of the tensor form, in before a reduce-scatter, out after
+  // an all-gather.
+  c10::intrusive_ptr<c10d::Work> all_gather_list(std::vector<std::vector<at::Tensor>> outputs,
+                                                 std::vector<at::Tensor> inputs, c10d::OpType type,
+                                                 std::chrono::milliseconds timeout, bool async_op);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_list(std::vector<at::Tensor> outputs,
+                                                     std::vector<std::vector<at::Tensor>> inputs,
+                                                     kernels::ReduceOp op,
+                                                     std::chrono::milliseconds timeout,
+                                                     bool async_op);
 
  private:
   // On the op thread; outputs and inputs are contiguous.
@@ -86,6 +102,7 @@ class TwoLevelGatherScatter {
   GroupContext& group_;
   transport::GatherScatterExecutor executor_;
   c10::intrusive_ptr<c10d::Backend> engine_;
+  CrossHostCheck check_;
   // Group ranks in host-major order; undefined when that is rank order.
   at::Tensor host_major_ranks_;
   std::string what_reduce_scatter_;  // how errors name the step inside the host

@@ -222,10 +222,18 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                          std::move(shared));
 }
 
+const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
+  if (!uneven) return nullptr;
+  // Across hosts every rank's block must be one size: the engine gathers
+  // blocks of one size among the ranks of a local index.
+  if (group_.num_hosts() > 1) return "uneven list sizes (the two-level form needs one size)";
+  return num_lists > 1 ? "uneven sizes in several lists" : nullptr;
+}
+
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
     const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
-    const char* shape_refusal, bool tensor_form) {
+    const char* shape_refusal) {
   plan::GatherScatterInput in;
   in.requested = group_.requested();
   in.world_size = size_;
@@ -257,8 +265,8 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   }
   in.two_level_note = two_level_note_;
   if (two_level_gather_scatter_ != nullptr) {
-    in.two_level_available = tensor_form;
-    in.two_level_note = tensor_form ? "" : "the list forms go to the engine";
+    in.two_level_available = true;
+    in.two_level_note.clear();
     // The engine has no AVG: a division after its SUM, for floating dtypes only.
     for (const at::Tensor& t : full_tensors) {
       if (op != nullptr && t.scalar_type() != full_tensors[0].scalar_type()) {
@@ -360,27 +368,31 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  const char* uneven = nullptr;
   std::vector<at::Tensor> all = inputs;
+  std::vector<at::Tensor> full;  // every output: what the call moves
+  bool uneven = false;
   for (size_t i = 0; i < outputs.size(); ++i) {
     for (const at::Tensor& t : outputs[i]) {
       all.push_back(t);
-      if (outputs.size() > 1 && i < inputs.size() && t.numel() != inputs[i].numel()) {
-        uneven = "uneven sizes in several lists";
-      }
+      full.push_back(t);
+      uneven = uneven || (i < inputs.size() && t.numel() != inputs[i].numel());
     }
   }
-  if (select_gather_scatter("all_gather", all, {}, nullptr, uneven).path ==
-      plan::GatherScatterPath::kFallback) {
+  const auto sel =
+      select_gather_scatter("all_gather", all, full, nullptr, list_refusal(uneven, outputs.size()));
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather_list(outputs, inputs, c10d::OpType::ALLGATHER,
+                                                      opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather_list(outputs, inputs, opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  const auto sel =
-      select_gather_scatter("all_gather", {output, input}, {output}, nullptr, nullptr, true);
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_allgather_base(output, input, opts);
   }
@@ -418,8 +430,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
       full.push_back(out);
     }
   }
-  if (select_gather_scatter("all_gather_coalesced", all, full, nullptr).path ==
-      plan::GatherScatterPath::kFallback) {
+  const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather_coalesced(outputs, inputs, opts);
   }
   // The list form with one list per input (lists[i][r] = outputs[r][i]): one
@@ -427,6 +439,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   std::vector<std::vector<at::Tensor>> lists(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (const std::vector<at::Tensor>& per_rank : outputs) lists[i].push_back(per_rank[i]);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather_list(
+        std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
 }
@@ -436,7 +452,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr, nullptr, true);
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
@@ -463,19 +479,24 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  const char* uneven = nullptr;
   std::vector<at::Tensor> all = outputs;
+  std::vector<at::Tensor> full;  // every input: what the call moves
+  bool uneven = false;
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (const at::Tensor& t : inputs[i]) {
       all.push_back(t);
-      if (inputs.size() > 1 && i < outputs.size() && t.numel() != outputs[i].numel()) {
-        uneven = "uneven sizes in several lists";
-      }
+      full.push_back(t);
+      uneven = uneven || (i < outputs.size() && t.numel() != outputs[i].numel());
     }
   }
-  if (select_gather_scatter("reduce_scatter", all, {}, &opts.reduceOp, uneven).path ==
-      plan::GatherScatterPath::kFallback) {
+  const auto sel = select_gather_scatter("reduce_scatter", all, full, &opts.reduceOp,
+                                         list_refusal(uneven, inputs.size()));
+  if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter_list(
+        outputs, inputs, *native_op(opts.reduceOp), opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
                                               opts.timeout, opts.asyncOp);
@@ -483,8 +504,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  const auto sel = select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp,
-                                         nullptr, true);
+  const auto sel =
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_reduce_scatter_base(output, input, opts);
   }
@@ -503,8 +524,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel =
-      select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr, true);
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }

@@ -187,14 +187,17 @@ class XdevBackend : public c10d::Backend {
   // How a reduce-scatter (op given) or all-gather (op null) of these tensors
   // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
   // plan::select_gather_scatter says; logs the choice once per reason
-  // (XDEV_DEBUG=INFO) and counts a native call. Only the tensor forms
-  // (tensor_form) may run two-level across hosts.
+  // (XDEV_DEBUG=INFO) and counts a native call. shape_refusal: why these
+  // shapes have no native path (list_refusal), or null.
   plan::GatherScatterSelection select_gather_scatter(const char* name,
                                                      const std::vector<at::Tensor>& tensors,
                                                      const std::vector<at::Tensor>& full_tensors,
                                                      const c10d::ReduceOp* op,
-                                                     const char* shape_refusal = nullptr,
-                                                     bool tensor_form = false);
+                                                     const char* shape_refusal = nullptr);
+  // Why a list form whose lists hold sizes unlike this rank's (uneven) has no
+  // native path, or null: one host runs one such list natively, several
+  // hosts none.
+  const char* list_refusal(bool uneven, size_t num_lists) const;
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
     ++collectives_called_;

@@ -82,6 +82,11 @@ Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes) {
   return t;
 }
 
+double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net) {
+  check(hosts);
+  return (hosts.num_hosts - 1) * net.latency_s;
+}
+
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {
   check(hosts);
   // Every rank of a host sends at each step: one message leaves the host, the
@@ -101,7 +106,8 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
   // L streams leave each host at once, sharing its link and its memory.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
   const double slice = static_cast<double>(bytes) / hosts.ranks_per_host;
-  return intra + ring_s(hosts.num_hosts, slice, rate, net.latency_s);
+  return cross_host_check_s(hosts, net) + intra +
+         ring_s(hosts.num_hosts, slice, rate, net.latency_s);
 }
 
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
@@ -163,7 +169,8 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
   // Across hosts L rings of H ranks at once, each on H blocks of bytes/P.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
   const double per_ring = static_cast<double>(bytes) / hosts.ranks_per_host;
-  return intra + half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
+  return cross_host_check_s(hosts, net) + intra +
+         half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
 }
 
 AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,

@@ -66,9 +66,15 @@ Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes);
 // rings of H ranks, each on bytes/L.
 Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes);
 
+// Before its first step every two-level collective exchanges its call (a few
+// integers) with the ranks of its local index on the other hosts, so that a
+// call whose shapes differ between hosts fails on every rank instead of
+// waiting: an all-gather of H ranks, H-1 steps of a message's latency.
+double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net);
+
 // Predicted seconds. `host` models one host's shared-memory path for
 // ranks_per_host ranks (the reduce-scatter and all-gather together cost what
-// its flat allreduce costs).
+// its flat allreduce costs). The two-level plans include the check above.
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
                            const MachineModel& host);

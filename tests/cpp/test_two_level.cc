@@ -8,6 +8,7 @@
 
 #include "plan/gather_scatter_predict.h"
 #include "plan/machines.h"
+#include "plan/predict.h"
 #include "plan/selection.h"
 #include "plan/two_level.h"
 #include "test_harness.h"
@@ -99,6 +100,22 @@ TEST(a_fast_network_and_slow_host_memory_favour_the_ring) {
   CHECK(!c.two_level);
 }
 
+TEST(two_level_allreduce_prediction_counts_the_check_across_hosts) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;  // links only: the sum below is exact
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{4, 2};
+  const int64_t bytes = 8 * kMiB;
+  const double intra =
+      predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds;
+  // 2(H-1) = 6 steps of half the payload's quarter, then the check: H-1 = 3 latencies.
+  const double ring = 6 * (net.latency_s + bytes / 2.0 / 4 / net.stream_bytes_per_s);
+  CHECK(near(cross_host_check_s(layout, net), 3 * net.latency_s, 1e-15));
+  CHECK(
+      near(predict_two_level_s(layout, bytes, net, host), intra + ring + 3 * net.latency_s, 1e-12));
+  CHECK(near(cross_host_check_s({1, 2}, net), 0.0, 0.0));
+}
+
 TEST(predict_two_level_checks_the_host_model) {
   const MachineModel host = cpu_host(4, CpuHostParams{});
   CHECK_THROWS(predict_two_level_s({2, 2}, kMiB, NetworkParams{}, host), std::invalid_argument,
@@ -176,8 +193,11 @@ TEST(gather_scatter_predictions_add_up) {
     const double intra = predict_gather_scatter(host, kind, GatherScatterCandidate{}, bytes,
                                                 kind == GatherScatterKind::kAllGather ? 1 : 4)
                              .seconds;
-    // Two steps across 3 hosts, each of one block of a MiB, 2 streams per host.
-    const double across = 2 * (net.latency_s + kMiB / net.stream_bytes_per_s);
+    // Two steps across 3 hosts, each of one block of a MiB, 2 streams per host, after the
+    // check's two steps of a latency each.
+    double across = 2 * (net.latency_s + kMiB / net.stream_bytes_per_s);
+    CHECK(near(cross_host_check_s(layout, net), 2 * net.latency_s, 1e-15));
+    across += cross_host_check_s(layout, net);
     CHECK(near(predict_two_level_gather_scatter_s(kind, layout, bytes, 4, net, host),
                intra + across, 1e-12));
     const AcrossHostsChoice c =

@@ -1,0 +1,132 @@
+"""Fit the network model of the two-level plans from measured allreduces across hosts.
+
+The model (csrc/plan/two_level.h) predicts the engine's ring over all P = H x L ranks as
+2(P-1) steps, each a message latency plus a message of bytes/P at one stream's rate:
+
+    time = 2(P-1) * latency + 2(P-1)/P * bytes / stream_rate
+
+a straight line in bytes. ``fit_network`` fits that line, time = a + bytes * slope, to
+measured (bytes, seconds per call) pairs by least squares on relative errors (every size
+counts alike, whatever its time), and reads the latency and the per-stream rate off it. The
+host link's rate (``net_host_gbps``) is not seen by a ring that sends one stream per host, so
+it keeps its default.
+
+``write_model`` writes the result in the XDEV_CPU_MODEL file format (a JSON object whose
+``params`` set ``net_latency_us``, ``net_stream_gbps`` and ``net_host_gbps``), so that the
+fitted values can be fed back to xdev; into an existing model file, it updates those three.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence, TypedDict
+
+# The model's defaults (csrc/plan/two_level.h, network_default).
+DEFAULT_HOST_GBPS = 12.5
+DEFAULT_STREAM_GBPS = 3.0
+DEFAULT_LATENCY_US = 30.0
+
+
+class NetworkFit(TypedDict):
+    net_latency_us: float
+    net_stream_gbps: float
+    intercept_us: float  # a: the line's time at zero bytes
+    slope_ns_per_byte: float
+    rms_relative_error: float
+    points: int
+    clamped: bool  # the free line had a < 0: refitted through the origin, latency 0
+
+
+def _line(xs: Sequence[float], ys: Sequence[float], through_origin: bool) -> tuple[float, float]:
+    """(a, b) minimising sum(((a + b x - y) / y)^2): weights 1/y^2, closed form."""
+    w = [1.0 / (y * y) for y in ys]
+    swxx = sum(wi * x * x for wi, x in zip(w, xs))
+    swxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    if through_origin:
+        return 0.0, swxy / swxx
+    sw = sum(w)
+    swx = sum(wi * x for wi, x in zip(w, xs))
+    swy = sum(wi * y for wi, y in zip(w, ys))
+    det = sw * swxx - swx * swx
+    if det <= 0:
+        raise ValueError("fit_network: needs at least two different sizes")
+    return (swxx * swy - swx * swxy) / det, (sw * swxy - swx * swy) / det
+
+
+def fit_network(
+    num_hosts: int, ranks_per_host: int, sizes_bytes: Sequence[int], seconds: Sequence[float]
+) -> NetworkFit:
+    """Latency and per-stream rate from the engine's ring over all ranks, timed per call."""
+    if num_hosts < 2 or ranks_per_host < 1:
+        raise ValueError(
+            f"fit_network: needs ranks on several hosts; got {num_hosts} x {ranks_per_host}"
+        )
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError("fit_network: needs one time per size, of at least two sizes")
+    if any(t <= 0 for t in seconds) or any(s <= 0 for s in sizes_bytes):
+        raise ValueError("fit_network: sizes and times must be positive")
+    xs = [float(s) for s in sizes_bytes]
+    a, slope = _line(xs, seconds, through_origin=False)
+    clamped = a < 0
+    if clamped:
+        a, slope = _line(xs, seconds, through_origin=True)
+    if slope <= 0:
+        raise ValueError("fit_network: time does not grow with size; no rate to fit")
+    p = num_hosts * ranks_per_host
+    steps = 2 * (p - 1)
+    residuals = [(a + slope * x - y) / y for x, y in zip(xs, seconds)]
+    return {
+        "net_latency_us": a / steps * 1e6,
+        "net_stream_gbps": steps / p / slope / 1e9,
+        "intercept_us": a * 1e6,
+        "slope_ns_per_byte": slope * 1e9,
+        "rms_relative_error": (sum(r * r for r in residuals) / len(residuals)) ** 0.5,
+        "points": len(xs),
+        "clamped": clamped,
+    }
+
+
+def predict_ring_s(
+    num_hosts: int, ranks_per_host: int, nbytes: int, latency_us: float, stream_gbps: float
+) -> float:
+    """The model's ring over all ranks with these parameters (no host or memory limit)."""
+    p = num_hosts * ranks_per_host
+    return 2 * (p - 1) * (latency_us * 1e-6 + nbytes / p / (stream_gbps * 1e9))
+
+
+def format_fit(fit: NetworkFit) -> list[str]:
+    lines = [
+        f"# network fit from {fit['points']} sizes (time = a + bytes * slope, relative least"
+        f" squares): a {fit['intercept_us']:.1f} us, slope {fit['slope_ns_per_byte']:.3f} ns/B,"
+        f" rms error {fit['rms_relative_error'] * 100:.1f}%"
+        + ("; a < 0 refitted through 0" if fit["clamped"] else ""),
+        f"#   net_latency_us  fitted {fit['net_latency_us']:10.2f}   default {DEFAULT_LATENCY_US}",
+        f"#   net_stream_gbps fitted {fit['net_stream_gbps']:10.3f}   default"
+        f" {DEFAULT_STREAM_GBPS}",
+        f"#   net_host_gbps   kept   {DEFAULT_HOST_GBPS:10.3f}   (one stream per host: not seen)",
+    ]
+    return lines
+
+
+def write_model(path: Path, fit: NetworkFit, source: dict[str, Any]) -> dict[str, Any]:
+    """Writes the fit as an XDEV_CPU_MODEL file: its params set the network model. An existing
+    model file (benchmarks/calibrate.py's, say) keeps its other parameters and entries."""
+    out: dict[str, Any] = {}
+    if path.exists():
+        try:
+            out = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: exists and is not a JSON cost model: {e}") from e
+        if not isinstance(out, dict) or not isinstance(out.get("params", {}), dict):
+            raise ValueError(f"{path}: exists and is not a JSON cost model with 'params'")
+    params = out.setdefault("params", {})
+    params.update(
+        net_latency_us=fit["net_latency_us"],
+        net_stream_gbps=fit["net_stream_gbps"],
+        net_host_gbps=params.get("net_host_gbps", DEFAULT_HOST_GBPS),
+    )
+    out["network_fit"] = {**fit, "source": source}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return out

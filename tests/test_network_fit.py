@@ -1,0 +1,96 @@
+"""benchmarks/network_fit.py: the line fit recovers a network the model itself produced.
+
+Times come from the model's formula for the engine's ring over all ranks (2(P-1) steps of a
+latency plus bytes/P at one stream's rate), computed here independently of the module; the
+fit must give back the latency and rate, and its file must set them through XDEV_CPU_MODEL's
+loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+@pytest.fixture(scope="module")
+def network_fit() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("network_fit", BENCHMARKS / "network_fit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["network_fit"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def ring_seconds(hosts: int, per_host: int, nbytes: int, latency_us: float, gbps: float) -> float:
+    p = hosts * per_host
+    return 2 * (p - 1) * latency_us * 1e-6 + 2 * (p - 1) / p * nbytes / (gbps * 1e9)
+
+
+@pytest.mark.parametrize("hosts,per_host", [(2, 2), (4, 3)])
+def test_fit_recovers_exact_parameters(network_fit: ModuleType, hosts: int, per_host: int) -> None:
+    times = [ring_seconds(hosts, per_host, s, 45.0, 1.7) for s in SIZES]
+    fit = network_fit.fit_network(hosts, per_host, SIZES, times)
+    assert math.isclose(fit["net_latency_us"], 45.0, rel_tol=1e-9)
+    assert math.isclose(fit["net_stream_gbps"], 1.7, rel_tol=1e-9)
+    assert fit["rms_relative_error"] < 1e-9 and not fit["clamped"]
+    assert fit["points"] == len(SIZES)
+
+
+def test_fit_with_noise_stays_close(network_fit: ModuleType) -> None:
+    # +-8% alternating: each size off by as much, the line still near the truth.
+    noise = [1.08, 0.92, 1.08, 0.92]
+    times = [ring_seconds(2, 2, s, 200.0, 0.8) * n for s, n in zip(SIZES, noise)]
+    fit = network_fit.fit_network(2, 2, SIZES, times)
+    assert abs(fit["net_latency_us"] / 200.0 - 1) < 0.15
+    assert abs(fit["net_stream_gbps"] / 0.8 - 1) < 0.15
+    assert 0.05 < fit["rms_relative_error"] < 0.1
+
+
+def test_negative_intercept_refits_through_zero(network_fit: ModuleType) -> None:
+    # Small sizes faster than a line through the large ones allows: no negative latency.
+    times = [ring_seconds(2, 2, s, 0.0, 2.0) for s in SIZES]
+    times[0] *= 0.5
+    fit = network_fit.fit_network(2, 2, SIZES, times)
+    assert fit["clamped"] and fit["net_latency_us"] == 0.0
+    assert fit["net_stream_gbps"] > 0
+
+
+def test_fit_rejects_what_it_cannot_fit(network_fit: ModuleType) -> None:
+    with pytest.raises(ValueError, match="two sizes"):
+        network_fit.fit_network(2, 2, [SIZES[0]], [1e-3])
+    with pytest.raises(ValueError, match="several hosts"):
+        network_fit.fit_network(1, 4, SIZES, [1e-3] * 4)
+    with pytest.raises(ValueError, match="positive"):
+        network_fit.fit_network(2, 2, SIZES, [1e-3, 0.0, 1e-3, 1e-3])
+    with pytest.raises(ValueError, match="does not grow"):
+        network_fit.fit_network(2, 2, SIZES, [1e-3 / (k + 1) for k in range(4)])
+
+
+def test_written_model_feeds_xdev_and_keeps_other_params(
+    network_fit: ModuleType, tmp_path: Path
+) -> None:
+    registration = pytest.importorskip("torch_xdev._registration", exc_type=ImportError)
+    times = [ring_seconds(2, 2, s, 60.0, 2.5) for s in SIZES]
+    fit = network_fit.fit_network(2, 2, SIZES, times)
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"params": {"core_gbps": 7.0, "net_host_gbps": 40.0}}))
+    network_fit.write_model(path, fit, {"hosts": 2})
+    written = json.loads(path.read_text())
+    assert written["params"]["core_gbps"] == 7.0  # calibrate.py's parameters stay
+    assert written["params"]["net_host_gbps"] == 40.0
+    assert written["network_fit"]["source"] == {"hosts": 2}
+    config = SimpleNamespace()
+    registration.apply_cpu_model_file(config, str(path))
+    assert math.isclose(config.net_latency_us, 60.0, rel_tol=1e-9)
+    assert math.isclose(config.net_stream_gbps, 2.5, rel_tol=1e-9)
+    assert config.cpu_core_gbps == 7.0
