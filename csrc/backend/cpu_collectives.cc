@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "staged_broadcast.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -131,28 +132,8 @@ c10::intrusive_ptr<c10d::Work> CpuCollectives::broadcast(std::vector<at::Tensor>
   return group_.enqueue(
       c10d::OpType::BROADCAST, "xdev:broadcast", tensors,
       [this, tensors, root, timeout]() {
-        // Broadcast moves bytes: any dtype works, tensors are laid out as bytes.
-        const std::vector<at::Tensor> flat = contiguous(tensors);
-        std::vector<int64_t> byte_counts;
-        for (const at::Tensor& t : tensors) {
-          byte_counts.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
-        }
-        const plan::FlatLayout layout(byte_counts);
-        const plan::CollectivePlan cp = plan::CollectivePlan::broadcast(
-            group_.size(), root, layout.total(), group_.config().shm_slot_bytes);
-        transport::CollectiveRequest req;
-        req.plan = &cp;
-        req.layout = &layout;
-        for (const at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
-        req.dtype = kernels::DType::kUInt8;
-        transport::OpDescriptor desc = group_.next_descriptor(Collective::kBroadcast);
-        desc.root = root;
-        desc.num_tensors = static_cast<int64_t>(tensors.size());
-        desc.total_elems = layout.total();
-        desc.shape_hash = shape_hash(tensors);
-        req.ctx = group_.make_context(desc, "broadcast", group_.deadline_for(timeout));
-        staged_.run(req);
-        copy_back(flat, tensors);
+        staged_broadcast(group_, staged_, group_.size(), root, tensors, "broadcast",
+                         group_.deadline_for(timeout));
       },
       async_op);
 }

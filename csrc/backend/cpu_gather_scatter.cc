@@ -138,13 +138,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
         } else {
           run_all_gather(full, in, timeout, plan::GatherScatterSelection{});
         }
-        for (size_t i = 0; i < outputs.size(); ++i) {
-          int64_t start = 0;
-          for (const at::Tensor& out : outputs[i]) {
-            out.copy_(full[i].narrow(0, start, out.numel()).view(out.sizes()));
-            start += out.numel();
-          }
-        }
+        for (size_t i = 0; i < outputs.size(); ++i) unpack_into(full[i], outputs[i]);
       },
       async_op);
 }

@@ -78,6 +78,14 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
   }
 }
 
+void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors) {
+  int64_t start = 0;
+  for (const at::Tensor& t : tensors) {
+    at::Tensor(t).copy_(packed.narrow(0, start, t.numel()).view(t.sizes()));
+    start += t.numel();
+  }
+}
+
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                  const std::vector<at::Tensor>& block, int world) {
   TORCH_CHECK_VALUE(full.size() == block.size(), "xdev ", what, ": ", full.size(),

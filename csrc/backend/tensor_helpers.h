@@ -29,6 +29,10 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
+// Copies consecutive pieces of the 1-D `packed` into `tensors`, each its own numel, in order:
+// the inverse of concatenating the tensors' flattened forms.
+void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors);
+
 // Checks, on the calling thread, that full[i] holds world blocks the size of
 // block[i], of its dtype (ValueError naming `what` otherwise).
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,

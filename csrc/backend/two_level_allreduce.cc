@@ -89,11 +89,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
         run(flat, op, call, deadline);
-        int64_t start = 0;
-        for (const at::Tensor& t : tensors) {
-          t.copy_(flat.narrow(0, start, t.numel()).view(t.sizes()));
-          start += t.numel();
-        }
+        unpack_into(flat, tensors);
       },
       async_op);
 }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "../plan/collective_plan.h"
+#include "staged_broadcast.h"
 #include "tensor_helpers.h"
 #include "two_level_allreduce.h"
 
@@ -60,28 +61,11 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           opts.timeout = engine_timeout(deadline);
           wait_for_engine(engine_->broadcast(payload, opts), opts.timeout,
                           "two-level broadcast: the engine's broadcast across hosts");
-          if (bytes.size() > 1) {
-            int64_t start = 0;
-            for (const at::Tensor& b : bytes) {
-              at::Tensor(b).copy_(payload[0].narrow(0, start, b.numel()));
-              start += b.numel();
-            }
-          }
+          if (bytes.size() > 1) unpack_into(payload[0], bytes);
         }
-        const plan::CollectivePlan cp = plan::CollectivePlan::broadcast(
-            group_.local_world_size(), root_local, layout.total(), group_.config().shm_slot_bytes);
-        transport::CollectiveRequest req;
-        req.plan = &cp;
-        req.layout = &layout;
-        for (const at::Tensor& t : flat) req.tensors.push_back(static_cast<char*>(t.data_ptr()));
-        req.dtype = kernels::DType::kUInt8;
-        transport::OpDescriptor desc = group_.next_descriptor(Collective::kBroadcast);
-        desc.root = root_local;
-        desc.num_tensors = static_cast<int64_t>(flat.size());
-        desc.total_elems = layout.total();
-        desc.shape_hash = shape_hash(tensors);
-        req.ctx = group_.make_context(desc, what_.c_str(), deadline);
-        executor_.run(req);
+        // `flat` holds the engine's result on the root's local index: broadcast it as it is.
+        staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
+                         what_.c_str(), deadline);
         copy_back(flat, tensors);
       },
       async_op);

@@ -113,13 +113,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
         std::vector<at::Tensor> all = full;
         all.insert(all.end(), in.begin(), in.end());
         run_all_gather(full, in, group_.deadline_for(timeout), shape_hash(all));
-        for (size_t i = 0; i < outputs.size(); ++i) {
-          int64_t start = 0;
-          for (const at::Tensor& out : outputs[i]) {
-            out.copy_(full[i].narrow(0, start, out.numel()).view(out.sizes()));
-            start += out.numel();
-          }
-        }
+        for (size_t i = 0; i < outputs.size(); ++i) unpack_into(full[i], outputs[i]);
       },
       async_op);
 }
@@ -257,13 +251,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
                     "two-level reduce_scatter: the engine's reduce-scatter across hosts");
   }
   if (op == kernels::ReduceOp::kAvg) mine.div_(group_.size());
-  if (outputs.size() > 1) {
-    int64_t start = 0;
-    for (const at::Tensor& t : outputs) {
-      t.view({-1}).copy_(mine.narrow(0, start, t.numel()));
-      start += t.numel();
-    }
-  }
+  if (outputs.size() > 1) unpack_into(mine, outputs);
 }
 
 void TwoLevelGatherScatter::run_in_host(plan::GatherScatterKind kind,
