@@ -7,6 +7,9 @@ target dtype), without any collective.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -86,3 +89,33 @@ def check_close(
     assert bool(
         torch.all(err <= bound)
     ), f"{what}: max rel err {float(err.max()):.3g} > {bound:.3g}"
+
+
+def digest(t: torch.Tensor) -> int:
+    """A hash of a tensor's bytes (CPU or CUDA), to compare results bitwise across ranks."""
+    c = t.detach().cpu().contiguous()
+    # Raw bytes without numpy (not a torch dependency).
+    raw = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
+    return int.from_bytes(hashlib.sha1(raw).digest()[:7], "little")
+
+
+def check_coalesced(
+    group: object, rank: int, world: int, shapes: list[tuple[int, ...]], seed: int, what: str
+) -> list[int]:
+    """allreduce_coalesced of one float32 tensor per shape (packing across tensors, empty ones
+    included) against the reference; returns the results' digests."""
+    inputs = [
+        [
+            make_input(
+                seed + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM
+            ).view(s)
+            for i, s in enumerate(shapes)
+        ]
+        for r in range(world)
+    ]
+    mine = [t.clone() for t in inputs[rank]]
+    dist.all_reduce_coalesced(mine, group=group)
+    for i in range(len(shapes)):
+        expected = reference([inputs[r][i].flatten() for r in range(world)], dist.ReduceOp.SUM)
+        check_close(mine[i].flatten(), expected, dist.ReduceOp.SUM, world, f"{what} coalesced #{i}")
+    return [digest(t) for t in mine]

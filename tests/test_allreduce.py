@@ -8,8 +8,6 @@ test (collective_cases.reference), checked bitwise identical on every rank
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import zlib
 from typing import Any
 
@@ -18,18 +16,19 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from collective_cases import ALL_DTYPES, OPS, check_close, make_input, reference
+from collective_cases import (
+    ALL_DTYPES,
+    OPS,
+    check_close,
+    check_coalesced,
+    digest,
+    make_input,
+    reference,
+)
 from harness import run_ranks
 
 SIZES = (0, 1, 7, 1021, 10007)  # 10007 float64 elements span 20 windows of 4 KiB slots
 SMALL_SLOT = 4096
-
-
-def _digest(t: torch.Tensor) -> int:
-    c = t.contiguous()
-    # Raw bytes without numpy (not a torch dependency): the tensor is on the CPU.
-    raw = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
-    return int.from_bytes(hashlib.sha1(raw).digest()[:7], "little")
 
 
 def _variants(algorithm: str, world: int) -> list[dict[str, Any]]:
@@ -66,27 +65,11 @@ def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict
                     again = inputs[rank].clone()
                     dist.all_reduce(again, op=op, group=group)
                     assert torch.equal(got, again), f"{what}: differs run to run"
-                    digests.append(_digest(got))
+                    digests.append(digest(got))
                     cases += 1
         # A list of tensors through allreduce_coalesced: exercises packing across tensors.
         shapes = [(5,), (0,), (1,), (3, 7), (300,), (17,), (2000,)]
-        inputs = [
-            [
-                make_input(
-                    1000 + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM
-                ).view(s)
-                for i, s in enumerate(shapes)
-            ]
-            for r in range(world)
-        ]
-        mine = [t.clone() for t in inputs[rank]]
-        dist.all_reduce_coalesced(mine, group=group)
-        for i in range(len(shapes)):
-            expected = reference([inputs[r][i].flatten() for r in range(world)], dist.ReduceOp.SUM)
-            check_close(
-                mine[i].flatten(), expected, dist.ReduceOp.SUM, world, f"{variant} coalesced #{i}"
-            )
-            digests.append(_digest(mine[i]))
+        digests += check_coalesced(group, rank, world, shapes, 1000, variant)
         dist.destroy_process_group(group)
     # Same bits on every rank: compare every result's checksum with rank 0's.
     mine_t = torch.tensor(digests, dtype=torch.int64)
@@ -194,10 +177,10 @@ def _single_copy(rank: int, world: int) -> bool:
                 got = inputs[rank].clone()
                 dist.all_reduce(got, op=op, group=group)
                 check_close(got, reference(inputs, op), op, world, f"{algorithm} {dtype} {op}")
-                digest = torch.tensor([_digest(got)], dtype=torch.int64)
-                everyone = [torch.empty_like(digest) for _ in range(world)]
-                dist.all_gather(everyone, digest)
-                assert all(torch.equal(d, digest) for d in everyone), "ranks disagree"
+                mine = torch.tensor([digest(got)], dtype=torch.int64)
+                everyone = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(everyone, mine)
+                assert all(torch.equal(d, mine) for d in everyone), "ranks disagree"
         dist.destroy_process_group(group)
     dist.destroy_process_group()
     return used

@@ -40,8 +40,6 @@ allreduces per process.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import json
 import os
 import sys
@@ -57,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from collective_cases import ALL_DTYPES, OPS, check_close, make_input, reference
+from collective_cases import ALL_DTYPES, OPS, check_close, digest, make_input, reference
 from topologies import DGX1_V100
 from harness import run_ranks
 
@@ -121,12 +119,6 @@ def _elem_size(dtype: torch.dtype) -> int:
 
 def _numel(size: int, dtype: torch.dtype) -> int:
     return (5 * SLOT // 2) // _elem_size(dtype) + 3 if size == BIG else size
-
-
-def _digest(t: torch.Tensor) -> int:
-    c = t.detach().cpu().contiguous()
-    raw = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
-    return int.from_bytes(hashlib.sha1(raw).digest()[:7], "little")
 
 
 def _assert_same_on_all_ranks(digests: list[int], labels: list[str], world: int) -> None:
@@ -274,7 +266,7 @@ def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict
                     f"{what}: the CUDA result differs from the CPU path's result of the same "
                     f"plan in {int((result != on_cpu).sum())} of {numel} elements"
                 )
-            digests.append(_digest(result))
+            digests.append(digest(result))
             labels.append(what)
             cases += 1
         # A list through allreduce_coalesced: packing across tensors, one flat buffer.
@@ -293,7 +285,7 @@ def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict
             want = reference([lists[r][i].flatten() for r in range(world)], OPS[0])
             what = f"{world} ranks {variant} coalesced #{i} {shapes[i]}"
             check_close(mine[i].cpu().flatten(), want, OPS[0], world, what)
-            digests.append(_digest(mine[i]))
+            digests.append(digest(mine[i]))
             labels.append(what)
         _close_group(group)
     _assert_same_on_all_ranks(digests, labels, world)
@@ -356,7 +348,7 @@ def _dgx1(rank: int, world: int, dgx1_file: str, partial_file: str) -> dict[str,
                 algorithm, reason = _last(group)
                 assert algorithm == "hierarchical_copy" and "DGX-1" in reason, (what, reason)
                 check_close(got.cpu(), reference(inputs, op), op, world, what)
-                digests.append(_digest(got))
+                digests.append(digest(got))
                 labels.append(what)
     shapes = [(3,), (1000,), (0,), (40, 25), (1,), (4099,)]
     lists = [
@@ -372,7 +364,7 @@ def _dgx1(rank: int, world: int, dgx1_file: str, partial_file: str) -> dict[str,
     for i in range(len(shapes)):
         want = reference([lists[r][i].flatten() for r in range(world)], OPS[0])
         check_close(mine[i].cpu().flatten(), want, OPS[0], world, f"dgx1 coalesced #{i}")
-        digests.append(_digest(mine[i]))
+        digests.append(digest(mine[i]))
         labels.append(f"dgx1 coalesced #{i}")
     _close_group(group)
 
@@ -596,7 +588,7 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
         want = reference([lists[r][i].flatten() for r in range(world)], OPS[0])
         what = f"coalesced #{i} {shapes[i]}"
         check_close(mine[i].cpu().flatten(), want, OPS[0], world, what)
-        digests.append(_digest(mine[i]))
+        digests.append(digest(mine[i]))
         labels.append(what)
 
     # One call mixing dtypes (one flat buffer and one run of windows per dtype). The Python
@@ -643,7 +635,7 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
             got = tensors[i].cpu()
             assert got.dtype == dtype and tuple(got.shape) == shape, what
             check_close(got.flatten(), want, op, world, what)
-            digests.append(_digest(got))
+            digests.append(digest(got))
             labels.append(what)
 
     _assert_same_on_all_ranks(digests, labels, world)

@@ -22,9 +22,17 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from collective_cases import ALL_DTYPES, FLOAT_DTYPES, OPS, check_close, make_input, reference
+from collective_cases import (
+    ALL_DTYPES,
+    FLOAT_DTYPES,
+    OPS,
+    check_close,
+    check_coalesced,
+    digest,
+    make_input,
+    reference,
+)
 from harness import run_ranks
-from test_allreduce import _digest
 
 SIZES = (0, 1, 7, 1021, 10007)  # 10007 float64 elements span many 4 KiB slots
 SMALL_SLOT = 4096
@@ -59,28 +67,13 @@ def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, A
                 got = inputs[rank].clone()
                 dist.all_reduce(got, op=op, group=group)
                 check_close(got, reference(inputs, op), op, world, what)
-                digests.append(_digest(got))
+                digests.append(digest(got))
                 algorithm, reason = torch_xdev.describe(group)["last_allreduce"]
                 two_level = "two-level" in reason and algorithm == "flat"
                 assert two_level == _expect_two_level(dtype, op), (what, algorithm, reason)
                 plans.add(reason)
     # allreduce_coalesced of several shapes: one flat payload, cut the same on every host.
-    shapes = [(5,), (0,), (3, 7), (300,), (2000,)]
-    inputs = [
-        [
-            make_input(
-                500 + i, r, int(torch.Size(s).numel()), torch.float32, dist.ReduceOp.SUM
-            ).view(s)
-            for i, s in enumerate(shapes)
-        ]
-        for r in range(world)
-    ]
-    mine = [t.clone() for t in inputs[rank]]
-    dist.all_reduce_coalesced(mine, group=group)
-    for i in range(len(shapes)):
-        expected = reference([inputs[r][i].flatten() for r in range(world)], dist.ReduceOp.SUM)
-        check_close(mine[i].flatten(), expected, dist.ReduceOp.SUM, world, f"coalesced #{i}")
-        digests.append(_digest(mine[i]))
+    digests += check_coalesced(group, rank, world, [(5,), (0,), (3, 7), (300,), (2000,)], 500, "")
     # A strided tensor, written back in place.
     base = torch.arange(600, dtype=torch.float32).view(20, 30) * (rank + 1)
     view = base.t()
