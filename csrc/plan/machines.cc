@@ -164,7 +164,8 @@ MachineModel dgx1_v100() {
 //    leaves out too (nccl-tests measure 19 us at 128 B where it predicts 15),
 //    and they meet what published kernels take there: vLLM's one-shot about
 //    10 us at 512 B, PyTorch's symmetric-memory two-shot 15 us at 512 KiB.
-//    benchmarks/calibrate.py's GPU fit is the way to replace them.
+//    benchmarks/calibrate_gpu.py fits them where ranks share one GPU
+//    (docs/calibration.md); these hosts need runs of their own.
 namespace {
 
 GpuHostParams nvlink_kernel_params(double link_bytes_per_s, double memory_bytes_per_s) {
