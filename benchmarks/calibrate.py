@@ -16,7 +16,8 @@ The cores are the files' ``cpu_count``, the window their ``slot_bytes`` (262144 
 The fit minimises the weighted mean of squared log errors log(predicted / measured) over the
 rows of at least ``--min-fit-bytes`` (1 MiB); smaller rows take part with ``--small-weight``
 (0 by default: shown for information only). The optimiser is a deterministic Nelder-Mead in
-log space with restarts, multi-started from a few fixed points (no scipy).
+log space with restarts, multi-started from a few fixed points (no scipy; benchmarks/model_fit.py,
+shared with benchmarks/calibrate_gpu.py).
 
 Prints the fitted parameters and a prediction-versus-measurement table, and saves both as
 JSON (``--out``). See docs/calibration.md.
@@ -30,20 +31,28 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, NotRequired, Optional, Sequence, TypedDict
+from typing import Any, NotRequired, Optional, Sequence, TypedDict
 
 import torch_xdev
 from torch_xdev._C import plan
 from torch_xdev.plan import format_size
+
+from model_fit import (
+    ALGORITHMS,
+    ELEM_BYTES,
+    HIERARCHICAL,
+    LogBox,
+    Vector,
+    mean_squared_log_error,
+    minimise,
+    num_packs,
+)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_OUT = RESULTS / "cpu_model.json"
 DEFAULT_WINDOW_BYTES = 256 << 10  # torch_xdev.Options.shm_slot_bytes
 MIB = 1 << 20
-ELEM_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
-ALGORITHMS = ("direct", "reduce_to_one", "flat", "hierarchical_copy", "hierarchical_balanced")
-HIERARCHICAL = ("hierarchical_copy", "hierarchical_balanced")
 
 # The fitted parameters, their search bounds and the starting points of the multi-start.
 PARAM_NAMES = (
@@ -67,6 +76,8 @@ STARTS: tuple[tuple[float, float, float, float, float, float], ...] = (
     (20.0, 20.0, 30.0, 20.0, 1.0, 20.0),
     (10.0, 200.0, 100.0, 50.0, 10.0, 50.0),
 )
+
+BOX = LogBox({name: BOUNDS[name] for name in PARAM_NAMES})
 
 
 class Params(TypedDict):
@@ -135,11 +146,6 @@ def machine(params: Params, ranks: int) -> plan.MachineModel:
     )
 
 
-def num_packs(algorithm: str, ranks: int) -> int:
-    """What the backend uses by default: one pack per rank for the hierarchical plans."""
-    return ranks if algorithm in HIERARCHICAL else 0
-
-
 def predict_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: int = 4) -> float:
     """The model's time for one allreduce of `size` bytes, in microseconds."""
     m = machine(params, ranks)
@@ -167,93 +173,11 @@ def _predict_all(params: Params, measurements: Sequence[Measurement]) -> list[fl
 
 
 # ---------------------------------------------------------------------------
-# The optimiser: Nelder-Mead in log space, deterministic
-
-
-Vector = list[float]
-
-
-def nelder_mead(
-    f: Callable[[Vector], float],
-    x0: Vector,
-    step: float,
-    project: Callable[[Vector], Vector] = lambda x: x,
-    ftol: float = 1e-6,
-    xtol: float = 1e-3,
-    max_evals: int = 500,
-) -> tuple[Vector, float, int]:
-    """Minimises f from x0 with the standard coefficients (1, 2, 0.5, 0.5).
-
-    The initial simplex is x0 plus `step` along each axis; every point is passed through
-    `project` (e.g. onto a box). Stops when the simplex's values differ by less than
-    ftol * (1 + |best|), or its extent is below xtol, or after max_evals evaluations.
-    Returns (best x, f(best x), evaluations).
-    """
-    n = len(x0)
-    simplex: list[Vector] = [project(list(x0))]
-    for i in range(n):
-        x = list(x0)
-        x[i] += step
-        simplex.append(project(x))
-    values = [f(x) for x in simplex]
-    evals = n + 1
-
-    def order() -> None:
-        nonlocal simplex, values
-        ranked = sorted(range(n + 1), key=lambda k: (values[k], k))
-        simplex = [simplex[k] for k in ranked]
-        values = [values[k] for k in ranked]
-
-    while evals < max_evals:
-        order()
-        extent = max(abs(simplex[k][i] - simplex[0][i]) for k in range(1, n + 1) for i in range(n))
-        if values[-1] - values[0] <= ftol * (1.0 + abs(values[0])) or extent < xtol:
-            break
-        centroid = [sum(simplex[k][i] for k in range(n)) / n for i in range(n)]
-        worst = simplex[-1]
-
-        def towards(t: float) -> Vector:
-            return project([c + t * (w - c) for c, w in zip(centroid, worst)])
-
-        reflected = towards(-1.0)
-        fr = f(reflected)
-        evals += 1
-        if fr < values[0]:
-            expanded = towards(-2.0)
-            fe = f(expanded)
-            evals += 1
-            if fe < fr:
-                simplex[-1], values[-1] = expanded, fe
-            else:
-                simplex[-1], values[-1] = reflected, fr
-            continue
-        if fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-            continue
-        contracted = towards(-0.5) if fr < values[-1] else towards(0.5)
-        fc = f(contracted)
-        evals += 1
-        if fc < min(fr, values[-1]):
-            simplex[-1], values[-1] = contracted, fc
-            continue
-        best = simplex[0]
-        for k in range(1, n + 1):
-            simplex[k] = project([b + 0.5 * (x - b) for b, x in zip(best, simplex[k])])
-            values[k] = f(simplex[k])
-            evals += 1
-    order()
-    return simplex[0], values[0], evals
-
-
-# ---------------------------------------------------------------------------
 # The fit
 
 
 def _to_params(x: Vector, cores: int, window_bytes: int) -> Params:
-    values = {}
-    for name, xi in zip(PARAM_NAMES, x):
-        lo, hi = BOUNDS[name]
-        values[name] = min(hi, max(lo, math.exp(xi)))
+    values = BOX.values(x)
     return Params(
         cores=cores,
         window_bytes=window_bytes,
@@ -266,13 +190,6 @@ def _to_params(x: Vector, cores: int, window_bytes: int) -> Params:
     )
 
 
-def _clamp(x: Vector) -> Vector:
-    return [
-        min(math.log(BOUNDS[name][1]), max(math.log(BOUNDS[name][0]), xi))
-        for name, xi in zip(PARAM_NAMES, x)
-    ]
-
-
 def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
     """Weighted mean of squared log errors, log(predicted / measured)."""
     rows = [(m, m.get("weight", 1.0)) for m in measurements]
@@ -280,8 +197,7 @@ def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
     if not rows:
         raise ValueError("no measurements with a weight > 0")
     predicted = _predict_all(params, [m for m, _ in rows])
-    total = sum(w for _, w in rows)
-    return sum(w * math.log(p / m["time_us"]) ** 2 for (m, w), p in zip(rows, predicted)) / total
+    return mean_squared_log_error(predicted, [m["time_us"] for m, _ in rows], [w for _, w in rows])
 
 
 def fit(
@@ -293,7 +209,7 @@ def fit(
 ) -> FitResult:
     """One parameter set for all measurements (any rank counts, explicit algorithms).
 
-    Minimises loss_of() over PARAM_NAMES in log
+    Minimises loss_of() over PARAM_NAMES in log (model_fit.minimise)
     space within BOUNDS: Nelder-Mead from each of `starts` (at most max_evals / len(starts)
     evaluations each), restarted from its best point with a smaller simplex until a restart
     no longer improves; the best of all wins. Deterministic.
@@ -319,26 +235,7 @@ def fit(
             cache[key] = loss_of(_to_params(x, cores, window_bytes), fitted)
         return cache[key]
 
-    budget = max(1, max_evals // max(1, len(starts)))
-    best_x: Optional[Vector] = None
-    best_f = math.inf
-    for start in starts:
-        x = _clamp([math.log(v) for v in start])
-        fx = objective(x)
-        used, step = 0, 1.0
-        # Restart from the best point with a fresh, smaller simplex until that stops paying.
-        while used < budget and step >= 0.03:
-            nx, nf, n = nelder_mead(objective, x, step, _clamp, max_evals=budget - used)
-            used += n
-            gained = fx - nf
-            if nf < fx:
-                x, fx = nx, nf
-            if gained <= 1e-6 * (1.0 + abs(fx)):
-                break
-            step /= 2
-        if fx < best_f:
-            best_x, best_f = x, fx
-    assert best_x is not None
+    best_x, _ = minimise(objective, [BOX.point(start) for start in starts], BOX, max_evals)
     params = _to_params(best_x, cores, window_bytes)
     loss = loss_of(params, fitted)
     return FitResult(
@@ -486,13 +383,8 @@ def print_table(rows: Sequence[TableRow], title: str) -> None:
 
 def at_bound(params: Params) -> list[str]:
     """The fitted parameters within a factor 2 of a search bound: the data do not pin them."""
-    out = []
-    for name in PARAM_NAMES:
-        lo, hi = BOUNDS[name]
-        value = float(params[name])  # type: ignore[literal-required]
-        if value <= lo * 2 or value >= hi / 2:
-            out.append(f"{name} ({'lower' if value <= lo * 2 else 'upper'})")
-    return out
+    values = {name: float(params[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
+    return BOX.at_bound(values)
 
 
 def print_params(result: FitResult) -> None:

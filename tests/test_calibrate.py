@@ -25,6 +25,8 @@ def load_calibrate() -> ModuleType:
         import torch_xdev._C  # noqa: F401
     except ImportError as e:  # not built, or torch missing
         pytest.skip(f"torch_xdev._C cannot be imported: {e}")
+    if str(BENCHMARKS) not in sys.path:  # calibrate.py imports its sibling model_fit.py
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("calibrate", BENCHMARKS / "calibrate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

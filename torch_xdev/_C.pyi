@@ -152,6 +152,14 @@ class plan:
         sleeping_barrier_us: float = 8.6,
     ) -> plan.MachineModel: ...
     @staticmethod
+    def shared_gpu_machine(
+        ranks: int,
+        memory_gbps: float,
+        launch_us: float,
+        step_us: float,
+        window_bytes: int = 33554432,
+    ) -> plan.MachineModel: ...
+    @staticmethod
     def predict(
         machine: plan.MachineModel,
         algorithm: str,

@@ -168,6 +168,30 @@ void bind_plan(py::module_& parent) {
       "One host's ranks exchanging through shared memory with the staged executor.");
 
   m.def(
+      "shared_gpu_machine",
+      [](int ranks, double memory_gbps, double launch_us, double step_us, int64_t window_bytes) {
+        if (ranks < 1)
+          throw std::invalid_argument("ranks must be >= 1, got " + std::to_string(ranks));
+        if (window_bytes < 0) {
+          throw std::invalid_argument("window_bytes must be >= 0 (0: one window), got " +
+                                      std::to_string(window_bytes));
+        }
+        plan::GpuHostParams p;
+        p.memory_bytes_per_s = positive_gbps(memory_gbps, "memory_gbps");
+        p.launch_latency_s = non_negative_us(launch_us, "launch_us");
+        p.step_latency_s = non_negative_us(step_us, "step_us");
+        p.barrier_per_phase = true;
+        p.window_bytes = window_bytes;
+        return plan::shared_gpu_host(ranks, p);
+      },
+      py::arg("ranks"), py::arg("memory_gbps"), py::arg("launch_us"), py::arg("step_us"),
+      py::arg("window_bytes") = plan::kCudaWindowBytes,
+      "Ranks sharing one GPU with xdev's CUDA executor: every byte (local and peer reads, "
+      "writes) through one memory of memory_gbps (GB/s, 1e9 bytes/s); launch_us once per call, "
+      "step_us per barrier between phases (one flag hand-off); windows of window_bytes (the "
+      "cuda_slot_bytes; 0: one window).");
+
+  m.def(
       "predict",
       [](const plan::MachineModel& mm, const std::string& algorithm, int64_t num_packs,
          int64_t nbytes, int64_t elem_bytes, bool ring_reference) {

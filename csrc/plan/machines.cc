@@ -29,6 +29,19 @@ double nccl_link_gbps(int compute_capability) {
   return compute_capability >= 90 ? 20.6 : compute_capability >= 70 ? 20.0 : 18.0;
 }
 
+// The executor's latencies and windows, shared by every GPU host model.
+void set_gpu_executor(MachineModel& m, const GpuHostParams& params) {
+  m.launch_latency_s = params.launch_latency_s;
+  m.step_latency_s = params.step_latency_s;
+  m.policy = SharingPolicy::kOldestFirst;
+  if (params.barrier_per_phase) {
+    m.barrier_between_phases = true;
+    m.barrier_latency_s = params.step_latency_s;  // the barrier is the flag hand-off
+    m.step_latency_s = 0;
+    m.window_bytes = params.window_bytes;
+  }
+}
+
 }  // namespace
 
 MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostParams& params,
@@ -46,15 +59,7 @@ MachineModel gpu_host(std::string name, const LinkMatrix& links, const GpuHostPa
   };
   MachineModel m(std::move(name), n);
   m.links = links;
-  m.launch_latency_s = params.launch_latency_s;
-  m.step_latency_s = params.step_latency_s;
-  m.policy = SharingPolicy::kOldestFirst;
-  if (params.barrier_per_phase) {
-    m.barrier_between_phases = true;
-    m.barrier_latency_s = params.step_latency_s;  // the barrier is the flag hand-off
-    m.step_latency_s = 0;
-    m.window_bytes = params.window_bytes;
-  }
+  set_gpu_executor(m, params);
   std::vector<int> pcie_out(static_cast<size_t>(n)), pcie_in(static_cast<size_t>(n));
   std::vector<int> port_out(static_cast<size_t>(n), -1), port_in(static_cast<size_t>(n), -1);
   for (int d = 0; d < n; ++d) {
@@ -159,7 +164,8 @@ MachineModel dgx1_v100() {
 //    leaves out too (nccl-tests measure 19 us at 128 B where it predicts 15),
 //    and they meet what published kernels take there: vLLM's one-shot about
 //    10 us at 512 B, PyTorch's symmetric-memory two-shot 15 us at 512 KiB.
-//    benchmarks/calibrate.py's GPU fit is the way to replace them.
+//    benchmarks/calibrate_gpu.py fits them where ranks share one GPU
+//    (docs/calibration.md); these hosts need runs of their own.
 namespace {
 
 GpuHostParams nvlink_kernel_params(double link_bytes_per_s, double memory_bytes_per_s) {
@@ -262,6 +268,27 @@ MachineModel detected_gpu_host(std::string name, const LinkMatrix& nvlink,
   MachineModel m = gpu_host(std::move(name), nvlink, p, nvswitch_links);
   m.nccl = nccl_host_for(nvlink, nvswitch_links, cc, p.pcie_bytes_per_s);
   m.source = "detected GPUs (compute capability " + std::to_string(cc) + ")";
+  return m;
+}
+
+MachineModel shared_gpu_host(int ranks, const GpuHostParams& params) {
+  if (ranks < 1) throw std::invalid_argument("shared_gpu_host: needs at least one rank");
+  MachineModel m("shared-gpu-" + std::to_string(ranks), ranks);
+  // CUDA IPC lets every rank map every other rank's buffers: all pairs are one hop.
+  m.links = LinkMatrix::fully_connected(ranks);
+  set_gpu_executor(m, params);
+  // One HBM behind every byte: a rank's own reads and writes, and its reads of a peer's
+  // buffer (the peer's memory is the same device memory).
+  const int memory = m.add_resource("gpu memory", params.memory_bytes_per_s);
+  for (int a = 0; a < ranks; ++a) {
+    m.set_local(a, {memory});
+    for (int b = 0; b < ranks; ++b) {
+      if (a != b) m.set_route(a, b, {memory}, 0.0);
+    }
+  }
+  // No NCCL candidates: NCCL refuses two ranks on one GPU (m.nccl stays absent).
+  m.source = std::to_string(ranks) + " ranks sharing one GPU (MPS): one memory of " +
+             std::to_string(params.memory_bytes_per_s / 1e9) + " GB/s for every byte";
   return m;
 }
 

@@ -105,6 +105,20 @@ struct CpuHostParams {
 // cross-process read path (single copy).
 MachineModel cpu_host(int ranks, const CpuHostParams& params);
 
+// `ranks` processes sharing ONE GPU (tests, single-GPU boxes; with MPS their
+// kernels run at once). Every byte goes through the GPU's one memory resource
+// (params.memory_bytes_per_s), shared by all ranks: a step's local reads and
+// writes and its reads of a peer's buffer (CUDA IPC into the same device
+// memory) alike. So a reduce or copy of b bytes from k sources moves k * b of
+// reads plus b of writes there (2 * b where it writes both slot and output),
+// and a staging copy 2 * b (read the input, write the slot).
+// Every pair is directly reachable, so every plan can run. Latencies and
+// windows as in gpu_host (barrier_per_phase: xdev's CUDA executor); the
+// NVLink and PCIe fields are unused. No NCCL (it refuses ranks sharing a GPU).
+// Throws std::invalid_argument for ranks < 1. Fitted to measurements by
+// benchmarks/calibrate_gpu.py.
+MachineModel shared_gpu_host(int ranks, const GpuHostParams& params);
+
 // xdev's CUDA staging slot per rank (Options.cuda_slot_bytes' default).
 inline constexpr int64_t kCudaWindowBytes = 32 << 20;
 

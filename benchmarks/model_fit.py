@@ -1,0 +1,185 @@
+"""Fitting a cost model's parameters to measured allreduce times: what the calibration scripts
+share.
+
+benchmarks/calibrate.py (the CPU model) and benchmarks/calibrate_gpu.py (ranks sharing one GPU)
+both fit a handful of positive parameters by minimising the mean squared log error of the
+model's predictions. The search runs in log space (every parameter is a rate or a latency, so
+relative steps are the natural ones), inside a box of bounds, with a deterministic Nelder-Mead
+multi-started from fixed points. No scipy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Optional, Sequence
+
+Vector = list[float]
+
+# What benchmarks/allreduce.py's rows name: the explicit algorithms the models predict, and the
+# bytes of each dtype.
+ALGORITHMS = ("direct", "reduce_to_one", "flat", "hierarchical_copy", "hierarchical_balanced")
+HIERARCHICAL = ("hierarchical_copy", "hierarchical_balanced")
+ELEM_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+def num_packs(algorithm: str, ranks: int) -> int:
+    """What the backends use when an algorithm is forced: one pack per rank for the
+    hierarchical plans, none for the others."""
+    return ranks if algorithm in HIERARCHICAL else 0
+
+
+def nelder_mead(
+    f: Callable[[Vector], float],
+    x0: Vector,
+    step: float,
+    project: Callable[[Vector], Vector] = lambda x: x,
+    ftol: float = 1e-6,
+    xtol: float = 1e-3,
+    max_evals: int = 500,
+) -> tuple[Vector, float, int]:
+    """Minimises f from x0 with the standard coefficients (1, 2, 0.5, 0.5).
+
+    The initial simplex is x0 plus `step` along each axis; every point is passed through
+    `project` (e.g. onto a box). Stops when the simplex's values differ by less than
+    ftol * (1 + |best|), or its extent is below xtol, or after max_evals evaluations.
+    Returns (best x, f(best x), evaluations).
+    """
+    n = len(x0)
+    simplex: list[Vector] = [project(list(x0))]
+    for i in range(n):
+        x = list(x0)
+        x[i] += step
+        simplex.append(project(x))
+    values = [f(x) for x in simplex]
+    evals = n + 1
+
+    def order() -> None:
+        nonlocal simplex, values
+        ranked = sorted(range(n + 1), key=lambda k: (values[k], k))
+        simplex = [simplex[k] for k in ranked]
+        values = [values[k] for k in ranked]
+
+    while evals < max_evals:
+        order()
+        extent = max(abs(simplex[k][i] - simplex[0][i]) for k in range(1, n + 1) for i in range(n))
+        if values[-1] - values[0] <= ftol * (1.0 + abs(values[0])) or extent < xtol:
+            break
+        centroid = [sum(simplex[k][i] for k in range(n)) / n for i in range(n)]
+        worst = simplex[-1]
+
+        def towards(t: float) -> Vector:
+            return project([c + t * (w - c) for c, w in zip(centroid, worst)])
+
+        reflected = towards(-1.0)
+        fr = f(reflected)
+        evals += 1
+        if fr < values[0]:
+            expanded = towards(-2.0)
+            fe = f(expanded)
+            evals += 1
+            if fe < fr:
+                simplex[-1], values[-1] = expanded, fe
+            else:
+                simplex[-1], values[-1] = reflected, fr
+            continue
+        if fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+            continue
+        contracted = towards(-0.5) if fr < values[-1] else towards(0.5)
+        fc = f(contracted)
+        evals += 1
+        if fc < min(fr, values[-1]):
+            simplex[-1], values[-1] = contracted, fc
+            continue
+        best = simplex[0]
+        for k in range(1, n + 1):
+            simplex[k] = project([b + 0.5 * (x - b) for b, x in zip(best, simplex[k])])
+            values[k] = f(simplex[k])
+            evals += 1
+    order()
+    return simplex[0], values[0], evals
+
+
+class LogBox:
+    """Named positive parameters searched as their logarithms, within [low, high] each."""
+
+    def __init__(self, bounds: Mapping[str, tuple[float, float]]) -> None:
+        for name, (lo, hi) in bounds.items():
+            if not 0 < lo < hi:
+                raise ValueError(f"{name}: bounds must satisfy 0 < low < high, got {lo}, {hi}")
+        self.names = tuple(bounds)
+        self.bounds = dict(bounds)
+
+    def clamp(self, x: Vector) -> Vector:
+        """x projected onto the box (in log space)."""
+        return [
+            min(math.log(self.bounds[name][1]), max(math.log(self.bounds[name][0]), xi))
+            for name, xi in zip(self.names, x)
+        ]
+
+    def values(self, x: Vector) -> dict[str, float]:
+        """The parameters at log-space point x, each within its bounds."""
+        out = {}
+        for name, xi in zip(self.names, x):
+            lo, hi = self.bounds[name]
+            out[name] = min(hi, max(lo, math.exp(xi)))
+        return out
+
+    def point(self, values: Sequence[float]) -> Vector:
+        """The log-space point of parameter values given in the order of `names`."""
+        return self.clamp([math.log(v) for v in values])
+
+    def at_bound(self, values: Mapping[str, float]) -> list[str]:
+        """The parameters within a factor 2 of a bound: the data do not pin them."""
+        out = []
+        for name in self.names:
+            lo, hi = self.bounds[name]
+            value = float(values[name])
+            if value <= lo * 2 or value >= hi / 2:
+                out.append(f"{name} ({'lower' if value <= lo * 2 else 'upper'})")
+        return out
+
+
+def mean_squared_log_error(
+    predicted: Sequence[float], measured: Sequence[float], weights: Sequence[float]
+) -> float:
+    """Weighted mean of log(predicted / measured) ** 2; the weights must sum to > 0."""
+    total = sum(weights)
+    if not total > 0:
+        raise ValueError("no measurements with a weight > 0")
+    return sum(w * math.log(p / m) ** 2 for p, m, w in zip(predicted, measured, weights)) / total
+
+
+def minimise(
+    objective: Callable[[Vector], float],
+    starts: Sequence[Vector],
+    box: LogBox,
+    max_evals: int,
+) -> tuple[Vector, float]:
+    """The best point found from each of `starts` (log-space points).
+
+    From each start, Nelder-Mead (at most max_evals / len(starts) evaluations each) is restarted
+    from its best point with a simplex half as large until a restart no longer improves; the
+    best of all starts wins. Deterministic.
+    """
+    budget = max(1, max_evals // max(1, len(starts)))
+    best_x: Optional[Vector] = None
+    best_f = math.inf
+    for start in starts:
+        x = box.clamp(list(start))
+        fx = objective(x)
+        used, step = 0, 1.0
+        while used < budget and step >= 0.03:
+            nx, nf, n = nelder_mead(objective, x, step, box.clamp, max_evals=budget - used)
+            used += n
+            gained = fx - nf
+            if nf < fx:
+                x, fx = nx, nf
+            if gained <= 1e-6 * (1.0 + abs(fx)):
+                break
+            step /= 2
+        if fx < best_f:
+            best_x, best_f = x, fx
+    if best_x is None:
+        raise ValueError("no starting points")
+    return best_x, best_f
