@@ -44,7 +44,8 @@ from model_fit import (
     LogBox,
     Vector,
     mean_squared_log_error,
-    minimise,
+    fit_in_box,
+    weighted_rows,
     num_packs,
 )
 
@@ -216,26 +217,10 @@ def fit(
     """
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    for m in measurements:
-        if m["algorithm"] not in ALGORITHMS:
-            raise ValueError(f"not an algorithm the model can predict: {m['algorithm']!r}")
-        if not m["time_us"] > 0:
-            raise ValueError(f"measured time must be > 0: {m}")
-    fitted = [m for m in measurements if m.get("weight", 1.0) > 0]
-    if not fitted:
-        raise ValueError("no measurements with a weight > 0")
-    evaluations = 0
-    cache: dict[tuple[float, ...], float] = {}
-
-    def objective(x: Vector) -> float:
-        nonlocal evaluations
-        key = tuple(round(v, 9) for v in x)
-        if key not in cache:
-            evaluations += 1
-            cache[key] = loss_of(_to_params(x, cores, window_bytes), fitted)
-        return cache[key]
-
-    best_x, _ = minimise(objective, [BOX.point(start) for start in starts], BOX, max_evals)
+    fitted = weighted_rows(measurements)
+    best_x, evaluations = fit_in_box(
+        lambda x: loss_of(_to_params(x, cores, window_bytes), fitted), starts, BOX, max_evals
+    )
     params = _to_params(best_x, cores, window_bytes)
     loss = loss_of(params, fitted)
     return FitResult(

@@ -43,7 +43,8 @@ from model_fit import (
     LogBox,
     Vector,
     mean_squared_log_error,
-    minimise,
+    fit_in_box,
+    weighted_rows,
     num_packs,
 )
 
@@ -191,26 +192,10 @@ def fit(
     ValueError for rows the model cannot predict or no row with a weight > 0."""
     if window_bytes < 0:
         raise ValueError(f"window_bytes must be >= 0, got {window_bytes}")
-    for m in measurements:
-        if m["algorithm"] not in ALGORITHMS:
-            raise ValueError(f"not an algorithm the model can predict: {m['algorithm']!r}")
-        if not m["time_us"] > 0:
-            raise ValueError(f"measured time must be > 0: {m}")
-    fitted = [m for m in measurements if m.get("weight", 1.0) > 0]
-    if not fitted:
-        raise ValueError("no measurements with a weight > 0")
-    evaluations = 0
-    cache: dict[tuple[float, ...], float] = {}
-
-    def objective(x: Vector) -> float:
-        nonlocal evaluations
-        key = tuple(round(v, 9) for v in x)
-        if key not in cache:
-            evaluations += 1
-            cache[key] = loss_of(_to_params(x, window_bytes), fitted)
-        return cache[key]
-
-    best_x, _ = minimise(objective, [BOX.point(s) for s in starts], BOX, max_evals)
+    fitted = weighted_rows(measurements)
+    best_x, evaluations = fit_in_box(
+        lambda x: loss_of(_to_params(x, window_bytes), fitted), starts, BOX, max_evals
+    )
     params = _to_params(best_x, window_bytes)
     loss = loss_of(params, fitted)
     return FitResult(

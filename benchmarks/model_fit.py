@@ -11,9 +11,10 @@ multi-started from fixed points. No scipy.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 Vector = list[float]
+Row = TypeVar("Row", bound=Mapping[str, Any])
 
 # What benchmarks/allreduce.py's rows name: the explicit algorithms the models predict, and the
 # bytes of each dtype.
@@ -183,3 +184,35 @@ def minimise(
     if best_x is None:
         raise ValueError("no starting points")
     return best_x, best_f
+
+
+def weighted_rows(measurements: Sequence[Row]) -> list[Row]:
+    """The rows a fit uses: those of weight > 0 (1 when absent). Raises ValueError for a row
+    the models cannot predict (not an explicit algorithm, or a time that is not > 0)."""
+    for m in measurements:
+        if m["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"not an algorithm the model can predict: {m['algorithm']!r}")
+        if not m["time_us"] > 0:
+            raise ValueError(f"measured time must be > 0: {m}")
+    fitted = [m for m in measurements if m.get("weight", 1.0) > 0]
+    if not fitted:
+        raise ValueError("no measurements with a weight > 0")
+    return fitted
+
+
+def fit_in_box(
+    loss: Callable[[Vector], float], starts: Sequence[Sequence[float]], box: LogBox, max_evals: int
+) -> tuple[Vector, int]:
+    """minimise() of `loss` (a function of a log-space point) from the parameter points
+    `starts`, each point evaluated once; returns the best log-space point and how many
+    distinct points were evaluated."""
+    cache: dict[tuple[float, ...], float] = {}
+
+    def objective(x: Vector) -> float:
+        key = tuple(round(v, 9) for v in x)
+        if key not in cache:
+            cache[key] = loss(x)
+        return cache[key]
+
+    best_x, _ = minimise(objective, [box.point(s) for s in starts], box, max_evals)
+    return best_x, len(cache)
