@@ -34,7 +34,10 @@ from collective_cases import (
 )
 from harness import run_ranks
 
-SIZES = (0, 1, 7, 1021, 10007)  # 10007 float64 elements span many 4 KiB slots
+# 10007 float64 elements span many 4 KiB slots. Up to 10007 elements every rank's slice rides
+# in the exchange of calls across hosts; at 70001 the wider dtypes' slices exceed what it
+# carries (64 KiB) and go by Gloo's allreduce.
+SIZES = (0, 1, 7, 1021, 10007, 70001)
 SMALL_SLOT = 4096
 
 
@@ -210,6 +213,12 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
     with pytest.raises(dist.DistBackendError) as info:
         dist.all_reduce(t)
     messages.append(str(info.value))
+    # A reduce-scatter, whose first step is inside the host: rank 3 differs from rank 2, so
+    # host 1 sends a refusal across hosts, and host 0's ranks fail on it instead of waiting.
+    block = 32 + (rank == 3)
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.reduce_scatter_tensor(torch.empty(block), torch.ones(world * block))
+    messages.append(str(info.value))
     # An all-gather, whose first step is the engine's, and a broadcast.
     block = 64 + (rank == 1)
     with pytest.raises(dist.DistBackendError) as info:
@@ -234,18 +243,27 @@ def test_mismatch_across_hosts_fails_every_rank(tmp_path: Path) -> None:
     env = [{**e, "XDEV_CPU_MODEL": str(model)} for e in _hosts_env([2, 2])]
     results = run_ranks(_mismatched_across_hosts, 4, per_rank_env=env, timeout=180)
     for rank, messages in enumerate(results):
-        for call, message in zip(("allreduce", "allreduce", "all_gather", "broadcast"), messages):
+        calls = ("allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
+        assert len(messages) == len(calls)
+        for call, message in zip(calls, messages):
             assert "mismatched collectives" in message, (rank, call, message)
             assert "timed out" not in message, (rank, call, message)
-        # Local index 1 (ranks 1 and 3) exchanged the differing calls: their message names
-        # both hosts' calls; ranks 0 and 2 learn of it through their host's check.
-        first = messages[0]
-        if rank in (1, 3):
-            assert "on different hosts" in first and "1001 element(s)" in first, first
-        else:
-            assert "differs from a rank's on another host" in first, first
+        # The allreduce starts inside each host: host 1's ranks see rank 3's call differ from
+        # rank 2's and say so; host 0's ranks learn of it from host 1's refusal across hosts.
+        for first in (messages[0], messages[2]):
+            if rank >= 2:
+                assert "on different hosts" not in first, first
+            else:
+                assert "on different hosts" in first and "among themselves" in first, first
+        assert rank < 2 or "1001 element(s)" in messages[0], messages[0]
         # Host 1 as a whole differs from host 0: every rank's group saw both calls.
         assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
+        # The all-gather starts across hosts: local index 1 (ranks 1 and 3) exchanged the
+        # differing calls; ranks 0 and 2 learn of it through their host's check.
+        if rank in (1, 3):
+            assert "on different hosts" in messages[3], messages[3]
+        else:
+            assert "differs from a rank's on another host" in messages[3], messages[3]
 
 
 def _killed_on_one_host(rank: int, world: int, victim: int) -> str:

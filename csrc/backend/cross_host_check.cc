@@ -2,23 +2,32 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <vector>
 
+#include "../plan/two_level.h"
 #include "two_level_allreduce.h"
 
 namespace xdev::backend {
 namespace {
 
-// The fields that say what a call is; seq (each host numbers its own steps)
-// and where tensors lie in memory (per rank) are left out.
-std::vector<int64_t> fields_of(const transport::OpDescriptor& d) {
+// The header: the fields that say what a call is, then the payload's length;
+// seq (each host numbers its own steps) and where tensors lie in memory (per
+// rank) are left out.
+constexpr int kFields = 8;
+static_assert(kFields * sizeof(int64_t) <= plan::kCrossHostHeaderBytes, "header too long");
+// num_tensors of a host that refused the call (no call has it).
+constexpr int64_t kRefused = -1;
+
+std::vector<int64_t> fields_of(const transport::OpDescriptor& d, int64_t payload_bytes) {
   return {d.collective,
           d.reduce_op,
           d.dtype,
           d.root,
           d.num_tensors,
           d.total_elems,
-          static_cast<int64_t>(d.shape_hash)};
+          static_cast<int64_t>(d.shape_hash),
+          payload_bytes};
 }
 
 transport::OpDescriptor from_fields(const int64_t* f) {
@@ -34,45 +43,88 @@ transport::OpDescriptor from_fields(const int64_t* f) {
   return d;
 }
 
+at::Tensor message_with(const std::vector<int64_t>& fields) {
+  at::Tensor message = at::zeros({plan::kCrossHostMessageBytes}, at::kByte);
+  std::memcpy(message.data_ptr(), fields.data(), fields.size() * sizeof(int64_t));
+  return message;
+}
+
+const int64_t* fields_in(const at::Tensor& messages, int host) {
+  return reinterpret_cast<const int64_t*>(messages.const_data_ptr<uint8_t>() +
+                                          host * plan::kCrossHostMessageBytes);
+}
+
 }  // namespace
 
 CrossHostCheck::CrossHostCheck(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group), engine_(std::move(engine)) {}
 
-void CrossHostCheck::check(const transport::OpDescriptor& call, const char* what,
-                           transport::Clock::time_point deadline) {
-  const std::vector<int64_t> mine = fields_of(call);
-  const auto k = static_cast<int64_t>(mine.size());
-  const int hosts = group_.num_hosts();
-  at::Tensor in = at::tensor(mine, at::kLong);
-  at::Tensor all = at::empty({hosts * k}, at::kLong);
+const char* CrossHostCheck::payload_of(const at::Tensor& messages, int host) {
+  return reinterpret_cast<const char*>(messages.const_data_ptr<uint8_t>()) +
+         host * plan::kCrossHostMessageBytes + plan::kCrossHostHeaderBytes;
+}
+
+at::Tensor CrossHostCheck::all_gather(const at::Tensor& message,
+                                      transport::Clock::time_point deadline) {
+  at::Tensor in = message;
+  at::Tensor all = at::empty({group_.num_hosts() * message.numel()}, at::kByte);
   c10d::AllgatherOptions opts;
   opts.timeout = engine_timeout(deadline);
   wait_for_engine(engine_->_allgather_base(all, in, opts), opts.timeout,
                   "two-level collective: the engine's exchange of calls across hosts");
-  const int64_t* rows = all.const_data_ptr<int64_t>();
+  return all;
+}
+
+void CrossHostCheck::refuse(transport::Clock::time_point deadline) {
+  std::vector<int64_t> fields(kFields, 0);
+  fields[4] = kRefused;
+  all_gather(message_with(fields), deadline);
+}
+
+at::Tensor CrossHostCheck::exchange(const transport::OpDescriptor& call, const void* payload,
+                                    int64_t payload_bytes, bool host_step_follows, const char* what,
+                                    transport::Clock::time_point deadline) {
+  const std::vector<int64_t> mine = fields_of(call, payload_bytes);
+  at::Tensor message = message_with(mine);
+  if (payload != nullptr && plan::carried_across_hosts(payload_bytes) && payload_bytes > 0) {
+    std::memcpy(static_cast<char*>(message.data_ptr()) + plan::kCrossHostHeaderBytes, payload,
+                static_cast<size_t>(payload_bytes));
+  }
+  const at::Tensor all = all_gather(message, deadline);
+  const int hosts = group_.num_hosts();
   bool same = true;
-  for (int64_t i = 0; i < hosts * k; ++i)
-    same = same && rows[i] == mine[static_cast<size_t>(i % k)];
-  if (same) return;
+  for (int h = 0; h < hosts && same; ++h)
+    same = std::memcmp(fields_in(all, h), mine.data(), kFields * sizeof(int64_t)) == 0;
+  if (same) return all;
 
   // Step 2: this host's other ranks must stop too; a descriptor no call has
   // fails their next check unless they refuse as well.
-  transport::OpDescriptor refused =
-      group_.next_descriptor(static_cast<Collective>(call.collective));
-  refused.num_tensors = -1;
   const std::string name = std::string(what) + " (the check across hosts)";
-  try {
-    group_.host_channel()->open_collective(group_.make_context(refused, name.c_str(), deadline));
-  } catch (const transport::MismatchError&) {
-    // Expected where a local peer's group agreed: it now fails as well.
+  uint64_t seq = 0;
+  if (host_step_follows) {
+    transport::OpDescriptor refused =
+        group_.next_descriptor(static_cast<Collective>(call.collective));
+    seq = refused.seq;
+    refused.num_tensors = kRefused;
+    try {
+      group_.host_channel()->open_collective(group_.make_context(refused, name.c_str(), deadline));
+    } catch (const transport::MismatchError&) {
+      // Expected where a local peer's group agreed: it now fails as well.
+    }
   }
   std::string msg = "xdev: ranks on different hosts called mismatched collectives at " +
                     std::string(what) + ": the ranks of local index " +
                     std::to_string(group_.local_rank()) + ", one per host, passed";
   for (int h = 0; h < hosts; ++h) {
-    transport::OpDescriptor d = from_fields(rows + h * k);
-    d.seq = refused.seq;
+    const int64_t* f = fields_in(all, h);
+    if (f[4] == kRefused) {
+      msg += "\n  host " + std::to_string(h) +
+             ": nothing (its ranks called different collectives among themselves; their "
+             "error names the calls)";
+      continue;
+    }
+    transport::OpDescriptor d = from_fields(f);
+    d.seq = seq;
     msg += "\n  host " + std::to_string(h) + ": " + group_.describe_op(d);
   }
   msg +=

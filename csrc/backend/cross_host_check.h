@@ -4,19 +4,25 @@
 // barrier of a step and all compare them (ShmChannel::check_same_descriptor);
 // that sees only one host's ranks. The engine (Gloo) checks nothing: ranks of
 // different hosts passing different sizes would leave some of them waiting on
-// the engine until the timeout, or read a wrong result. So before its first
-// step a two-level collective exchanges its call's descriptor with the ranks
-// of its local index on the other hosts (one all-gather of a few integers by
-// the engine). When they differ:
+// the engine until the timeout, read a wrong result, or abort in Gloo (it
+// kills the process when a message is longer than the receiver's buffer). So
+// before any of its data crosses hosts a two-level collective exchanges its
+// call's descriptor with the ranks of its local index on the other hosts: one
+// all-gather by the engine of a message of fixed size
+// (plan::kCrossHostMessageBytes), which may carry the collective's payload as
+// well (plan/two_level.h). When the calls differ:
 //   1. every rank of that cross-host group sees the same H descriptors, so all
 //      of them refuse, and none runs the engine's data step;
-//   2. each takes part in its host's next descriptor check with a descriptor
-//      no call has (num_tensors -1), so that its host's other ranks, whose
-//      groups agreed, fail there too rather than wait for it;
+//   2. where a step inside the host follows, each takes part in its host's
+//      next descriptor check with a descriptor no call has (num_tensors -1),
+//      so that its host's other ranks, whose groups agreed, fail there too
+//      rather than wait for it;
 //   3. it throws MismatchError naming every host's call.
 // Ranks of one host that disagree among themselves are caught by the host's
-// own check as before. Either way every rank stops at the same step with an
-// error and the group stays usable.
+// own check. A collective whose first step is inside the host then sends its
+// exchange as a refusal (refuse()), so that the other hosts' ranks fail too
+// rather than wait for it. Either way every rank stops at the same step with
+// an error and the group stays usable.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -33,16 +39,36 @@ class CrossHostCheck {
   // engine: this rank's cross-host group (its ranks there are host indices).
   CrossHostCheck(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
 
-  // On the op thread, before the collective's first step. `call` describes
-  // this rank's call (its seq is ignored); `what` names the collective in errors.
-  // Returns when every host's rank of this local index made the same call;
-  // otherwise runs steps 2 and 3 above and throws transport::MismatchError.
+  // On the op thread, before any data of the collective crosses hosts. `call`
+  // describes this rank's call (its seq is ignored); `what` names the
+  // collective in errors. When `payload_bytes` fits
+  // (plan::carried_across_hosts), the payload rides along. Returns every
+  // host's message, host by host (payload_of), once every host's rank of
+  // this local index made the same call; otherwise runs steps 2 (when
+  // `host_step_follows`) and 3 above and throws transport::MismatchError.
+  at::Tensor exchange(const transport::OpDescriptor& call, const void* payload,
+                      int64_t payload_bytes, bool host_step_follows, const char* what,
+                      transport::Clock::time_point deadline);
+
+  // exchange() without a payload, before the collective's first step.
   void check(const transport::OpDescriptor& call, const char* what,
-             transport::Clock::time_point deadline);
+             transport::Clock::time_point deadline) {
+    exchange(call, nullptr, 0, /*host_step_follows=*/true, what, deadline);
+  }
+
+  // For a rank whose host's own check failed before its exchange: sends the
+  // exchange as a refusal, so that the other hosts' ranks of its local index
+  // fail instead of waiting for it. The caller then rethrows its error.
+  void refuse(transport::Clock::time_point deadline);
+
+  // Host h's payload in exchange()'s result.
+  static const char* payload_of(const at::Tensor& messages, int host);
 
   void shutdown() { engine_.reset(); }
 
  private:
+  at::Tensor all_gather(const at::Tensor& message, transport::Clock::time_point deadline);
+
   GroupContext& group_;
   c10::intrusive_ptr<c10d::Backend> engine_;
 };

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "../kernels/cpu_reduce.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -97,26 +98,49 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
 void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
                             const transport::OpDescriptor& call,
                             transport::Clock::time_point deadline) {
-  check_.check(call, "two-level allreduce", deadline);
   const int local_rank = group_.local_rank();
   const std::vector<int64_t> sizes = slice_sizes(flat.numel(), group_.local_world_size());
   const at::Tensor slice = at::empty({sizes[static_cast<size_t>(local_rank)]}, flat.options());
   const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
-  run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, deadline);
+  try {
+    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline);
+  } catch (const transport::MismatchError&) {
+    check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
+    throw;
+  }
 
-  std::vector<at::Tensor> engine_tensors{slice};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = two_level_engine_op(op);
-  opts.timeout = engine_timeout(deadline);
-  wait_for_engine(engine_->allreduce(engine_tensors, opts), opts.timeout,
-                  "two-level allreduce: the engine's allreduce across hosts");
-  if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
+  // The check across hosts; a small slice rides in it, and every rank then
+  // sums the hosts' partial sums in host order (the same bits everywhere).
+  const int64_t slice_bytes = slice.numel() * slice.element_size();
+  const bool carried = plan::carried_across_hosts(slice_bytes);
+  const at::Tensor messages =
+      check_.exchange(call, carried ? slice.data_ptr() : nullptr, slice_bytes,
+                      /*host_step_follows=*/true, "two-level allreduce", deadline);
+  if (carried) {
+    const int hosts = group_.num_hosts();
+    std::vector<const void*> partials;
+    for (int h = 0; h < hosts; ++h) partials.push_back(CrossHostCheck::payload_of(messages, h));
+    if (slice.numel() > 0) {
+      kernels::reduce(*native_dtype(slice.scalar_type()), op, slice.data_ptr(), partials.data(),
+                      hosts, slice.numel(), op == kernels::ReduceOp::kAvg ? group_.size() : 0);
+    }
+  } else {
+    std::vector<at::Tensor> engine_tensors{slice};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = two_level_engine_op(op);
+    opts.timeout = engine_timeout(deadline);
+    wait_for_engine(engine_->allreduce(engine_tensors, opts), opts.timeout,
+                    "two-level allreduce: the engine's allreduce across hosts");
+    if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
+  }
 
-  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, deadline);
+  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
+              deadline);
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
                                     const at::Tensor& slice, kernels::ReduceOp op,
+                                    const transport::OpDescriptor& call,
                                     transport::Clock::time_point deadline) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   // A reduce-scatter reduces elements; an all-gather moves bytes.
@@ -147,7 +171,11 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.dtype = static_cast<int32_t>(req.dtype);
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);
   d.total_elems = start;
-  d.shape_hash = shape_hash({flat});
+  // The call's shapes, not the flat payload's: the host's ranks then agree on
+  // the whole call here, so that (their hosts differing) every cross-host
+  // group of the host sees the same difference.
+  d.num_tensors = call.num_tensors;
+  d.shape_hash = call.shape_hash;
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
   executor_.run(req);

@@ -1,9 +1,12 @@
 // Allreduce of CPU tensors across hosts by the two-level plan
 // (plan/two_level.h): a reduce-scatter over this host's shared-memory channel
 // leaves local rank l with its host's sum of slice l; the engine (Gloo)
-// allreduces slice l among the ranks of local index l, one per host; an
-// all-gather over the host's channel puts the slices together. Every rank
-// ends with the same bits: the engine's result is only copied.
+// allreduces slice l among the ranks of local index l, one per host (or, for
+// a slice small enough to ride in the exchange of calls across hosts, every
+// rank of that group sums the hosts' partial sums it received, in host
+// order); an all-gather over the host's channel puts the slices together.
+// Every rank ends with the same bits: the engine's result is only copied, and
+// the sums of carried slices are made alike on every rank.
 //
 // Runs on the group's queue like every native collective, so it keeps their
 // order; the engine's part blocks the op thread until the engine is done.
@@ -63,9 +66,11 @@ class TwoLevelAllreduce {
   void run(const at::Tensor& flat, kernels::ReduceOp op, const transport::OpDescriptor& call,
            transport::Clock::time_point deadline);
   // One half over the host channel: reduce-scatter `flat` into `slice`
-  // (this local rank's), or all-gather the slices back into `flat`.
+  // (this local rank's), or all-gather the slices back into `flat`. The
+  // host's ranks check that they all make `call`.
   void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
-                   kernels::ReduceOp op, transport::Clock::time_point deadline);
+                   kernels::ReduceOp op, const transport::OpDescriptor& call,
+                   transport::Clock::time_point deadline);
 
   GroupContext& group_;
   plan::MachineModel host_model_;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "../kernels/cpu_reduce.h"
+#include "../plan/two_level.h"
 #include "tensor_helpers.h"
 #include "two_level_allreduce.h"
 
@@ -154,7 +156,6 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel() * t.element_size();
   call.shape_hash = hash;
-  check_.check(call, "two-level all_gather", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   // This rank's blocks, every tensor's bytes one after another: what the engine gathers.
@@ -166,15 +167,26 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   }
   const at::Tensor mine = pieces.size() == 1 ? pieces[0] : at::cat(pieces);
   const int64_t total = mine.numel();
+  // Small blocks ride in the check across hosts; larger ones go by the engine.
+  const bool carried = plan::carried_across_hosts(total);
+  const at::Tensor messages =
+      check_.exchange(call, carried ? mine.data_ptr() : nullptr, total,
+                      /*host_step_follows=*/true, "two-level all_gather", deadline);
   // The blocks of this local index, host by host.
-  at::Tensor gathered = at::empty({hosts * total}, mine.options());
-  if (total > 0) {  // every rank's blocks are empty alike: nothing to send across hosts
+  at::Tensor gathered;
+  if (!carried) {
+    gathered = at::empty({hosts * total}, mine.options());
     c10d::AllgatherOptions opts;
     opts.timeout = engine_timeout(deadline);
     at::Tensor in = mine;
     wait_for_engine(engine_->_allgather_base(gathered, in, opts), opts.timeout,
                     "two-level all_gather: the engine's all-gather across hosts");
   }
+  // Where host h's blocks lie (the all-gather inside the host only reads them).
+  const auto blocks_from = [&](int h) {
+    return carried ? const_cast<char*>(CrossHostCheck::payload_of(messages, h))
+                   : ptr(gathered) + h * total;
+  };
   std::vector<at::Tensor> full;  // host-major
   for (const at::Tensor& t : outputs) {
     full.push_back(host_major_ranks_.defined() ? at::empty_like(t) : t);
@@ -183,10 +195,10 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   std::vector<char*> block_ptrs;
   std::vector<int64_t> layout;
   for (int h = 0; h < hosts; ++h) {
-    int64_t offset = h * total;  // host h's blocks in `gathered`
+    int64_t offset = 0;  // within host h's blocks
     for (size_t i = 0; i < inputs.size(); ++i) {
       full_ptrs.push_back(ptr(full[i]) + h * local * block_bytes[i]);
-      block_ptrs.push_back(ptr(gathered) + offset);
+      block_ptrs.push_back(blocks_from(h) + offset);
       layout.push_back(block_bytes[i]);
       offset += block_bytes[i];
     }
@@ -210,7 +222,6 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel();
   call.shape_hash = hash;
-  check_.check(call, "two-level reduce_scatter", deadline);
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   const int64_t elem_size = inputs[0].element_size();
@@ -236,12 +247,37 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     }
   }
   const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
-  run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
-              plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size, host_op,
-              hash, deadline);
+  try {
+    run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
+                plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
+                host_op, hash, deadline);
+  } catch (const transport::MismatchError&) {
+    check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
+    throw;
+  }
+  // The check across hosts; small partial sums ride in it, and the rank then
+  // sums its block from every host's, in host order, as the engine would not.
+  // No step inside the host follows: the host's ranks made the same call (its
+  // check above compares the call's shapes), so every cross-host group of a
+  // host sees the same difference, and all of them fail here.
+  const int64_t packed_bytes = packed.numel() * elem_size;
+  const bool carried = plan::carried_across_hosts(packed_bytes);
+  const at::Tensor messages =
+      check_.exchange(call, carried ? packed.data_ptr() : nullptr, packed_bytes,
+                      /*host_step_follows=*/false, "two-level reduce_scatter", deadline);
   const at::Tensor mine =
       outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
-  if (total > 0) {
+  if (carried) {
+    std::vector<const void*> partials;
+    for (int h = 0; h < hosts; ++h) {
+      partials.push_back(CrossHostCheck::payload_of(messages, h) +
+                         group_.host_index() * total * elem_size);
+    }
+    if (total > 0) {
+      kernels::reduce(*native_dtype(inputs[0].scalar_type()), op, mine.data_ptr(), partials.data(),
+                      hosts, total, op == kernels::ReduceOp::kAvg ? group_.size() : 0);
+    }
+  } else if (total > 0) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = two_level_engine_op(op);
     opts.timeout = engine_timeout(deadline);
@@ -250,7 +286,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     wait_for_engine(engine_->_reduce_scatter_base(out, in, opts), opts.timeout,
                     "two-level reduce_scatter: the engine's reduce-scatter across hosts");
   }
-  if (op == kernels::ReduceOp::kAvg) mine.div_(group_.size());
+  if (op == kernels::ReduceOp::kAvg && !carried) mine.div_(group_.size());
   if (outputs.size() > 1) unpack_into(mine, outputs);
 }
 

@@ -19,6 +19,10 @@
 // the H blocks of local index l, packed in host order; (2) the engine
 // reduce-scatters them in the cross-host group. Sums inside a host go in
 // local-rank order, across hosts in the engine's order.
+// What a rank sends across hosts rides in the exchange of calls when it fits
+// (plan::carried_across_hosts): then the engine's step is that exchange, and
+// a reduce-scatter's rank sums its block from every host's partial sums
+// itself, in host order.
 //
 // Host h's blocks are one piece of the full tensor when its ranks are
 // consecutive, as torchrun numbers them. When the group's ranks are not in

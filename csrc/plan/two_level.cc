@@ -50,6 +50,10 @@ double stream_rate(const NetworkParams& net, int streams, int leaving) {
   return rate;
 }
 
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
 }  // namespace
 
 Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes) {
@@ -84,7 +88,9 @@ Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes) {
 
 double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net) {
   check(hosts);
-  return (hosts.num_hosts - 1) * net.latency_s;
+  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
+  return (hosts.num_hosts - 1) *
+         (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / rate);
 }
 
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {
@@ -103,11 +109,15 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
       hosts.ranks_per_host > 1
           ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds
           : 0.0;
-  // L streams leave each host at once, sharing its link and its memory.
+  // L streams leave each host at once, sharing its link and its memory; a
+  // slice too large to ride in the exchange of calls takes the engine's ring.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
-  const double slice = static_cast<double>(bytes) / hosts.ranks_per_host;
-  return cross_host_check_s(hosts, net) + intra +
-         ring_s(hosts.num_hosts, slice, rate, net.latency_s);
+  const int64_t slice = ceil_div(bytes, hosts.ranks_per_host);
+  const double across =
+      carried_across_hosts(slice)
+          ? 0.0
+          : ring_s(hosts.num_hosts, static_cast<double>(slice), rate, net.latency_s);
+  return cross_host_check_s(hosts, net) + intra + across;
 }
 
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
@@ -166,11 +176,19 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
                                    kind == GatherScatterKind::kAllGather ? 1 : elem_bytes)
                 .seconds
           : 0.0;
-  // Across hosts L rings of H ranks at once, each on H blocks of bytes/P.
+  // Across hosts L rings of H ranks at once, each on H blocks of bytes/P,
+  // unless what a rank sends rides in the exchange of calls: its own block
+  // for an all-gather, its host's partial sums of H blocks for a
+  // reduce-scatter.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
   const double per_ring = static_cast<double>(bytes) / hosts.ranks_per_host;
-  return cross_host_check_s(hosts, net) + intra +
-         half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
+  const int64_t sent = kind == GatherScatterKind::kAllGather
+                           ? ceil_div(bytes, hosts.world_size())
+                           : ceil_div(bytes, hosts.ranks_per_host);
+  const double across = carried_across_hosts(sent)
+                            ? 0.0
+                            : half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
+  return cross_host_check_s(hosts, net) + intra + across;
 }
 
 AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,

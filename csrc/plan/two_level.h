@@ -66,15 +66,35 @@ Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes);
 // rings of H ranks, each on bytes/L.
 Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes);
 
-// Before its first step every two-level collective exchanges its call (a few
-// integers) with the ranks of its local index on the other hosts, so that a
-// call whose shapes differ between hosts fails on every rank instead of
-// waiting: an all-gather of H ranks, H-1 steps of a message's latency.
+// Every two-level collective exchanges its call with the ranks of its local
+// index on the other hosts before any of its data crosses, so that a call
+// whose shapes differ between hosts fails on every rank instead of waiting.
+// That message has one size whatever the call: a header with the call's
+// fields, then room for kCrossHostCarryBytes of payload. A fixed size is what
+// keeps the check safe, since Gloo aborts the process when a message is longer
+// than the buffer its receiver posted. A payload that fits (the host's
+// partial sums of a small allreduce, a small all-gather's blocks) rides in the
+// message, so a small two-level collective crosses the network once: one
+// all-gather of H ranks instead of that and the engine's own steps.
+inline constexpr int64_t kCrossHostHeaderBytes = 64;
+inline constexpr int64_t kCrossHostCarryBytes = 64 * 1024;
+inline constexpr int64_t kCrossHostMessageBytes = kCrossHostHeaderBytes + kCrossHostCarryBytes;
+
+// Whether a payload of `bytes` (what one rank sends across hosts) rides in
+// the exchange of calls.
+inline bool carried_across_hosts(int64_t bytes) {
+  return bytes <= kCrossHostCarryBytes;
+}
+
+// The exchange of calls: an all-gather of H ranks, H-1 steps of one message,
+// with the L ranks of a host sending at once.
 double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net);
 
 // Predicted seconds. `host` models one host's shared-memory path for
 // ranks_per_host ranks (the reduce-scatter and all-gather together cost what
-// its flat allreduce costs). The two-level plans include the check above.
+// its flat allreduce costs). The two-level plans include the exchange of
+// calls above, and the engine's steps only for a payload it does not carry
+// (the reduction of carried payloads is left out: H small sums in memory).
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
                            const MachineModel& host);

@@ -108,12 +108,34 @@ TEST(two_level_allreduce_prediction_counts_the_check_across_hosts) {
   const int64_t bytes = 8 * kMiB;
   const double intra =
       predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds;
-  // 2(H-1) = 6 steps of half the payload's quarter, then the check: H-1 = 3 latencies.
+  // 2(H-1) = 6 steps of half the payload's quarter, then the check: H-1 = 3
+  // steps of its fixed message (two streams per host stay under the link's share).
   const double ring = 6 * (net.latency_s + bytes / 2.0 / 4 / net.stream_bytes_per_s);
-  CHECK(near(cross_host_check_s(layout, net), 3 * net.latency_s, 1e-15));
-  CHECK(
-      near(predict_two_level_s(layout, bytes, net, host), intra + ring + 3 * net.latency_s, 1e-12));
+  const double check =
+      3 * (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / net.stream_bytes_per_s);
+  CHECK(near(cross_host_check_s(layout, net), check, 1e-15));
+  CHECK(near(predict_two_level_s(layout, bytes, net, host), intra + ring + check, 1e-12));
   CHECK(near(cross_host_check_s({1, 2}, net), 0.0, 0.0));
+}
+
+TEST(a_small_allreduce_crosses_hosts_in_the_check_alone) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{4, 2};
+  // A slice of exactly the carried bytes rides in the check; one more byte's worth takes the ring.
+  const int64_t carried = 2 * kCrossHostCarryBytes;
+  const double intra =
+      predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), carried).seconds;
+  CHECK(near(predict_two_level_s(layout, carried, net, host),
+             intra + cross_host_check_s(layout, net), 1e-12));
+  const int64_t over = carried + 2;
+  const double intra_over =
+      predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), over).seconds;
+  CHECK(predict_two_level_s(layout, over, net, host) >
+        intra_over + cross_host_check_s(layout, net) + 6 * net.latency_s);
+  CHECK(carried_across_hosts(kCrossHostCarryBytes));
+  CHECK(!carried_across_hosts(kCrossHostCarryBytes + 1));
 }
 
 TEST(predict_two_level_checks_the_host_model) {
@@ -194,10 +216,12 @@ TEST(gather_scatter_predictions_add_up) {
                                                 kind == GatherScatterKind::kAllGather ? 1 : 4)
                              .seconds;
     // Two steps across 3 hosts, each of one block of a MiB, 2 streams per host, after the
-    // check's two steps of a latency each.
+    // check's two steps of its fixed message.
     double across = 2 * (net.latency_s + kMiB / net.stream_bytes_per_s);
-    CHECK(near(cross_host_check_s(layout, net), 2 * net.latency_s, 1e-15));
-    across += cross_host_check_s(layout, net);
+    const double check =
+        2 * (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / net.stream_bytes_per_s);
+    CHECK(near(cross_host_check_s(layout, net), check, 1e-15));
+    across += check;
     CHECK(near(predict_two_level_gather_scatter_s(kind, layout, bytes, 4, net, host),
                intra + across, 1e-12));
     const AcrossHostsChoice c =
@@ -208,6 +232,31 @@ TEST(gather_scatter_predictions_add_up) {
   CHECK_THROWS(
       predict_two_level_gather_scatter_s(GatherScatterKind::kAllGather, {2, 4}, kMiB, 4, net, host),
       std::invalid_argument, "host model of 2 devices");
+}
+
+TEST(small_gather_scatter_payloads_cross_hosts_in_the_check_alone) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{3, 2};  // 6 ranks
+  // An all-gather rank sends its block (bytes/6), a reduce-scatter rank its host's
+  // partial sums of 3 blocks (bytes/2): each rides in the check up to the carried bytes.
+  const struct {
+    GatherScatterKind kind;
+    int64_t carried_bytes;
+  } cases[] = {{GatherScatterKind::kAllGather, 6 * kCrossHostCarryBytes},
+               {GatherScatterKind::kReduceScatter, 2 * kCrossHostCarryBytes}};
+  for (const auto& c : cases) {
+    const double intra =
+        predict_gather_scatter(host, c.kind, GatherScatterCandidate{}, c.carried_bytes,
+                               c.kind == GatherScatterKind::kAllGather ? 1 : 4)
+            .seconds;
+    CHECK(near(predict_two_level_gather_scatter_s(c.kind, layout, c.carried_bytes, 4, net, host),
+               intra + cross_host_check_s(layout, net), 1e-12));
+    const int64_t over = c.carried_bytes + 24;
+    CHECK(predict_two_level_gather_scatter_s(c.kind, layout, over, 4, net, host) >
+          cross_host_check_s(layout, net) + 2 * net.latency_s);
+  }
 }
 
 TEST(select_gather_scatter_across_hosts) {
