@@ -56,6 +56,12 @@ class WindowMap {
   bool reduce_scatter_;
 };
 
+// Where rank j's block starts in a one-tensor request's full tensor, in elements.
+int64_t block_start(const GatherScatterRequest& req, int j) {
+  return req.block_starts.empty() ? j * req.block_layout->total()
+                                  : req.block_starts[static_cast<size_t>(j)];
+}
+
 }  // namespace
 
 bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
@@ -72,8 +78,8 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     return false;
   }
   const bool in_heap = static_cast<bool>(req.full_copies);
-  if (in_heap && (req.full.size() != 1 || !req.block_starts.empty())) {
-    throw std::invalid_argument("in-place gather/scatter needs one tensor and even blocks");
+  if (in_heap && req.full.size() != 1) {
+    throw std::invalid_argument("in-place gather/scatter needs one tensor");
   }
   const bool all_gather = plan.kind() == plan::GatherScatterKind::kAllGather;
   std::vector<const void*> sources;
@@ -86,9 +92,9 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
       if (k == 0 && in_heap && all_gather) {
         // Should this run in place, peers read this rank's block from its
         // output: put it there before the barrier (FSDP's input already is).
-        char* mine = req.full[0] + me * req.block_layout->total() * es;
+        char* mine = req.full[0] + block_start(req, me) * es;
         if (mine != req.block[0]) {
-          std::memmove(mine, req.block[0], static_cast<size_t>(req.block_layout->total() * es));
+          std::memmove(mine, req.block[0], static_cast<size_t>(plan.block_elems(me) * es));
         }
       }
       char* slot = channel_.slot(parity, me);
@@ -148,24 +154,25 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
 // input, as soon as the call returns.
 void GatherScatterExecutor::run_in_place(const GatherScatterRequest& req,
                                          const std::vector<char*>& full) {
+  const plan::GatherScatterPlan& plan = *req.plan;
   const int me = channel_.rank();
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
-  const int64_t count = req.block_layout->total();
-  const auto block_bytes = static_cast<size_t>(count * es);
-  if (req.plan->kind() == plan::GatherScatterKind::kAllGather) {
+  if (plan.kind() == plan::GatherScatterKind::kAllGather) {
     // Starting at the next rank spreads the readers over the owners.
     for (int step = 1; step < world; ++step) {
       const int owner = (me + step) % world;
-      const int64_t at = owner * count * es;
-      std::memcpy(req.full[0] + at, full[static_cast<size_t>(owner)] + at, block_bytes);
+      const int64_t at = block_start(req, owner) * es;
+      std::memcpy(req.full[0] + at, full[static_cast<size_t>(owner)] + at,
+                  static_cast<size_t>(plan.block_elems(owner) * es));
     }
   } else {
     std::vector<const void*> sources;
-    for (int r = 0; r < world; ++r)
-      sources.push_back(full[static_cast<size_t>(r)] + me * count * es);
+    const int64_t at = block_start(req, me) * es;
+    for (int r = 0; r < world; ++r) sources.push_back(full[static_cast<size_t>(r)] + at);
     const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
-    kernels::reduce(req.dtype, req.op, req.block[0], sources.data(), world, count, divisor);
+    kernels::reduce(req.dtype, req.op, req.block[0], sources.data(), world, plan.block_elems(me),
+                    divisor);
   }
   channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads this rank's tensor any more
 }

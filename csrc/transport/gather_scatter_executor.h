@@ -13,7 +13,8 @@
 // per reader instead of being staged first.
 //
 // In place (one tensor whose full tensor lies in the group's symmetric heap,
-// as FSDP2 allocates it with set_allocate_memory_from_process_group_for_comm):
+// as FSDP2 allocates it with set_allocate_memory_from_process_group_for_comm,
+// or a DDP bucket in a host's heap reduced in two levels; blocks may be uneven):
 // the run starts staged; after its first barrier, when every rank's
 // descriptor puts the full tensor at the same place of the heap, each rank
 // reads its peers' full tensors where it maps them and nothing more is
