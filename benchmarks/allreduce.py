@@ -12,10 +12,11 @@ Usage::
 CPU mode (the default): every rank runs one Gloo default group plus one xdev group per
 algorithm; each row is the slowest rank's mean time per ``all_reduce``. The pseudo-algorithm
 ``shared_empty`` is ``auto`` on a tensor from ``torch_xdev.shared_empty``, which every rank
-maps, so the allreduce runs in place; the other rows reduce ordinary tensors, as DDP's
-buckets are. Before timing an xdev algorithm its result on random data is checked against
-Gloo's. The parent process also
-measures single-core ``copy_`` bandwidth so each row can be compared to memcpy.
+maps, so the allreduce runs in place; ``heap`` is ``auto`` on a tensor from the group's
+symmetric heap (``allocate_tensor``), where DDP takes its buckets; the other rows reduce
+ordinary tensors. ``--hosts`` runs ``auto`` and ``heap``. Before timing an xdev algorithm its
+result on random data is checked against Gloo's. The parent process also measures
+single-core ``copy_`` bandwidth so each row can be compared to memcpy.
 
 Where ``deepspeed`` is importable, CPU mode adds a ``deepspeed_shm`` row per size: DeepSpeed's
 shared-memory allreduce (``deepspeed.comm.inference_all_reduce``) in the same processes,
@@ -95,8 +96,11 @@ from allreduce_cuda import (
 DEFAULT_ALGORITHMS = (
     "auto,shared_empty,direct,flat,reduce_to_one,hierarchical_copy,hierarchical_balanced"
 )
-# Not an Options.algorithm: "auto" on a torch_xdev.shared_empty tensor (CPU only).
+# Not Options.algorithms (CPU only): "auto" on a torch_xdev.shared_empty tensor, and "auto" on a
+# tensor from the group's symmetric heap (its allocate_tensor, where DDP takes its buckets).
 SHARED_EMPTY = "shared_empty"
+HEAP = "heap"
+IN_SHARED_MEMORY = (SHARED_EMPTY, HEAP)
 MEMCPY_BYTES = 256 << 20
 DEFAULT_SIZES = {"cpu": "4KiB:64MiB", "cuda": "4KiB:256MiB"}
 KERNEL_BENCHMARK = "benchmarks/cuda_kernels.py"
@@ -168,6 +172,15 @@ def format_row(row: dict[str, Any]) -> str:
     return table_row(row, "vs_gloo", "algbw_vs_memcpy", "memcpy_us")
 
 
+def heap_tensor(group: Any, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor from the group's symmetric heap, as DDP allocates its buckets."""
+    backend = group._get_backend(torch.device("cpu"))
+    if not backend.supports_tensor_alloc(torch.device("cpu")):
+        note = torch_xdev.describe(group)["ddp_shared_buckets_note"]
+        raise SystemExit(f"the heap row needs the group's symmetric heap, which is {note}")
+    return backend.allocate_tensor(count, dtype=dtype, device=torch.device("cpu"))
+
+
 def run_rank(rank: int, cfg: Config) -> None:
     if cfg.device == "cuda":
         run_rank_cuda(rank, cfg)
@@ -178,7 +191,7 @@ def run_rank(rank: int, cfg: Config) -> None:
         ("gloo", group_allreduce(dist.group.WORLD), dist.group.WORLD)
     ]
     for algorithm in cfg.algorithms:
-        plan = "auto" if algorithm == SHARED_EMPTY else algorithm
+        plan = "auto" if algorithm in IN_SHARED_MEMORY else algorithm
         options = torch_xdev.Options(algorithm=plan)
         if cfg.slot_bytes is not None:
             options = torch_xdev.Options(algorithm=plan, shm_slot_bytes=cfg.slot_bytes)
@@ -212,12 +225,12 @@ def run_rank(rank: int, cfg: Config) -> None:
         timed: dict[str, torch.Tensor] = {}
         iters: dict[str, int] = {}
         for name, allreduce, group in variants:
-            # Collective: every rank allocates it in the same order.
-            shared = (
-                torch_xdev.shared_empty(count, dtype=dtype, group=group)
-                if name == f"xdev/{SHARED_EMPTY}"
-                else None
-            )
+            # Every rank allocates it in the same order (shared_empty is collective).
+            shared = None
+            if name == f"xdev/{SHARED_EMPTY}":
+                shared = torch_xdev.shared_empty(count, dtype=dtype, group=group)
+            elif name == f"xdev/{HEAP}":
+                shared = heap_tensor(group, count, dtype)
             if name != "gloo":
                 check_result(cfg, name, allreduce, data, expected, "gloo", into=shared)
             timed[name] = tensor if shared is None else shared.zero_()
@@ -344,7 +357,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="CPU mode: split the ranks over this many hosts as xdev sees them (XDEV_HOSTNAME),"
-        " host by host; xdev runs auto (the two-level plan across hosts) next to Gloo, and the"
+        " host by host; xdev runs auto (the two-level plan across hosts) on ordinary tensors and"
+        " on tensors of each host's symmetric heap (heap, as DDP's buckets) next to Gloo, and the"
         " header gives each plan's traffic per host from the plans; after the run the network"
         " model's latency and per-stream rate are fitted to Gloo's times (default 1)",
     )
@@ -396,10 +410,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.exit(f"sizes {bad_sizes} are not multiples of the {args.dtype} element size")
     algorithms: list[str] = []
     for algorithm in (a.strip() for a in args.algorithms.split(",") if a.strip()):
-        if algorithm == SHARED_EMPTY and args.device == "cuda":
-            continue  # CPU tensors only; the default list has it
-        if algorithm not in torch_xdev.ALGORITHMS and algorithm != SHARED_EMPTY:
-            choices = (*torch_xdev.ALGORITHMS, SHARED_EMPTY)
+        if algorithm in IN_SHARED_MEMORY and args.device == "cuda":
+            continue  # CPU tensors only; the default list has shared_empty
+        if algorithm not in torch_xdev.ALGORITHMS and algorithm not in IN_SHARED_MEMORY:
+            choices = (*torch_xdev.ALGORITHMS, *IN_SHARED_MEMORY)
             sys.exit(f"unknown algorithm {algorithm!r}; choose from {choices}")
         if algorithm.startswith("hierarchical") and args.nproc % 2:
             print(f"# note: skipping {algorithm} (needs an even nproc, got {args.nproc})")
@@ -411,7 +425,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.hosts != 1:
         if args.device != "cpu" or args.hosts < 1 or args.nproc % args.hosts:
             sys.exit("--hosts needs CPU mode and divides --nproc")
-        algorithms = ["auto"]  # the forced native plans need one host
+        # The forced native plans need one host; the heap row is a DDP bucket's allreduce.
+        algorithms = ["auto", HEAP]
         args.no_deepspeed = True
 
     if args.device == "cuda":

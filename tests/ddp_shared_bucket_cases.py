@@ -435,9 +435,9 @@ CASES: dict[str, Case] = {
     "two_groups": Case(case_two_groups),
     "bucket_cap_differs_rebuilt": Case(case_bucket_cap_differs_rebuilt),
     "world_of_one": Case(case_world_of_one, shared=False),
+    # Each host's ranks share a heap; the two-level allreduce reads it inside each host.
     "two_hosts": Case(
         case_mlp,
-        shared=False,
         hostnames=("host-a", "host-a", "host-b", "host-b"),
         algorithm="auto",  # a forced native plan is refused across hosts
     ),

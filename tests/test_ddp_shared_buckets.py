@@ -170,7 +170,7 @@ def test_buckets_were_shared(results: Results, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if not case.shared])
 def test_no_shared_buckets_where_impossible(results: Results, name: str) -> None:
-    # A world of one, or ranks on two hosts: no heap; DDP's buckets are ordinary tensors.
+    # A world of one: no heap; DDP's buckets are ordinary tensors.
     for rank in range(WORLD_SIZE):
         out = outcome(results, rank, name, "xdev")
         assert out["snapshots"], f"{name}: no snapshot taken"

@@ -3,9 +3,10 @@
 Shared buckets. PyTorch's DDP Reducer allocates each gradient bucket through its process
 group's backend (``Backend::allocateTensor``) when the environment variable
 ``DDP_DISABLE_COMM_MEM`` is ``0`` and the backend says it can (``supportsTensorAlloc``). xdev
-can for CPU buckets on one host: it places them in the group's symmetric heap, memory every
-rank maps, so each bucket's allreduce reads the peers' buckets and writes the totals straight
-into them, with nothing staged. PyTorch reads the variable process-wide, for every backend, so
+can for CPU buckets: it places them in the group's symmetric heap, memory every rank maps, so
+each bucket's allreduce reads the peers' buckets and writes the totals straight into them, with
+nothing staged (on several hosts each host's ranks share a heap, and the two-level allreduce
+reads it inside each host). PyTorch reads the variable process-wide, for every backend, so
 ``import torch_xdev`` sets it to ``0`` only where that changes no other backend: when the user
 has not set it and the process sees no CUDA device (NCCL, the one other backend that answers
 ``supportsTensorAlloc``, needs one). Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;

@@ -137,7 +137,8 @@ class Options:
             (process_vm_readv) for large CPU allreduces, when the host allows it.
         shared_buckets: let DDP allocate its gradient buckets (and other callers of c10d's
             ``allocateTensor``) in this group's symmetric heap, memory every rank maps, so
-            their allreduce runs in place. CPU tensors on one host; see the README.
+            their allreduce runs in place (on several hosts, in place inside each host). CPU
+            tensors; see the README.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 

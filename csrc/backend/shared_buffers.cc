@@ -16,33 +16,43 @@ constexpr size_t kFirstArenaBytes = size_t{32} << 20;
 }  // namespace
 
 SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
-  transport::ShmChannel* channel = group.channel();
-  if (channel == nullptr || group.size() == 1) {
-    heap_note_ = "off: no shared memory (several hosts, or a world of one)";
+  if (group.size() == 1) {
+    heap_note_ = "off: a world of one";
     return;
   }
   if (!group.config().shared_buckets) {
     heap_note_ = "off: Options.shared_buckets / XDEV_SHARED_BUCKETS is off";
     return;
   }
+  // On one host the heap is the group's; on several, each host's ranks share
+  // one over their host channel, and the in-host steps of the two-level
+  // allreduce read it. Every rank of the group takes part in the vote below:
+  // a rank alone on its host has no channel and votes no.
+  transport::ShmChannel* channel = heap_channel();
+  if (channel == nullptr && group.num_hosts() == 1) {
+    heap_note_ = "off: no shared memory (algorithm='fallback')";  // alike on every rank
+    return;
+  }
   // Each rank makes its first arena and publishes it in the channel; once all
   // have (a Store barrier), each maps every peer's, and all agree whether
   // every rank could. That costs two Store round trips per group.
-  GroupContext* g = &group;
-  auto heap = std::make_shared<transport::SymmetricHeap>(
-      group.rank(), group.size(), kFirstArenaBytes,
-      [g](int arena, const transport::ArenaAddress& address) {
-        g->channel()->publish_arena(arena, address);
-      });
-  std::string why;
-  try {
-    heap->first_arena();
-  } catch (const std::exception& e) {
-    why = e.what();
+  std::string why = channel == nullptr ? "a rank is alone on its host" : "";
+  std::shared_ptr<transport::SymmetricHeap> heap;
+  if (channel != nullptr) {
+    heap = std::make_shared<transport::SymmetricHeap>(
+        channel->rank(), channel->world_size(), kFirstArenaBytes,
+        [this](int arena, const transport::ArenaAddress& address) {
+          heap_channel()->publish_arena(arena, address);
+        });
+    try {
+      heap->first_arena();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
   }
   c10d::Store& store = group.store();
   store_barrier(store, "xdev/heap/published/", group.size(), group.config().timeout);
-  for (int r = 0; r < group.size() && why.empty(); ++r) {
+  for (int r = 0; channel != nullptr && r < channel->world_size() && why.empty(); ++r) {
     try {
       heap->arena_of(r, 0, channel->arena_of(r, 0));
     } catch (const std::exception& e) {
@@ -51,13 +61,20 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   }
   if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size()) == 0) {
     heap_ = std::move(heap);
-    heap_note_ =
-        "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every rank maps";
+    heap_note_ = group.num_hosts() == 1
+                     ? "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every "
+                       "rank maps"
+                     : "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every "
+                       "rank of their host maps";
   } else {
     heap_note_ = why.empty() ? "off: a peer cannot map this host's ranks' memory (see its log)"
                              : "off: " + why;
     group.log_once("heap-off", "symmetric heap " + heap_note_);
   }
+}
+
+transport::ShmChannel* SharedBuffers::heap_channel() const {
+  return group_.num_hosts() > 1 ? group_.host_channel() : group_.channel();
 }
 
 at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {

@@ -13,6 +13,8 @@
 // which PyTorch's DDP calls for its gradient buckets, takes blocks from it
 // with no Store round trip. Whether this host lets ranks open each other's
 // arenas is probed once, when the group is made, and agreed through the Store.
+// A group on several hosts has one heap per host, shared by the host's ranks
+// (the two-level allreduce's in-host steps read it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -59,7 +61,10 @@ class SharedBuffers {
   SharedPlacement find(const at::Tensor& t) const;
 
   // Whether allocate() can give CPU tensors from the symmetric heap, and why (not).
-  bool heap_available() const { return heap_ != nullptr && group_.channel() != nullptr; }
+  bool heap_available() const { return heap_ != nullptr && heap_channel() != nullptr; }
+  // The channel whose ranks share the heap: the group's on one host; on
+  // several, this host's (its ranks are the host's local ranks). Null once closed.
+  transport::ShmChannel* heap_channel() const;
   const std::string& heap_note() const { return heap_note_; }
   // c10d's allocateTensor: a CPU tensor of numel elements in the symmetric
   // heap. Not collective; every rank should allocate the same sizes in the

@@ -47,8 +47,10 @@ void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::mi
   if (!work->wait(timeout)) TORCH_CHECK(false, "xdev ", what, " failed");
 }
 
-TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
+TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& shared,
+                                     c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group),
+      shared_(shared),
       host_model_(cpu_host_model(group.config(), group.local_world_size())),
       network_(network_model(group.config())),
       executor_(*group.host_channel()),
@@ -81,7 +83,9 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         for (const at::Tensor& t : tensors) call.total_elems += t.numel();
         call.shape_hash = shape_hash(tensors);
         if (tensors.size() == 1 && tensors[0].is_contiguous()) {
-          run(tensors[0].view({-1}), op, call, deadline);
+          // A DDP bucket from this host's symmetric heap: the steps inside the
+          // host run in place when every local rank's lies at the same place.
+          run(tensors[0].view({-1}), op, call, deadline, shared_.find(tensors[0]));
           return;
         }
         // Several tensors (allreduce_coalesced) or a strided one: one flat
@@ -89,7 +93,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         std::vector<at::Tensor> flat_views;
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
-        run(flat, op, call, deadline);
+        run(flat, op, call, deadline, {});
         unpack_into(flat, tensors);
       },
       async_op);
@@ -97,13 +101,15 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
 
 void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
                             const transport::OpDescriptor& call,
-                            transport::Clock::time_point deadline) {
+                            transport::Clock::time_point deadline,
+                            const SharedPlacement& placement) {
   const int local_rank = group_.local_rank();
   const std::vector<int64_t> sizes = slice_sizes(flat.numel(), group_.local_world_size());
   const at::Tensor slice = at::empty({sizes[static_cast<size_t>(local_rank)]}, flat.options());
   const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
   try {
-    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline);
+    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline,
+                placement);
   } catch (const transport::MismatchError&) {
     check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
     throw;
@@ -135,13 +141,14 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
   }
 
   run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
-              deadline);
+              deadline, placement);
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
                                     const at::Tensor& slice, kernels::ReduceOp op,
                                     const transport::OpDescriptor& call,
-                                    transport::Clock::time_point deadline) {
+                                    transport::Clock::time_point deadline,
+                                    const SharedPlacement& placement) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   // A reduce-scatter reduces elements; an all-gather moves bytes.
   const int64_t unit = reduce_scatter ? 1 : flat.element_size();
@@ -176,9 +183,25 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   // group of the host sees the same difference.
   d.num_tensors = call.num_tensors;
   d.shape_hash = call.shape_hash;
+  transport::ShmChannel& channel = *group_.host_channel();
+  if (placement.heap != nullptr && plan::in_host_step_in_place(plan.num_windows())) {
+    // Peers compare places after the first barrier: in place only if all agree.
+    d.heap_arena = placement.heap_location.arena;
+    d.heap_offset = placement.heap_location.offset;
+    req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
+  }
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
-  executor_.run(req);
+  const std::string name = reduce_scatter ? "two-level reduce-scatter" : "two-level all-gather";
+  if (executor_.run(req)) {
+    group_.log_once(name + ":in-place",
+                    name + " inside the host ran in place from its symmetric heap: nothing staged");
+  } else if (req.full_copies) {
+    group_.log_once(name + ":heap-places-differ",
+                    name +
+                        ": a tensor of the host's symmetric heap is not at the same place on "
+                        "every local rank; staged");
+  }
 }
 
 }  // namespace xdev::backend

@@ -6,7 +6,9 @@
 // rank of that group sums the hosts' partial sums it received, in host
 // order); an all-gather over the host's channel puts the slices together.
 // Every rank ends with the same bits: the engine's result is only copied, and
-// the sums of carried slices are made alike on every rank.
+// the sums of carried slices are made alike on every rank. A tensor from the
+// host's symmetric heap (a DDP bucket) is read in place inside the host where
+// staging would take several windows (plan::in_host_step_in_place).
 //
 // Runs on the group's queue like every native collective, so it keeps their
 // order; the engine's part blocks the op thread until the engine is done.
@@ -26,6 +28,7 @@
 #include "../transport/gather_scatter_executor.h"
 #include "cross_host_check.h"
 #include "group_context.h"
+#include "shared_buffers.h"
 
 namespace xdev::backend {
 
@@ -43,7 +46,9 @@ class TwoLevelAllreduce {
   // The group must have a host channel (GroupContext::host_channel). engine:
   // the ranks of this local rank on every host, in host order (their ranks
   // there are host indices).
-  TwoLevelAllreduce(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+  // shared: says which tensors lie in this host's symmetric heap.
+  TwoLevelAllreduce(GroupContext& group, const SharedBuffers& shared,
+                    c10::intrusive_ptr<c10d::Backend> engine);
 
   const plan::MachineModel& host_model() const { return host_model_; }
   const plan::NetworkParams& network() const { return network_; }
@@ -62,17 +67,20 @@ class TwoLevelAllreduce {
 
  private:
   // On the op thread: `flat` is contiguous and holds the whole payload;
-  // `call` describes the call for the check across hosts.
+  // `call` describes the call for the check across hosts; `placement` says
+  // where flat lies in this host's symmetric heap, if it does.
   void run(const at::Tensor& flat, kernels::ReduceOp op, const transport::OpDescriptor& call,
-           transport::Clock::time_point deadline);
+           transport::Clock::time_point deadline, const SharedPlacement& placement);
   // One half over the host channel: reduce-scatter `flat` into `slice`
   // (this local rank's), or all-gather the slices back into `flat`. The
-  // host's ranks check that they all make `call`.
+  // host's ranks check that they all make `call`. In place (nothing staged)
+  // when flat lies at one place of every local rank's heap.
   void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
                    kernels::ReduceOp op, const transport::OpDescriptor& call,
-                   transport::Clock::time_point deadline);
+                   transport::Clock::time_point deadline, const SharedPlacement& placement);
 
   GroupContext& group_;
+  const SharedBuffers& shared_;
   plan::MachineModel host_model_;
   plan::NetworkParams network_;
   transport::GatherScatterExecutor executor_;

@@ -83,6 +83,12 @@ Selection across_hosts(const SelectionInput& in) {
   if (c.two_level) {
     s.algorithm = Algorithm::kFlat;
     s.two_level = true;
+    if (in.in_symmetric_heap && in.num_tensors == 1) {
+      s.reason +=
+          "; inside each host in place where staging would take several windows and every "
+          "local rank's tensor is at the same place of the host's symmetric heap (e.g. DDP's "
+          "buckets)";
+    }
   }
   return s;
 }

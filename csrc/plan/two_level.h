@@ -86,6 +86,16 @@ inline bool carried_across_hosts(int64_t bytes) {
   return bytes <= kCrossHostCarryBytes;
 }
 
+// Whether a step inside a host (the reduce-scatter or all-gather of a
+// two-level allreduce) reads its peers' tensors in place, for a tensor at one
+// place of every local rank's symmetric heap, rather than staging it through
+// slots. In place skips every staging copy but ends with a barrier of its
+// own, so peers stop reading before anyone writes; staged passes one barrier
+// per window. So in place pays where staging takes two windows or more.
+inline bool in_host_step_in_place(int64_t staged_windows) {
+  return staged_windows >= 2;
+}
+
 // The exchange of calls: an all-gather of H ranks, H-1 steps of one message,
 // with the L ranks of a host sending at once.
 double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net);

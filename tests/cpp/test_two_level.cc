@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "plan/gather_scatter_plan.h"
 #include "plan/gather_scatter_predict.h"
 #include "plan/machines.h"
 #include "plan/predict.h"
@@ -138,6 +139,20 @@ TEST(a_small_allreduce_crosses_hosts_in_the_check_alone) {
   CHECK(!carried_across_hosts(kCrossHostCarryBytes + 1));
 }
 
+TEST(steps_inside_a_host_run_in_place_where_staging_takes_several_windows) {
+  // The two-level allreduce of a heap tensor, 2 local ranks, 256 KiB slots of float32: a
+  // reduce-scatter piece of 65536 elements per window.
+  const int64_t slot_elems = (256 << 10) / 4;
+  for (const int64_t total : {int64_t{1000}, 2 * slot_elems, 2 * slot_elems + 2, 4 * kMiB}) {
+    const GatherScatterPlan rs(GatherScatterKind::kReduceScatter, {(total + 1) / 2, total / 2},
+                               slot_elems);
+    CHECK_EQ(in_host_step_in_place(rs.num_windows()), rs.num_windows() >= 2);
+    CHECK_EQ(in_host_step_in_place(rs.num_windows()), total > 2 * slot_elems);
+  }
+  CHECK(!in_host_step_in_place(0));
+  CHECK(!in_host_step_in_place(1));
+}
+
 TEST(predict_two_level_checks_the_host_model) {
   const MachineModel host = cpu_host(4, CpuHostParams{});
   CHECK_THROWS(predict_two_level_s({2, 2}, kMiB, NetworkParams{}, host), std::invalid_argument,
@@ -154,6 +169,12 @@ TEST(select_allreduce_across_hosts) {
   CHECK(s.algorithm == Algorithm::kFlat);
   CHECK(!s.single_copy && !s.in_place_shared);
   CHECK(s.predicted_s > 0);
+  CHECK(s.reason.find("symmetric heap") == std::string::npos);
+  // A heap tensor (a DDP bucket) takes the same plan; the steps inside hosts may run in place.
+  in.in_symmetric_heap = true;
+  const Selection heap = select_allreduce(in);
+  CHECK(heap.two_level && !heap.in_place_shared);
+  CHECK(heap.reason.find("symmetric heap") != std::string::npos);
 
   in.op_supported = false;
   s = select_allreduce(in);

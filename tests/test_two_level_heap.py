@@ -1,0 +1,122 @@
+"""Two-level allreduce of tensors from each host's symmetric heap (DDP's buckets), on fake hosts.
+
+On several hosts each host's ranks share a symmetric heap, so ``allocateTensor`` (what DDP
+calls for its gradient buckets) works there too, and the reduce-scatter and all-gather inside
+a host read the local peers' tensors in place instead of staging them, where staging would
+take two windows or more. The sums are taken in the same order either way, so a heap tensor's
+result must be bitwise the result of an ordinary tensor with the same inputs, and right
+against an independent reference. A rank whose tensor lies elsewhere in its heap (it
+allocated in another order) makes every rank of its host stage, with the right result.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from collective_cases import check_close, digest, make_input, reference
+from harness import run_ranks
+from test_two_level import _hosts_env
+
+SMALL_SLOT = 4096  # bytes per slot: 70001 elements span many windows, 101 fit in one
+SIZES = (101, 70001)
+CASES = [
+    (torch.float32, dist.ReduceOp.SUM),
+    (torch.float32, dist.ReduceOp.AVG),
+    (torch.float64, dist.ReduceOp.MAX),
+    (torch.int32, dist.ReduceOp.SUM),
+]
+IN_PLACE = re.compile(r"rank (\d+): two-level (reduce-scatter|all-gather) inside the host ran in")
+STAGED = re.compile(r"rank (\d+): two-level (reduce-scatter|all-gather): a tensor of the host's")
+
+
+def _heap_allreduce(rank: int, world: int, misplace: bool) -> list[int]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
+    info = torch_xdev.describe(group)
+    assert info["num_hosts"] == 2 and info["ddp_shared_buckets"], info
+    backend = group._get_backend(torch.device("cpu"))
+    assert backend.supports_tensor_alloc(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    keep = []
+    if misplace and rank == 1:  # every later block of rank 1 lies past this one
+        keep.append(backend.allocate_tensor(4096, dtype=torch.uint8, device=cpu))
+    digests = []
+    for c, (dtype, op) in enumerate(CASES):
+        for numel in SIZES:
+            seed = c * 1000 + numel
+            inputs = [make_input(seed, r, numel, dtype, op) for r in range(world)]
+            heap = backend.allocate_tensor(numel, dtype=dtype, device=cpu)
+            heap.copy_(inputs[rank])
+            ordinary = inputs[rank].clone()
+            dist.all_reduce(heap, op=op, group=group)
+            dist.all_reduce(ordinary, op=op, group=group)
+            what = f"{dtype} {op} n={numel}"
+            assert "two-level" in torch_xdev.describe(group)["last_allreduce"][1], what
+            check_close(heap, reference(inputs, op), op, world, what)
+            assert torch.equal(heap, ordinary), f"{what}: heap result differs from staged"
+            digests.append(digest(heap))
+            del heap
+    mine = torch.tensor(digests, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    for r in range(world):
+        assert torch.equal(everyone[r], everyone[0]), f"rank {r} holds different bits than rank 0"
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    return digests
+
+
+@pytest.mark.parametrize("misplace", [False, True], ids=["same-place", "rank1-elsewhere"])
+def test_heap_tensors_reduce_in_place_inside_each_host(
+    misplace: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    env = [dict(e, XDEV_DEBUG="INFO") for e in _hosts_env([2, 2])]
+    run_ranks(_heap_allreduce, 4, misplace, per_rank_env=env)
+    err = capfd.readouterr().err
+    in_place = {(int(m[1]), m[2]) for m in IN_PLACE.finditer(err)}
+    staged = {(int(m[1]), m[2]) for m in STAGED.finditer(err)}
+    steps = {"reduce-scatter", "all-gather"}
+    if misplace:
+        # Rank 1's host (ranks 0 and 1) stages; the other host still runs in place.
+        assert staged == {(r, s) for r in (0, 1) for s in steps}, err
+        assert in_place == {(r, s) for r in (2, 3) for s in steps}, err
+    else:
+        assert in_place == {(r, s) for r in range(4) for s in steps}, err
+        assert not staged, err
+
+
+def _ddp_steps(rank: int, world: int, backend: str) -> dict[str, Any]:
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        opt.zero_grad()
+        ddp(torch.randn(16, 32, generator=g)).square().mean().backward()
+        opt.step()
+    shared = torch_xdev.describe()["ddp_shared_buckets"] if backend == "xdev" else None
+    dist.destroy_process_group()
+    return {"params": [p.detach().flatten().tolist() for p in model.parameters()], "shared": shared}
+
+
+def test_ddp_buckets_in_each_hosts_heap_match_gloo(capfd: pytest.CaptureFixture[str]) -> None:
+    # Small slots: DDP's 20 KB buckets then take several windows, so they run in place.
+    env = [dict(e, XDEV_DEBUG="INFO", XDEV_SHM_SLOT_BYTES="4096") for e in _hosts_env([2, 2])]
+    xdev = run_ranks(_ddp_steps, 4, "xdev", per_rank_env=env)
+    err = capfd.readouterr().err
+    gloo = run_ranks(_ddp_steps, 4, "gloo")
+    assert all(result["shared"] for result in xdev), [result["shared"] for result in xdev]
+    assert "allocateTensor" in err, err  # DDP took its buckets from the heap
+    assert {int(m[1]) for m in IN_PLACE.finditer(err)} == {0, 1, 2, 3}, err
+    for rank in range(4):
+        for got, ref, first in zip(xdev[rank]["params"], gloo[rank]["params"], xdev[0]["params"]):
+            assert got == first, f"rank {rank} differs from rank 0"
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
