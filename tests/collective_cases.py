@@ -99,6 +99,15 @@ def digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.sha1(raw).digest()[:7], "little")
 
 
+def assert_same_digests(digests: list[int], world: int) -> None:
+    """Every rank holds the same digests as rank 0 (gathered over the default group)."""
+    mine = torch.tensor(digests, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    for r in range(world):
+        assert torch.equal(everyone[r], everyone[0]), f"rank {r} holds different bits than rank 0"
+
+
 def check_coalesced(
     group: object, rank: int, world: int, shapes: list[tuple[int, ...]], seed: int, what: str
 ) -> list[int]:

@@ -12,6 +12,7 @@ import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,13 @@ SLOT = 4096  # cuda_slot_bytes (and shm_slot_bytes) of the grids: many windows, 
 NATIVE = ("hierarchical_copy", "hierarchical_balanced", "reduce_to_one", "flat", "direct")
 GROUP_TIMEOUT = timedelta(seconds=300)
 XDEV_TIMEOUT_S = 120.0
+
+
+def skip_module_without_cuda() -> None:
+    """Skips the calling test module, with the reason, where the CUDA tests cannot run."""
+    reason = why_skip()
+    if reason is not None:
+        pytest.skip(f"CUDA tests need a GPU and a CUDA build: {reason}", allow_module_level=True)
 
 
 def why_skip() -> Optional[str]:

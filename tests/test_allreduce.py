@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import torch_xdev
 from collective_cases import (
+    assert_same_digests,
     ALL_DTYPES,
     OPS,
     check_close,
@@ -72,11 +73,7 @@ def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict
         digests += check_coalesced(group, rank, world, shapes, 1000, variant)
         dist.destroy_process_group(group)
     # Same bits on every rank: compare every result's checksum with rank 0's.
-    mine_t = torch.tensor(digests, dtype=torch.int64)
-    everyone = [torch.empty_like(mine_t) for _ in range(world)]
-    dist.all_gather(everyone, mine_t)
-    for r in range(world):
-        assert torch.equal(everyone[r], everyone[0]), f"rank {r} holds different bits than rank 0"
+    assert_same_digests(digests, world)
     dist.destroy_process_group()
     return cases
 

@@ -49,9 +49,7 @@ from cuda_ranks import (
 from harness import run_ranks
 from topologies import DGX1_V100
 
-_SKIP_REASON = cuda_ranks.why_skip()
-if _SKIP_REASON is not None:
-    pytest.skip(f"CUDA tests need a GPU and a CUDA build: {_SKIP_REASON}", allow_module_level=True)
+cuda_ranks.skip_module_without_cuda()
 
 BIG = -1  # a size marker: about 2.5 slots of the dtype, so three windows
 SIZES = (0, 1, 7, 1021, BIG)

@@ -22,9 +22,7 @@ import cuda_ranks
 from cuda_ranks import NATIVE, setup_rank
 from harness import run_ranks
 
-_SKIP_REASON = cuda_ranks.why_skip()
-if _SKIP_REASON is not None:
-    pytest.skip(f"CUDA tests need a GPU and a CUDA build: {_SKIP_REASON}", allow_module_level=True)
+cuda_ranks.skip_module_without_cuda()
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))

@@ -42,9 +42,7 @@ from cuda_ranks import (
 )
 from harness import run_ranks
 
-_SKIP_REASON = cuda_ranks.why_skip()
-if _SKIP_REASON is not None:
-    pytest.skip(f"CUDA tests need a GPU and a CUDA build: {_SKIP_REASON}", allow_module_level=True)
+cuda_ranks.skip_module_without_cuda()
 
 # torch.cuda._sleep cycles: at least half a second on a GPU clocked at 2 GHz or less. Long
 # enough that the host has long returned from an allreduce queued behind it.

@@ -12,16 +12,15 @@ allocated in another order) makes every rank of its host stage, with the right r
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_xdev
-from collective_cases import check_close, digest, make_input, reference
+from collective_cases import assert_same_digests, check_close, digest, make_input, reference
 from harness import run_ranks
-from test_two_level import _hosts_env
+from test_two_level import _ddp_steps, _hosts_env
 
 SMALL_SLOT = 4096  # bytes per slot: 70001 elements span many windows, 101 fit in one
 SIZES = (101, 70001)
@@ -62,11 +61,7 @@ def _heap_allreduce(rank: int, world: int, misplace: bool) -> list[int]:
             assert torch.equal(heap, ordinary), f"{what}: heap result differs from staged"
             digests.append(digest(heap))
             del heap
-    mine = torch.tensor(digests, dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    for r in range(world):
-        assert torch.equal(everyone[r], everyone[0]), f"rank {r} holds different bits than rank 0"
+    assert_same_digests(digests, world)
     dist.destroy_process_group(group)
     dist.destroy_process_group()
     return digests
@@ -91,28 +86,12 @@ def test_heap_tensors_reduce_in_place_inside_each_host(
         assert not staged, err
 
 
-def _ddp_steps(rank: int, world: int, backend: str) -> dict[str, Any]:
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(4):
-        opt.zero_grad()
-        ddp(torch.randn(16, 32, generator=g)).square().mean().backward()
-        opt.step()
-    shared = torch_xdev.describe()["ddp_shared_buckets"] if backend == "xdev" else None
-    dist.destroy_process_group()
-    return {"params": [p.detach().flatten().tolist() for p in model.parameters()], "shared": shared}
-
-
 def test_ddp_buckets_in_each_hosts_heap_match_gloo(capfd: pytest.CaptureFixture[str]) -> None:
     # Small slots: DDP's 20 KB buckets then take several windows, so they run in place.
     env = [dict(e, XDEV_DEBUG="INFO", XDEV_SHM_SLOT_BYTES="4096") for e in _hosts_env([2, 2])]
-    xdev = run_ranks(_ddp_steps, 4, "xdev", per_rank_env=env)
+    xdev = run_ranks(_ddp_steps, 4, "xdev", 0.02, per_rank_env=env)
     err = capfd.readouterr().err
-    gloo = run_ranks(_ddp_steps, 4, "gloo")
+    gloo = run_ranks(_ddp_steps, 4, "gloo", 0.02)
     assert all(result["shared"] for result in xdev), [result["shared"] for result in xdev]
     assert "allocateTensor" in err, err  # DDP took its buckets from the heap
     assert {int(m[1]) for m in IN_PLACE.finditer(err)} == {0, 1, 2, 3}, err
