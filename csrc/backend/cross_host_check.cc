@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../plan/two_level.h"
+#include "tensor_helpers.h"
 #include "two_level_allreduce.h"
 
 namespace xdev::backend {
@@ -62,6 +63,16 @@ CrossHostCheck::CrossHostCheck(GroupContext& group, c10::intrusive_ptr<c10d::Bac
 const char* CrossHostCheck::payload_of(const at::Tensor& messages, int host) {
   return reinterpret_cast<const char*>(messages.const_data_ptr<uint8_t>()) +
          host * plan::kCrossHostMessageBytes + plan::kCrossHostHeaderBytes;
+}
+
+void CrossHostCheck::reduce_payloads(const at::Tensor& messages, int64_t offset_bytes,
+                                     kernels::ReduceOp op, const at::Tensor& out) const {
+  if (out.numel() == 0) return;
+  const int hosts = group_.num_hosts();
+  std::vector<const void*> partials;
+  for (int h = 0; h < hosts; ++h) partials.push_back(payload_of(messages, h) + offset_bytes);
+  kernels::reduce(*native_dtype(out.scalar_type()), op, out.data_ptr(), partials.data(), hosts,
+                  out.numel(), op == kernels::ReduceOp::kAvg ? group_.size() : 0);
 }
 
 at::Tensor CrossHostCheck::all_gather(const at::Tensor& message,

@@ -29,6 +29,7 @@
 
 #include <string>
 
+#include "../kernels/cpu_reduce.h"
 #include "../transport/shm_channel.h"
 #include "group_context.h"
 
@@ -63,6 +64,13 @@ class CrossHostCheck {
 
   // Host h's payload in exchange()'s result.
   static const char* payload_of(const at::Tensor& messages, int host);
+
+  // out (a contiguous tensor of `out`'s dtype) = op over the H hosts' payloads,
+  // each read from `offset_bytes` into it, in host order, so that every rank
+  // that received the same messages holds the same bits. An AVG divides by
+  // the group's size (every rank's contribution is in the hosts' partial sums).
+  void reduce_payloads(const at::Tensor& messages, int64_t offset_bytes, kernels::ReduceOp op,
+                       const at::Tensor& out) const;
 
   void shutdown() { engine_.reset(); }
 

@@ -61,11 +61,8 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   }
   if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size()) == 0) {
     heap_ = std::move(heap);
-    heap_note_ = group.num_hosts() == 1
-                     ? "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every "
-                       "rank maps"
-                     : "on: CPU tensors from allocateTensor (DDP's buckets) lie in memory every "
-                       "rank of their host maps";
+    heap_note_ = std::string("on: CPU tensors from allocateTensor (DDP's buckets) lie in memory ") +
+                 (group.num_hosts() == 1 ? "every rank maps" : "every rank of their host maps");
   } else {
     heap_note_ = why.empty() ? "off: a peer cannot map this host's ranks' memory (see its log)"
                              : "off: " + why;

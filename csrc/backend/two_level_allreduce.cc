@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "../kernels/cpu_reduce.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -123,13 +122,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
       check_.exchange(call, carried ? slice.data_ptr() : nullptr, slice_bytes,
                       /*host_step_follows=*/true, "two-level allreduce", deadline);
   if (carried) {
-    const int hosts = group_.num_hosts();
-    std::vector<const void*> partials;
-    for (int h = 0; h < hosts; ++h) partials.push_back(CrossHostCheck::payload_of(messages, h));
-    if (slice.numel() > 0) {
-      kernels::reduce(*native_dtype(slice.scalar_type()), op, slice.data_ptr(), partials.data(),
-                      hosts, slice.numel(), op == kernels::ReduceOp::kAvg ? group_.size() : 0);
-    }
+    check_.reduce_payloads(messages, 0, op, slice);
   } else {
     std::vector<at::Tensor> engine_tensors{slice};
     c10d::AllreduceOptions opts;

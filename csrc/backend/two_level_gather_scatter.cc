@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "../kernels/cpu_reduce.h"
 #include "../plan/two_level.h"
 #include "tensor_helpers.h"
 #include "two_level_allreduce.h"
@@ -268,15 +267,8 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   const at::Tensor mine =
       outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
   if (carried) {
-    std::vector<const void*> partials;
-    for (int h = 0; h < hosts; ++h) {
-      partials.push_back(CrossHostCheck::payload_of(messages, h) +
-                         group_.host_index() * total * elem_size);
-    }
-    if (total > 0) {
-      kernels::reduce(*native_dtype(inputs[0].scalar_type()), op, mine.data_ptr(), partials.data(),
-                      hosts, total, op == kernels::ReduceOp::kAvg ? group_.size() : 0);
-    }
+    // Every host's partial sums of this local index, packed host by host: ours is block host_index.
+    check_.reduce_payloads(messages, group_.host_index() * total * elem_size, op, mine);
   } else if (total > 0) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = two_level_engine_op(op);
