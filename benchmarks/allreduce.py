@@ -5,7 +5,7 @@ Usage::
     python benchmarks/allreduce.py --nproc 2 [--sizes 4KiB:64MiB] [--dtype float32]
         [--algorithms auto,shared_empty,direct,flat,reduce_to_one,hierarchical_copy,...]
         [--iters N] [--warmup N] [--rounds N] [--json out.json] [--slot-bytes B]
-        [--arrival back-to-back|skewed] [--no-deepspeed]
+        [--arrival back-to-back|skewed] [--no-deepspeed] [--hosts H [--pieces N,...]]
     python benchmarks/allreduce.py --device cuda --nproc 8 [--sizes 4KiB:256MiB]
         [--cuda-slot-bytes B] [--topo-file dgx1.json] [--host-overhead-calls N] ...
 
@@ -14,7 +14,8 @@ algorithm; each row is the slowest rank's mean time per ``all_reduce``. The pseu
 ``shared_empty`` is ``auto`` on a tensor from ``torch_xdev.shared_empty``, which every rank
 maps, so the allreduce runs in place; ``heap`` is ``auto`` on a tensor from the group's
 symmetric heap (``allocate_tensor``), where DDP takes its buckets; the other rows reduce
-ordinary tensors. ``--hosts`` runs ``auto`` and ``heap``. Before timing an xdev algorithm its
+ordinary tensors. ``--hosts`` runs ``auto`` and ``heap`` (and with ``--pieces N``, ``piecesN``:
+``auto`` with the two-level allreduce pipelined in N pieces). Before timing an xdev algorithm its
 result on random data is checked against Gloo's. The parent process also measures
 single-core ``copy_`` bandwidth so each row can be compared to memcpy.
 
@@ -101,6 +102,8 @@ DEFAULT_ALGORITHMS = (
 SHARED_EMPTY = "shared_empty"
 HEAP = "heap"
 IN_SHARED_MEMORY = (SHARED_EMPTY, HEAP)
+# --hosts --pieces N: a row "piecesN", auto on ordinary tensors with Options.two_level_pieces=N.
+PIECES = "pieces"
 MEMCPY_BYTES = 256 << 20
 DEFAULT_SIZES = {"cpu": "4KiB:64MiB", "cuda": "4KiB:256MiB"}
 KERNEL_BENCHMARK = "benchmarks/cuda_kernels.py"
@@ -191,11 +194,14 @@ def run_rank(rank: int, cfg: Config) -> None:
         ("gloo", group_allreduce(dist.group.WORLD), dist.group.WORLD)
     ]
     for algorithm in cfg.algorithms:
-        plan = "auto" if algorithm in IN_SHARED_MEMORY else algorithm
-        options = torch_xdev.Options(algorithm=plan)
+        settings: dict[str, Any] = {"algorithm": algorithm}
+        if algorithm in IN_SHARED_MEMORY:
+            settings["algorithm"] = "auto"
+        elif algorithm.startswith(PIECES):
+            settings = {"algorithm": "auto", "two_level_pieces": int(algorithm[len(PIECES) :])}
         if cfg.slot_bytes is not None:
-            options = torch_xdev.Options(algorithm=plan, shm_slot_bytes=cfg.slot_bytes)
-        group = dist.new_group(backend="xdev", pg_options=options)
+            settings["shm_slot_bytes"] = cfg.slot_bytes
+        group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(**settings))
         variants.append((f"xdev/{algorithm}", group_allreduce(group), group))
     deepspeed_skipped = cfg.deepspeed_skipped
     if deepspeed_skipped is None:
@@ -363,6 +369,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         " model's latency and per-stream rate are fitted to Gloo's times (default 1)",
     )
     parser.add_argument(
+        "--pieces",
+        default="",
+        metavar="N[,M...]",
+        help="--hosts: add a row per count, auto on ordinary tensors with the two-level"
+        " allreduce pipelined in that many pieces (Options.two_level_pieces), to compare with"
+        " the model's choice",
+    )
+    parser.add_argument(
         "--net-model-out",
         default=None,
         metavar="PATH",
@@ -427,7 +441,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.exit("--hosts needs CPU mode and divides --nproc")
         # The forced native plans need one host; the heap row is a DDP bucket's allreduce.
         algorithms = ["auto", HEAP]
+        algorithms += [f"{PIECES}{int(n)}" for n in args.pieces.split(",") if n.strip()]
         args.no_deepspeed = True
+    elif args.pieces:
+        sys.exit("--pieces needs --hosts")
 
     if args.device == "cuda":
         cfg = make_cuda_config(args, algorithms)

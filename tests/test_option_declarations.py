@@ -86,7 +86,7 @@ def test_cpp_validate_checks_slots(field: str, value: int, message: str) -> None
 
 
 def test_describe_keys_are_declared() -> None:
-    # The option keys describe() has always had (README and tests read them).
+    # The option keys describe() reports (README and tests read them).
     keys = {f["describe_key"] for f in _declared() if f["describe_key"] is not None}
     assert keys == {
         "algorithm",
@@ -97,6 +97,7 @@ def test_describe_keys_are_declared() -> None:
         "reduce_to_rank",
         "timeout_s",
         "shm_slot_bytes",
+        "two_level_pieces",
     }
 
 

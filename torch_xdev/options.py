@@ -139,6 +139,9 @@ class Options:
             ``allocateTensor``) in this group's symmetric heap, memory every rank maps, so
             their allreduce runs in place (on several hosts, in place inside each host). CPU
             tensors; see the README.
+        two_level_pieces: on several hosts, pipeline a two-level allreduce in this many
+            pieces, so that the steps inside each host overlap the engine's across hosts;
+            0 (default): the cost model's choice.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
@@ -161,6 +164,7 @@ class Options:
     cuda_slot_bytes: int = _option(32 << 20, "XDEV_CUDA_SLOT_BYTES", _parse_int, _check_int)
     single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool)
     shared_buckets: bool = _option(True, "XDEV_SHARED_BUCKETS", _parse_bool)
+    two_level_pieces: int = _option(0, "XDEV_TWO_LEVEL_PIECES", _parse_int, _check_count)
     debug: bool = _option(False, "XDEV_DEBUG", _parse_debug)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ plan::NetworkParams network_model(const BackendConfig& c) {
   net.stream_bytes_per_s = c.net_stream_gbps * 1e9;
   net.latency_s = c.net_latency_us * 1e-6;
   net.host_memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
+  net.host_cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return net;
 }
 

@@ -44,6 +44,9 @@
     "GPU staging bytes per rank and slot set (two sets per rank)", "")                           \
   X(bool, single_copy, false, "let peers read large tensors in place (process_vm_readv)", "")    \
   X(bool, shared_buckets, true, "give DDP its gradient buckets in memory every rank maps", "")   \
+  X(int64_t, two_level_pieces, 0,                                                                \
+    "pipeline a two-level allreduce in this many pieces; 0: the model's choice",                 \
+    "two_level_pieces")                                                                          \
   X(bool, debug, false, "log the chosen plans to stderr", "")
 
 #define XDEV_INTERNAL_FIELDS(X)                                                                  \

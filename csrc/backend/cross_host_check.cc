@@ -12,10 +12,11 @@
 namespace xdev::backend {
 namespace {
 
-// The header: the fields that say what a call is, then the payload's length;
+// The header: the fields that say what a call is (num_packs: the pieces a
+// two-level allreduce is cut into), then the payload's length;
 // seq (each host numbers its own steps) and where tensors lie in memory (per
 // rank) are left out.
-constexpr int kFields = 8;
+constexpr int kFields = 9;
 static_assert(kFields * sizeof(int64_t) <= plan::kCrossHostHeaderBytes, "header too long");
 // num_tensors of a host that refused the call (no call has it).
 constexpr int64_t kRefused = -1;
@@ -28,6 +29,7 @@ std::vector<int64_t> fields_of(const transport::OpDescriptor& d, int64_t payload
           d.num_tensors,
           d.total_elems,
           static_cast<int64_t>(d.shape_hash),
+          d.num_packs,
           payload_bytes};
 }
 
@@ -40,6 +42,7 @@ transport::OpDescriptor from_fields(const int64_t* f) {
   d.num_tensors = f[4];
   d.total_elems = f[5];
   d.shape_hash = static_cast<uint64_t>(f[6]);
+  d.num_packs = f[7];
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);  // how describe() names two levels
   return d;
 }
@@ -137,6 +140,7 @@ at::Tensor CrossHostCheck::exchange(const transport::OpDescriptor& call, const v
     transport::OpDescriptor d = from_fields(f);
     d.seq = seq;
     msg += "\n  host " + std::to_string(h) + ": " + group_.describe_op(d);
+    if (d.num_packs > 1) msg += ", cut in " + std::to_string(d.num_packs) + " pieces";
   }
   msg +=
       "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "

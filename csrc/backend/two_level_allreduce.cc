@@ -67,12 +67,12 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& s
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tensor> tensors,
-                                                            kernels::ReduceOp op,
+                                                            kernels::ReduceOp op, int pieces,
                                                             std::chrono::milliseconds timeout,
                                                             bool async_op) {
   return group_.enqueue(
       c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
-      [this, tensors, op, timeout] {
+      [this, tensors, op, pieces, timeout] {
         const auto deadline = group_.deadline_for(timeout);
         transport::OpDescriptor call;
         call.collective = static_cast<int32_t>(Collective::kAllreduce);
@@ -84,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         if (tensors.size() == 1 && tensors[0].is_contiguous()) {
           // A DDP bucket from this host's symmetric heap: the steps inside the
           // host run in place when every local rank's lies at the same place.
-          run(tensors[0].view({-1}), op, call, deadline, shared_.find(tensors[0]));
+          run(tensors[0].view({-1}), op, pieces, call, deadline, shared_.find(tensors[0]));
           return;
         }
         // Several tensors (allreduce_coalesced) or a strided one: one flat
@@ -92,23 +92,63 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         std::vector<at::Tensor> flat_views;
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
-        run(flat, op, call, deadline, {});
+        run(flat, op, pieces, call, deadline, {});
         unpack_into(flat, tensors);
       },
       async_op);
 }
 
-void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
-                            const transport::OpDescriptor& call,
-                            transport::Clock::time_point deadline,
+void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pieces_asked,
+                            transport::OpDescriptor call, transport::Clock::time_point deadline,
                             const SharedPlacement& placement) {
   const int local_rank = group_.local_rank();
-  const std::vector<int64_t> sizes = slice_sizes(flat.numel(), group_.local_world_size());
-  const at::Tensor slice = at::empty({sizes[static_cast<size_t>(local_rank)]}, flat.options());
   const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  const int num_pieces = static_cast<int>(std::clamp<int64_t>(
+      pieces_asked, 1, std::max<int64_t>(1, flat.numel() / group_.local_world_size())));
+  call.num_packs = num_pieces;  // hosts cutting the payload differently fail the check
+
+  // Piece k: its elements of flat, and this local rank's slice of them.
+  struct Piece {
+    at::Tensor flat;
+    at::Tensor slice;
+    SharedPlacement placement;
+    c10::intrusive_ptr<c10d::Work> engine_work;
+  };
+  std::vector<Piece> pieces;
+  int64_t start = 0;
+  for (int64_t n : slice_sizes(flat.numel(), num_pieces)) {
+    Piece p;
+    p.flat = flat.narrow(0, start, n);
+    p.slice =
+        at::empty({slice_sizes(n, group_.local_world_size())[static_cast<size_t>(local_rank)]},
+                  flat.options());
+    p.placement = placement.heap != nullptr ? shared_.find(p.flat) : SharedPlacement{};
+    pieces.push_back(std::move(p));
+    start += n;
+  }
+  const auto reduce_scatter = [&](Piece& p) {
+    run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, host_op, call, deadline,
+                p.placement);
+  };
+  const auto start_engine = [&](Piece& p) {
+    std::vector<at::Tensor> engine_tensors{p.slice};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = two_level_engine_op(op);
+    opts.timeout = engine_timeout(deadline);
+    p.engine_work = engine_->allreduce(engine_tensors, opts);
+  };
+  const auto finish = [&](Piece& p) {
+    if (p.engine_work) {
+      wait_for_engine(p.engine_work, engine_timeout(deadline),
+                      "two-level allreduce: the engine's allreduce across hosts");
+      if (op == kernels::ReduceOp::kAvg) p.slice.div_(group_.size());
+    }
+    run_in_host(plan::GatherScatterKind::kAllGather, p.flat, p.slice, kernels::ReduceOp::kSum, call,
+                deadline, p.placement);
+  };
+
   try {
-    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline,
-                placement);
+    reduce_scatter(pieces[0]);
   } catch (const transport::MismatchError&) {
     check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
     throw;
@@ -116,25 +156,26 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op,
 
   // The check across hosts; a small slice rides in it, and every rank then
   // sums the hosts' partial sums in host order (the same bits everywhere).
-  const int64_t slice_bytes = slice.numel() * slice.element_size();
-  const bool carried = plan::carried_across_hosts(slice_bytes);
+  const at::Tensor& first_slice = pieces[0].slice;
+  const int64_t slice_bytes = first_slice.numel() * first_slice.element_size();
+  const bool carried = num_pieces == 1 && plan::carried_across_hosts(slice_bytes);
   const at::Tensor messages =
-      check_.exchange(call, carried ? slice.data_ptr() : nullptr, slice_bytes,
+      check_.exchange(call, carried ? first_slice.data_ptr() : nullptr, slice_bytes,
                       /*host_step_follows=*/true, "two-level allreduce", deadline);
   if (carried) {
-    check_.reduce_payloads(messages, 0, op, slice);
-  } else {
-    std::vector<at::Tensor> engine_tensors{slice};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = two_level_engine_op(op);
-    opts.timeout = engine_timeout(deadline);
-    wait_for_engine(engine_->allreduce(engine_tensors, opts), opts.timeout,
-                    "two-level allreduce: the engine's allreduce across hosts");
-    if (op == kernels::ReduceOp::kAvg) slice.div_(group_.size());
+    check_.reduce_payloads(messages, 0, op, first_slice);
+    finish(pieces[0]);
+    return;
   }
-
-  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
-              deadline, placement);
+  // A pipeline: while the engine allreduces piece k across hosts, this thread
+  // reduce-scatters piece k+1 and then all-gathers piece k-1 inside the host.
+  start_engine(pieces[0]);
+  for (size_t k = 1; k < pieces.size(); ++k) {
+    reduce_scatter(pieces[k]);
+    start_engine(pieces[k]);
+    finish(pieces[k - 1]);
+  }
+  finish(pieces.back());
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
@@ -170,10 +211,12 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
   d.dtype = static_cast<int32_t>(req.dtype);
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);
-  d.total_elems = start;
-  // The call's shapes, not the flat payload's: the host's ranks then agree on
-  // the whole call here, so that (their hosts differing) every cross-host
-  // group of the host sees the same difference.
+  // The call's size and shapes, not this piece's: the host's ranks then
+  // agree on the whole call here (and on the pieces it is cut into), so that
+  // (their hosts differing) every cross-host group of the host sees the same
+  // difference.
+  d.total_elems = reduce_scatter ? call.total_elems : call.total_elems * flat.element_size();
+  d.num_packs = call.num_packs;
   d.num_tensors = call.num_tensors;
   d.shape_hash = call.shape_hash;
   transport::ShmChannel& channel = *group_.host_channel();

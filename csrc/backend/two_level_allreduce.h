@@ -8,10 +8,13 @@
 // Every rank ends with the same bits: the engine's result is only copied, and
 // the sums of carried slices are made alike on every rank. A tensor from the
 // host's symmetric heap (a DDP bucket) is read in place inside the host where
-// staging would take several windows (plan::in_host_step_in_place).
+// staging would take several windows (plan::in_host_step_in_place). A large
+// payload may run as a pipeline of pieces (plan::schedule_two_level): the op
+// thread works inside the host on the pieces after and before the one the
+// engine carries across hosts.
 //
 // Runs on the group's queue like every native collective, so it keeps their
-// order; the engine's part blocks the op thread until the engine is done.
+// order; the op thread waits for the engine's last piece before it ends.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,9 +58,12 @@ class TwoLevelAllreduce {
 
   // Tensors of one native dtype; op as the native kernels run it (AVG: SUM
   // everywhere, then a division by the world size of the slice before the
-  // all-gather, for floating dtypes only, as the selection ensures).
+  // all-gather, for floating dtypes only, as the selection ensures). The
+  // payload is pipelined in `pieces` pieces (plan::schedule_two_level), at
+  // most one per element of a local rank's slice.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors, kernels::ReduceOp op,
-                                           std::chrono::milliseconds timeout, bool async_op);
+                                           int pieces, std::chrono::milliseconds timeout,
+                                           bool async_op);
 
   // Drops the engine (its destructor joins its threads).
   void shutdown() {
@@ -68,8 +74,10 @@ class TwoLevelAllreduce {
  private:
   // On the op thread: `flat` is contiguous and holds the whole payload;
   // `call` describes the call for the check across hosts; `placement` says
-  // where flat lies in this host's symmetric heap, if it does.
-  void run(const at::Tensor& flat, kernels::ReduceOp op, const transport::OpDescriptor& call,
+  // where flat lies in this host's symmetric heap, if it does. Pieces after
+  // the first are reduce-scattered and all-gathered inside the host while the
+  // engine allreduces the one before across hosts.
+  void run(const at::Tensor& flat, kernels::ReduceOp op, int pieces, transport::OpDescriptor call,
            transport::Clock::time_point deadline, const SharedPlacement& placement);
   // One half over the host channel: reduce-scatter `flat` into `slice`
   // (this local rank's), or all-gather the slices back into `flat`. The

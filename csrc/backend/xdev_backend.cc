@@ -134,6 +134,7 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
       in.ranks_per_host = group_.local_world_size();
       in.host_model = &two_level_->host_model();
       in.network = &two_level_->network();
+      in.two_level_pieces = static_cast<int>(group_.config().two_level_pieces);
     }
     if (cpu_ != nullptr) {
       in.single_copy_available = cpu_->single_copy_available();
@@ -209,7 +210,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   if (sel.two_level) {
-    return two_level_->allreduce(tensors, *native_op(opts.reduceOp), opts.timeout, opts.asyncOp);
+    return two_level_->allreduce(tensors, *native_op(opts.reduceOp), sel.two_level_pieces,
+                                 opts.timeout, opts.asyncOp);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it

@@ -77,12 +77,13 @@ Selection across_hosts(const SelectionInput& in) {
   }
   const AcrossHostsChoice c =
       choose_across_hosts({in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
-                          *in.network, *in.host_model);
+                          *in.network, *in.host_model, in.two_level_pieces);
   s.reason = c.reason;
   s.predicted_s = c.predicted_s;
   if (c.two_level) {
     s.algorithm = Algorithm::kFlat;
     s.two_level = true;
+    s.two_level_pieces = c.pieces;
     if (in.in_symmetric_heap && in.num_tensors == 1) {
       s.reason +=
           "; inside each host in place where staging would take several windows and every "

@@ -123,6 +123,9 @@ struct SelectionInput {
   int ranks_per_host = 1;
   const MachineModel* host_model = nullptr;
   const NetworkParams* network = nullptr;
+  // The pieces the two-level allreduce is pipelined in (Options.two_level_pieces);
+  // 0: the model's choice (schedule_two_level).
+  int two_level_pieces = 0;
 };
 
 struct Selection {
@@ -138,8 +141,9 @@ struct Selection {
   // Fallback: run AVG as SUM through the engine, then divide by the world size.
   bool avg_as_sum_then_divide = false;
   // Several hosts: `algorithm` (flat) inside each host, the engine across
-  // hosts (plan/two_level.h).
+  // hosts (plan/two_level.h), pipelined in this many pieces.
   bool two_level = false;
+  int two_level_pieces = 1;
 };
 
 // Throws std::invalid_argument when a forced algorithm cannot run on this job

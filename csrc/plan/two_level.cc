@@ -102,36 +102,88 @@ double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const Network
 }
 
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
-                           const MachineModel& host) {
+                           const MachineModel& host, int pieces) {
   check(hosts);
   check_host_model(hosts, host);
+  if (pieces < 1) {
+    throw std::invalid_argument("two-level plan: pieces must be >= 1; got " +
+                                std::to_string(pieces));
+  }
+  const int64_t piece_bytes = ceil_div(bytes, pieces);
+  // One piece's reduce-scatter and all-gather inside the host.
   const double intra =
       hosts.ranks_per_host > 1
-          ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds
+          ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), piece_bytes).seconds
           : 0.0;
+  const double reduce_scatter = intra / 2, all_gather = intra / 2;
+  const double exchange = cross_host_check_s(hosts, net);
   // L streams leave each host at once, sharing its link and its memory; a
   // slice too large to ride in the exchange of calls takes the engine's ring.
+  const int64_t slice = ceil_div(piece_bytes, hosts.ranks_per_host);
+  if (pieces == 1 && carried_across_hosts(slice)) return exchange + intra;
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
-  const int64_t slice = ceil_div(bytes, hosts.ranks_per_host);
-  const double across =
-      carried_across_hosts(slice)
-          ? 0.0
-          : ring_s(hosts.num_hosts, static_cast<double>(slice), rate, net.latency_s);
-  return cross_host_check_s(hosts, net) + intra + across;
+  const double across = ring_s(hosts.num_hosts, static_cast<double>(slice), rate, net.latency_s);
+  const double serial = exchange + pieces * (intra + across);
+  if (pieces == 1) return serial;
+
+  // The pipeline as the backend runs it: this rank reduce-scatters piece 0,
+  // exchanges the call, starts the engine on it; then for each later piece
+  // reduce-scatters it, starts the engine on it (which runs one piece at a
+  // time), and all-gathers the previous piece once the engine is done with it.
+  double t = reduce_scatter + exchange;
+  double engine_done = t + across;
+  for (int k = 1; k < pieces; ++k) {
+    t += reduce_scatter;
+    const double next_engine_done = std::max(t, engine_done) + across;
+    t = std::max(t, engine_done) + all_gather;
+    engine_done = next_engine_done;
+  }
+  const double pipelined = std::max(t, engine_done) + all_gather;
+  // The share of that overlap the host's cores allow: a core per local rank
+  // for the steps inside the host and another for its engine's stream.
+  double overlap = 1.0;
+  if (net.host_cores > 0) {
+    const int spare = net.host_cores - hosts.ranks_per_host;
+    overlap = std::clamp(static_cast<double>(spare) / hosts.ranks_per_host, 0.0, 1.0);
+  }
+  return overlap * pipelined + (1 - overlap) * serial;
+}
+
+TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
+                                    const NetworkParams& net, const MachineModel& host,
+                                    int forced_pieces) {
+  TwoLevelSchedule best;
+  if (forced_pieces > 0) {
+    best.pieces = forced_pieces;
+    best.predicted_s = predict_two_level_s(hosts, bytes, net, host, forced_pieces);
+    return best;
+  }
+  best.predicted_s = predict_two_level_s(hosts, bytes, net, host, 1);
+  for (int pieces = 2; pieces <= kMaxTwoLevelPieces; pieces *= 2) {
+    if (ceil_div(bytes, int64_t{pieces} * hosts.ranks_per_host) <= kMinPieceSliceBytes) break;
+    const double s = predict_two_level_s(hosts, bytes, net, host, pieces);
+    if (s < best.predicted_s) best = {pieces, s};
+  }
+  return best;
 }
 
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
-                                      const NetworkParams& net, const MachineModel& host) {
+                                      const NetworkParams& net, const MachineModel& host,
+                                      int forced_pieces) {
   const double ring = predict_flat_ring_s(hosts, bytes, net);
-  const double two = predict_two_level_s(hosts, bytes, net, host);
+  const TwoLevelSchedule two = schedule_two_level(hosts, bytes, net, host, forced_pieces);
   AcrossHostsChoice c;
-  c.two_level = two < ring;
-  c.predicted_s = std::min(two, ring);
-  char buf[200];
+  c.two_level = two.predicted_s < ring;
+  c.predicted_s = std::min(two.predicted_s, ring);
+  c.pieces = two.pieces;
+  const std::string in_pieces =
+      two.pieces > 1 ? " in " + std::to_string(two.pieces) + " pipelined pieces" : "";
+  char buf[240];
   std::snprintf(buf, sizeof buf,
                 "%d hosts x %d ranks: two-level (shared memory inside hosts, the engine across) "
-                "predicted %.1f us, the engine's ring over all ranks %.1f us",
-                hosts.num_hosts, hosts.ranks_per_host, two * 1e6, ring * 1e6);
+                "predicted %.1f us%s, the engine's ring over all ranks %.1f us",
+                hosts.num_hosts, hosts.ranks_per_host, two.predicted_s * 1e6, in_pieces.c_str(),
+                ring * 1e6);
   c.reason = buf;
   return c;
 }

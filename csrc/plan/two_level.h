@@ -41,6 +41,10 @@ struct NetworkParams {
   // each), shared by all its ranks' streams; 0: not modelled. The backend
   // sets it from its CPU model.
   double host_memory_bytes_per_s = 0;
+  // The cores of one host, which run both the engine's streams and the steps
+  // inside the host; 0: not modelled. A pipelined two-level allreduce
+  // overlaps the two only where each local rank has a core for each.
+  int host_cores = 0;
 };
 inline constexpr double kSocketMemoryPasses = 4;
 
@@ -76,7 +80,7 @@ Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes);
 // partial sums of a small allreduce, a small all-gather's blocks) rides in the
 // message, so a small two-level collective crosses the network once: one
 // all-gather of H ranks instead of that and the engine's own steps.
-inline constexpr int64_t kCrossHostHeaderBytes = 64;
+inline constexpr int64_t kCrossHostHeaderBytes = 128;
 inline constexpr int64_t kCrossHostCarryBytes = 64 * 1024;
 inline constexpr int64_t kCrossHostMessageBytes = kCrossHostHeaderBytes + kCrossHostCarryBytes;
 
@@ -100,24 +104,55 @@ inline bool in_host_step_in_place(int64_t staged_windows) {
 // with the L ranks of a host sending at once.
 double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net);
 
+// A large two-level allreduce runs as a pipeline: the payload is cut into
+// pieces (each cut into L slices as above), and while the engine allreduces
+// piece k across hosts, each rank reduce-scatters piece k+1 and then
+// all-gathers piece k-1 inside its host. The network and the host's memory
+// then work at once; each piece pays the steps' fixed costs (barriers, the
+// engine's latency) again. Only a payload of one piece rides in the exchange
+// of calls.
+//
 // Predicted seconds. `host` models one host's shared-memory path for
-// ranks_per_host ranks (the reduce-scatter and all-gather together cost what
-// its flat allreduce costs). The two-level plans include the exchange of
+// ranks_per_host ranks (a piece's reduce-scatter and all-gather each cost
+// half its flat allreduce). The two-level plans include the exchange of
 // calls above, and the engine's steps only for a payload it does not carry
 // (the reduction of carried payloads is left out: H small sums in memory).
+// Pieces overlap as far as the host has cores for both the engine's streams
+// and the steps inside it (NetworkParams::host_cores); where it has not, the
+// pieces run one after another.
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
-                           const MachineModel& host);
+                           const MachineModel& host, int pieces = 1);
+
+// The most pieces the model considers, and the least a piece's slice (what one
+// rank's engine sends) may hold: smaller ones would ride in the exchange of
+// calls if they were a payload of their own, and gain nothing by overlapping.
+inline constexpr int kMaxTwoLevelPieces = 16;
+inline constexpr int64_t kMinPieceSliceBytes = kCrossHostCarryBytes;
+
+struct TwoLevelSchedule {
+  int pieces = 1;
+  double predicted_s = 0;
+};
+
+// The number of pieces (1, 2, 4, ... kMaxTwoLevelPieces, each piece's slice
+// above kMinPieceSliceBytes) with the least predicted time, or `forced_pieces`
+// (>= 1) when it is set (Options.two_level_pieces); 0: the model's choice.
+TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
+                                    const NetworkParams& net, const MachineModel& host,
+                                    int forced_pieces = 0);
 
 struct AcrossHostsChoice {
   bool two_level = false;
   double predicted_s = 0;
+  int pieces = 1;  // the two-level allreduce's pipeline (schedule_two_level)
   std::string reason;
 };
 
 // The faster of the two plans for `bytes`, with both predictions in the reason.
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
-                                      const NetworkParams& net, const MachineModel& host);
+                                      const NetworkParams& net, const MachineModel& host,
+                                      int forced_pieces = 0);
 
 // ---- Reduce-scatter and all-gather across hosts ----
 //

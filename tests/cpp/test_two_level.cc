@@ -81,7 +81,9 @@ TEST(two_level_is_predicted_faster_with_several_ranks_per_host) {
       CHECK(two < ring);
       const AcrossHostsChoice c = choose_across_hosts(layout, bytes, net, host);
       CHECK(c.two_level);
-      CHECK(near(c.predicted_s, two, 0.0));
+      // In pieces where the model pipelines it (no worse than one piece).
+      CHECK(near(c.predicted_s, predict_two_level_s(layout, bytes, net, host, c.pieces), 0.0));
+      CHECK(c.predicted_s <= two);
       CHECK(c.reason.find("two-level") != std::string::npos);
     }
   }

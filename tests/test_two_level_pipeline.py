@@ -1,0 +1,165 @@
+"""The two-level allreduce pipelined in pieces, on one machine made to look like several hosts.
+
+A large two-level allreduce is cut into pieces; while the engine (Gloo) allreduces one piece
+across hosts, each rank reduce-scatters the next and all-gathers the previous one inside its
+host. The cost model keeps one piece on this 2-core machine (no core to spare for the
+overlap), so these tests force the pieces with ``Options.two_level_pieces``. Every result is
+checked against an independent reference and across all ranks bitwise; on two hosts, where
+each element's sum across hosts has two terms, the pieces also leave the bits of the whole
+payload in one piece. Hosts that cut the payload differently fail every rank with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_xdev
+from collective_cases import (
+    assert_same_digests,
+    check_close,
+    check_coalesced,
+    digest,
+    make_input,
+    reference,
+)
+from harness import run_ranks
+from test_two_level import _hosts_env
+
+SMALL_SLOT = 4096  # bytes per slot: the larger pieces span several windows
+SIZES = (1, 2, 7, 1021, 70001)
+CASES = [
+    (torch.float32, dist.ReduceOp.SUM),
+    (torch.float32, dist.ReduceOp.AVG),
+    (torch.float64, dist.ReduceOp.MIN),
+    (torch.bfloat16, dist.ReduceOp.SUM),
+    (torch.int32, dist.ReduceOp.PRODUCT),
+    (torch.int64, dist.ReduceOp.MAX),
+]
+TIMEOUT_S = 60.0
+IN_PLACE = re.compile(r"rank (\d+): two-level (reduce-scatter|all-gather) inside the host ran in")
+
+
+def _network_model(tmp_path: Path, **params: float) -> str:
+    """An XDEV_CPU_MODEL with these network parameters."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"params": params}))
+    return str(model)
+
+
+def _pieces_grid(rank: int, world: int, pieces: int) -> list[int]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    options = torch_xdev.Options(shm_slot_bytes=SMALL_SLOT)
+    whole = dist.new_group(backend="xdev", pg_options=options)
+    piped = dist.new_group(
+        backend="xdev",
+        pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT, two_level_pieces=pieces),
+    )
+    backend = piped._get_backend(torch.device("cpu"))
+    two_hosts = torch_xdev.describe(piped)["num_hosts"] == 2
+    digests: list[int] = []
+    for c, (dtype, op) in enumerate(CASES):
+        for numel in SIZES:
+            seed = c * 100003 + numel
+            inputs = [make_input(seed, r, numel, dtype, op) for r in range(world)]
+            what = f"{dtype} {op} n={numel}"
+            got = inputs[rank].clone()
+            dist.all_reduce(got, op=op, group=piped)
+            check_close(got, reference(inputs, op), op, world, what)
+            algorithm, reason = torch_xdev.describe(piped)["last_allreduce"]
+            assert algorithm == "flat" and "two-level" in reason, (what, reason)
+            assert f"in {pieces} pipelined pieces" in reason, reason
+            digests.append(digest(got))
+            if two_hosts:
+                one_piece = inputs[rank].clone()
+                dist.all_reduce(one_piece, op=op, group=whole)
+                assert torch.equal(got, one_piece), f"{what}: pieces differ from one piece"
+            # A tensor of the host's heap (DDP's bucket): its pieces read in place where they
+            # span several windows, with the same bits.
+            heap = backend.allocate_tensor(numel, dtype=dtype, device=torch.device("cpu"))
+            heap.copy_(inputs[rank])
+            dist.all_reduce(heap, op=op, group=piped)
+            assert torch.equal(heap, got), f"{what}: heap tensor differs"
+            del heap
+    # allreduce_coalesced: one flat payload, cut into pieces the same way on every host.
+    digests += check_coalesced(piped, rank, world, [(5,), (0,), (30, 100), (77,)], 500, "pieces")
+    assert_same_digests(digests, world)
+    dist.destroy_process_group(piped)
+    dist.destroy_process_group(whole)
+    dist.destroy_process_group()
+    return digests
+
+
+# The slow network's latency dominates these sizes, so the model runs two levels only where
+# they take fewer steps across hosts than Gloo's ring over all ranks: on 2 hosts of 2 ranks in
+# 2 pieces (1 + 2 x 2 steps against 6), on 2 hosts of 4 in 3 (1 + 3 x 2 against 14).
+@pytest.mark.parametrize("ranks_per_host,pieces", [([2, 2], 2), ([4, 4], 3)], ids=["2x2", "2x4"])
+def test_pipelined_pieces_match_the_reference_on_every_rank(
+    ranks_per_host: list[int], pieces: int, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    model = _network_model(tmp_path, net_latency_us=5000.0)
+    env = [{**e, "XDEV_CPU_MODEL": model, "XDEV_DEBUG": "INFO"} for e in _hosts_env(ranks_per_host)]
+    world = sum(ranks_per_host)
+    run_ranks(_pieces_grid, world, pieces, per_rank_env=env, timeout=600)
+    err = capfd.readouterr().err
+    # Every rank read some piece of a heap tensor in place inside its host.
+    assert {int(m[1]) for m in IN_PLACE.finditer(err)} == set(range(world)), err
+
+
+def _pieces_differ_between_hosts(rank: int, world: int) -> list[str]:
+    pieces = 2 if rank < 2 else 3  # host 0 cuts in 2, host 1 in 3
+    dist.init_process_group(
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(timeout=TIMEOUT_S, two_level_pieces=pieces),
+    )
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(torch.ones(1 << 20))
+    assert time.monotonic() - start < TIMEOUT_S / 2  # an error, not a wait for the timeout
+    # The group goes on (a payload this small takes Gloo's ring on both hosts).
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), float(sum(range(1, world + 1)))))
+    dist.destroy_process_group()
+    return [str(info.value)]
+
+
+def test_hosts_cutting_the_payload_differently_fail_every_rank(tmp_path: Path) -> None:
+    # Slow streams: a 4 MiB allreduce takes two levels on both hosts, in 2 pieces or in 3.
+    model = _network_model(tmp_path, net_stream_gbps=0.01)
+    env = [{**e, "XDEV_CPU_MODEL": model} for e in _hosts_env([2, 2])]
+    results = run_ranks(_pieces_differ_between_hosts, 4, per_rank_env=env, timeout=180)
+    for rank, (message,) in enumerate(results):
+        assert "on different hosts" in message, (rank, message)
+        assert "cut in 2 pieces" in message and "cut in 3 pieces" in message, (rank, message)
+
+
+def _auto_pieces(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1 << 20,), float(world)))
+    info = torch_xdev.describe()
+    dist.destroy_process_group()
+    return info
+
+
+def test_the_model_pipelines_only_with_cores_to_overlap() -> None:
+    info = run_ranks(_auto_pieces, 4, per_rank_env=_hosts_env([2, 2]))[0]
+    assert info["two_level_pieces"] == 0  # the model's choice
+    _, reason = info["last_allreduce"]
+    assert "two-level" in reason, reason
+    if (os.cpu_count() or 1) <= 2:
+        # Two local ranks per host on 2 cores: no core is left for the engine's stream beside
+        # the steps inside the host, so pieces would only add their fixed costs.
+        assert "pieces" not in reason, reason
