@@ -32,7 +32,7 @@ from collective_cases import (
     reference,
 )
 from harness import run_ranks
-from test_two_level import _hosts_env
+from test_two_level import _hosts_env, _killed_on_one_host
 
 SMALL_SLOT = 4096  # bytes per slot: the larger pieces span several windows
 SIZES = (1, 2, 7, 1021, 70001)
@@ -142,6 +142,16 @@ def test_hosts_cutting_the_payload_differently_fail_every_rank(tmp_path: Path) -
     for rank, (message,) in enumerate(results):
         assert "on different hosts" in message, (rank, message)
         assert "cut in 2 pieces" in message and "cut in 3 pieces" in message, (rank, message)
+
+
+def test_killed_rank_mid_pipeline_fails_every_rank_of_every_host(tmp_path: Path) -> None:
+    # Slow streams, so the 256 KiB allreduce after the kill runs two levels in 4 pieces.
+    model = _network_model(tmp_path, net_stream_gbps=0.01)
+    env = [{**e, "XDEV_CPU_MODEL": model, "XDEV_TWO_LEVEL_PIECES": "4"} for e in _hosts_env([2, 2])]
+    messages = run_ranks(_killed_on_one_host, 4, 3, per_rank_env=env, timeout=180, expect_dead=(3,))
+    assert all(m for m in messages[:3]), messages
+    # Its host's other rank sees it exit in the first piece's reduce-scatter inside the host.
+    assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
 
 
 def _auto_pieces(rank: int, world: int) -> dict[str, Any]:
