@@ -140,8 +140,9 @@ class Options:
             their allreduce runs in place (on several hosts, in place inside each host). CPU
             tensors; see the README.
         two_level_pieces: on several hosts, pipeline a two-level allreduce in this many
-            pieces, so that the steps inside each host overlap the engine's across hosts;
-            0 (default): the cost model's choice.
+            pieces, so that the steps inside each host overlap the engine's across hosts
+            (a payload whose slices ride in the check across hosts, 64 KiB each, stays
+            whole); 0 (default): the cost model's choice.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 

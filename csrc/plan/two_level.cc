@@ -153,7 +153,8 @@ TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
                                     const NetworkParams& net, const MachineModel& host,
                                     int forced_pieces) {
   TwoLevelSchedule best;
-  if (forced_pieces > 0) {
+  const bool whole_is_carried = carried_across_hosts(ceil_div(bytes, hosts.ranks_per_host));
+  if (forced_pieces > 0 && !whole_is_carried) {
     best.pieces = forced_pieces;
     best.predicted_s = predict_two_level_s(hosts, bytes, net, host, forced_pieces);
     return best;

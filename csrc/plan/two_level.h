@@ -137,7 +137,8 @@ struct TwoLevelSchedule {
 
 // The number of pieces (1, 2, 4, ... kMaxTwoLevelPieces, each piece's slice
 // above kMinPieceSliceBytes) with the least predicted time, or `forced_pieces`
-// (>= 1) when it is set (Options.two_level_pieces); 0: the model's choice.
+// (>= 1) when it is set (Options.two_level_pieces; 0: the model's choice). A
+// payload whose slice rides in the exchange of calls stays whole either way.
 TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
                                     const NetworkParams& net, const MachineModel& host,
                                     int forced_pieces = 0);

@@ -123,6 +123,10 @@ TEST(the_schedule_picks_the_fastest_number_of_pieces_and_keeps_them_large) {
   const TwoLevelSchedule forced = schedule_two_level(layout, small, net, host, 3);
   CHECK_EQ(forced.pieces, 3);
   CHECK(near(forced.predicted_s, predict_two_level_s(layout, small, net, host, 3), 0.0));
+  // ...but a payload that rides in the exchange of calls stays whole.
+  const int64_t carried = 2 * kCrossHostCarryBytes;  // a slice of exactly the carried bytes
+  CHECK_EQ(schedule_two_level(layout, carried, net, host, 3).pieces, 1);
+  CHECK_EQ(schedule_two_level(layout, carried + 2, net, host, 3).pieces, 3);
   CHECK_THROWS(predict_two_level_s(layout, bytes, net, host, 0), std::invalid_argument,
                "pieces must be >= 1");
 }
@@ -146,8 +150,8 @@ TEST(the_selection_passes_the_pieces_on_and_names_them) {
   in.two_level_pieces = 5;  // Options.two_level_pieces
   const Selection forced = select_allreduce(in);
   CHECK_EQ(forced.two_level_pieces, 5);
-  // A small payload rides in the exchange of calls: one piece, and the reason says nothing.
-  in.two_level_pieces = 0;
+  // A small payload rides in the exchange of calls: one piece, even when forced, and the
+  // reason says nothing of pieces.
   in.payload_bytes = 4096;
   const Selection small = select_allreduce(in);
   CHECK_EQ(small.two_level_pieces, 1);
