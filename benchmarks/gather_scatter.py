@@ -11,18 +11,21 @@ runs the default xdev group on tensors from its ``allocate_tensor`` (the group's
 as FSDP2 allocates them with ``set_allocate_memory_from_process_group_for_comm(True)``): the
 full tensor is at the same place on every rank, so nothing is staged. For each size
 the variants take turns (interleaved rounds of back-to-back calls, so drift on a shared machine
-hits them all); a row gives the median over rounds of the slowest rank's mean time per call. Before timing,
-xdev's result on random data is checked against Gloo's. ``all_gather_in_place`` is the
-all-gather FSDP2 runs: the input is this rank's block of the output.
+hits them all); a row gives the median over rounds of the slowest rank's mean time per call.
+Before timing, xdev's result on random data is checked against Gloo's. ``all_gather_in_place``
+is the all-gather FSDP2 runs: the input is this rank's block of the output.
 
 With ``--hosts N`` the ranks name themselves N fake hosts, host by host (``XDEV_HOSTNAME``), and
 the rows are reduce_scatter and all_gather by Gloo over all ranks, by xdev's ``auto``
 (``xdev(two_level)`` where the model chose the two-level plan, ``xdev(fallback)`` where it left
 the call to Gloo), and by ``xdev_2lvl``: an xdev group whose cost model has a very slow
 network (XDEV_CPU_MODEL with ``net_latency_us`` 1e6, over the user's file if one is set), so
-that it runs the two-level plan at every size, to show what the model weighed against Gloo. The header gives each plan's traffic from the plans' model: what crosses
-hosts per host and from the busiest rank, the sequential steps across hosts, and what goes
-through sockets between ranks of one host (on one machine every "network" byte is loopback).
+that it runs the two-level plan at every size, to show what the model weighed against Gloo;
+``xdev_2lvl_heap`` is that group on tensors from its heap (FSDP2's buffers across hosts: the
+step inside each host reads them in place). The header gives each plan's traffic from the
+plans' model: what crosses hosts per host and from the busiest rank, the sequential steps
+across hosts, and what goes through sockets between ranks of one host (on one machine every
+"network" byte is loopback).
 
 Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
 input, an all-gather's output: world x the per-rank block); algbw = size / time; busbw = algbw
@@ -51,8 +54,8 @@ UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
 # all_gather_in_place: the input is this rank's block of the output, as FSDP2 passes it.
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
-# Across fake hosts: the heap and single copy are one host's, and FSDP2's in-place all-gather
-# runs as the plain one there.
+# Across fake hosts single copy is one host's, and FSDP2's in-place all-gather runs as the plain
+# one there.
 HOSTS_COLLECTIVES = ("reduce_scatter", "all_gather")
 
 
@@ -102,6 +105,17 @@ def make_tensors(
     return full, block
 
 
+def heap_copies(
+    collective: str, full: torch.Tensor, block: torch.Tensor, rank: int, world: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, block) with the same contents, from ``group``'s symmetric heap."""
+    heap_full, heap_block = make_tensors(collective, full.numel(), full.dtype, rank, world, group)
+    heap_full.copy_(full)
+    if collective != "all_gather_in_place":
+        heap_block.copy_(block)
+    return heap_full, heap_block
+
+
 def check(
     collective: str,
     size: int,
@@ -140,11 +154,11 @@ def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
         "# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); vs_gloo = Gloo's time / this",
     ]
     columns = (
-        f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>21} {'time':>10}"
+        f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>25} {'time':>10}"
         f" {'algbw':>8} {'busbw':>8} {'vs_gloo':>8}"
     )
     units = (
-        f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>21} {'(us)':>10}"
+        f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>25} {'(us)':>10}"
         f" {'(GB/s)':>8} {'(GB/s)':>8} {'':>8}"
     )
     for collective in dict.fromkeys(r["collective"] for r in rows):
@@ -155,7 +169,7 @@ def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
             redop = "sum" if collective == "reduce_scatter" else "none"
             lines.append(
                 f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>9} {redop:>6}"
-                f" {r['backend']:>21} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
+                f" {r['backend']:>25} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
                 f" {r['busbw_gbps']:>8.3f} {r['vs_gloo']:>8.2f}"
             )
     return lines
@@ -179,10 +193,7 @@ def one_host_variants(
     for group in (xdev, xdev_sc):
         check(collective, count * esize, dtype, group, rank, world)
     check(collective, count * esize, dtype, xdev, rank, world, heap=True)
-    heap_full, heap_block = make_tensors(collective, count, dtype, rank, world, xdev)
-    heap_full.copy_(full)
-    if collective != "all_gather_in_place":
-        heap_block.copy_(block)
+    heap_full, heap_block = heap_copies(collective, full, block, rank, world, xdev)
     return {
         name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
         for name, f, b, group in (
@@ -202,18 +213,23 @@ def hosts_variants(
     world: int,
     groups: dict[str, Any],
 ) -> dict[str, Callable[[], None]]:
-    """Gloo over all ranks and xdev's auto across the fake hosts, after checking xdev."""
+    """Gloo over all ranks, xdev's auto across the fake hosts and the two-level group on
+    ordinary and heap tensors, after checking xdev."""
     esize = torch.tensor([], dtype=dtype).element_size()
+    two_level = groups["xdev_2lvl"]
     for name in ("xdev", "xdev_2lvl"):
         check(collective, count * esize, dtype, groups[name], rank, world)
+    check(collective, count * esize, dtype, two_level, rank, world, heap=True)
     full = torch.randn(count).to(dtype)
     block = torch.empty(count // world, dtype=dtype)
+    heap_full, heap_block = heap_copies(collective, full, block, rank, world, two_level)
     return {
-        name: (lambda b=b, g=group: run_op(collective, full, b, g))
-        for name, b, group in (
-            ("gloo", block, None),
-            ("xdev", block.clone(), groups["xdev"]),
-            ("xdev_2lvl", block.clone(), groups["xdev_2lvl"]),
+        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
+        for name, f, b, group in (
+            ("gloo", full, block, None),
+            ("xdev", full, block.clone(), groups["xdev"]),
+            ("xdev_2lvl", full, block.clone(), two_level),
+            ("xdev_2lvl_heap", heap_full, heap_block, two_level),
         )
     }
 
@@ -314,7 +330,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 label, picked = name, None
                 if args.hosts > 1 and name != "gloo":
                     # What the group ran (its last call was one of the timed ones) and why.
-                    picked = torch_xdev.describe(groups[name])["last_gather_scatter"]
+                    group = groups[name.removesuffix("_heap")]
+                    picked = torch_xdev.describe(group)["last_gather_scatter"]
                     label = f"{name}({picked[1]})"
                 rows.append(
                     {

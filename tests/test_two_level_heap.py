@@ -1,4 +1,5 @@
-"""Two-level allreduce of tensors from each host's symmetric heap (DDP's buckets), on fake hosts.
+"""Two-level collectives of tensors from each host's symmetric heap, on fake hosts: DDP's buckets
+(allreduce) and FSDP2's all-gather outputs and reduce-scatter inputs.
 
 On several hosts each host's ranks share a symmetric heap, so ``allocateTensor`` (what DDP
 calls for its gradient buckets) works there too, and the reduce-scatter and all-gather inside
@@ -6,12 +7,14 @@ a host read the local peers' tensors in place instead of staging them, where sta
 take two windows or more. The sums are taken in the same order either way, so a heap tensor's
 result must be bitwise the result of an ordinary tensor with the same inputs, and right
 against an independent reference. A rank whose tensor lies elsewhere in its heap (it
-allocated in another order) makes every rank of its host stage, with the right result.
+allocated in another order) makes every rank of its host stage, with the right result. The
+same holds for reduce_scatter_tensor and all_gather_into_tensor across hosts.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ import torch_xdev
 from collective_cases import assert_same_digests, check_close, digest, make_input, reference
 from harness import run_ranks
 from test_two_level import _ddp_steps, _hosts_env
+from test_two_level_gather_scatter import _input, _reduce_reference, _slow_network_model
 
 SMALL_SLOT = 4096  # bytes per slot: 70001 elements span many windows, 101 fit in one
 SIZES = (101, 70001)
@@ -32,6 +36,10 @@ CASES = [
 ]
 IN_PLACE = re.compile(r"rank (\d+): two-level (reduce-scatter|all-gather) inside the host ran in")
 STAGED = re.compile(r"rank (\d+): two-level (reduce-scatter|all-gather): a tensor of the host's")
+GS_IN_PLACE = re.compile(
+    r"rank (\d+): two-level (reduce_scatter|all_gather) inside the host ran in"
+)
+GS_STAGED = re.compile(r"rank (\d+): two-level (reduce_scatter|all_gather): a tensor of the host's")
 
 
 def _heap_allreduce(rank: int, world: int, misplace: bool) -> list[int]:
@@ -99,3 +107,72 @@ def test_ddp_buckets_in_each_hosts_heap_match_gloo(capfd: pytest.CaptureFixture[
         for got, ref, first in zip(xdev[rank]["params"], gloo[rank]["params"], xdev[0]["params"]):
             assert got == first, f"rank {rank} differs from rank 0"
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+# Elements per rank's block: 1531 spans several 4 KiB slots and rides in the exchange of calls
+# across hosts; 17011 goes by Gloo; 7 fits one slot, so it is staged even from the heap.
+GS_BLOCKS = (7, 1531, 17011)
+GS_CASES = [
+    (torch.float32, dist.ReduceOp.SUM),
+    (torch.float32, dist.ReduceOp.AVG),
+    (torch.int32, dist.ReduceOp.SUM),
+]
+
+
+def _heap_gather_scatter(rank: int, world: int, misplace: bool) -> None:
+    """FSDP2's pattern across hosts: reduce_scatter_tensor from a heap input into a heap output,
+    then all_gather_into_tensor into a heap output whose block `rank` is the input."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
+    backend = group._get_backend(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    keep = []
+    if misplace and rank == 1:  # every later block of rank 1 lies past this one
+        keep.append(backend.allocate_tensor(4096, dtype=torch.uint8, device=cpu))
+    digests = []
+    for block in GS_BLOCKS:
+        for c, (dtype, op) in enumerate(GS_CASES):
+            what = f"{dtype} {op} block={block}"
+            full = [_input(c * 100 + block, r, world * block, dtype) for r in range(world)]
+            expected = _reduce_reference(full, op, world)
+            heap_in = backend.allocate_tensor(world * block, dtype=dtype, device=cpu)
+            heap_in.copy_(full[rank])
+            heap_out = backend.allocate_tensor(block, dtype=dtype, device=cpu)
+            dist.reduce_scatter_tensor(heap_out, heap_in, op=op, group=group)
+            assert torch_xdev.describe(group)["last_gather_scatter"][1] == "two_level", what
+            mine = expected[rank * block : (rank + 1) * block]
+            assert torch.equal(heap_out, mine), f"{what}: reduce_scatter"
+            ordinary = torch.empty(block, dtype=dtype)
+            dist.reduce_scatter_tensor(ordinary, full[rank].clone(), op=op, group=group)
+            assert torch.equal(heap_out, ordinary), f"{what}: heap result differs from staged"
+            gathered = backend.allocate_tensor(world * block, dtype=dtype, device=cpu)
+            gathered.fill_(-7)
+            own = gathered.narrow(0, rank * block, block)
+            own.copy_(heap_out)
+            dist.all_gather_into_tensor(gathered, own, group=group)
+            assert torch.equal(gathered, expected), f"{what}: all_gather"
+            digests.append(digest(gathered))
+            del heap_in, heap_out, gathered, own
+    assert_same_digests(digests, world)
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("misplace", [False, True], ids=["same-place", "rank1-elsewhere"])
+def test_heap_gather_scatter_in_place_inside_each_host(
+    misplace: bool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    model = _slow_network_model(tmp_path)  # two levels at every size
+    env = [dict(e, XDEV_DEBUG="INFO", XDEV_CPU_MODEL=model) for e in _hosts_env([2, 2])]
+    run_ranks(_heap_gather_scatter, 4, misplace, per_rank_env=env, timeout=300)
+    err = capfd.readouterr().err
+    in_place = {(int(m[1]), m[2]) for m in GS_IN_PLACE.finditer(err)}
+    staged = {(int(m[1]), m[2]) for m in GS_STAGED.finditer(err)}
+    steps = {"reduce_scatter", "all_gather"}
+    if misplace:
+        # Rank 1's host (ranks 0 and 1) stages; the other host still runs in place.
+        assert staged == {(r, s) for r in (0, 1) for s in steps}, err
+        assert in_place == {(r, s) for r in (2, 3) for s in steps}, err
+    else:
+        assert in_place == {(r, s) for r in range(4) for s in steps}, err
+        assert not staged, err

@@ -29,7 +29,7 @@ class BackendConfig:
     cuda_slot_bytes: int  # GPU staging bytes per rank and slot set (two sets per rank)
     single_copy: bool  # let peers read large tensors in place (process_vm_readv)
     shared_buckets: bool  # give DDP its gradient buckets in memory every rank maps
-    two_level_pieces: int  # pipeline a two-level allreduce in this many pieces; 0: the model's choice
+    two_level_pieces: int  # pieces a two-level allreduce is pipelined in; 0: the model's choice
     debug: bool  # log the chosen plans to stderr
     hostname: str  # this rank's host identity (XDEV_HOSTNAME)
     group_name: str  # the group's name

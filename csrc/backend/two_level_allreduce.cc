@@ -46,6 +46,27 @@ void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::mi
   if (!work->wait(timeout)) TORCH_CHECK(false, "xdev ", what, " failed");
 }
 
+void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& executor,
+                      transport::GatherScatterRequest& req, const SharedPlacement& placement,
+                      const std::string& name) {
+  transport::ShmChannel& channel = *group.host_channel();
+  if (placement.heap != nullptr && plan::in_host_step_in_place(req.plan->num_windows())) {
+    // Peers compare places after the first barrier: in place only if all agree.
+    req.ctx.descriptor.heap_arena = placement.heap_location.arena;
+    req.ctx.descriptor.heap_offset = placement.heap_location.offset;
+    req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
+  }
+  if (executor.run(req)) {
+    group.log_once(name + ":in-place",
+                   name + " inside the host ran in place from its symmetric heap: nothing staged");
+  } else if (req.full_copies) {
+    group.log_once(name + ":heap-places-differ",
+                   name +
+                       ": a tensor of the host's symmetric heap is not at the same place on "
+                       "every local rank; staged");
+  }
+}
+
 TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& shared,
                                      c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group),
@@ -219,25 +240,10 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.num_packs = call.num_packs;
   d.num_tensors = call.num_tensors;
   d.shape_hash = call.shape_hash;
-  transport::ShmChannel& channel = *group_.host_channel();
-  if (placement.heap != nullptr && plan::in_host_step_in_place(plan.num_windows())) {
-    // Peers compare places after the first barrier: in place only if all agree.
-    d.heap_arena = placement.heap_location.arena;
-    d.heap_offset = placement.heap_location.offset;
-    req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
-  }
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
-  const std::string name = reduce_scatter ? "two-level reduce-scatter" : "two-level all-gather";
-  if (executor_.run(req)) {
-    group_.log_once(name + ":in-place",
-                    name + " inside the host ran in place from its symmetric heap: nothing staged");
-  } else if (req.full_copies) {
-    group_.log_once(name + ":heap-places-differ",
-                    name +
-                        ": a tensor of the host's symmetric heap is not at the same place on "
-                        "every local rank; staged");
-  }
+  run_in_host_step(group_, executor_, req, placement,
+                   reduce_scatter ? "two-level reduce-scatter" : "two-level all-gather");
 }
 
 }  // namespace xdev::backend

@@ -43,6 +43,14 @@ std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
 // Waits for an engine's call; throws naming `what` when it fails or times out.
 void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
                      const char* what);
+// Runs a step inside the host (req's context made): in place from the host's
+// symmetric heap where `placement` (of req's full tensor 0) is in it, staging
+// would take several windows (plan::in_host_step_in_place) and every local
+// rank's tensor lies at the same place; staged otherwise. Logs once which,
+// naming the step `name`.
+void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& executor,
+                      transport::GatherScatterRequest& req, const SharedPlacement& placement,
+                      const std::string& name);
 
 class TwoLevelAllreduce {
  public:

@@ -35,9 +35,10 @@ at::Tensor flat_for_list(const char* what, const std::vector<at::Tensor>& list,
 
 }  // namespace
 
-TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group,
+TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
                                              c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group),
+      shared_(shared),
       executor_(*group.host_channel()),
       engine_(engine),
       check_(group, std::move(engine)) {
@@ -203,7 +204,8 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
     }
   }
   run_in_host(plan::GatherScatterKind::kAllGather, full_ptrs, block_ptrs, plan::FlatLayout(layout),
-              kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash, deadline);
+              kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash, deadline,
+              heap_placement(full));
   if (host_major_ranks_.defined()) {
     for (size_t i = 0; i < outputs.size(); ++i) from_host_major(full[i], outputs[i]);
   }
@@ -249,7 +251,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   try {
     run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
                 plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
-                host_op, hash, deadline);
+                host_op, hash, deadline, heap_placement(full));
   } catch (const transport::MismatchError&) {
     check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
     throw;
@@ -282,12 +284,10 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   if (outputs.size() > 1) unpack_into(mine, outputs);
 }
 
-void TwoLevelGatherScatter::run_in_host(plan::GatherScatterKind kind,
-                                        const std::vector<char*>& full,
-                                        const std::vector<char*>& block,
-                                        const plan::FlatLayout& layout, kernels::DType dtype,
-                                        int64_t elem_size, kernels::ReduceOp op, uint64_t hash,
-                                        transport::Clock::time_point deadline) {
+void TwoLevelGatherScatter::run_in_host(
+    plan::GatherScatterKind kind, const std::vector<char*>& full, const std::vector<char*>& block,
+    const plan::FlatLayout& layout, kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,
+    uint64_t hash, transport::Clock::time_point deadline, const SharedPlacement& placement) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   const plan::GatherScatterPlan plan(kind, group_.local_world_size(), layout.total(),
@@ -308,7 +308,14 @@ void TwoLevelGatherScatter::run_in_host(plan::GatherScatterKind kind,
   d.shape_hash = hash;
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
-  executor_.run(req);
+  run_in_host_step(group_, executor_, req, placement,
+                   reduce_scatter ? "two-level reduce_scatter" : "two-level all_gather");
+}
+
+SharedPlacement TwoLevelGatherScatter::heap_placement(const std::vector<at::Tensor>& full) const {
+  // A host-major copy, or several tensors, are this rank's own memory.
+  if (full.size() != 1 || host_major_ranks_.defined()) return {};
+  return shared_.find(full[0]);
 }
 
 at::Tensor TwoLevelGatherScatter::to_host_major(const at::Tensor& full) const {

@@ -29,6 +29,12 @@
 // host-major order, the full tensor goes through a host-major copy: permuted
 // after the all-gather, before the reduce-scatter.
 //
+// A full tensor from the host's symmetric heap (FSDP2's all-gather output and
+// reduce-scatter input with set_allocate_memory_from_process_group_for_comm;
+// one tensor, ranks in host-major order) is read in place by the step inside
+// the host, where staging it would take several windows and every local
+// rank's lies at the same place (run_in_host_step).
+//
 // Runs on the group's queue like every native collective, so it keeps their
 // order; the engine's part blocks the op thread until the engine is done.
 #pragma once
@@ -46,14 +52,17 @@
 #include "../transport/gather_scatter_executor.h"
 #include "cross_host_check.h"
 #include "group_context.h"
+#include "shared_buffers.h"
 
 namespace xdev::backend {
 
 class TwoLevelGatherScatter {
  public:
-  // The group must have a host channel (GroupContext::host_channel). engine:
-  // this rank's cross-host group (its ranks there are host indices).
-  TwoLevelGatherScatter(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+  // The group must have a host channel (GroupContext::host_channel). shared:
+  // says which tensors lie in this host's symmetric heap. engine: this rank's
+  // cross-host group (its ranks there are host indices).
+  TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
+                        c10::intrusive_ptr<c10d::Backend> engine);
 
   // outputs[i] (P * C_i elements) = every rank's inputs[i] (C_i elements) in
   // rank order. Any dtype: bytes move.
@@ -92,11 +101,15 @@ class TwoLevelGatherScatter {
                           transport::Clock::time_point deadline, uint64_t hash);
   // Step inside the host: tensor t's L blocks of layout.numel(t) elements
   // start at full[t] (local rank l's at l times that), its block of this
-  // rank at block[t].
+  // rank at block[t]. `placement`: where full[0] lies in the host's heap
+  // (every full[t] then lies within that one heap tensor), if it does.
   void run_in_host(plan::GatherScatterKind kind, const std::vector<char*>& full,
                    const std::vector<char*>& block, const plan::FlatLayout& layout,
                    kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op, uint64_t hash,
-                   transport::Clock::time_point deadline);
+                   transport::Clock::time_point deadline, const SharedPlacement& placement);
+  // Where the one full tensor of a call lies in the host's heap, when the step
+  // inside the host may read it in place there (ranks in host-major order).
+  SharedPlacement heap_placement(const std::vector<at::Tensor>& full) const;
   // The full tensor `full` (P blocks) as a host-major copy, or the reverse.
   at::Tensor to_host_major(const at::Tensor& full) const;
   void from_host_major(const at::Tensor& host_major, const at::Tensor& full) const;
@@ -104,6 +117,7 @@ class TwoLevelGatherScatter {
   at::Tensor blocks_of(const at::Tensor& full) const;
 
   GroupContext& group_;
+  const SharedBuffers& shared_;
   transport::GatherScatterExecutor executor_;
   c10::intrusive_ptr<c10d::Backend> engine_;
   CrossHostCheck check_;

@@ -35,7 +35,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
           cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
                             group_.host_index(), group_.num_hosts());
       two_level_ = std::make_unique<TwoLevelAllreduce>(group_, shared_, engine);
-      two_level_gather_scatter_ = std::make_unique<TwoLevelGatherScatter>(group_, engine);
+      two_level_gather_scatter_ = std::make_unique<TwoLevelGatherScatter>(group_, shared_, engine);
       two_level_broadcast_ = std::make_unique<TwoLevelBroadcast>(group_, engine);
     } else if (group_.requested() == plan::Algorithm::kFallback) {
       two_level_note_ = "algorithm='fallback' requested";

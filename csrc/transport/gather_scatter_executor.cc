@@ -56,10 +56,14 @@ class WindowMap {
   bool reduce_scatter_;
 };
 
-// Where rank j's block starts in a one-tensor request's full tensor, in elements.
-int64_t block_start(const GatherScatterRequest& req, int j) {
-  return req.block_starts.empty() ? j * req.block_layout->total()
+// Where rank j's block of tensor t starts in the tensor's full tensor, and
+// how many elements it holds.
+int64_t block_start(const GatherScatterRequest& req, size_t t, int j) {
+  return req.block_starts.empty() ? j * req.block_layout->numel(t)
                                   : req.block_starts[static_cast<size_t>(j)];
+}
+int64_t block_count(const GatherScatterRequest& req, size_t t, int j) {
+  return req.block_starts.empty() ? req.block_layout->numel(t) : req.plan->block_elems(j);
 }
 
 }  // namespace
@@ -78,9 +82,6 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     return false;
   }
   const bool in_heap = static_cast<bool>(req.full_copies);
-  if (in_heap && req.full.size() != 1) {
-    throw std::invalid_argument("in-place gather/scatter needs one tensor");
-  }
   const bool all_gather = plan.kind() == plan::GatherScatterKind::kAllGather;
   std::vector<const void*> sources;
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
@@ -90,11 +91,13 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     const int64_t p = w.block.size();
     const auto stage_mine = [&](int64_t parity) {
       if (k == 0 && in_heap && all_gather) {
-        // Should this run in place, peers read this rank's block from its
-        // output: put it there before the barrier (FSDP's input already is).
-        char* mine = req.full[0] + block_start(req, me) * es;
-        if (mine != req.block[0]) {
-          std::memmove(mine, req.block[0], static_cast<size_t>(plan.block_elems(me) * es));
+        // Should this run in place, peers read this rank's blocks from its
+        // output: put them there before the barrier (FSDP's input already is).
+        for (size_t t = 0; t < req.full.size(); ++t) {
+          char* mine = req.full[t] + block_start(req, t, me) * es;
+          if (mine != req.block[t]) {
+            std::memmove(mine, req.block[t], static_cast<size_t>(block_count(req, t, me) * es));
+          }
         }
       }
       char* slot = channel_.slot(parity, me);
@@ -154,27 +157,34 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
 // input, as soon as the call returns.
 void GatherScatterExecutor::run_in_place(const GatherScatterRequest& req,
                                          const std::vector<char*>& full) {
-  const plan::GatherScatterPlan& plan = *req.plan;
   const int me = channel_.rank();
   const int world = channel_.world_size();
   const auto es = static_cast<int64_t>(kernels::element_size(req.dtype));
-  if (plan.kind() == plan::GatherScatterKind::kAllGather) {
-    // Starting at the next rank spreads the readers over the owners.
-    for (int step = 1; step < world; ++step) {
-      const int owner = (me + step) % world;
-      const int64_t at = block_start(req, owner) * es;
-      std::memcpy(req.full[0] + at, full[static_cast<size_t>(owner)] + at,
-                  static_cast<size_t>(plan.block_elems(owner) * es));
+  const bool all_gather = req.plan->kind() == plan::GatherScatterKind::kAllGather;
+  std::vector<const void*> sources(static_cast<size_t>(world));
+  for (size_t t = 0; t < req.full.size(); ++t) {
+    // Tensor t lies this far from tensor 0 in every rank's copy.
+    const std::ptrdiff_t from_first = req.full[t] - req.full[0];
+    const auto peer = [&](int r, int64_t elem) {
+      return full[static_cast<size_t>(r)] + from_first + elem * es;
+    };
+    if (all_gather) {
+      // Starting at the next rank spreads the readers over the owners.
+      for (int step = 1; step < world; ++step) {
+        const int owner = (me + step) % world;
+        const int64_t at = block_start(req, t, owner);
+        std::memcpy(req.full[t] + at * es, peer(owner, at),
+                    static_cast<size_t>(block_count(req, t, owner) * es));
+      }
+    } else {
+      const int64_t at = block_start(req, t, me);
+      for (int r = 0; r < world; ++r) sources[static_cast<size_t>(r)] = peer(r, at);
+      const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
+      kernels::reduce(req.dtype, req.op, req.block[t], sources.data(), world,
+                      block_count(req, t, me), divisor);
     }
-  } else {
-    std::vector<const void*> sources;
-    const int64_t at = block_start(req, me) * es;
-    for (int r = 0; r < world; ++r) sources.push_back(full[static_cast<size_t>(r)] + at);
-    const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
-    kernels::reduce(req.dtype, req.op, req.block[0], sources.data(), world, plan.block_elems(me),
-                    divisor);
   }
-  channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads this rank's tensor any more
+  channel_.barrier(req.ctx.deadline, req.ctx.what);  // no peer reads this rank's tensors any more
 }
 
 void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {

@@ -12,13 +12,14 @@
 // peers read in place with process_vm_readv: each byte crosses memory once
 // per reader instead of being staged first.
 //
-// In place (one tensor whose full tensor lies in the group's symmetric heap,
-// as FSDP2 allocates it with set_allocate_memory_from_process_group_for_comm,
-// or a DDP bucket in a host's heap reduced in two levels; blocks may be uneven):
-// the run starts staged; after its first barrier, when every rank's
-// descriptor puts the full tensor at the same place of the heap, each rank
-// reads its peers' full tensors where it maps them and nothing more is
-// staged. A reduce-scatter sums block r of every rank's input in rank order
+// In place (full tensors in the group's symmetric heap, as FSDP2 allocates
+// them with set_allocate_memory_from_process_group_for_comm, or a DDP bucket
+// in a host's heap reduced in two levels; one tensor's blocks may be uneven;
+// several tensors lie within one heap tensor, as the two-level gather/scatter
+// cuts a full tensor host by host): the run starts staged; after its first
+// barrier, when every rank's descriptor puts full tensor 0 at the same place
+// of the heap, each rank reads its peers' full tensors where it maps them and
+// nothing more is staged. A reduce-scatter sums block r of every rank's input in rank order
 // (the same sum as staged, so the same bits); an all-gather copies each peer's
 // block out of the peer's output. Otherwise (places differ, or some rank's
 // tensor is elsewhere) every rank goes on staged.
@@ -57,10 +58,11 @@ struct GatherScatterRequest {
   // Its descriptor's heap_arena/heap_offset say where the full tensor lies in
   // this rank's symmetric heap (arena -1: not there).
   OpContext ctx;
-  // Set when the one full tensor lies in the symmetric heap: every rank's
-  // full tensor as mapped in this process, by rank. Called only after the
-  // first barrier, once every rank's place is known to agree (a peer's arena
-  // is mapped on first use).
+  // Set when the full tensors lie in the symmetric heap: every rank's full
+  // tensor 0 as mapped in this process, by rank; tensor t lies at the same
+  // distance from it on every rank (the descriptors, equal, say the shapes).
+  // Called only after the first barrier, once every rank's place is known to
+  // agree (a peer's arena is mapped on first use).
   std::function<std::vector<char*>()> full_copies;
 };
 
