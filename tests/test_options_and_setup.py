@@ -113,6 +113,7 @@ def test_init_methods(method: str, tmp_path: Any) -> None:
         "bytes_per_pack": 0,
         "reduce_to_rank": 0,
         "shm_slot_bytes": torch_xdev.Options().shm_slot_bytes,
+        "two_level_pieces": 0,
     }
     assert infos[0]["timeout_s"] == dist.default_pg_timeout.total_seconds()  # the group's
     cuda = infos[0]["cuda"]
