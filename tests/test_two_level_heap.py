@@ -42,6 +42,24 @@ GS_IN_PLACE = re.compile(
 GS_STAGED = re.compile(r"rank (\d+): two-level (reduce_scatter|all_gather): a tensor of the host's")
 
 
+def _check_steps_by_host(
+    err: str, in_place_line: re.Pattern[str], staged_line: re.Pattern[str], misplace: bool
+) -> None:
+    """Which ranks logged both steps inside the host (group 2 of each pattern) in place, and
+    which staged: every rank in place, or with `misplace` rank 1's host (ranks 0 and 1) staged
+    and the other host still in place."""
+    in_place = {(int(m[1]), m[2]) for m in in_place_line.finditer(err)}
+    staged = {(int(m[1]), m[2]) for m in staged_line.finditer(err)}
+    steps = {m[2] for m in in_place_line.finditer(err)} | {m[2] for m in staged_line.finditer(err)}
+    assert len(steps) == 2, err
+    if misplace:
+        assert staged == {(r, s) for r in (0, 1) for s in steps}, err
+        assert in_place == {(r, s) for r in (2, 3) for s in steps}, err
+    else:
+        assert in_place == {(r, s) for r in range(4) for s in steps}, err
+        assert not staged, err
+
+
 def _heap_allreduce(rank: int, world: int, misplace: bool) -> list[int]:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
     group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
@@ -81,17 +99,7 @@ def test_heap_tensors_reduce_in_place_inside_each_host(
 ) -> None:
     env = [dict(e, XDEV_DEBUG="INFO") for e in _hosts_env([2, 2])]
     run_ranks(_heap_allreduce, 4, misplace, per_rank_env=env)
-    err = capfd.readouterr().err
-    in_place = {(int(m[1]), m[2]) for m in IN_PLACE.finditer(err)}
-    staged = {(int(m[1]), m[2]) for m in STAGED.finditer(err)}
-    steps = {"reduce-scatter", "all-gather"}
-    if misplace:
-        # Rank 1's host (ranks 0 and 1) stages; the other host still runs in place.
-        assert staged == {(r, s) for r in (0, 1) for s in steps}, err
-        assert in_place == {(r, s) for r in (2, 3) for s in steps}, err
-    else:
-        assert in_place == {(r, s) for r in range(4) for s in steps}, err
-        assert not staged, err
+    _check_steps_by_host(capfd.readouterr().err, IN_PLACE, STAGED, misplace)
 
 
 def test_ddp_buckets_in_each_hosts_heap_match_gloo(capfd: pytest.CaptureFixture[str]) -> None:
@@ -165,14 +173,4 @@ def test_heap_gather_scatter_in_place_inside_each_host(
     model = _slow_network_model(tmp_path)  # two levels at every size
     env = [dict(e, XDEV_DEBUG="INFO", XDEV_CPU_MODEL=model) for e in _hosts_env([2, 2])]
     run_ranks(_heap_gather_scatter, 4, misplace, per_rank_env=env, timeout=300)
-    err = capfd.readouterr().err
-    in_place = {(int(m[1]), m[2]) for m in GS_IN_PLACE.finditer(err)}
-    staged = {(int(m[1]), m[2]) for m in GS_STAGED.finditer(err)}
-    steps = {"reduce_scatter", "all_gather"}
-    if misplace:
-        # Rank 1's host (ranks 0 and 1) stages; the other host still runs in place.
-        assert staged == {(r, s) for r in (0, 1) for s in steps}, err
-        assert in_place == {(r, s) for r in (2, 3) for s in steps}, err
-    else:
-        assert in_place == {(r, s) for r in range(4) for s in steps}, err
-        assert not staged, err
+    _check_steps_by_host(capfd.readouterr().err, GS_IN_PLACE, GS_STAGED, misplace)
