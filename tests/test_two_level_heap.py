@@ -8,7 +8,8 @@ take two windows or more. The sums are taken in the same order either way, so a 
 result must be bitwise the result of an ordinary tensor with the same inputs, and right
 against an independent reference. A rank whose tensor lies elsewhere in its heap (it
 allocated in another order) makes every rank of its host stage, with the right result. The
-same holds for reduce_scatter_tensor and all_gather_into_tensor across hosts.
+same holds for reduce_scatter_tensor and all_gather_into_tensor across hosts, and FSDP2
+training with its buffers from the group trains the model FSDP2 on Gloo trains.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch_xdev
 from collective_cases import assert_same_digests, check_close, digest, make_input, reference
 from harness import run_ranks
+from test_fsdp_in_place import _fsdp2_training
 from test_two_level import _ddp_steps, _hosts_env
 from test_two_level_gather_scatter import _input, _reduce_reference, _slow_network_model
 
@@ -174,3 +176,26 @@ def test_heap_gather_scatter_in_place_inside_each_host(
     env = [dict(e, XDEV_DEBUG="INFO", XDEV_CPU_MODEL=model) for e in _hosts_env([2, 2])]
     run_ranks(_heap_gather_scatter, 4, misplace, per_rank_env=env, timeout=300)
     _check_steps_by_host(capfd.readouterr().err, GS_IN_PLACE, GS_STAGED, misplace)
+
+
+def test_fsdp2_across_hosts_with_group_allocated_buffers_matches_gloo(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """FSDP2 over 2 fake hosts x 2 ranks, its buffers from the group: two levels, in place inside
+    each host, the same model as FSDP2 on Gloo and the same bits on every rank."""
+    reference = run_ranks(_fsdp2_training, 4, "gloo", True)
+    capfd.readouterr()
+    model = _slow_network_model(tmp_path)  # two levels at every size
+    # Small slots: a layer's collectives (37 KB) then take several windows, so they run in place.
+    env = [
+        dict(e, XDEV_DEBUG="INFO", XDEV_CPU_MODEL=model, XDEV_SHM_SLOT_BYTES="4096")
+        for e in _hosts_env([2, 2])
+    ]
+    got = run_ranks(_fsdp2_training, 4, "xdev", True, per_rank_env=env, timeout=300)
+    _check_steps_by_host(capfd.readouterr().err, GS_IN_PLACE, GS_STAGED, misplace=False)
+    for rank in range(4):
+        ref, mine = reference[rank], got[rank]
+        assert mine["losses"] == pytest.approx(ref["losses"], rel=1e-5), (mine, ref)
+        for p, q in zip(mine["params"], ref["params"]):
+            torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-5, atol=1e-6)
+        assert mine["params"] == got[0]["params"], f"rank {rank} differs from rank 0"
