@@ -283,25 +283,36 @@ void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const a
   if (in_place && req.full.size() == 1 && !req.single_copy) {
     placement = shared_.find(full);
   }
+  const std::string op = name;
+  switch (run_from_heap(*executor_, req, placement, *group_.channel())) {
+    case HeapRun::kInPlace:
+      group_.log_once(op + ":in-place", op +
+                                            " ran in place from the symmetric heap (every rank's " +
+                                            (op == "all_gather" ? "output" : "input") +
+                                            " at the same place): nothing staged");
+      break;
+    case HeapRun::kPlacesDiffer:
+      group_.log_once(op + ":heap-places-differ",
+                      op + ": a tensor of the symmetric heap is not at the same place on every "
+                           "rank (allocated in another order, or an ordinary tensor on some "
+                           "rank); staged");
+      break;
+    case HeapRun::kNotInHeap:
+      break;
+  }
+}
+
+HeapRun run_from_heap(transport::GatherScatterExecutor& executor,
+                      transport::GatherScatterRequest& req, const SharedPlacement& placement,
+                      const transport::ShmChannel& channel) {
   if (placement.heap == nullptr) {
-    executor_->run(req);
-    return;
+    executor.run(req);
+    return HeapRun::kNotInHeap;
   }
   req.ctx.descriptor.heap_arena = placement.heap_location.arena;
   req.ctx.descriptor.heap_offset = placement.heap_location.offset;
-  transport::ShmChannel& channel = *group_.channel();
   req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
-  const std::string op = name;
-  if (executor_->run(req)) {
-    group_.log_once(op + ":in-place", op + " ran in place from the symmetric heap (every rank's " +
-                                          (op == "all_gather" ? "output" : "input") +
-                                          " at the same place): nothing staged");
-  } else {
-    group_.log_once(op + ":heap-places-differ",
-                    op + ": a tensor of the symmetric heap is not at the same place on every "
-                         "rank (allocated in another order, or an ordinary tensor on some rank); "
-                         "staged");
-  }
+  return executor.run(req) ? HeapRun::kInPlace : HeapRun::kPlacesDiffer;
 }
 
 }  // namespace xdev::backend

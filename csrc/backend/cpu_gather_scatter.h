@@ -26,6 +26,21 @@
 
 namespace xdev::backend {
 
+// How a gather/scatter request offered the heap place of its full tensor ran.
+enum class HeapRun {
+  kNotInHeap,     // no place offered: staged
+  kInPlace,       // every rank's tensor at the same place: nothing staged
+  kPlacesDiffer,  // some rank's tensor elsewhere (peers compared): staged
+};
+
+// Runs `req` (its context made) on `executor`, lending it every rank's copy of
+// full tensor 0 where `placement` is in the symmetric heap shared by the ranks
+// of `channel`; the executor runs in place only if every rank's lies at the
+// same place, which peers compare after the first barrier.
+HeapRun run_from_heap(transport::GatherScatterExecutor& executor,
+                      transport::GatherScatterRequest& req, const SharedPlacement& placement,
+                      const transport::ShmChannel& channel);
+
 class CpuGatherScatter {
  public:
   // Uses the group's channel when it has one (several ranks on this host).

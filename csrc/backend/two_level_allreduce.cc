@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "cpu_gather_scatter.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -49,21 +50,23 @@ void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::mi
 void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& executor,
                       transport::GatherScatterRequest& req, const SharedPlacement& placement,
                       const std::string& name) {
-  transport::ShmChannel& channel = *group.host_channel();
-  if (placement.heap != nullptr && plan::in_host_step_in_place(req.plan->num_windows())) {
-    // Peers compare places after the first barrier: in place only if all agree.
-    req.ctx.descriptor.heap_arena = placement.heap_location.arena;
-    req.ctx.descriptor.heap_offset = placement.heap_location.offset;
-    req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
-  }
-  if (executor.run(req)) {
-    group.log_once(name + ":in-place",
-                   name + " inside the host ran in place from its symmetric heap: nothing staged");
-  } else if (req.full_copies) {
-    group.log_once(name + ":heap-places-differ",
-                   name +
-                       ": a tensor of the host's symmetric heap is not at the same place on "
-                       "every local rank; staged");
+  // Staging a single window costs less than the closing barrier in place needs.
+  const bool offered = plan::in_host_step_in_place(req.plan->num_windows());
+  switch (run_from_heap(executor, req, offered ? placement : SharedPlacement{},
+                        *group.host_channel())) {
+    case HeapRun::kInPlace:
+      group.log_once(
+          name + ":in-place",
+          name + " inside the host ran in place from its symmetric heap: nothing staged");
+      break;
+    case HeapRun::kPlacesDiffer:
+      group.log_once(name + ":heap-places-differ",
+                     name +
+                         ": a tensor of the host's symmetric heap is not at the same place on "
+                         "every local rank; staged");
+      break;
+    case HeapRun::kNotInHeap:
+      break;
   }
 }
 
