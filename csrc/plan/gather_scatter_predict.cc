@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "predict.h"
 #include "ring.h"
 
 namespace xdev::plan {
@@ -39,7 +40,7 @@ MachineModel with_cross_process_reads(const MachineModel& m) {
 // GPU machines this reference is for, a copy within one GPU's memory.
 Schedule ring_half(const MachineModel& m, GatherScatterKind kind, int64_t elems) {
   const int n = m.num_devices();
-  Schedule full = ring_allreduce_schedule(n, find_rings(m.links), {0, elems});
+  Schedule full = ring_allreduce_schedule(n, reference_rings(m), {0, elems});
   Schedule half = full;
   half.steps.clear();
   for (const Step& s : full.steps) {

@@ -20,6 +20,18 @@ std::string Candidate::label() const {
   return s;
 }
 
+std::vector<std::vector<int>> reference_rings(const MachineModel& m) {
+  std::vector<std::vector<int>> rings = find_rings(m.links);
+  // Through a switch every pair counts as joined by all of a GPU's links, so
+  // the search finds far more link-disjoint rings (126 on an HGX H100) than
+  // NCCL opens, one per channel. As many rings carry the same bytes through
+  // the same ports at a fraction of the simulation's work. The rings come in
+  // (cycle, reverse) pairs; an even count keeps the pairs whole.
+  const size_t channels = static_cast<size_t>(m.nccl.channels);
+  if (m.nccl.present && channels >= 2 && rings.size() > channels) rings.resize(channels / 2 * 2);
+  return rings;
+}
+
 Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t bytes,
                           int64_t elem_bytes) {
   if (elem_bytes < 1) throw std::invalid_argument("allreduce_program: elem_bytes must be >= 1");
@@ -39,7 +51,7 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
   std::vector<int64_t> window_sizes;
   std::vector<std::vector<Range>> window_packs;  // pipeline order of each window's packs
   if (c.ring_reference) {
-    const auto rings = find_rings(m.links);
+    const auto rings = reference_rings(m);
     for (int64_t lo = 0; lo < total; lo += window_elems) {
       const int64_t len = std::min(window_elems, total - lo);
       windows.push_back(ring_allreduce_schedule(n, rings, {0, len}));

@@ -53,6 +53,10 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
 Prediction predict_allreduce(const MachineModel& m, const Candidate& c, int64_t bytes,
                              int64_t elem_bytes = 4);
 
+// The rings the ring reference runs on: find_rings over the machine's links,
+// at most one per NCCL channel where NCCL runs.
+std::vector<std::vector<int>> reference_rings(const MachineModel& m);
+
 // The machine's NCCL candidates (nccl_model.h); none on machines without NCCL
 // or with one device.
 std::vector<Candidate> nccl_candidates(const MachineModel& m);

@@ -1,5 +1,6 @@
 // Unit tests of NCCL as a modelled candidate (csrc/plan/nccl_model.h), of the GPU machines it is
 // weighed on, and of algorithm="auto" on CUDA tensors choosing between xdev's plans and NCCL.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "plan/machines.h"
 #include "plan/nccl_model.h"
 #include "plan/predict.h"
+#include "plan/ring.h"
 #include "plan/selection.h"
 #include "plan_test_util.h"
 #include "test_harness.h"
@@ -157,4 +159,22 @@ TEST(selection_cuda_auto_weighs_nccl_where_it_runs) {
   s = select_allreduce(in);
   CHECK_EQ(s.algorithm, Algorithm::kHierarchicalCopy);
   CHECK_EQ(s.num_packs, int64_t{8});
+}
+
+TEST(the_ring_reference_opens_at_most_one_ring_per_nccl_channel) {
+  // Through the switch the link search finds 63 cycles on an HGX H100, each used both ways;
+  // NCCL opens 16 channels. Where the links allow fewer rings than channels, all stay.
+  for (const char* name : kGpuMachines) {
+    const MachineModel m = builtin_machine(name);
+    const std::vector<std::vector<int>> rings = reference_rings(m), found = find_rings(m.links);
+    CHECK(!rings.empty());
+    CHECK(rings.size() <= std::max<size_t>(found.size(), 2));
+    if (found.size() > static_cast<size_t>(m.nccl.channels)) {
+      CHECK_EQ(rings.size(), static_cast<size_t>(m.nccl.channels) / 2 * 2);
+    } else {
+      CHECK_EQ(rings.size(), found.size());
+    }
+  }
+  CHECK_EQ(reference_rings(hgx_h100()).size(), size_t{16});
+  CHECK_EQ(reference_rings(dgx1_v100()).size(), size_t{6});
 }
