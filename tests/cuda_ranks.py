@@ -1,6 +1,7 @@
 """What the CUDA test modules share: why they skip, and helpers run inside the ranks.
 
-Every CUDA test spawns real processes (tests/harness.py, 'spawn' start method), one per rank;
+Every CUDA test runs real processes (tests/harness.py: forked from a server that imported torch
+and never touched CUDA), one per rank;
 rank r uses GPU ``r % torch.cuda.device_count()``, so on a one-GPU machine every rank shares
 that GPU, which CUDA IPC allows and NCCL does not.
 """

@@ -1,6 +1,6 @@
 """Runs a test function on N real processes, one per rank.
 
-``run_ranks(fn, world)`` spawns ``world`` processes; each sets up MASTER_ADDR /
+``run_ranks(fn, world)`` starts ``world`` processes; each sets up MASTER_ADDR /
 MASTER_PORT and calls ``fn(rank, world, *args)``. Whatever ``fn`` returns comes
 back as a list indexed by rank; an exception in any rank fails the test with
 every rank's traceback. Every wait is bounded: a rank that does not finish by
@@ -17,6 +17,32 @@ import traceback
 from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
+from multiprocessing import reduction
+
+# Ranks fork from one server process that has imported torch already. Importing it costs each
+# spawned process about 2 s of CPU, which on a 2-core machine was most of the suite's time. The
+# server only imports (it starts no CUDA context), as DataLoader workers fork after importing
+# torch; each rank starts from the parent's environment of the moment, as a spawned one would.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def _received_fd(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
+class _ParentFd:
+    """One of the parent's file descriptors, handed to a rank as the same open file.
+
+    A rank forked from the server would otherwise write to the server's stdout and stderr, not to
+    what the test captures now (capfd reads the ranks' logs)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        # Pickled while the rank starts, so the fd travels with its other fds to the server.
+        return (_received_fd, (reduction.DupFd(self.fd),))
 
 
 def free_port() -> int:
@@ -31,18 +57,28 @@ def _child(
     port: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    parent_env: dict[str, str],
+    parent_fds: tuple[int, int],
     env: dict[str, str],
     per_rank_env: Optional[list[dict[str, str]]],
     results: Any,
 ) -> None:
+    for target, fd in zip((1, 2), parent_fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     os.environ.update(env)
     if per_rank_env is not None:
         os.environ.update(per_rank_env[rank])
     try:
         import torch
+        import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the server imported it.
+        dist.set_debug_level_from_env()
         value = fn(rank, world, *args)
         results.put((rank, True, value))
     except BaseException:  # report everything, including assertion failures
@@ -63,13 +99,24 @@ def run_ranks(
     Ranks in ``expect_dead`` are allowed to die without reporting (tests that
     kill a rank on purpose); their result is None.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _CONTEXT
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world, port, fn, args, env or {}, per_rank_env, results),
+            args=(
+                rank,
+                world,
+                port,
+                fn,
+                args,
+                dict(os.environ),
+                (_ParentFd(1), _ParentFd(2)),
+                env or {},
+                per_rank_env,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world)
