@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.torch_free
+
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["-std=c++17", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc")]
 # The kernels are built as setup.py builds them (their ISA dispatch and vector loops are what is

@@ -58,6 +58,7 @@ def assert_clean(builds: list[tuple[Path, subprocess.CompletedProcess[str]]]) ->
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.torch_free
 def test_cuda_transport_compiles_with_nvcc(tmp_path: Path) -> None:
     nvcc = find_nvcc()
     sources = sorted(REPO.glob("csrc/transport/*.cu"))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.torch_free
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [
     REPO / "csrc" / "kernels" / "cuda_reduce.cu",
