@@ -1,9 +1,8 @@
 """What the CUDA test modules share: why they skip, and helpers run inside the ranks.
 
-Every CUDA test runs real processes (tests/harness.py: forked from a server that imported torch
-and never touched CUDA), one per rank;
-rank r uses GPU ``r % torch.cuda.device_count()``, so on a one-GPU machine every rank shares
-that GPU, which CUDA IPC allows and NCCL does not.
+Every CUDA test runs real processes, one per rank (tests/harness.py: forked from a server that
+imported torch and never touched CUDA); rank r uses GPU ``r % torch.cuda.device_count()``, so on
+a one-GPU machine every rank shares that GPU, which CUDA IPC allows and NCCL does not.
 """
 
 from __future__ import annotations
