@@ -1,4 +1,4 @@
-"""Allreduce benchmark: xdev algorithms side by side with Gloo (CPU) or NCCL (CUDA), nccl-tests style.
+"""Allreduce benchmark: xdev's algorithms beside Gloo (CPU) or NCCL (CUDA), nccl-tests style.
 
 Usage::
 

@@ -39,8 +39,9 @@ variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
 ``dist.reduce_scatter_single`` (what FSDP2 calls; synchronously on CPU) wrapped in timers,
 each call preceded by a barrier on its group that is timed apart (``arrival``: waiting for
 the last rank): per variant, the time per step in each collective, in arrival and in the
-rest of the step (the ranks' mean, median over steps). Then one step of each variant under ``torch.profiler``: rank 0's CPU time by operator
-(the collectives, FSDP2's copy-in and copy-out, compute).
+rest of the step (the ranks' mean, median over steps). Then one step of each variant under
+``torch.profiler``: rank 0's CPU time by operator (the collectives, FSDP2's copy-in and
+copy-out, compute).
 """
 
 from __future__ import annotations

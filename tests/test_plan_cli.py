@@ -1,4 +1,6 @@
-"""The cost-model CLI, `python -m torch_xdev.plan` (torch_xdev/plan.py, csrc/backend/plan_bindings.cc).
+"""The cost-model CLI, `python -m torch_xdev.plan`.
+
+Its code: torch_xdev/plan.py and csrc/backend/plan_bindings.cc.
 
 Sizes stay at or below 1 MiB: the simulation of large payloads is slower.
 """
@@ -240,7 +242,7 @@ def test_gather_scatter_bad_arguments(
 
 def test_gpu_machines_list_nccl_candidates_and_auto_takes_the_fastest(tmp_path: Path) -> None:
     out = tmp_path / "h100.json"
-    # 16 MiB, not larger: NVLS already wins there, and the simulation of xdev's plans slows with size.
+    # 16 MiB, not larger: NVLS already wins there, and simulating xdev's plans slows with size.
     assert plan.main(["--topology", "hgx-h100", "--sizes", "4KiB,16MiB", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     for size in (4 << 10, 16 << 20):

@@ -57,8 +57,9 @@ def avg_comm_hook(
     """A DDP comm hook: allreduce each bucket with ``ReduceOp.AVG`` (one pass on xdev).
 
     Register with ``model.register_comm_hook(state, torch_xdev.avg_comm_hook)``, where
-    ``state`` is the process group DDP was built on, or ``None`` for the default group. Works on any backend that supports AVG; results equal DDP's default hook within
-    floating-point rounding (the sum is divided once instead of every term).
+    ``state`` is the process group DDP was built on, or ``None`` for the default group. Works on
+    any backend that supports AVG; results equal DDP's default hook within floating-point
+    rounding (the sum is divided once instead of every term).
     """
     buffer = bucket.buffer()
     work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=process_group, async_op=True)
