@@ -14,6 +14,8 @@ in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per 
   live in memory every rank maps, so their allreduce runs in place.
 - ``xdev_shared_avg``: the same plus ``torch_xdev.avg_comm_hook`` (AVG folded into the
   allreduce) and ``gradient_as_bucket_view=True`` (no copy of the gradients into buckets).
+- ``xdev_shared_view`` and ``xdev_shared_avg_noview``: its two halves apart, the bucket view
+  with DDP's own hook, and the AVG hook without the view.
 - ``xdev_staged``: DDP on an xdev group with ``Options(shared_buckets=False)``: ordinary
   buckets, allreduced through xdev's staging slots.
 - ``gloo``: DDP on a Gloo group.
@@ -21,7 +23,7 @@ in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per 
   bucket unchanged: the whole DDP step without communication. A variant's median step minus
   this one's is what communication costs it per step.
 - ``noop_hook_view``: the same with ``gradient_as_bucket_view=True``, the baseline of
-  ``xdev_shared_avg`` (which saves the copies between gradients and buckets that
+  the variants with the view (which save the copies between gradients and buckets that
   ``noop_hook`` still makes).
 - ``no_ddp``: the bare model, local forward/backward/step.
 
@@ -110,6 +112,9 @@ VARIANTS = (
         comm_hook="avg",
         gradient_as_bucket_view=True,
     ),
+    # The two halves of xdev_shared_avg apart: the bucket view alone, the AVG hook alone.
+    Variant("xdev_shared_view", "xdev", shared_buckets=True, gradient_as_bucket_view=True),
+    Variant("xdev_shared_avg_noview", "xdev", shared_buckets=True, comm_hook="avg"),
     Variant("xdev_staged", "xdev", shared_buckets=False),
     Variant("gloo", "gloo"),
     Variant("noop_hook", "gloo", comm_hook="noop"),
