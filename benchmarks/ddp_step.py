@@ -19,6 +19,8 @@ in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per 
 - ``xdev_staged``: DDP on an xdev group with ``Options(shared_buckets=False)``: ordinary
   buckets, allreduced through xdev's staging slots.
 - ``gloo``: DDP on a Gloo group.
+- ``xdev_fp16_hook`` and ``gloo_fp16_hook``: DDP with PyTorch's ``fp16_compress_hook``,
+  which allreduces each bucket as a new fp16 tensor (so staged on xdev) and casts it back.
 - ``noop_hook``: DDP (on a Gloo group: ordinary buckets) with a comm hook that returns each
   bucket unchanged: the whole DDP step without communication. A variant's median step minus
   this one's is what communication costs it per step.
@@ -62,6 +64,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_xdev
@@ -94,7 +97,7 @@ class Variant:
     name: str
     backend: Optional[str]  # of the variant's process group; None: no DDP, no group
     shared_buckets: Optional[bool] = None  # xdev's Options(shared_buckets=...)
-    comm_hook: Optional[str] = None  # "avg" (torch_xdev.avg_comm_hook) or "noop"
+    comm_hook: Optional[str] = None  # "avg" (torch_xdev.avg_comm_hook), "fp16" or "noop"
     gradient_as_bucket_view: bool = False
 
     @property
@@ -117,6 +120,8 @@ VARIANTS = (
     Variant("xdev_shared_avg_noview", "xdev", shared_buckets=True, comm_hook="avg"),
     Variant("xdev_staged", "xdev", shared_buckets=False),
     Variant("gloo", "gloo"),
+    Variant("xdev_fp16_hook", "xdev", shared_buckets=True, comm_hook="fp16"),
+    Variant("gloo_fp16_hook", "gloo", comm_hook="fp16"),
     Variant("noop_hook", "gloo", comm_hook="noop"),
     Variant("noop_hook_view", "gloo", comm_hook="noop", gradient_as_bucket_view=True),
     Variant("no_ddp", None),
@@ -180,6 +185,8 @@ def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
         )
         if variant.comm_hook == "avg":
             ddp.register_comm_hook(group, torch_xdev.avg_comm_hook)
+        elif variant.comm_hook == "fp16":
+            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif variant.comm_hook == "noop":
             ddp.register_comm_hook(None, noop_comm_hook)
         net = ddp
