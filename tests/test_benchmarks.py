@@ -118,3 +118,18 @@ def test_benchmark_modules_import(module: str) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.torch_free
+def test_cpu_kernels_rows(tmp_path: Path) -> None:
+    """benchmarks/cpu_kernels.py builds its torch-free binary and times every dtype and op."""
+    out = tmp_path / "cpu_kernels.json"
+    proc = run_benchmark("cpu_kernels.py", "--sizes", "4KiB", "--reps", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metadata, rows = read_rows(out)
+    assert metadata["sources"] == 2
+    timed = {(r["dtype"], r["op"]) for r in rows if r["bytes"] == 4096 and r["gbps"] > 0}
+    dtypes = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
+    ops = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+    assert timed == {(d, o) for d in dtypes for o in ops} | {("bytes", "memcpy")}
+    assert "float16" in proc.stdout and "memcpy" in proc.stdout
