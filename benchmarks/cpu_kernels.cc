@@ -63,7 +63,7 @@ void fill(DType t, unsigned char* p, int64_t count) {
   }
 }
 
-// Best seconds per call of fn over reps batches, each batch long enough to time (>= 2 ms).
+// Best seconds per call of fn over reps batches, each batch long enough to time (>= 5 ms).
 template <typename Fn>
 double best_seconds(Fn&& fn, int reps) {
   fn();  // warm: pages touched, caches filled
@@ -71,7 +71,7 @@ double best_seconds(Fn&& fn, int reps) {
   for (;;) {
     const auto t0 = Clock::now();
     for (int i = 0; i < per_batch; ++i) fn();
-    if (std::chrono::duration<double>(Clock::now() - t0).count() >= 2e-3) break;
+    if (std::chrono::duration<double>(Clock::now() - t0).count() >= 5e-3) break;
     per_batch *= 2;
   }
   double best = 1e30;

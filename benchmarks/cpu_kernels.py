@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/cpu_kernels.py [--sizes 256KiB,16MiB] [--sources 2] [--reps 5]
+    python benchmarks/cpu_kernels.py [--sizes 256KiB,16MiB] [--sources 2] [--reps 9]
         [--out benchmarks/results/cpu_kernels.json] [--build-dir DIR]
 
 Compiles ``benchmarks/cpu_kernels.cc`` with the kernels (``csrc/kernels/cpu_reduce.cc``) using
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         help="bytes per tensor, comma-separated (default 256KiB,16MiB)",
     )
     parser.add_argument("--sources", type=int, default=2, help="inputs per call (default 2)")
-    parser.add_argument("--reps", type=int, default=5, help="timed batches per row (default 5)")
+    parser.add_argument("--reps", type=int, default=9, help="timed batches per row (default 9)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output")
     parser.add_argument("--build-dir", type=Path, help="where the binary goes (default: temp)")
     args = parser.parse_args(argv)
