@@ -84,6 +84,7 @@ Selection across_hosts(const SelectionInput& in) {
     s.algorithm = Algorithm::kFlat;
     s.two_level = true;
     s.two_level_pieces = c.pieces;
+    s.two_level_leader = c.leader;
     if (in.in_symmetric_heap && in.num_tensors == 1) {
       s.reason +=
           "; inside each host in place where staging would take several windows and every "

@@ -141,9 +141,11 @@ struct Selection {
   // Fallback: run AVG as SUM through the engine, then divide by the world size.
   bool avg_as_sum_then_divide = false;
   // Several hosts: `algorithm` (flat) inside each host, the engine across
-  // hosts (plan/two_level.h), pipelined in this many pieces.
+  // hosts (plan/two_level.h), pipelined in this many pieces, or in the leader
+  // form (one rank per host crosses).
   bool two_level = false;
   int two_level_pieces = 1;
+  bool two_level_leader = false;
 };
 
 // Throws std::invalid_argument when a forced algorithm cannot run on this job

@@ -38,11 +38,24 @@ void check_host_model(const HostLayout& hosts, const MachineModel& host) {
   }
 }
 
+// The share of a core each of `streams` streams of one host gets
+// (NetworkParams::host_cores).
+double core_share(const NetworkParams& net, int streams) {
+  if (net.host_cores <= 0 || streams <= net.host_cores) return 1.0;
+  return static_cast<double>(net.host_cores) / streams;
+}
+
+// The latency of each of `streams` messages a host sends at once.
+double message_latency(const NetworkParams& net, int streams) {
+  return net.latency_s / core_share(net, streams);
+}
+
 // The rate of each of `streams` messages a host sends at once through
-// sockets: one stream's own limit, the host's share of its link (for streams
-// that leave it), and the host's memory, which all of them cross.
+// sockets: one stream's own limit on its share of a core, the host's share of
+// its link (for streams that leave it), and the host's memory, which all of
+// them cross.
 double stream_rate(const NetworkParams& net, int streams, int leaving) {
-  double rate = net.stream_bytes_per_s;
+  double rate = net.stream_bytes_per_s * core_share(net, streams);
   if (net.host_memory_bytes_per_s > 0) {
     rate = std::min(rate, net.host_memory_bytes_per_s / kSocketMemoryPasses / streams);
   }
@@ -86,11 +99,11 @@ Traffic two_level_traffic(const HostLayout& hosts, int64_t bytes) {
   return t;
 }
 
-double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net) {
+double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net, int streams) {
   check(hosts);
-  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
+  const double rate = stream_rate(net, streams, streams);
   return (hosts.num_hosts - 1) *
-         (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / rate);
+         (message_latency(net, streams) + static_cast<double>(kCrossHostMessageBytes) / rate);
 }
 
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {
@@ -98,7 +111,8 @@ double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const Network
   // Every rank of a host sends at each step: one message leaves the host, the
   // others go to its neighbours on the host, all through sockets.
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
-  return ring_s(hosts.world_size(), static_cast<double>(bytes), rate, net.latency_s);
+  return ring_s(hosts.world_size(), static_cast<double>(bytes), rate,
+                message_latency(net, hosts.ranks_per_host));
 }
 
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
@@ -116,13 +130,16 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
           ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), piece_bytes).seconds
           : 0.0;
   const double reduce_scatter = intra / 2, all_gather = intra / 2;
-  const double exchange = cross_host_check_s(hosts, net);
-  // L streams leave each host at once, sharing its link and its memory; a
-  // slice too large to ride in the exchange of calls takes the engine's ring.
+  const int streams = hosts.ranks_per_host;
+  const double exchange = cross_host_check_s(hosts, net, streams);
+  // L streams leave each host at once, sharing its link, its memory and its
+  // cores; a slice too large to ride in the exchange of calls takes the
+  // engine's ring.
   const int64_t slice = ceil_div(piece_bytes, hosts.ranks_per_host);
   if (pieces == 1 && carried_across_hosts(slice)) return exchange + intra;
-  const double rate = stream_rate(net, hosts.ranks_per_host, hosts.ranks_per_host);
-  const double across = ring_s(hosts.num_hosts, static_cast<double>(slice), rate, net.latency_s);
+  const double rate = stream_rate(net, streams, streams);
+  const double across =
+      ring_s(hosts.num_hosts, static_cast<double>(slice), rate, message_latency(net, streams));
   const double serial = exchange + pieces * (intra + across);
   if (pieces == 1) return serial;
 
@@ -149,6 +166,23 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
   return overlap * pipelined + (1 - overlap) * serial;
 }
 
+double predict_two_level_leader_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
+                                  const MachineModel& host) {
+  check(hosts);
+  check_host_model(hosts, host);
+  if (!leader_form_fits(bytes)) {
+    throw std::invalid_argument("two-level plan: the leader form carries at most " +
+                                std::to_string(kCrossHostCarryBytes) + " bytes; got " +
+                                std::to_string(bytes));
+  }
+  const double intra =
+      hosts.ranks_per_host > 1
+          ? predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds
+          : 0.0;
+  const double broadcast = intra / 2;
+  return intra + cross_host_check_s(hosts, net, 1) + broadcast;
+}
+
 TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
                                     const NetworkParams& net, const MachineModel& host,
                                     int forced_pieces) {
@@ -160,10 +194,14 @@ TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
     return best;
   }
   best.predicted_s = predict_two_level_s(hosts, bytes, net, host, 1);
+  if (hosts.ranks_per_host > 1 && leader_form_fits(bytes)) {
+    const double leader = predict_two_level_leader_s(hosts, bytes, net, host);
+    if (leader < best.predicted_s) best = {1, true, leader};
+  }
   for (int pieces = 2; pieces <= kMaxTwoLevelPieces; pieces *= 2) {
     if (ceil_div(bytes, int64_t{pieces} * hosts.ranks_per_host) <= kMinPieceSliceBytes) break;
     const double s = predict_two_level_s(hosts, bytes, net, host, pieces);
-    if (s < best.predicted_s) best = {pieces, s};
+    if (s < best.predicted_s) best = {pieces, false, s};
   }
   return best;
 }
@@ -177,9 +215,12 @@ AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
   c.two_level = two.predicted_s < ring;
   c.predicted_s = std::min(two.predicted_s, ring);
   c.pieces = two.pieces;
-  const std::string in_pieces =
-      two.pieces > 1 ? " in " + std::to_string(two.pieces) + " pipelined pieces" : "";
-  char buf[240];
+  c.leader = two.leader;
+  const std::string in_pieces = two.leader ? " (leader form: one rank per host crosses)"
+                                : two.pieces > 1
+                                    ? " in " + std::to_string(two.pieces) + " pipelined pieces"
+                                    : "";
+  char buf[320];
   std::snprintf(buf, sizeof buf,
                 "%d hosts x %d ranks: two-level (shared memory inside hosts, the engine across) "
                 "predicted %.1f us%s, the engine's ring over all ranks %.1f us",
@@ -214,7 +255,8 @@ double predict_flat_ring_gather_scatter_s(const HostLayout& hosts, int64_t bytes
                                           const NetworkParams& net) {
   check(hosts);
   const double rate = stream_rate(net, hosts.ranks_per_host, hosts.num_hosts > 1 ? 1 : 0);
-  return half_ring_s(hosts.world_size(), static_cast<double>(bytes), rate, net.latency_s);
+  return half_ring_s(hosts.world_size(), static_cast<double>(bytes), rate,
+                     message_latency(net, hosts.ranks_per_host));
 }
 
 double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayout& hosts,
@@ -240,8 +282,9 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
                            : ceil_div(bytes, hosts.ranks_per_host);
   const double across = carried_across_hosts(sent)
                             ? 0.0
-                            : half_ring_s(hosts.num_hosts, per_ring, rate, net.latency_s);
-  return cross_host_check_s(hosts, net) + intra + across;
+                            : half_ring_s(hosts.num_hosts, per_ring, rate,
+                                          message_latency(net, hosts.ranks_per_host));
+  return cross_host_check_s(hosts, net, hosts.ranks_per_host) + intra + across;
 }
 
 AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,

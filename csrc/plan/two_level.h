@@ -42,8 +42,11 @@ struct NetworkParams {
   // sets it from its CPU model.
   double host_memory_bytes_per_s = 0;
   // The cores of one host, which run both the engine's streams and the steps
-  // inside the host; 0: not modelled. A pipelined two-level allreduce
-  // overlaps the two only where each local rank has a core for each.
+  // inside the host; 0: not modelled. A message through sockets is a core's
+  // work at each end (system calls, the engine's threads), so streams beyond
+  // the host's cores take turns: each gets cores/streams of a core, its
+  // latency grows and its rate shrinks by that share. A pipelined two-level
+  // allreduce overlaps the two only where each local rank has a core for each.
   int host_cores = 0;
 };
 inline constexpr double kSocketMemoryPasses = 4;
@@ -101,8 +104,23 @@ inline bool in_host_step_in_place(int64_t staged_windows) {
 }
 
 // The exchange of calls: an all-gather of H ranks, H-1 steps of one message,
-// with the L ranks of a host sending at once.
-double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net);
+// with `streams` ranks of a host sending at once (the L local ranks; the
+// leader form below: one).
+double cross_host_check_s(const HostLayout& hosts, const NetworkParams& net, int streams);
+
+// The leader form, for a payload that rides whole in the exchange of calls:
+// inside each host a reduce-scatter and an all-gather leave every local rank
+// with the host's sum; local rank 0 alone exchanges it (with the call) with
+// the other hosts' local ranks 0 and sums the hosts' sums in host order; a
+// broadcast inside the host hands the result to the others. One message
+// leaves a host instead of L of the same fixed size, and the host's cores run
+// one engine's stream instead of L; it pays a third step inside the host
+// (costed as the all-gather: the payload copied out of one rank's slots).
+inline bool leader_form_fits(int64_t bytes) {
+  return carried_across_hosts(bytes);
+}
+double predict_two_level_leader_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
+                                  const MachineModel& host);
 
 // A large two-level allreduce runs as a pipeline: the payload is cut into
 // pieces (each cut into L slices as above), and while the engine allreduces
@@ -132,13 +150,15 @@ inline constexpr int64_t kMinPieceSliceBytes = kCrossHostCarryBytes;
 
 struct TwoLevelSchedule {
   int pieces = 1;
+  bool leader = false;  // the leader form (one piece)
   double predicted_s = 0;
 };
 
 // The number of pieces (1, 2, 4, ... kMaxTwoLevelPieces, each piece's slice
 // above kMinPieceSliceBytes) with the least predicted time, or `forced_pieces`
 // (>= 1) when it is set (Options.two_level_pieces; 0: the model's choice). A
-// payload whose slice rides in the exchange of calls stays whole either way.
+// payload whose slice rides in the exchange of calls stays whole either way,
+// and one that rides whole takes the leader form where that is faster.
 TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
                                     const NetworkParams& net, const MachineModel& host,
                                     int forced_pieces = 0);
@@ -146,7 +166,8 @@ TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
 struct AcrossHostsChoice {
   bool two_level = false;
   double predicted_s = 0;
-  int pieces = 1;  // the two-level allreduce's pipeline (schedule_two_level)
+  int pieces = 1;       // the two-level allreduce's pipeline (schedule_two_level)
+  bool leader = false;  // its leader form (schedule_two_level)
   std::string reason;
 };
 

@@ -81,12 +81,71 @@ TEST(two_level_is_predicted_faster_with_several_ranks_per_host) {
       CHECK(two < ring);
       const AcrossHostsChoice c = choose_across_hosts(layout, bytes, net, host);
       CHECK(c.two_level);
-      // In pieces where the model pipelines it (no worse than one piece).
-      CHECK(near(c.predicted_s, predict_two_level_s(layout, bytes, net, host, c.pieces), 0.0));
+      // In pieces where the model pipelines it, or in the leader form (no worse than one piece).
+      CHECK(near(c.predicted_s,
+                 c.leader ? predict_two_level_leader_s(layout, bytes, net, host)
+                          : predict_two_level_s(layout, bytes, net, host, c.pieces),
+                 0.0));
       CHECK(c.predicted_s <= two);
       CHECK(c.reason.find("two-level") != std::string::npos);
     }
   }
+}
+
+TEST(the_leader_form_sends_one_message_per_host) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;  // links only: the sums below are exact
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{3, 2};
+  const int64_t bytes = 40 * 1024;
+  const double intra =
+      predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), bytes).seconds;
+  // One stream per host: H-1 = 2 steps of the fixed message, then a broadcast costed as
+  // half the host's allreduce.
+  const double one_stream =
+      2 * (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / net.stream_bytes_per_s);
+  CHECK(near(cross_host_check_s(layout, net, 1), one_stream, 1e-15));
+  CHECK(
+      near(predict_two_level_leader_s(layout, bytes, net, host), intra * 1.5 + one_stream, 1e-12));
+  CHECK_THROWS(predict_two_level_leader_s(layout, kCrossHostCarryBytes + 1, net, host),
+               std::invalid_argument, "leader form carries at most");
+}
+
+TEST(the_leader_form_wins_where_streams_outnumber_cores_or_share_the_link) {
+  const MachineModel host2 = cpu_host(2, CpuHostParams{});
+  const int64_t bytes = 16 * 1024;
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;
+  // A core per local rank, a link each stream fills alone: L messages at once cost what one
+  // does, and the leader's broadcast is extra.
+  net.host_cores = 2;
+  TwoLevelSchedule s = schedule_two_level({2, 2}, bytes, net, host2);
+  CHECK(!s.leader);
+  CHECK(near(s.predicted_s, predict_two_level_s({2, 2}, bytes, net, host2, 1), 0.0));
+  // One core for the host's two streams (two fake hosts of two ranks on two cores): each
+  // message of the slices' form waits for the other's turn.
+  net.host_cores = 1;
+  CHECK(near(cross_host_check_s({2, 2}, net, 2),
+             2 * net.latency_s + 2 * kCrossHostMessageBytes / net.stream_bytes_per_s, 1e-15));
+  s = schedule_two_level({2, 2}, bytes, net, host2);
+  CHECK(s.leader);
+  CHECK_EQ(s.pieces, 1);
+  CHECK(near(s.predicted_s, predict_two_level_leader_s({2, 2}, bytes, net, host2), 0.0));
+  const AcrossHostsChoice c = choose_across_hosts({2, 2}, bytes, net, host2);
+  CHECK(c.two_level && c.leader);
+  CHECK(c.reason.find("leader form") != std::string::npos);
+  // Eight ranks' fixed messages share the host's link (12.5 GB/s over 8 streams is under one
+  // stream's 3 GB/s), so one message leaves sooner even with a core per rank.
+  CpuHostParams eight_cores;
+  eight_cores.cores = 8;
+  const MachineModel host8 = cpu_host(8, eight_cores);
+  net.host_cores = 8;
+  CHECK(cross_host_check_s({2, 8}, net, 1) < cross_host_check_s({2, 8}, net, 8));
+  // A payload that does not ride whole keeps the slices' form; so does one rank per host.
+  CHECK(!schedule_two_level({2, 8}, kCrossHostCarryBytes + 8, net, host8).leader);
+  const MachineModel host1 = cpu_host(1, CpuHostParams{});
+  net.host_cores = 1;
+  CHECK(!schedule_two_level({2, 1}, bytes, net, host1).leader);
 }
 
 TEST(a_fast_network_and_slow_host_memory_favour_the_ring) {
@@ -116,9 +175,9 @@ TEST(two_level_allreduce_prediction_counts_the_check_across_hosts) {
   const double ring = 6 * (net.latency_s + bytes / 2.0 / 4 / net.stream_bytes_per_s);
   const double check =
       3 * (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / net.stream_bytes_per_s);
-  CHECK(near(cross_host_check_s(layout, net), check, 1e-15));
+  CHECK(near(cross_host_check_s(layout, net, layout.ranks_per_host), check, 1e-15));
   CHECK(near(predict_two_level_s(layout, bytes, net, host), intra + ring + check, 1e-12));
-  CHECK(near(cross_host_check_s({1, 2}, net), 0.0, 0.0));
+  CHECK(near(cross_host_check_s({1, 2}, net, 2), 0.0, 0.0));
 }
 
 TEST(a_small_allreduce_crosses_hosts_in_the_check_alone) {
@@ -131,12 +190,12 @@ TEST(a_small_allreduce_crosses_hosts_in_the_check_alone) {
   const double intra =
       predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), carried).seconds;
   CHECK(near(predict_two_level_s(layout, carried, net, host),
-             intra + cross_host_check_s(layout, net), 1e-12));
+             intra + cross_host_check_s(layout, net, layout.ranks_per_host), 1e-12));
   const int64_t over = carried + 2;
   const double intra_over =
       predict_allreduce(host, Candidate::native(Algorithm::kFlat, 0), over).seconds;
   CHECK(predict_two_level_s(layout, over, net, host) >
-        intra_over + cross_host_check_s(layout, net) + 6 * net.latency_s);
+        intra_over + cross_host_check_s(layout, net, layout.ranks_per_host) + 6 * net.latency_s);
   CHECK(carried_across_hosts(kCrossHostCarryBytes));
   CHECK(!carried_across_hosts(kCrossHostCarryBytes + 1));
 }
@@ -243,7 +302,7 @@ TEST(gather_scatter_predictions_add_up) {
     double across = 2 * (net.latency_s + kMiB / net.stream_bytes_per_s);
     const double check =
         2 * (net.latency_s + static_cast<double>(kCrossHostMessageBytes) / net.stream_bytes_per_s);
-    CHECK(near(cross_host_check_s(layout, net), check, 1e-15));
+    CHECK(near(cross_host_check_s(layout, net, layout.ranks_per_host), check, 1e-15));
     across += check;
     CHECK(near(predict_two_level_gather_scatter_s(kind, layout, bytes, 4, net, host),
                intra + across, 1e-12));
@@ -275,10 +334,10 @@ TEST(small_gather_scatter_payloads_cross_hosts_in_the_check_alone) {
                                c.kind == GatherScatterKind::kAllGather ? 1 : 4)
             .seconds;
     CHECK(near(predict_two_level_gather_scatter_s(c.kind, layout, c.carried_bytes, 4, net, host),
-               intra + cross_host_check_s(layout, net), 1e-12));
+               intra + cross_host_check_s(layout, net, layout.ranks_per_host), 1e-12));
     const int64_t over = c.carried_bytes + 24;
     CHECK(predict_two_level_gather_scatter_s(c.kind, layout, over, 4, net, host) >
-          cross_host_check_s(layout, net) + 2 * net.latency_s);
+          cross_host_check_s(layout, net, layout.ranks_per_host) + 2 * net.latency_s);
   }
 }
 

@@ -57,13 +57,14 @@ TEST(a_network_bound_pipeline_hides_all_but_one_piece_of_the_host_steps) {
     const int64_t piece = bytes / pieces;
     const double intra = intra_s(host, piece), across = across_s(net, piece, 2);
     CHECK(across > intra);
-    const double expected =
-        intra / 2 + cross_host_check_s(layout, net) + pieces * across + intra / 2;
+    const double expected = intra / 2 + cross_host_check_s(layout, net, layout.ranks_per_host) +
+                            pieces * across + intra / 2;
     CHECK(near(predict_two_level_s(layout, bytes, net, host, pieces), expected, 1e-9));
   }
   // One piece is the three steps one after another.
   CHECK(near(predict_two_level_s(layout, bytes, net, host, 1),
-             cross_host_check_s(layout, net) + intra_s(host, bytes) + across_s(net, bytes, 2),
+             cross_host_check_s(layout, net, layout.ranks_per_host) + intra_s(host, bytes) +
+                 across_s(net, bytes, 2),
              1e-9));
 }
 
@@ -75,7 +76,7 @@ TEST(a_pipeline_lies_between_its_longest_stage_and_its_stages_in_a_row) {
     for (int pieces : {2, 4, 16}) {
       const int64_t bytes = 32 * kMiB, piece = bytes / pieces;
       const double intra = intra_s(host, piece), across = across_s(net, piece, 4);
-      const double check = cross_host_check_s(layout, net);
+      const double check = cross_host_check_s(layout, net, layout.ranks_per_host);
       const double t = predict_two_level_s(layout, bytes, net, host, pieces);
       CHECK(t >= check + pieces * std::max(intra, across) - 1e-12);
       CHECK(t <= check + pieces * (intra + across) + 1e-12);
@@ -89,8 +90,8 @@ TEST(without_a_spare_core_per_rank_the_pieces_run_one_after_another) {
   const int64_t bytes = 64 * kMiB, piece = bytes / 4;
   // Two local ranks on two cores (the development VM): no overlap at all.
   const NetworkParams busy = network(0.5, 2);
-  const double serial =
-      cross_host_check_s(layout, busy) + 4 * (intra_s(host, piece) + across_s(busy, piece, 2));
+  const double serial = cross_host_check_s(layout, busy, layout.ranks_per_host) +
+                        4 * (intra_s(host, piece) + across_s(busy, piece, 2));
   CHECK(near(predict_two_level_s(layout, bytes, busy, host, 4), serial, 1e-9));
   // So more pieces only add their fixed costs, and the model keeps one.
   const TwoLevelSchedule kept = schedule_two_level(layout, bytes, busy, host);
