@@ -91,34 +91,43 @@ def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, A
     return {"info": info, "plans": sorted(plans)}
 
 
-# With 4 ranks on this 2-core machine's host model the two-level plan is predicted slower than
-# Gloo's ring for small payloads, so that layout runs with a slow network in the cost model
-# (XDEV_CPU_MODEL): the plan then runs at every size.
+# Each layout's network model (XDEV_CPU_MODEL params; None: the defaults, with this machine's
+# cores shared by its fake hosts), and whether payloads that ride whole in the check across
+# hosts take the leader form (None: the model's call on this machine). One core per host makes
+# the two ranks' messages take turns, so the leader form wins; with a core per rank it does not
+# pay. A slow network keeps the 4-rank hosts on two levels at every size.
 LAYOUTS = [
-    ([2, 2], ALL_DTYPES, None),
-    ([2, 2, 2, 2], (torch.float32,), None),
-    ([4, 4], FLOAT_DTYPES, 5000.0),
+    ([2, 2], ALL_DTYPES, {"net_host_cores": 1}, True),
+    ([2, 2, 2, 2], (torch.float32,), None, None),
+    ([4, 4], FLOAT_DTYPES, {"net_latency_us": 5000.0, "net_host_cores": 64}, False),
 ]
 
 
+def _with_model(env: list[dict[str, str]], params: dict[str, float], tmp_path: Path) -> list:
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"params": params}))
+    return [{**e, "XDEV_CPU_MODEL": str(model)} for e in env]
+
+
 @pytest.mark.parametrize(
-    "ranks_per_host,dtypes,net_latency_us",
+    "ranks_per_host,dtypes,params,leader",
     LAYOUTS,
-    ids=["x".join(map(str, h)) for h, _, _ in LAYOUTS],
+    ids=["x".join(map(str, h)) for h, _, _, _ in LAYOUTS],
 )
 def test_two_level_grid(
     ranks_per_host: list[int],
     dtypes: tuple[torch.dtype, ...],
-    net_latency_us: Optional[float],
+    params: Optional[dict[str, float]],
+    leader: Optional[bool],
     tmp_path: Path,
 ) -> None:
     world = sum(ranks_per_host)
     env = _hosts_env(ranks_per_host)
-    if net_latency_us is not None:
-        model = tmp_path / "model.json"
-        model.write_text(json.dumps({"params": {"net_latency_us": net_latency_us}}))
-        env = [{**e, "XDEV_CPU_MODEL": str(model)} for e in env]
+    if params is not None:
+        env = _with_model(env, params, tmp_path)
     results = run_ranks(_grid, world, dtypes, per_rank_env=env, timeout=600)
+    if leader is not None:
+        assert any("leader form" in p for p in results[0]["plans"]) == leader, results[0]["plans"]
     info = results[0]["info"]
     assert info["num_hosts"] == len(ranks_per_host)
     assert info["local_world_size"] == ranks_per_host[0]
@@ -238,12 +247,16 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_mismatch_across_hosts_fails_every_rank(tmp_path: Path) -> None:
-    model = tmp_path / "model.json"  # two levels at every size
-    model.write_text(json.dumps({"params": {"net_latency_us": 5000.0}}))
-    env = [{**e, "XDEV_CPU_MODEL": str(model)} for e in _hosts_env([2, 2])]
+@pytest.mark.parametrize("leader", [False, True], ids=["slices", "leader"])
+def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) -> None:
+    # Two levels at every size; the allreduces in the leader form or in slices.
+    params = {"net_latency_us": 5000.0, "net_host_cores": 1 if leader else 64}
+    env = _with_model(_hosts_env([2, 2]), params, tmp_path)
     results = run_ranks(_mismatched_across_hosts, 4, per_rank_env=env, timeout=180)
     for rank, messages in enumerate(results):
+        # In the leader form only local rank 0 (ranks 0 and 2) crosses hosts; its host's other
+        # rank learns of a difference through its host's check.
+        crossed = not leader or rank % 2 == 0
         calls = ("allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
         assert len(messages) == len(calls)
         for call, message in zip(calls, messages):
@@ -251,14 +264,19 @@ def test_mismatch_across_hosts_fails_every_rank(tmp_path: Path) -> None:
             assert "timed out" not in message, (rank, call, message)
         # The allreduce starts inside each host: host 1's ranks see rank 3's call differ from
         # rank 2's and say so; host 0's ranks learn of it from host 1's refusal across hosts.
-        for first in (messages[0], messages[2]):
+        for first, crossing in ((messages[0], crossed), (messages[2], True)):
             if rank >= 2:
                 assert "on different hosts" not in first, first
-            else:
+            elif crossing:
                 assert "on different hosts" in first and "among themselves" in first, first
+            else:
+                assert "differs from a rank's on another host" in first, first
         assert rank < 2 or "1001 element(s)" in messages[0], messages[0]
-        # Host 1 as a whole differs from host 0: every rank's group saw both calls.
-        assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
+        # Host 1 as a whole differs from host 0: every crossing rank saw both calls.
+        if crossed:
+            assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
+        else:
+            assert "differs from a rank's on another host" in messages[1], messages[1]
         # The all-gather starts across hosts: local index 1 (ranks 1 and 3) exchanged the
         # differing calls; ranks 0 and 2 learn of it through their host's check.
         if rank in (1, 3):

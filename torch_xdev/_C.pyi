@@ -46,6 +46,7 @@ class BackendConfig:
     net_host_gbps: float  # network model: one host's link, GB/s
     net_stream_gbps: float  # network model: one TCP stream, GB/s
     net_latency_us: float  # network model: one message between hosts, us
+    net_host_cores: float  # network model: one host's cores for its streams; 0: its share
     def __init__(self) -> None: ...
     def validate(self) -> None: ...
     @staticmethod

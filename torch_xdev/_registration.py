@@ -35,6 +35,7 @@ CPU_MODEL_FIELDS = {
     "net_host_gbps": "net_host_gbps",
     "net_stream_gbps": "net_stream_gbps",
     "net_latency_us": "net_latency_us",
+    "net_host_cores": "net_host_cores",
 }
 
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace xdev::backend {
 
@@ -20,9 +19,9 @@ void validate(const BackendConfig& config) {
   }
 }
 
-plan::MachineModel cpu_host_model(const BackendConfig& c, int ranks) {
+plan::MachineModel cpu_host_model(const BackendConfig& c, int ranks, int cores) {
   plan::CpuHostParams params;
-  params.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  params.cores = std::max(1, cores);
   params.core_bytes_per_s = c.cpu_core_gbps * 1e9;
   params.memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
   params.launch_latency_s = c.cpu_launch_us * 1e-6;
@@ -33,13 +32,13 @@ plan::MachineModel cpu_host_model(const BackendConfig& c, int ranks) {
   return plan::cpu_host(ranks, params);
 }
 
-plan::NetworkParams network_model(const BackendConfig& c) {
+plan::NetworkParams network_model(const BackendConfig& c, int cores) {
   plan::NetworkParams net;
   net.host_bytes_per_s = c.net_host_gbps * 1e9;
   net.stream_bytes_per_s = c.net_stream_gbps * 1e9;
   net.latency_s = c.net_latency_us * 1e-6;
   net.host_memory_bytes_per_s = c.cpu_memory_gbps * 1e9;
-  net.host_cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  net.host_cores = c.net_host_cores > 0 ? static_cast<int>(c.net_host_cores) : std::max(1, cores);
   return net;
 }
 

@@ -69,7 +69,9 @@
   X(double, net_stream_gbps, xdev::plan::network_default::kStreamGbps,                           \
     "network model: one TCP stream, GB/s")                                                       \
   X(double, net_latency_us, xdev::plan::network_default::kLatencyUs,                             \
-    "network model: one message between hosts, us")
+    "network model: one message between hosts, us")                                              \
+  X(double, net_host_cores, 0,                                                                   \
+    "network model: one host's cores for its streams; 0: its share of this machine's")
 // clang-format on
 
 namespace xdev::backend {
@@ -94,9 +96,11 @@ inline constexpr int64_t kCudaSlotAlignment = 256;
 void validate(const BackendConfig& config);
 
 // The cost models algorithm="auto" weighs plans with: this host's
-// shared-memory path for `ranks` ranks (the cpu_* settings), and the network
-// between hosts (the net_* settings).
-plan::MachineModel cpu_host_model(const BackendConfig& config, int ranks);
-plan::NetworkParams network_model(const BackendConfig& config);
+// shared-memory path for `ranks` ranks on a machine of `cores` cores (the
+// cpu_* settings), and the network between hosts (the net_* settings; its
+// host cores, where net_host_cores does not set them, `cores`). Every rank
+// passes the same cores (GroupContext), so all pick the same plans.
+plan::MachineModel cpu_host_model(const BackendConfig& config, int ranks, int cores);
+plan::NetworkParams network_model(const BackendConfig& config, int cores);
 
 }  // namespace xdev::backend

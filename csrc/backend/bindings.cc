@@ -101,6 +101,7 @@ py::dict describe(const XdevBackend& b) {
   d["rank"] = b.getRank();
   d["world_size"] = b.getSize();
   d["local_world_size"] = b.local_world_size();
+  d["host_cores"] = b.host_cores();
   d["num_hosts"] = b.num_hosts();
   d["hostname"] = c.hostname;
   d["shared_memory"] = b.has_shared_memory();

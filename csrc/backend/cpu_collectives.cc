@@ -11,7 +11,7 @@ namespace xdev::backend {
 
 CpuCollectives::CpuCollectives(GroupContext& group)
     : group_(group),
-      model_(cpu_host_model(group.config(), group.size())),
+      model_(cpu_host_model(group.config(), group.size(), group.machine_cores())),
       staged_(*group.channel()),
       in_place_(*group.channel()),
       planner_(plan::LinkMatrix::fully_connected(group.size())) {

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
 #include <stdexcept>
 #include <thread>
 
@@ -26,6 +29,16 @@ std::exception_ptr as_dist_error(const std::string& msg) {
   } catch (...) {
     return std::current_exception();
   }
+}
+
+// What ranks on the same machine share, whatever host name they give: the
+// kernel's boot id (also shared by containers on one kernel, which then count
+// as sharing its cores). Without one, `fallback`: each host its own machine.
+std::string machine_identity(const std::string& fallback) {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (in >> id && !id.empty()) return id;
+  return "host:" + fallback;
 }
 
 // Options are checked where they are declared (validate); these need the group's size too.
@@ -78,12 +91,30 @@ GroupContext::~GroupContext() {
 }
 
 void GroupContext::rendezvous_hosts() {
-  store_->set("xdev/host/" + std::to_string(rank_), config_.hostname);
+  // One key per rank: its machine, that machine's cores, its host identity.
+  struct Entry {
+    std::string machine;
+    int cores = 1;
+    std::string host;
+  };
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  store_->set(
+      "xdev/host/" + std::to_string(rank_),
+      machine_identity(config_.hostname) + "\n" + std::to_string(cores) + "\n" + config_.hostname);
+  std::vector<Entry> entries;
+  for (int r = 0; r < size_; ++r) {
+    const std::string value = store_->get_to_str("xdev/host/" + std::to_string(r));
+    const size_t first = value.find('\n');
+    const size_t second = value.find('\n', first + 1);
+    entries.push_back({value.substr(0, first),
+                       std::max(1, std::atoi(value.substr(first + 1, second - first - 1).c_str())),
+                       value.substr(second + 1)});
+  }
+
   std::vector<std::string> hosts;  // by lowest rank
   std::vector<int> ranks_on_host;
-  local_world_size_ = 0;
   for (int r = 0; r < size_; ++r) {
-    const std::string host = store_->get_to_str("xdev/host/" + std::to_string(r));
+    const std::string& host = entries[static_cast<size_t>(r)].host;
     const auto it = std::find(hosts.begin(), hosts.end(), host);
     const auto index = static_cast<size_t>(it - hosts.begin());
     if (it == hosts.end()) {
@@ -102,6 +133,21 @@ void GroupContext::rendezvous_hosts() {
   local_world_size_ = ranks_on_host[static_cast<size_t>(host_index_)];
   hosts_even_ = std::all_of(ranks_on_host.begin(), ranks_on_host.end(),
                             [&](int n) { return n == ranks_on_host[0]; });
+
+  // A machine whose cores run several hosts' ranks gives each host its share.
+  // The cost model takes the least share of any host, so that every rank
+  // weighs plans alike and all hosts pick the same one.
+  std::map<std::string, int> ranks_on_machine;
+  for (const Entry& e : entries) ++ranks_on_machine[e.machine];
+  host_cores_ = cores;
+  machine_cores_ = cores;
+  for (int r = 0; r < size_; ++r) {
+    const Entry& e = entries[static_cast<size_t>(r)];
+    machine_cores_ = std::min(machine_cores_, e.cores);
+    const int on_host = ranks_on_host[static_cast<size_t>(rank_hosts_[static_cast<size_t>(r)])];
+    host_cores_ =
+        std::min(host_cores_, std::max(1, e.cores * on_host / ranks_on_machine[e.machine]));
+  }
 }
 
 // The channel's first rank creates the segment and publishes its name; once

@@ -81,6 +81,15 @@ class GroupContext {
   const std::vector<int>& rank_hosts() const { return rank_hosts_; }
   // Whether every host holds the same number of ranks.
   bool hosts_even() const { return hosts_even_; }
+  // The cores a host's ranks run on, for the network model: a machine's cores,
+  // shared in proportion to their ranks by the hosts (as named) whose ranks
+  // run on it (XDEV_HOSTNAME splitting one box, or containers on one kernel);
+  // the least over the group's hosts, so that every rank weighs plans alike.
+  // At least 1.
+  int host_cores() const { return host_cores_; }
+  // The fewest cores of any machine of the group's ranks, for the model of
+  // the shared-memory path inside a host: alike on every rank.
+  int machine_cores() const { return machine_cores_; }
   // The channel of this host's ranks in a group that spans hosts (for the
   // two-level collectives, plan/two_level.h): open when every host holds the
   // same number of ranks, more than one, and the fallback is not forced;
@@ -143,6 +152,8 @@ class GroupContext {
   std::vector<int> host_ranks_;
   std::vector<int> rank_hosts_;
   bool hosts_even_ = true;
+  int host_cores_ = 1;
+  int machine_cores_ = 1;
   std::unique_ptr<transport::ShmChannel> channel_;
   std::unique_ptr<transport::ShmChannel> host_channel_;
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "cpu_gather_scatter.h"
+#include "staged_broadcast.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
@@ -74,9 +75,10 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& s
                                      c10::intrusive_ptr<c10d::Backend> engine)
     : group_(group),
       shared_(shared),
-      host_model_(cpu_host_model(group.config(), group.local_world_size())),
-      network_(network_model(group.config())),
+      host_model_(cpu_host_model(group.config(), group.local_world_size(), group.machine_cores())),
+      network_(network_model(group.config(), group.host_cores())),
       executor_(*group.host_channel()),
+      broadcast_executor_(*group.host_channel()),
       engine_(engine),
       check_(group, std::move(engine)) {
   // Errors of the host's channel number its ranks locally: say which group ranks they are.
@@ -88,15 +90,17 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& s
                             ranks + ")";
   what_reduce_scatter_ = "two-level allreduce (reduce-scatter" + where;
   what_all_gather_ = "two-level allreduce (all-gather" + where;
+  what_broadcast_ = "two-level allreduce (broadcast from local rank 0" + where;
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tensor> tensors,
                                                             kernels::ReduceOp op, int pieces,
+                                                            bool leader,
                                                             std::chrono::milliseconds timeout,
                                                             bool async_op) {
   return group_.enqueue(
       c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors,
-      [this, tensors, op, pieces, timeout] {
+      [this, tensors, op, pieces, leader, timeout] {
         const auto deadline = group_.deadline_for(timeout);
         transport::OpDescriptor call;
         call.collective = static_cast<int32_t>(Collective::kAllreduce);
@@ -108,7 +112,12 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         if (tensors.size() == 1 && tensors[0].is_contiguous()) {
           // A DDP bucket from this host's symmetric heap: the steps inside the
           // host run in place when every local rank's lies at the same place.
-          run(tensors[0].view({-1}), op, pieces, call, deadline, shared_.find(tensors[0]));
+          const at::Tensor flat = tensors[0].view({-1});
+          if (leader) {
+            run_leader(flat, op, call, deadline, shared_.find(tensors[0]));
+          } else {
+            run(flat, op, pieces, call, deadline, shared_.find(tensors[0]));
+          }
           return;
         }
         // Several tensors (allreduce_coalesced) or a strided one: one flat
@@ -116,7 +125,11 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         std::vector<at::Tensor> flat_views;
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
-        run(flat, op, pieces, call, deadline, {});
+        if (leader) {
+          run_leader(flat, op, call, deadline, {});
+        } else {
+          run(flat, op, pieces, call, deadline, {});
+        }
         unpack_into(flat, tensors);
       },
       async_op);
@@ -200,6 +213,40 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     finish(pieces[k - 1]);
   }
   finish(pieces.back());
+}
+
+void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
+                                   transport::OpDescriptor call,
+                                   transport::Clock::time_point deadline,
+                                   const SharedPlacement& placement) {
+  const bool leader = group_.local_rank() == 0;
+  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  // No count of pieces is 0: a host that ran the other form fails the check across hosts.
+  call.num_packs = 0;
+  const at::Tensor slice =
+      at::empty({slice_sizes(flat.numel(),
+                             group_.local_world_size())[static_cast<size_t>(group_.local_rank())]},
+                flat.options());
+  try {
+    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline,
+                placement);
+  } catch (const transport::MismatchError&) {
+    if (leader) check_.refuse(deadline);  // the other hosts' leaders must not wait
+    throw;
+  }
+  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
+              deadline, placement);
+  if (leader) {
+    // The host's sum rides whole in the check across hosts. When the calls
+    // differ, the exchange fails this host's next step inside it (the
+    // broadcast) on purpose, so the other local ranks stop there too.
+    const at::Tensor messages =
+        check_.exchange(call, flat.data_ptr(), flat.numel() * flat.element_size(),
+                        /*host_step_follows=*/true, "two-level allreduce", deadline);
+    check_.reduce_payloads(messages, 0, op, flat);
+  }
+  staged_broadcast(group_, broadcast_executor_, group_.local_world_size(), 0, {flat},
+                   what_broadcast_.c_str(), deadline);
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,

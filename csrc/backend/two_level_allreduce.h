@@ -11,7 +11,9 @@
 // staging would take several windows (plan::in_host_step_in_place). A large
 // payload may run as a pipeline of pieces (plan::schedule_two_level): the op
 // thread works inside the host on the pieces after and before the one the
-// engine carries across hosts.
+// engine carries across hosts. A payload that rides whole in the exchange may
+// take the leader form (plan::predict_two_level_leader_s): only local rank 0
+// crosses hosts, and a broadcast inside the host hands out its result.
 //
 // Runs on the group's queue like every native collective, so it keeps their
 // order; the op thread waits for the engine's last piece before it ends.
@@ -29,6 +31,7 @@
 #include "../plan/cost_model.h"
 #include "../plan/two_level.h"
 #include "../transport/gather_scatter_executor.h"
+#include "../transport/shm_executor.h"
 #include "cross_host_check.h"
 #include "group_context.h"
 #include "shared_buffers.h"
@@ -68,10 +71,11 @@ class TwoLevelAllreduce {
   // everywhere, then a division by the world size of the slice before the
   // all-gather, for floating dtypes only, as the selection ensures). The
   // payload is pipelined in `pieces` pieces (plan::schedule_two_level), at
-  // most one per element of a local rank's slice.
+  // most one per element of a local rank's slice, or, with `leader`, runs in
+  // the leader form (a payload that fits plan::leader_form_fits).
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors, kernels::ReduceOp op,
-                                           int pieces, std::chrono::milliseconds timeout,
-                                           bool async_op);
+                                           int pieces, bool leader,
+                                           std::chrono::milliseconds timeout, bool async_op);
 
   // Drops the engine (its destructor joins its threads).
   void shutdown() {
@@ -87,6 +91,10 @@ class TwoLevelAllreduce {
   // engine allreduces the one before across hosts.
   void run(const at::Tensor& flat, kernels::ReduceOp op, int pieces, transport::OpDescriptor call,
            transport::Clock::time_point deadline, const SharedPlacement& placement);
+  // The leader form of run(), for one piece: the host's sum on every local
+  // rank, local rank 0's exchange across hosts, a broadcast inside the host.
+  void run_leader(const at::Tensor& flat, kernels::ReduceOp op, transport::OpDescriptor call,
+                  transport::Clock::time_point deadline, const SharedPlacement& placement);
   // One half over the host channel: reduce-scatter `flat` into `slice`
   // (this local rank's), or all-gather the slices back into `flat`. The
   // host's ranks check that they all make `call`. In place (nothing staged)
@@ -100,10 +108,12 @@ class TwoLevelAllreduce {
   plan::MachineModel host_model_;
   plan::NetworkParams network_;
   transport::GatherScatterExecutor executor_;
+  transport::ShmExecutor broadcast_executor_;  // the leader form's last step
   c10::intrusive_ptr<c10d::Backend> engine_;
   CrossHostCheck check_;
-  std::string what_reduce_scatter_;  // how errors name each half
+  std::string what_reduce_scatter_;  // how errors name each step inside the host
   std::string what_all_gather_;
+  std::string what_broadcast_;
 };
 
 }  // namespace xdev::backend

@@ -211,7 +211,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   }
   if (sel.two_level) {
     return two_level_->allreduce(tensors, *native_op(opts.reduceOp), sel.two_level_pieces,
-                                 opts.timeout, opts.asyncOp);
+                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it

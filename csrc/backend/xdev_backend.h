@@ -151,6 +151,7 @@ class XdevBackend : public c10d::Backend {
   const BackendConfig& config() const { return group_.config(); }
   int num_hosts() const { return group_.num_hosts(); }
   int local_world_size() const { return group_.local_world_size(); }
+  int host_cores() const { return group_.host_cores(); }
   bool has_shared_memory() const { return cpu_ != nullptr; }
   bool single_copy_available() const { return cpu_ && cpu_->single_copy_available(); }
   std::string single_copy_note() const;
