@@ -530,8 +530,10 @@ def fit_and_write_network(cfg: Config, rows: list[dict[str, Any]]) -> None:
     per_host = cfg.nproc // cfg.hosts
     sizes = [r["size_bytes"] for r in gloo]
     seconds = [r["time_us"] * 1e-6 for r in gloo]
+    # Every fake host runs on this machine: each gets its share of the cores, as xdev counts.
+    host_cores = max(1, (os.cpu_count() or 1) * per_host // cfg.nproc)
     try:
-        fit = network_fit.fit_network(cfg.hosts, per_host, sizes, seconds)
+        fit = network_fit.fit_network(cfg.hosts, per_host, sizes, seconds, host_cores)
     except ValueError as e:  # e.g. noise hid the growth with size: the rows still stand
         print(f"# network fit: not written: {e}")
         return
@@ -539,7 +541,7 @@ def fit_and_write_network(cfg: Config, rows: list[dict[str, Any]]) -> None:
         print(line)
     for size, t in zip(sizes, seconds):
         fitted = network_fit.predict_ring_s(
-            cfg.hosts, per_host, size, fit["net_latency_us"], fit["net_stream_gbps"]
+            cfg.hosts, per_host, size, fit["net_latency_us"], fit["net_stream_gbps"], host_cores
         )
         default = network_fit.predict_ring_s(
             cfg.hosts,
@@ -547,6 +549,7 @@ def fit_and_write_network(cfg: Config, rows: list[dict[str, Any]]) -> None:
             size,
             network_fit.DEFAULT_LATENCY_US,
             network_fit.DEFAULT_STREAM_GBPS,
+            host_cores,
         )
         print(
             f"#   {format_size(size):>8}: Gloo measured {t * 1e6:10.1f} us, fitted model"

@@ -5,15 +5,20 @@ The model (csrc/plan/two_level.h) predicts the engine's ring over all P = H x L 
 
     time = 2(P-1) * latency + 2(P-1)/P * bytes / stream_rate
 
-a straight line in bytes. ``fit_network`` fits that line, time = a + bytes * slope, to
+a straight line in bytes. Where a host's L streams outnumber its cores (``host_cores``, as
+xdev's ``describe()`` reports them: fake hosts sharing one box), each stream gets
+cores/L of a core, and the model stretches its latency and slows its rate by that share; the
+fit undoes the share, so that the parameters describe a stream on a core of its own.
+``fit_network`` fits that line, time = a + bytes * slope, to
 measured (bytes, seconds per call) pairs by least squares on relative errors (every size
 counts alike, whatever its time), and reads the latency and the per-stream rate off it. The
 host link's rate (``net_host_gbps``) is not seen by a ring that sends one stream per host, so
 it keeps its default.
 
 ``write_model`` writes the result in the XDEV_CPU_MODEL file format (a JSON object whose
-``params`` set ``net_latency_us``, ``net_stream_gbps`` and ``net_host_gbps``), so that the
-fitted values can be fed back to xdev; into an existing model file, it updates those three.
+``params`` set ``net_latency_us``, ``net_stream_gbps``, ``net_host_gbps`` and, where the fit
+saw it, ``net_host_cores``), so that the fitted values can be fed back to xdev; into an
+existing model file, it updates those.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class NetworkFit(TypedDict):
     rms_relative_error: float
     points: int
     clamped: bool  # the free line had a < 0: refitted through the origin, latency 0
+    host_cores: int  # the cores of a host the fit assumed; 0: a core per stream
 
 
 def _line(xs: Sequence[float], ys: Sequence[float], through_origin: bool) -> tuple[float, float]:
@@ -54,8 +60,19 @@ def _line(xs: Sequence[float], ys: Sequence[float], through_origin: bool) -> tup
     return (swxx * swy - swx * swxy) / det, (sw * swxy - swx * swy) / det
 
 
+def core_share(ranks_per_host: int, host_cores: int) -> float:
+    """The share of a core each of a host's streams gets (0 cores: not modelled)."""
+    if host_cores <= 0 or ranks_per_host <= host_cores:
+        return 1.0
+    return host_cores / ranks_per_host
+
+
 def fit_network(
-    num_hosts: int, ranks_per_host: int, sizes_bytes: Sequence[int], seconds: Sequence[float]
+    num_hosts: int,
+    ranks_per_host: int,
+    sizes_bytes: Sequence[int],
+    seconds: Sequence[float],
+    host_cores: int = 0,
 ) -> NetworkFit:
     """Latency and per-stream rate from the engine's ring over all ranks, timed per call."""
     if num_hosts < 2 or ranks_per_host < 1:
@@ -75,24 +92,32 @@ def fit_network(
         raise ValueError("fit_network: time does not grow with size; no rate to fit")
     p = num_hosts * ranks_per_host
     steps = 2 * (p - 1)
+    share = core_share(ranks_per_host, host_cores)
     residuals = [(a + slope * x - y) / y for x, y in zip(xs, seconds)]
     return {
-        "net_latency_us": a / steps * 1e6,
-        "net_stream_gbps": steps / p / slope / 1e9,
+        "net_latency_us": a / steps * share * 1e6,
+        "net_stream_gbps": steps / p / slope / share / 1e9,
         "intercept_us": a * 1e6,
         "slope_ns_per_byte": slope * 1e9,
         "rms_relative_error": (sum(r * r for r in residuals) / len(residuals)) ** 0.5,
         "points": len(xs),
         "clamped": clamped,
+        "host_cores": max(host_cores, 0),
     }
 
 
 def predict_ring_s(
-    num_hosts: int, ranks_per_host: int, nbytes: int, latency_us: float, stream_gbps: float
+    num_hosts: int,
+    ranks_per_host: int,
+    nbytes: int,
+    latency_us: float,
+    stream_gbps: float,
+    host_cores: int = 0,
 ) -> float:
-    """The model's ring over all ranks with these parameters (no host or memory limit)."""
+    """The model's ring over all ranks with these parameters (no host link or memory limit)."""
     p = num_hosts * ranks_per_host
-    return 2 * (p - 1) * (latency_us * 1e-6 + nbytes / p / (stream_gbps * 1e9))
+    share = core_share(ranks_per_host, host_cores)
+    return 2 * (p - 1) * (latency_us * 1e-6 / share + nbytes / p / (stream_gbps * 1e9 * share))
 
 
 def format_fit(fit: NetworkFit) -> list[str]:
@@ -106,6 +131,11 @@ def format_fit(fit: NetworkFit) -> list[str]:
         f" {DEFAULT_STREAM_GBPS}",
         f"#   net_host_gbps   kept   {DEFAULT_HOST_GBPS:10.3f}   (one stream per host: not seen)",
     ]
+    if fit["host_cores"] > 0:
+        lines.append(
+            f"#   net_host_cores  given  {fit['host_cores']:10d}   (a host's share of this"
+            " machine's cores; the fit is per stream on a core of its own)"
+        )
     return lines
 
 
@@ -126,6 +156,8 @@ def write_model(path: Path, fit: NetworkFit, source: dict[str, Any]) -> dict[str
         net_stream_gbps=fit["net_stream_gbps"],
         net_host_gbps=params.get("net_host_gbps", DEFAULT_HOST_GBPS),
     )
+    if fit["host_cores"] > 0:
+        params["net_host_cores"] = fit["host_cores"]
     out["network_fit"] = {**fit, "source": source}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

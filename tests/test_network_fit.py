@@ -46,6 +46,20 @@ def test_fit_recovers_exact_parameters(network_fit: ModuleType, hosts: int, per_
     assert fit["points"] == len(SIZES)
 
 
+def test_fit_undoes_the_share_of_a_core(network_fit: ModuleType) -> None:
+    # 4 ranks per host on 2 cores: each stream gets half a core, so the ring's messages take
+    # twice the latency at half the rate of a stream on a core of its own.
+    times = [ring_seconds(2, 4, s, 2 * 45.0, 1.7 / 2) for s in SIZES]
+    fit = network_fit.fit_network(2, 4, SIZES, times, host_cores=2)
+    assert math.isclose(fit["net_latency_us"], 45.0, rel_tol=1e-9)
+    assert math.isclose(fit["net_stream_gbps"], 1.7, rel_tol=1e-9)
+    assert fit["host_cores"] == 2
+    predicted = network_fit.predict_ring_s(2, 4, SIZES[-1], 45.0, 1.7, host_cores=2)
+    assert math.isclose(predicted, times[-1], rel_tol=1e-12)
+    # A core per stream: no share to undo.
+    assert network_fit.fit_network(2, 4, SIZES, times, host_cores=4)["net_latency_us"] > 89
+
+
 def test_fit_with_noise_stays_close(network_fit: ModuleType) -> None:
     # +-8% alternating: each size off by as much, the line still near the truth.
     noise = [1.08, 0.92, 1.08, 0.92]
@@ -94,3 +108,8 @@ def test_written_model_feeds_xdev_and_keeps_other_params(
     assert math.isclose(config.net_latency_us, 60.0, rel_tol=1e-9)
     assert math.isclose(config.net_stream_gbps, 2.5, rel_tol=1e-9)
     assert config.cpu_core_gbps == 7.0
+    assert not hasattr(config, "net_host_cores")  # a core per stream: left to xdev
+    # A fit that shared cores writes how many, so that xdev predicts with the same share.
+    network_fit.write_model(path, network_fit.fit_network(2, 2, SIZES, times, host_cores=1), {})
+    registration.apply_cpu_model_file(config, str(path))
+    assert config.net_host_cores == 1
