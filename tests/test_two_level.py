@@ -237,6 +237,10 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
     with pytest.raises(dist.DistBackendError) as info:
         dist.broadcast(torch.ones(50 if rank < 2 else 60), src=0)
     messages.append(str(info.value))
+    # A broadcast whose host 1 disagrees among itself: its local rank 0 refuses across hosts.
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.broadcast(torch.ones(70 + (rank == 3)), src=1)
+    messages.append(str(info.value))
     # Every rank stopped with an error, none waited for the timeout, and the group goes on.
     assert time.monotonic() - start < TIMEOUT_S / 2
     t = torch.full((1000,), float(rank + 1))
@@ -257,7 +261,7 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
         # In the leader form only local rank 0 (ranks 0 and 2) crosses hosts; its host's other
         # rank learns of a difference through its host's check.
         crossed = not leader or rank % 2 == 0
-        calls = ("allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
+        calls = ("allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast", "broadcast")
         assert len(messages) == len(calls)
         for call, message in zip(calls, messages):
             assert "mismatched collectives" in message, (rank, call, message)
@@ -283,6 +287,17 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "on different hosts" in messages[3], messages[3]
         else:
             assert "differs from a rank's on another host" in messages[3], messages[3]
+        # The broadcasts cross hosts from the root's local index alone (0, then 1).
+        if rank in (0, 2):
+            assert "on different hosts" in messages[4], messages[4]
+        else:
+            assert "differs from a rank's on another host" in messages[4], messages[4]
+        if rank >= 2:
+            assert "284 element(s)" in messages[5], messages[5]  # bytes: 71 floats
+        elif rank == 1:
+            assert "on different hosts" in messages[5] and "among themselves" in messages[5]
+        else:
+            assert "differs from a rank's on another host" in messages[5], messages[5]
 
 
 def _killed_on_one_host(rank: int, world: int, victim: int) -> str:

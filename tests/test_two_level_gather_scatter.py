@@ -84,15 +84,20 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
         assert torch.equal(o, torch.cat([ins[r][k] for r in range(world)])), (layout, k)
     paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
     _list_forms(rank, world, group, gathers, paths)
-    # Broadcast from a root on each host, of two tensors of two dtypes (one strided).
+    # Broadcast from a root on each host, of tensors of two dtypes (one strided), and one too
+    # large to ride in the check across hosts (the engine's broadcast follows it).
     for root in (0, world - 1):
         a = torch.arange(1000, dtype=torch.float64) * (root + 1)
         b = torch.arange(12, dtype=torch.int16).view(3, 4) - root
+        c = torch.arange(20000, dtype=torch.float64) - root
         mine_a = a.clone() if rank == root else torch.zeros_like(a)
         mine_b = b.t().clone().t() if rank == root else torch.zeros_like(b).t().contiguous().t()
+        mine_c = c.clone() if rank == root else torch.zeros_like(c)
         dist.broadcast(mine_a, src=root, group=group)
         dist.broadcast(mine_b, src=root, group=group)
+        dist.broadcast(mine_c, src=root, group=group)
         assert torch.equal(mine_a, a) and torch.equal(mine_b, b), (layout, root)
+        assert torch.equal(mine_c, c), (layout, root)
     # The same bits on every rank of every host (the all-gathers' outputs).
     gathered = torch.cat(gathers)
     everyone = [torch.empty_like(gathered) for _ in range(world)]

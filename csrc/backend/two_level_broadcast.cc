@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "../plan/collective_plan.h"
+#include "../plan/two_level.h"
 #include "staged_broadcast.h"
 #include "tensor_helpers.h"
 #include "two_level_allreduce.h"
@@ -44,26 +47,54 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           bytes.push_back(t.view({-1}).view(at::kByte));
         }
         const plan::FlatLayout layout(byte_counts);
-        // Every rank checks, not only those whose engine broadcasts: a
-        // refusing rank's host peers must learn of it (cross_host_check.h).
         transport::OpDescriptor call;
         call.collective = static_cast<int32_t>(Collective::kBroadcast);
         call.root = root;
         call.num_tensors = static_cast<int64_t>(flat.size());
         call.total_elems = layout.total();
         call.shape_hash = shape_hash(tensors);
-        check_.check(call, "two-level broadcast", deadline);
-        if (group_.local_rank() == root_local && layout.total() > 0) {
-          // One tensor of bytes for the engine, whatever the call's tensors and dtypes.
-          std::vector<at::Tensor> payload{bytes.size() == 1 ? bytes[0] : at::cat(bytes)};
-          c10d::BroadcastOptions opts;
-          opts.rootRank = group_.rank_hosts()[static_cast<size_t>(root)];
-          opts.timeout = engine_timeout(deadline);
-          wait_for_engine(engine_->broadcast(payload, opts), opts.timeout,
-                          "two-level broadcast: the engine's broadcast across hosts");
-          if (bytes.size() > 1) unpack_into(payload[0], bytes);
+        const bool crosses = group_.local_rank() == root_local;
+        // The host's ranks agree on the call first, so that only the rank
+        // that crosses hosts need check it with the other hosts: where they
+        // disagree, it sends a refusal instead (cross_host_check.h).
+        try {
+          transport::OpDescriptor here = group_.next_descriptor(Collective::kBroadcast);
+          here.root = call.root;
+          here.num_tensors = call.num_tensors;
+          here.total_elems = call.total_elems;
+          here.shape_hash = call.shape_hash;
+          group_.host_channel()->open_collective(
+              group_.make_context(here, what_.c_str(), deadline));
+        } catch (const transport::MismatchError&) {
+          if (crosses) check_.refuse(deadline);
+          throw;
         }
-        // `flat` holds the engine's result on the root's local index: broadcast it as it is.
+        if (crosses) {
+          // One tensor of bytes, whatever the call's tensors and dtypes. A
+          // payload that fits rides in the check from the root's host; a
+          // larger one follows it by the engine's broadcast. When the calls
+          // differ, the check fails this host's broadcast below on purpose.
+          at::Tensor payload = bytes.size() == 1 ? bytes[0] : at::cat(bytes);
+          const int64_t total = layout.total();
+          const bool carried = plan::carried_across_hosts(total);
+          const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
+          const at::Tensor messages =
+              check_.exchange(call, carried ? payload.data_ptr() : nullptr, total,
+                              /*host_step_follows=*/true, "two-level broadcast", deadline);
+          if (carried && group_.host_index() != root_host && total > 0) {
+            std::memcpy(payload.data_ptr(), CrossHostCheck::payload_of(messages, root_host),
+                        static_cast<size_t>(total));
+          } else if (!carried) {
+            std::vector<at::Tensor> engine_tensors{payload};
+            c10d::BroadcastOptions opts;
+            opts.rootRank = root_host;
+            opts.timeout = engine_timeout(deadline);
+            wait_for_engine(engine_->broadcast(engine_tensors, opts), opts.timeout,
+                            "two-level broadcast: the engine's broadcast across hosts");
+          }
+          if (bytes.size() > 1) unpack_into(payload, bytes);
+        }
+        // `flat` holds the root's data on the root's local index: broadcast it as it is.
         staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
                          what_.c_str(), deadline);
         copy_back(flat, tensors);
