@@ -1,4 +1,5 @@
-"""Reduce-scatter and all-gather benchmark: xdev next to Gloo on CPU tensors, nccl-tests style.
+"""Reduce-scatter and all-gather (and across hosts broadcast) benchmark: xdev next to Gloo on CPU
+tensors, nccl-tests style.
 
 Usage::
 
@@ -22,14 +23,15 @@ the call to Gloo), and by ``xdev_2lvl``: an xdev group whose cost model has a ve
 network (XDEV_CPU_MODEL with ``net_latency_us`` 1e6, over the user's file if one is set), so
 that it runs the two-level plan at every size, to show what the model weighed against Gloo;
 ``xdev_2lvl_heap`` is that group on tensors from its heap (FSDP2's buffers across hosts: the
-step inside each host reads them in place). The header gives each plan's traffic from the
+step inside each host reads them in place). Broadcast from rank 0 runs there too (Gloo and
+xdev only: it takes two levels whenever it can, without a model). The header gives each plan's traffic from the
 plans' model: what crosses hosts per host and from the busiest rank, the sequential steps
 across hosts, and what goes through sockets between ranks of one host (on one machine every
 "network" byte is loopback).
 
 Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
-input, an all-gather's output: world x the per-rank block); algbw = size / time; busbw = algbw
-x (n-1)/n for both collectives.
+input, an all-gather's output: world x the per-rank block; a broadcast's tensor); algbw = size /
+time; busbw = algbw x (n-1)/n for reduce-scatter and all-gather, algbw for broadcast.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ TARGET_ROUND_SECONDS = 0.1
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
 # Across fake hosts single copy is one host's, and FSDP2's in-place all-gather runs as the plain
 # one there.
-HOSTS_COLLECTIVES = ("reduce_scatter", "all_gather")
+HOSTS_COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
 
 
 def parse_size(text: str) -> int:
@@ -70,6 +72,8 @@ def parse_size(text: str) -> int:
 def run_op(collective: str, full: torch.Tensor, block: torch.Tensor, group: Any) -> None:
     if collective == "reduce_scatter":
         dist.reduce_scatter_tensor(block, full, group=group)
+    elif collective == "broadcast":
+        dist.broadcast(full, src=0, group=group)
     else:
         dist.all_gather_into_tensor(full, block, group=group)
 
@@ -222,6 +226,11 @@ def hosts_variants(
     check(collective, count * esize, dtype, two_level, rank, world, heap=True)
     full = torch.randn(count).to(dtype)
     block = torch.empty(count // world, dtype=dtype)
+    if collective == "broadcast":
+        return {
+            name: (lambda g=group: run_op(collective, full, block, g))
+            for name, group in (("gloo", None), ("xdev", groups["xdev"]))
+        }
     heap_full, heap_block = heap_copies(collective, full, block, rank, world, two_level)
     return {
         name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
@@ -256,6 +265,8 @@ def traffic_rows(hosts: int, world: int, sizes: list[int], esize: int) -> list[d
     per_host = world // hosts
     rows = []
     for collective in HOSTS_COLLECTIVES:
+        if collective == "broadcast":
+            continue  # the plans model no broadcast: it sends H-1 copies across hosts
         for size in sizes:
             nbytes = size // esize // world * world * esize
             plans = torch_xdev._C.plan.across_hosts_traffic(hosts, per_host, nbytes, collective)
@@ -328,7 +339,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 seconds = statistics.median(times[name])
                 algbw = count * esize / seconds / 1e9
                 label, picked = name, None
-                if args.hosts > 1 and name != "gloo":
+                if args.hosts > 1 and name != "gloo" and collective != "broadcast":
                     # What the group ran (its last call was one of the timed ones) and why.
                     group = groups[name.removesuffix("_heap")]
                     picked = torch_xdev.describe(group)["last_gather_scatter"]
@@ -344,7 +355,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                         "rounds": args.rounds,
                         "time_us": seconds * 1e6,
                         "algbw_gbps": algbw,
-                        "busbw_gbps": algbw * (world - 1) / world,
+                        "busbw_gbps": algbw
+                        * (1 if collective == "broadcast" else (world - 1) / world),
                         "reason": picked[2] if picked is not None else None,
                     }
                 )

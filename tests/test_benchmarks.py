@@ -93,6 +93,20 @@ def test_gather_scatter_rows(tmp_path: Path) -> None:
     assert json.loads(out.read_text())  # written, and JSON
 
 
+def test_gather_scatter_across_hosts_rows(tmp_path: Path) -> None:
+    out = tmp_path / "gs_hosts.json"
+    proc = run_benchmark(
+        "gather_scatter.py", "--nproc", "4", "--hosts", "2", "--sizes", "4KiB", "--rounds", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["collective"] for r in rows} == {"reduce_scatter", "all_gather", "broadcast"}
+    broadcast = {r["backend"]: r for r in rows if r["collective"] == "broadcast"}
+    assert set(broadcast) == {"gloo", "xdev"}
+    assert broadcast["xdev"]["busbw_gbps"] == broadcast["xdev"]["algbw_gbps"]
+
+
 def test_allreduce_bad_arguments_say_why() -> None:
     proc = run_benchmark("allreduce.py", "--nproc", "2", "--algorithms", "nope")
     assert proc.returncode != 0 and "unknown algorithm 'nope'" in proc.stderr
