@@ -260,11 +260,13 @@ def two_level_group(rank: int) -> Any:
         path.unlink()
 
 
-def traffic_rows(hosts: int, world: int, sizes: list[int], esize: int) -> list[dict[str, Any]]:
+def traffic_rows(
+    hosts: int, world: int, sizes: list[int], esize: int, collectives: list[str]
+) -> list[dict[str, Any]]:
     """Each plan's traffic per collective and size, from the plans' model."""
     per_host = world // hosts
     rows = []
-    for collective in HOSTS_COLLECTIVES:
+    for collective in collectives:
         if collective == "broadcast":
             continue  # the plans model no broadcast: it sends H-1 copies across hosts
         for size in sizes:
@@ -321,7 +323,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
     dtype = getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
-    for collective in HOSTS_COLLECTIVES if args.hosts > 1 else COLLECTIVES:
+    for collective in args.collectives:
         for size in args.sizes:
             count = size // esize // world * world
             variants = hosts_variants if args.hosts > 1 else one_host_variants
@@ -367,7 +369,11 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         for r in rows:
             r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
         lines = format_table(rows, world)
-        traffic = traffic_rows(args.hosts, world, args.sizes, esize) if args.hosts > 1 else []
+        traffic = (
+            traffic_rows(args.hosts, world, args.sizes, esize, args.collectives)
+            if args.hosts > 1
+            else []
+        )
         for line in lines[:4] + format_traffic(traffic, args.hosts, world) + lines[4:]:
             print(line)
         if args.json:
@@ -390,9 +396,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="split the ranks over this many fake hosts (XDEV_HOSTNAME), host by host: Gloo"
         " over all ranks against xdev's auto (two levels where the model picks them)",
     )
+    parser.add_argument(
+        "--collectives",
+        default=None,
+        help="comma-separated, of " + ", ".join(COLLECTIVES) + " (one host) or "
+        + ", ".join(HOSTS_COLLECTIVES) + " (--hosts); default: all of them",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.hosts < 1 or args.nproc % args.hosts:
         parser.error("--hosts must divide --nproc")
+    known = HOSTS_COLLECTIVES if args.hosts > 1 else COLLECTIVES
+    args.collectives = args.collectives.split(",") if args.collectives else list(known)
+    unknown = [c for c in args.collectives if c not in known]
+    if unknown:
+        parser.error(f"unknown collective(s) {unknown}; choose from {', '.join(known)}")
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     import socket
 
