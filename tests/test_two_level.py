@@ -131,6 +131,8 @@ def test_two_level_grid(
     info = results[0]["info"]
     assert info["num_hosts"] == len(ranks_per_host)
     assert info["local_world_size"] == ranks_per_host[0]
+    # Every fake host runs on this machine: each has its share of the cores.
+    assert info["host_cores"] == max(1, (os.cpu_count() or 1) * ranks_per_host[0] // world)
     assert info["two_level"], info["two_level_note"]
     assert not info["shared_memory"]  # no channel of the whole group: it spans hosts
 
