@@ -103,7 +103,9 @@ LAYOUTS = [
 ]
 
 
-def _with_model(env: list[dict[str, str]], params: dict[str, float], tmp_path: Path) -> list:
+def _with_model(
+    env: list[dict[str, str]], params: dict[str, float], tmp_path: Path
+) -> list[dict[str, str]]:
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"params": params}))
     return [{**e, "XDEV_CPU_MODEL": str(model)} for e in env]

@@ -109,15 +109,17 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         call.num_tensors = static_cast<int64_t>(tensors.size());
         for (const at::Tensor& t : tensors) call.total_elems += t.numel();
         call.shape_hash = shape_hash(tensors);
+        const auto run_form = [&](const at::Tensor& flat, const SharedPlacement& placement) {
+          if (leader) {
+            run_leader(flat, op, call, deadline, placement);
+          } else {
+            run(flat, op, pieces, call, deadline, placement);
+          }
+        };
         if (tensors.size() == 1 && tensors[0].is_contiguous()) {
           // A DDP bucket from this host's symmetric heap: the steps inside the
           // host run in place when every local rank's lies at the same place.
-          const at::Tensor flat = tensors[0].view({-1});
-          if (leader) {
-            run_leader(flat, op, call, deadline, shared_.find(tensors[0]));
-          } else {
-            run(flat, op, pieces, call, deadline, shared_.find(tensors[0]));
-          }
+          run_form(tensors[0].view({-1}), shared_.find(tensors[0]));
           return;
         }
         // Several tensors (allreduce_coalesced) or a strided one: one flat
@@ -125,11 +127,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         std::vector<at::Tensor> flat_views;
         for (const at::Tensor& t : tensors) flat_views.push_back(t.reshape({-1}));
         const at::Tensor flat = at::cat(flat_views);
-        if (leader) {
-          run_leader(flat, op, call, deadline, {});
-        } else {
-          run(flat, op, pieces, call, deadline, {});
-        }
+        run_form(flat, {});
         unpack_into(flat, tensors);
       },
       async_op);

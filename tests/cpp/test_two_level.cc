@@ -111,7 +111,7 @@ TEST(the_leader_form_sends_one_message_per_host) {
                std::invalid_argument, "leader form carries at most");
 }
 
-TEST(the_leader_form_wins_where_streams_outnumber_cores_or_share_the_link) {
+TEST(the_leader_form_wins_where_streams_outnumber_cores) {
   const MachineModel host2 = cpu_host(2, CpuHostParams{});
   const int64_t bytes = 16 * 1024;
   NetworkParams net;
