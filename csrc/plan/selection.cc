@@ -337,7 +337,10 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
         in.elem_bytes, *in.network, *in.host_model);
     s.reason = c.reason;
     s.predicted_s = c.predicted_s;
-    if (c.two_level) s.path = GatherScatterPath::kTwoLevel;
+    if (c.two_level) {
+      s.path = GatherScatterPath::kTwoLevel;
+      s.two_level_leader = c.leader;
+    }
   }
   return s;
 }

@@ -240,6 +240,8 @@ struct GatherScatterSelection {
   // Native: peers read each other's inputs where every rank maps them (the
   // symmetric heap); nothing staged, no syscall. Only where in_symmetric_heap.
   bool in_place = false;
+  // Two-level: in the leader form (one rank per host crosses; plan/two_level.h).
+  bool two_level_leader = false;
   std::string reason;
   double predicted_s = 0;  // by the model, when it chose; else 0
 };

@@ -287,20 +287,56 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
   return cross_host_check_s(hosts, net, hosts.ranks_per_host) + intra + across;
 }
 
+bool gather_scatter_leader_fits(GatherScatterKind kind, const HostLayout& hosts, int64_t bytes) {
+  check(hosts);
+  return leader_form_fits(kind == GatherScatterKind::kAllGather ? ceil_div(bytes, hosts.num_hosts)
+                                                                : bytes);
+}
+
+double predict_two_level_gather_scatter_leader_s(GatherScatterKind kind, const HostLayout& hosts,
+                                                 int64_t bytes, const NetworkParams& net,
+                                                 const MachineModel& host) {
+  if (!gather_scatter_leader_fits(kind, hosts, bytes)) {
+    throw std::invalid_argument(
+        std::string("two-level plan: the leader form of a ") + to_string(kind) +
+        " carries at most " + std::to_string(kCrossHostCarryBytes) + " bytes per host; got " +
+        std::to_string(bytes) + " bytes over " + std::to_string(hosts.num_hosts) + " hosts");
+  }
+  if (kind == GatherScatterKind::kReduceScatter) {
+    return predict_two_level_leader_s(hosts, bytes, net, host);
+  }
+  check_host_model(hosts, host);
+  const auto all_gather = [&](int64_t n) {
+    return hosts.ranks_per_host > 1
+               ? predict_gather_scatter(host, kind, GatherScatterCandidate{}, n, 1).seconds
+               : 0.0;
+  };
+  const int64_t own_host = ceil_div(bytes, hosts.num_hosts);
+  return all_gather(own_host) + cross_host_check_s(hosts, net, 1) + all_gather(bytes - own_host);
+}
+
 AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
                                                      const HostLayout& hosts, int64_t bytes,
                                                      int64_t elem_bytes, const NetworkParams& net,
                                                      const MachineModel& host) {
   const double ring = predict_flat_ring_gather_scatter_s(hosts, bytes, net);
-  const double two = predict_two_level_gather_scatter_s(kind, hosts, bytes, elem_bytes, net, host);
+  double two = predict_two_level_gather_scatter_s(kind, hosts, bytes, elem_bytes, net, host);
+  bool leader = false;
+  if (hosts.ranks_per_host > 1 && gather_scatter_leader_fits(kind, hosts, bytes)) {
+    const double s = predict_two_level_gather_scatter_leader_s(kind, hosts, bytes, net, host);
+    leader = s < two;
+    two = std::min(two, s);
+  }
   AcrossHostsChoice c;
   c.two_level = two < ring;
+  c.leader = leader;
   c.predicted_s = std::min(two, ring);
-  char buf[240];
+  char buf[320];
   std::snprintf(buf, sizeof buf,
                 "%d hosts x %d ranks: two-level %s (the engine across hosts, shared memory "
-                "inside them) predicted %.1f us, the engine's ring over all ranks %.1f us",
-                hosts.num_hosts, hosts.ranks_per_host, to_string(kind), two * 1e6, ring * 1e6);
+                "inside them) predicted %.1f us%s, the engine's ring over all ranks %.1f us",
+                hosts.num_hosts, hosts.ranks_per_host, to_string(kind), two * 1e6,
+                leader ? " (leader form: one rank per host crosses)" : "", ring * 1e6);
   c.reason = buf;
   return c;
 }

@@ -167,7 +167,7 @@ struct AcrossHostsChoice {
   bool two_level = false;
   double predicted_s = 0;
   int pieces = 1;       // the two-level allreduce's pipeline (schedule_two_level)
-  bool leader = false;  // its leader form (schedule_two_level)
+  bool leader = false;  // its leader form (schedule_two_level; a gather/scatter's own)
   std::string reason;
 };
 
@@ -204,7 +204,23 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
                                           int64_t bytes, int64_t elem_bytes,
                                           const NetworkParams& net, const MachineModel& host);
 
-// The faster of the two forms for `bytes`, with both predictions in the reason.
+// The leader form of each, where what a host sends across rides whole in the
+// exchange of calls, as for the allreduce:
+//   all-gather: inside each host an all-gather of its ranks' blocks; local
+//     rank 0 alone exchanges the host's L blocks (with the call) with the
+//     other hosts' local ranks 0; a broadcast inside the host hands out the
+//     other hosts' blocks (costed as an all-gather of those bytes);
+//   reduce-scatter: the allreduce's leader form on the whole input, of which
+//     each rank keeps its block.
+// It fits where the host's blocks (an all-gather: bytes / H) or the host's
+// sum of the whole input (a reduce-scatter: bytes) ride whole.
+bool gather_scatter_leader_fits(GatherScatterKind kind, const HostLayout& hosts, int64_t bytes);
+double predict_two_level_gather_scatter_leader_s(GatherScatterKind kind, const HostLayout& hosts,
+                                                 int64_t bytes, const NetworkParams& net,
+                                                 const MachineModel& host);
+
+// The fastest of the engine's ring and the two forms for `bytes`, with the
+// predictions in the reason.
 AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
                                                      const HostLayout& hosts, int64_t bytes,
                                                      int64_t elem_bytes, const NetworkParams& net,

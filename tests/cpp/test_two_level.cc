@@ -341,6 +341,74 @@ TEST(small_gather_scatter_payloads_cross_hosts_in_the_check_alone) {
   }
 }
 
+TEST(gather_scatter_leader_forms_add_up_and_win_where_streams_outnumber_cores) {
+  NetworkParams net;
+  net.host_memory_bytes_per_s = 0;  // links only: the sums below are exact
+  const MachineModel host = cpu_host(2, CpuHostParams{});
+  const HostLayout layout{3, 2};  // 6 ranks
+  const int64_t bytes = 48 * 1024;
+  const auto all_gather = [&](int64_t n) {
+    return predict_gather_scatter(host, GatherScatterKind::kAllGather, GatherScatterCandidate{}, n,
+                                  1)
+        .seconds;
+  };
+  // All-gather: the host's 16 KiB inside it, one stream's exchange, the other hosts' 32 KiB
+  // broadcast inside it.
+  CHECK(near(
+      predict_two_level_gather_scatter_leader_s(GatherScatterKind::kAllGather, layout, bytes, net,
+                                                host),
+      all_gather(bytes / 3) + cross_host_check_s(layout, net, 1) + all_gather(bytes - bytes / 3),
+      1e-12));
+  // Reduce-scatter: the allreduce's leader form on the whole input.
+  CHECK(near(predict_two_level_gather_scatter_leader_s(GatherScatterKind::kReduceScatter, layout,
+                                                       bytes, net, host),
+             predict_two_level_leader_s(layout, bytes, net, host), 0.0));
+  // What fits: an all-gather's host's share of the output, a reduce-scatter's whole input.
+  CHECK(
+      gather_scatter_leader_fits(GatherScatterKind::kAllGather, layout, 3 * kCrossHostCarryBytes));
+  CHECK(!gather_scatter_leader_fits(GatherScatterKind::kAllGather, layout,
+                                    3 * kCrossHostCarryBytes + 3));
+  CHECK(
+      gather_scatter_leader_fits(GatherScatterKind::kReduceScatter, layout, kCrossHostCarryBytes));
+  CHECK(!gather_scatter_leader_fits(GatherScatterKind::kReduceScatter, layout,
+                                    kCrossHostCarryBytes + 4));
+  CHECK_THROWS(predict_two_level_gather_scatter_leader_s(GatherScatterKind::kReduceScatter, layout,
+                                                         kCrossHostCarryBytes + 4, net, host),
+               std::invalid_argument, "leader form of a reduce_scatter carries at most");
+
+  // The choice: a core per local rank keeps every rank crossing; one core for the host's two
+  // streams (two fake hosts of two ranks on two cores) makes one message per host win.
+  net.latency_s = 5e-3;  // a slow network: two levels win over the ring either way
+  for (GatherScatterKind kind :
+       {GatherScatterKind::kAllGather, GatherScatterKind::kReduceScatter}) {
+    net.host_cores = 2;
+    AcrossHostsChoice c = choose_gather_scatter_across_hosts(kind, {2, 2}, 16 * 1024, 4, net, host);
+    CHECK(c.two_level && !c.leader);
+    CHECK(c.reason.find("leader form") == std::string::npos);
+    net.host_cores = 1;
+    c = choose_gather_scatter_across_hosts(kind, {2, 2}, 16 * 1024, 4, net, host);
+    CHECK(c.two_level && c.leader);
+    CHECK(near(c.predicted_s,
+               predict_two_level_gather_scatter_leader_s(kind, {2, 2}, 16 * 1024, net, host), 0.0));
+    CHECK(c.reason.find("leader form") != std::string::npos);
+    // Too large to ride whole: every rank crosses.
+    CHECK(!choose_gather_scatter_across_hosts(kind, {2, 2}, 4 * kMiB, 4, net, host).leader);
+  }
+  // select_gather_scatter carries the choice.
+  GatherScatterInput in;
+  in.world_size = 4;
+  in.num_hosts = 2;
+  in.transport_available = false;
+  in.payload_bytes = 16 * 1024;
+  in.two_level_available = true;
+  in.ranks_per_host = 2;
+  in.host_model = &host;
+  in.network = &net;
+  const GatherScatterSelection s = select_gather_scatter(in);
+  CHECK_EQ(s.path, GatherScatterPath::kTwoLevel);
+  CHECK(s.two_level_leader);
+}
+
 TEST(select_gather_scatter_across_hosts) {
   NetworkParams net;
   net.latency_s = 5e-3;  // a slow network: two-level wins at every size
