@@ -272,7 +272,8 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "timed out" not in message, (rank, call, message)
         # The allreduce starts inside each host: host 1's ranks see rank 3's call differ from
         # rank 2's and say so; host 0's ranks learn of it from host 1's refusal across hosts.
-        for first, crossing in ((messages[0], crossed), (messages[2], True)):
+        # So does the reduce-scatter.
+        for first, crossing in ((messages[0], crossed), (messages[2], crossed)):
             if rank >= 2:
                 assert "on different hosts" not in first, first
             elif crossing:
@@ -285,9 +286,18 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
         else:
             assert "differs from a rank's on another host" in messages[1], messages[1]
-        # The all-gather starts across hosts: local index 1 (ranks 1 and 3) exchanged the
-        # differing calls; ranks 0 and 2 learn of it through their host's check.
-        if rank in (1, 3):
+        # In slices the all-gather starts across hosts: local index 1 (ranks 1 and 3)
+        # exchanged the differing calls; ranks 0 and 2 learn of it through their host's check.
+        # In the leader form it starts inside each host, where host 0's ranks see rank 1's
+        # call differ; host 1's leader (rank 2) gets host 0's refusal.
+        if leader:
+            if rank < 2:
+                assert "on different hosts" not in messages[3], messages[3]
+            elif rank == 2:
+                assert "on different hosts" in messages[3] and "among themselves" in messages[3]
+            else:
+                assert "differs from a rank's on another host" in messages[3], messages[3]
+        elif rank in (1, 3):
             assert "on different hosts" in messages[3], messages[3]
         else:
             assert "differs from a rank's on another host" in messages[3], messages[3]
@@ -302,6 +312,49 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "on different hosts" in messages[5] and "among themselves" in messages[5]
         else:
             assert "differs from a rank's on another host" in messages[5], messages[5]
+
+
+def _forms_differ_across_hosts(rank: int, world: int) -> list[str]:
+    """Host 0 passes a payload small enough for the leader form, host 1 one that is not: local
+    rank 1 of host 1 crosses hosts, local rank 1 of host 0 does not, yet no rank waits."""
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    messages = []
+    start = time.monotonic()
+    large = rank >= 2
+    calls = [
+        (lambda: dist.all_reduce(torch.ones(100_000 if large else 1000)), "last_allreduce"),
+        (
+            lambda: dist.all_gather_into_tensor(
+                torch.empty(world * (50_000 if large else 100)),
+                torch.ones(50_000 if large else 100),
+            ),
+            "last_gather_scatter",
+        ),
+    ]
+    for call, key in calls:
+        with pytest.raises(dist.DistBackendError) as info:
+            call()
+        messages.append(str(info.value))
+        plan = " ".join(torch_xdev.describe()[key])
+        assert ("leader form" in plan) == (not large), plan
+    assert time.monotonic() - start < TIMEOUT_S / 2
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    dist.destroy_process_group()
+    return messages
+
+
+def test_leader_form_against_slices_fails_every_rank(tmp_path: Path) -> None:
+    params = {"net_latency_us": 5000.0, "net_host_cores": 1}
+    env = _with_model(_hosts_env([2, 2]), params, tmp_path)
+    results = run_ranks(_forms_differ_across_hosts, 4, per_rank_env=env, timeout=180)
+    for rank, messages in enumerate(results):
+        for message in messages:
+            assert "mismatched collectives" in message, (rank, message)
+            assert "timed out" not in message, (rank, message)
 
 
 def _killed_on_one_host(rank: int, world: int, victim: int) -> str:

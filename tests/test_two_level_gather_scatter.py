@@ -53,6 +53,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
     gathers: list[torch.Tensor] = []
     paths: set[str] = set()
+    leader_forms: set[bool] = set()  # whether each tensor-form call ran in the leader form
     for d, dtype in enumerate(DTYPES):
         for block in BLOCKS:
             seed = d * 100 + block
@@ -63,6 +64,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
             assert torch.equal(out, torch.cat(blocks)), (layout, dtype, block)
             gathers.append(out.to(torch.float64))
             paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+            leader_forms.add("leader form" in torch_xdev.describe(group)["last_gather_scatter"][2])
             ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
             for op in ops:
                 # reduce_scatter_tensor: block `rank` of every rank's full input, reduced.
@@ -72,6 +74,8 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
                 expected = _reduce_reference(full, op, world)[rank * block : (rank + 1) * block]
                 assert torch.equal(got, expected), (layout, dtype, block, op)
                 paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+                reason = torch_xdev.describe(group)["last_gather_scatter"][2]
+                leader_forms.add("leader form" in reason)
     reason = torch_xdev.describe(group)["last_gather_scatter"][2]
     # The coalesced all-gather (FSDP2's form) with blocks of two dtypes and sizes.
     shapes = [(5, torch.float32), (300, torch.int64)]
@@ -105,7 +109,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     assert all(torch.equal(e, everyone[0]) for e in everyone)
     dist.destroy_process_group(group)
     dist.destroy_process_group()
-    return {"paths": sorted(paths), "reason": reason}
+    return {"paths": sorted(paths), "reason": reason, "leader_forms": sorted(leader_forms)}
 
 
 def _list_forms(
@@ -164,11 +168,14 @@ def _list_forms(
     assert "uneven list sizes" in reason, reason
 
 
-def _slow_network_model(tmp_path: Path) -> str:
+def _slow_network_model(tmp_path: Path, host_cores: int = 1) -> str:
     # On this 2-core machine's host model the engine's ring is predicted faster for small
     # payloads; a slow network in the cost model makes the two-level plan win at every size.
+    # With one core per host a host's streams take turns, so the leader form wins where it
+    # fits; with a core per rank every rank crosses hosts.
     model = tmp_path / "model.json"
-    model.write_text(json.dumps({"params": {"net_latency_us": 5000.0}}))
+    params = {"net_latency_us": 5000.0, "net_host_cores": host_cores}
+    model.write_text(json.dumps({"params": params}))
     return str(model)
 
 
@@ -187,6 +194,9 @@ def test_two_level_gather_scatter(layout: str, tmp_path: Path) -> None:
     for result in results:
         assert result["paths"] == ["two_level"], result
         assert "two-level reduce_scatter" in result["reason"], result["reason"]
+        # Two fake hosts' streams share this machine's cores: payloads that ride whole in the
+        # exchange take the leader form, the largest blocks go by the engine from every rank.
+        assert result["leader_forms"] == [False, True], result
 
 
 def _uneven(rank: int, world: int) -> dict[str, Any]:

@@ -185,8 +185,10 @@ def test_fsdp2_across_hosts_with_group_allocated_buffers_matches_gloo(
     each host, the same model as FSDP2 on Gloo and the same bits on every rank."""
     reference = run_ranks(_fsdp2_training, 4, "gloo", True)
     capfd.readouterr()
-    model = _slow_network_model(tmp_path)  # two levels at every size
-    # Small slots: a layer's collectives (37 KB) then take several windows, so they run in place.
+    # Two levels at every size, every rank crossing hosts (the leader form, which would take
+    # these 37 KB collectives, stages them). Small slots: a layer's collectives then take
+    # several windows, so they run in place.
+    model = _slow_network_model(tmp_path, host_cores=64)
     env = [
         dict(e, XDEV_DEBUG="INFO", XDEV_CPU_MODEL=model, XDEV_SHM_SLOT_BYTES="4096")
         for e in _hosts_env([2, 2])

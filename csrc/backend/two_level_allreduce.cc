@@ -12,6 +12,9 @@
 namespace xdev::backend {
 namespace {
 
+// How errors name the two-level allreduce's own calls.
+constexpr const char* kAllreduceName = "two-level allreduce";
+
 // Slice j of `total` elements cut into `parts` (the first total % parts one
 // element longer), as the host's reduce-scatter leaves them on local rank j.
 std::vector<int64_t> slice_sizes(int64_t total, int parts) {
@@ -84,13 +87,8 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& s
   // Errors of the host's channel number its ranks locally: say which group ranks they are.
   std::string ranks;
   for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  const std::string where = " in host '" + group.config().hostname +
-                            "', whose local ranks are "
-                            "group ranks " +
-                            ranks + ")";
-  what_reduce_scatter_ = "two-level allreduce (reduce-scatter" + where;
-  what_all_gather_ = "two-level allreduce (all-gather" + where;
-  what_broadcast_ = "two-level allreduce (broadcast from local rank 0" + where;
+  where_ = " in host '" + group.config().hostname + "', whose local ranks are group ranks " +
+           ranks + ")";
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tensor> tensors,
@@ -111,7 +109,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         call.shape_hash = shape_hash(tensors);
         const auto run_form = [&](const at::Tensor& flat, const SharedPlacement& placement) {
           if (leader) {
-            run_leader(flat, op, call, deadline, placement);
+            run_leader(flat, op, call, deadline, placement, kAllreduceName);
           } else {
             run(flat, op, pieces, call, deadline, placement);
           }
@@ -163,7 +161,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
   }
   const auto reduce_scatter = [&](Piece& p) {
     run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, host_op, call, deadline,
-                p.placement);
+                p.placement, kAllreduceName);
   };
   const auto start_engine = [&](Piece& p) {
     std::vector<at::Tensor> engine_tensors{p.slice};
@@ -179,7 +177,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
       if (op == kernels::ReduceOp::kAvg) p.slice.div_(group_.size());
     }
     run_in_host(plan::GatherScatterKind::kAllGather, p.flat, p.slice, kernels::ReduceOp::kSum, call,
-                deadline, p.placement);
+                deadline, p.placement, kAllreduceName);
   };
 
   try {
@@ -196,7 +194,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
   const bool carried = num_pieces == 1 && plan::carried_across_hosts(slice_bytes);
   const at::Tensor messages =
       check_.exchange(call, carried ? first_slice.data_ptr() : nullptr, slice_bytes,
-                      /*host_step_follows=*/true, "two-level allreduce", deadline);
+                      /*host_step_follows=*/true, kAllreduceName, deadline);
   if (carried) {
     check_.reduce_payloads(messages, 0, op, first_slice);
     finish(pieces[0]);
@@ -216,7 +214,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
 void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
                                    transport::OpDescriptor call,
                                    transport::Clock::time_point deadline,
-                                   const SharedPlacement& placement) {
+                                   const SharedPlacement& placement, const char* what) {
   const bool leader = group_.local_rank() == 0;
   const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
   // No count of pieces is 0: a host that ran the other form fails the check across hosts.
@@ -225,33 +223,40 @@ void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
       at::empty({slice_sizes(flat.numel(),
                              group_.local_world_size())[static_cast<size_t>(group_.local_rank())]},
                 flat.options());
+  bool exchanged = false;
   try {
     run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline,
-                placement);
+                placement, what);
+    run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
+                deadline, placement, what);
+    if (leader) {
+      // The host's sum rides whole in the check across hosts. When the calls
+      // differ, the exchange fails this host's next step inside it (the
+      // broadcast) on purpose, so the other local ranks stop there too.
+      exchanged = true;
+      const at::Tensor messages =
+          check_.exchange(call, flat.data_ptr(), flat.numel() * flat.element_size(),
+                          /*host_step_follows=*/true, what, deadline);
+      check_.reduce_payloads(messages, 0, op, flat);
+    }
+    staged_broadcast(group_, broadcast_executor_, group_.local_world_size(), 0, {flat},
+                     (std::string(what) + " (broadcast from local rank 0" + where_).c_str(),
+                     deadline);
   } catch (const transport::MismatchError&) {
-    if (leader) check_.refuse(deadline);  // the other hosts' leaders must not wait
+    // Every rank a mismatch stops crosses hosts once, as in the slices' form:
+    // a leader in its exchange, any other rank with a refusal. So the ranks of
+    // each local index pass the same number of exchanges, whichever form each
+    // host ran, and none waits for a partner until the timeout.
+    if (!exchanged) check_.refuse(deadline);
     throw;
   }
-  run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
-              deadline, placement);
-  if (leader) {
-    // The host's sum rides whole in the check across hosts. When the calls
-    // differ, the exchange fails this host's next step inside it (the
-    // broadcast) on purpose, so the other local ranks stop there too.
-    const at::Tensor messages =
-        check_.exchange(call, flat.data_ptr(), flat.numel() * flat.element_size(),
-                        /*host_step_follows=*/true, "two-level allreduce", deadline);
-    check_.reduce_payloads(messages, 0, op, flat);
-  }
-  staged_broadcast(group_, broadcast_executor_, group_.local_world_size(), 0, {flat},
-                   what_broadcast_.c_str(), deadline);
 }
 
 void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat,
                                     const at::Tensor& slice, kernels::ReduceOp op,
                                     const transport::OpDescriptor& call,
                                     transport::Clock::time_point deadline,
-                                    const SharedPlacement& placement) {
+                                    const SharedPlacement& placement, const char* what) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   // A reduce-scatter reduces elements; an all-gather moves bytes.
   const int64_t unit = reduce_scatter ? 1 : flat.element_size();
@@ -288,8 +293,8 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.num_packs = call.num_packs;
   d.num_tensors = call.num_tensors;
   d.shape_hash = call.shape_hash;
-  req.ctx = group_.make_context(
-      d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
+  const std::string step = reduce_scatter ? " (reduce-scatter" : " (all-gather";
+  req.ctx = group_.make_context(d, (what + step + where_).c_str(), deadline);
   run_in_host_step(group_, executor_, req, placement,
                    reduce_scatter ? "two-level reduce-scatter" : "two-level all-gather");
 }

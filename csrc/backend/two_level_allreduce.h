@@ -77,6 +77,16 @@ class TwoLevelAllreduce {
                                            int pieces, bool leader,
                                            std::chrono::milliseconds timeout, bool async_op);
 
+  // The leader form of one piece on the op thread: the host's sum on every
+  // local rank, local rank 0's exchange across hosts, a broadcast inside the
+  // host. `flat` is contiguous and holds the whole payload; `call` describes
+  // the call for the checks (a two-level reduce-scatter runs its leader form
+  // here with its own call), and `what` names it in errors; `placement` says
+  // where flat lies in this host's symmetric heap, if it does.
+  void run_leader(const at::Tensor& flat, kernels::ReduceOp op, transport::OpDescriptor call,
+                  transport::Clock::time_point deadline, const SharedPlacement& placement,
+                  const char* what);
+
   // Drops the engine (its destructor joins its threads).
   void shutdown() {
     engine_.reset();
@@ -91,17 +101,14 @@ class TwoLevelAllreduce {
   // engine allreduces the one before across hosts.
   void run(const at::Tensor& flat, kernels::ReduceOp op, int pieces, transport::OpDescriptor call,
            transport::Clock::time_point deadline, const SharedPlacement& placement);
-  // The leader form of run(), for one piece: the host's sum on every local
-  // rank, local rank 0's exchange across hosts, a broadcast inside the host.
-  void run_leader(const at::Tensor& flat, kernels::ReduceOp op, transport::OpDescriptor call,
-                  transport::Clock::time_point deadline, const SharedPlacement& placement);
   // One half over the host channel: reduce-scatter `flat` into `slice`
   // (this local rank's), or all-gather the slices back into `flat`. The
-  // host's ranks check that they all make `call`. In place (nothing staged)
-  // when flat lies at one place of every local rank's heap.
+  // host's ranks check that they all make `call` (`what` names it). In place
+  // (nothing staged) when flat lies at one place of every local rank's heap.
   void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
                    kernels::ReduceOp op, const transport::OpDescriptor& call,
-                   transport::Clock::time_point deadline, const SharedPlacement& placement);
+                   transport::Clock::time_point deadline, const SharedPlacement& placement,
+                   const char* what);
 
   GroupContext& group_;
   const SharedBuffers& shared_;
@@ -111,9 +118,7 @@ class TwoLevelAllreduce {
   transport::ShmExecutor broadcast_executor_;  // the leader form's last step
   c10::intrusive_ptr<c10d::Backend> engine_;
   CrossHostCheck check_;
-  std::string what_reduce_scatter_;  // how errors name each step inside the host
-  std::string what_all_gather_;
-  std::string what_broadcast_;
+  std::string where_;  // how errors name this host and its ranks
 };
 
 }  // namespace xdev::backend

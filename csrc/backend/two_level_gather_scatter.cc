@@ -4,10 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "../plan/two_level.h"
+#include "staged_broadcast.h"
 #include "tensor_helpers.h"
-#include "two_level_allreduce.h"
 
 namespace xdev::backend {
 namespace {
@@ -36,11 +37,14 @@ at::Tensor flat_for_list(const char* what, const std::vector<at::Tensor>& list,
 }  // namespace
 
 TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
-                                             c10::intrusive_ptr<c10d::Backend> engine)
+                                             c10::intrusive_ptr<c10d::Backend> engine,
+                                             TwoLevelAllreduce& allreduce)
     : group_(group),
       shared_(shared),
       executor_(*group.host_channel()),
+      broadcast_executor_(*group.host_channel()),
       engine_(engine),
+      allreduce_(allreduce),
       check_(group, std::move(engine)) {
   std::vector<int64_t> order;
   for (int h = 0; h < group.num_hosts(); ++h) {
@@ -59,21 +63,23 @@ TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group, const SharedBu
                             "', whose local ranks are group ranks " + ranks + ")";
   what_reduce_scatter_ = "two-level reduce_scatter (reduce-scatter" + where;
   what_all_gather_ = "two-level all_gather (all-gather" + where;
+  what_broadcast_ = "two-level all_gather (broadcast from local rank 0" + where;
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at::Tensor> outputs,
                                                                  std::vector<at::Tensor> inputs,
-                                                                 c10d::OpType type,
+                                                                 c10d::OpType type, bool leader,
                                                                  std::chrono::milliseconds timeout,
                                                                  bool async_op) {
   check_pairs("all_gather", outputs, inputs, group_.size());
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
-      [this, outputs, inputs, timeout] {
+      [this, outputs, inputs, leader, timeout] {
         const std::vector<at::Tensor> out = contiguous(outputs);
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
-        run_all_gather(out, contiguous(inputs), group_.deadline_for(timeout), shape_hash(all));
+        run_all_gather(out, contiguous(inputs), leader, group_.deadline_for(timeout),
+                       shape_hash(all));
         copy_back(out, outputs);
       },
       async_op);
@@ -81,15 +87,15 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
 
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
-    c10d::OpType type, std::chrono::milliseconds timeout, bool async_op) {
+    c10d::OpType type, bool leader, std::chrono::milliseconds timeout, bool async_op) {
   check_pairs("reduce_scatter", inputs, outputs, group_.size());
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
-      [this, outputs, inputs, op, timeout] {
+      [this, outputs, inputs, op, leader, timeout] {
         const std::vector<at::Tensor> out = contiguous(outputs);
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
-        run_reduce_scatter(out, contiguous(inputs), op, group_.deadline_for(timeout),
+        run_reduce_scatter(out, contiguous(inputs), op, leader, group_.deadline_for(timeout),
                            shape_hash(all));
         copy_back(out, outputs);
       },
@@ -98,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
     std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
-    std::chrono::milliseconds timeout, bool async_op) {
+    bool leader, std::chrono::milliseconds timeout, bool async_op) {
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
                     " output list(s) for ", inputs.size(), " input(s)");
   std::vector<at::Tensor> full;
@@ -110,11 +116,11 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
   }
   return group_.enqueue(
       type, "xdev:all_gather", work_outputs,
-      [this, outputs, inputs, full, timeout] {
+      [this, outputs, inputs, full, leader, timeout] {
         const std::vector<at::Tensor> in = contiguous(inputs);
         std::vector<at::Tensor> all = full;
         all.insert(all.end(), in.begin(), in.end());
-        run_all_gather(full, in, group_.deadline_for(timeout), shape_hash(all));
+        run_all_gather(full, in, leader, group_.deadline_for(timeout), shape_hash(all));
         for (size_t i = 0; i < outputs.size(); ++i) unpack_into(full[i], outputs[i]);
       },
       async_op);
@@ -122,7 +128,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
 
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
     std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
-    kernels::ReduceOp op, std::chrono::milliseconds timeout, bool async_op) {
+    kernels::ReduceOp op, bool leader, std::chrono::milliseconds timeout, bool async_op) {
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
                     " input list(s) for ", outputs.size(), " output(s)");
   std::vector<at::Tensor> full;
@@ -132,7 +138,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
   }
   return group_.enqueue(
       c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
-      [this, outputs, inputs, full, op, timeout] {
+      [this, outputs, inputs, full, op, leader, timeout] {
         for (size_t i = 0; i < outputs.size(); ++i) {
           std::vector<at::Tensor> pieces;  // rank j's piece, flattened, in rank order
           for (const at::Tensor& t : inputs[i]) pieces.push_back(t.reshape({-1}));
@@ -142,20 +148,31 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
         const std::vector<at::Tensor> out = contiguous(outputs);
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), full.begin(), full.end());
-        run_reduce_scatter(out, full, op, group_.deadline_for(timeout), shape_hash(all));
+        run_reduce_scatter(out, full, op, leader, group_.deadline_for(timeout), shape_hash(all));
         copy_back(out, outputs);
       },
       async_op);
 }
 
 void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
-                                           const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& inputs, bool leader,
                                            transport::Clock::time_point deadline, uint64_t hash) {
   transport::OpDescriptor call;
   call.collective = static_cast<int32_t>(Collective::kAllGather);
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel() * t.element_size();
   call.shape_hash = hash;
+  std::vector<at::Tensor> full;  // host-major
+  for (const at::Tensor& t : outputs) {
+    full.push_back(host_major_ranks_.defined() ? at::empty_like(t) : t);
+  }
+  if (leader) {
+    run_all_gather_leader(full, inputs, call, deadline, hash);
+    if (host_major_ranks_.defined()) {
+      for (size_t i = 0; i < outputs.size(); ++i) from_host_major(full[i], outputs[i]);
+    }
+    return;
+  }
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   // This rank's blocks, every tensor's bytes one after another: what the engine gathers.
@@ -187,10 +204,6 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
     return carried ? const_cast<char*>(CrossHostCheck::payload_of(messages, h))
                    : ptr(gathered) + h * total;
   };
-  std::vector<at::Tensor> full;  // host-major
-  for (const at::Tensor& t : outputs) {
-    full.push_back(host_major_ranks_.defined() ? at::empty_like(t) : t);
-  }
   std::vector<char*> full_ptrs;
   std::vector<char*> block_ptrs;
   std::vector<int64_t> layout;
@@ -211,9 +224,71 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   }
 }
 
+void TwoLevelGatherScatter::run_all_gather_leader(const std::vector<at::Tensor>& full,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const transport::OpDescriptor& call,
+                                                  transport::Clock::time_point deadline,
+                                                  uint64_t hash) {
+  const int hosts = group_.num_hosts();
+  const int host = group_.host_index();
+  const int64_t local = group_.local_world_size();
+  // Host h's L blocks of tensor i, as bytes of the host-major full tensor.
+  const auto region = [&](size_t i, int h) {
+    const int64_t bytes = local * inputs[i].numel() * inputs[i].element_size();
+    return bytes_of(full[i]).narrow(0, h * bytes, bytes);
+  };
+  std::vector<char*> full_ptrs;
+  std::vector<char*> block_ptrs;
+  std::vector<int64_t> layout;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    full_ptrs.push_back(ptr(region(i, host)));
+    block_ptrs.push_back(ptr(inputs[i]));
+    layout.push_back(inputs[i].numel() * inputs[i].element_size());
+  }
+  bool exchanged = false;
+  try {
+    // 1. This host's blocks on every local rank.
+    run_in_host(plan::GatherScatterKind::kAllGather, full_ptrs, block_ptrs,
+                plan::FlatLayout(layout), kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash,
+                deadline, {});
+    // 2. Local rank 0 exchanges them, every tensor's one after another, with
+    // the other hosts' local ranks 0. When the calls differ, the exchange
+    // fails this host's broadcast on purpose, so its other ranks stop there.
+    if (group_.local_rank() == 0) {
+      std::vector<at::Tensor> own;
+      for (size_t i = 0; i < inputs.size(); ++i) own.push_back(region(i, host));
+      const at::Tensor mine = own.size() == 1 ? own[0] : at::cat(own);
+      exchanged = true;
+      const at::Tensor messages =
+          check_.exchange(call, mine.data_ptr(), mine.numel(), /*host_step_follows=*/true,
+                          "two-level all_gather", deadline);
+      for (int h = 0; h < hosts; ++h) {
+        if (h == host) continue;
+        const char* payload = CrossHostCheck::payload_of(messages, h);
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          const at::Tensor dst = region(i, h);
+          std::memcpy(dst.data_ptr(), payload, static_cast<size_t>(dst.numel()));
+          payload += dst.numel();
+        }
+      }
+    }
+    // 3. The other hosts' blocks from local rank 0.
+    std::vector<at::Tensor> others;
+    for (int h = 0; h < hosts; ++h) {
+      for (size_t i = 0; i < inputs.size() && h != host; ++i) others.push_back(region(i, h));
+    }
+    staged_broadcast(group_, broadcast_executor_, static_cast<int>(local), 0, others,
+                     what_broadcast_.c_str(), deadline);
+  } catch (const transport::MismatchError&) {
+    // Every rank a mismatch stops crosses hosts once (TwoLevelAllreduce::run_leader).
+    if (!exchanged) check_.refuse(deadline);
+    throw;
+  }
+}
+
 void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs,
                                                const std::vector<at::Tensor>& inputs,
-                                               kernels::ReduceOp op,
+                                               kernels::ReduceOp op, bool leader,
                                                transport::Clock::time_point deadline,
                                                uint64_t hash) {
   transport::OpDescriptor call;
@@ -223,6 +298,22 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel();
   call.shape_hash = hash;
+  if (leader) {
+    // The allreduce's leader form on a copy of the whole input, every
+    // tensor's in rank order (so whichever host holds a rank), of which this
+    // rank keeps its block of each.
+    std::vector<at::Tensor> flat_inputs;
+    for (const at::Tensor& t : inputs) flat_inputs.push_back(t.view({-1}));
+    const at::Tensor totals = at::cat(flat_inputs);
+    allreduce_.run_leader(totals, op, call, deadline, {}, "two-level reduce_scatter");
+    int64_t start = 0;
+    for (const at::Tensor& out : outputs) {
+      const int64_t n = out.numel();
+      out.view({-1}).copy_(totals.narrow(0, start + group_.rank() * n, n));
+      start += group_.size() * n;
+    }
+    return;
+  }
   const int hosts = group_.num_hosts();
   const int64_t local = group_.local_world_size();
   const int64_t elem_size = inputs[0].element_size();

@@ -24,6 +24,14 @@
 // a reduce-scatter's rank sums its block from every host's partial sums
 // itself, in host order.
 //
+// The leader form (plan::gather_scatter_leader_fits), where what a host
+// sends across rides whole in the exchange: an all-gather inside the host
+// puts the host's L blocks on every local rank, local rank 0 alone exchanges
+// them with the other hosts' local ranks 0, and a broadcast inside the host
+// hands out the other hosts' blocks. A reduce-scatter's leader form is the
+// allreduce's (TwoLevelAllreduce::run_leader) on a copy of the whole input,
+// of which each rank keeps its block.
+//
 // Host h's blocks are one piece of the full tensor when its ranks are
 // consecutive, as torchrun numbers them. When the group's ranks are not in
 // host-major order, the full tensor goes through a host-major copy: permuted
@@ -50,9 +58,11 @@
 #include "../kernels/cpu_reduce.h"
 #include "../plan/gather_scatter_plan.h"
 #include "../transport/gather_scatter_executor.h"
+#include "../transport/shm_executor.h"
 #include "cross_host_check.h"
 #include "group_context.h"
 #include "shared_buffers.h"
+#include "two_level_allreduce.h"
 
 namespace xdev::backend {
 
@@ -60,22 +70,27 @@ class TwoLevelGatherScatter {
  public:
   // The group must have a host channel (GroupContext::host_channel). shared:
   // says which tensors lie in this host's symmetric heap. engine: this rank's
-  // cross-host group (its ranks there are host indices).
+  // cross-host group (its ranks there are host indices). allreduce: the
+  // group's two-level allreduce, which runs the reduce-scatter's leader form
+  // (it must outlive this object).
   TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
-                        c10::intrusive_ptr<c10d::Backend> engine);
+                        c10::intrusive_ptr<c10d::Backend> engine, TwoLevelAllreduce& allreduce);
 
   // outputs[i] (P * C_i elements) = every rank's inputs[i] (C_i elements) in
-  // rank order. Any dtype: bytes move.
+  // rank order. Any dtype: bytes move. `leader`: in the leader form (the
+  // selection's two_level_leader, which checked that it fits).
   c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor> outputs,
                                             std::vector<at::Tensor> inputs, c10d::OpType type,
-                                            std::chrono::milliseconds timeout, bool async_op);
+                                            bool leader, std::chrono::milliseconds timeout,
+                                            bool async_op);
   // outputs[i] (C_i elements) = op over ranks of block `rank` of inputs[i]
   // (P * C_i elements). One native dtype for every tensor; AVG (floating
   // dtypes only, as the selection ensures) is a SUM, then a division by P.
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor> outputs,
                                                 std::vector<at::Tensor> inputs,
                                                 kernels::ReduceOp op, c10d::OpType type,
-                                                std::chrono::milliseconds timeout, bool async_op);
+                                                bool leader, std::chrono::milliseconds timeout,
+                                                bool async_op);
 
   // The list forms, one tensor per rank in each list, every entry the size of
   // this rank's (uneven lists go to the engine; the backend sends them there):
@@ -85,20 +100,26 @@ class TwoLevelGatherScatter {
   // an all-gather.
   c10::intrusive_ptr<c10d::Work> all_gather_list(std::vector<std::vector<at::Tensor>> outputs,
                                                  std::vector<at::Tensor> inputs, c10d::OpType type,
-                                                 std::chrono::milliseconds timeout, bool async_op);
+                                                 bool leader, std::chrono::milliseconds timeout,
+                                                 bool async_op);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_list(std::vector<at::Tensor> outputs,
                                                      std::vector<std::vector<at::Tensor>> inputs,
-                                                     kernels::ReduceOp op,
+                                                     kernels::ReduceOp op, bool leader,
                                                      std::chrono::milliseconds timeout,
                                                      bool async_op);
 
  private:
   // On the op thread; outputs and inputs are contiguous.
   void run_all_gather(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                      transport::Clock::time_point deadline, uint64_t hash);
+                      bool leader, transport::Clock::time_point deadline, uint64_t hash);
   void run_reduce_scatter(const std::vector<at::Tensor>& outputs,
-                          const std::vector<at::Tensor>& inputs, kernels::ReduceOp op,
+                          const std::vector<at::Tensor>& inputs, kernels::ReduceOp op, bool leader,
                           transport::Clock::time_point deadline, uint64_t hash);
+  // The all-gather's leader form; `full` is host-major, `call` the call.
+  void run_all_gather_leader(const std::vector<at::Tensor>& full,
+                             const std::vector<at::Tensor>& inputs,
+                             const transport::OpDescriptor& call,
+                             transport::Clock::time_point deadline, uint64_t hash);
   // Step inside the host: tensor t's L blocks of layout.numel(t) elements
   // start at full[t] (local rank l's at l times that), its block of this
   // rank at block[t]. `placement`: where full[0] lies in the host's heap
@@ -119,12 +140,15 @@ class TwoLevelGatherScatter {
   GroupContext& group_;
   const SharedBuffers& shared_;
   transport::GatherScatterExecutor executor_;
+  transport::ShmExecutor broadcast_executor_;  // the all-gather leader form's last step
   c10::intrusive_ptr<c10d::Backend> engine_;
+  TwoLevelAllreduce& allreduce_;
   CrossHostCheck check_;
   // Group ranks in host-major order; undefined when that is rank order.
   at::Tensor host_major_ranks_;
   std::string what_reduce_scatter_;  // how errors name the step inside the host
   std::string what_all_gather_;
+  std::string what_broadcast_;
 };
 
 }  // namespace xdev::backend

@@ -35,7 +35,8 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
           cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
                             group_.host_index(), group_.num_hosts());
       two_level_ = std::make_unique<TwoLevelAllreduce>(group_, shared_, engine);
-      two_level_gather_scatter_ = std::make_unique<TwoLevelGatherScatter>(group_, shared_, engine);
+      two_level_gather_scatter_ =
+          std::make_unique<TwoLevelGatherScatter>(group_, shared_, engine, *two_level_);
       two_level_broadcast_ = std::make_unique<TwoLevelBroadcast>(group_, engine);
     } else if (group_.requested() == plan::Algorithm::kFallback) {
       two_level_note_ = "algorithm='fallback' requested";
@@ -73,8 +74,8 @@ void XdevBackend::shutdown() {
   if (!group_.stop_queue()) return;  // already shut down
   if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
   cpu_.reset();
+  two_level_gather_scatter_.reset();  // runs the reduce-scatter's leader form on two_level_
   two_level_.reset();
-  two_level_gather_scatter_.reset();
   two_level_broadcast_.reset();  // the engine's last user: its destructor joins its threads
   gather_scatter_.reset();
   group_.close_channel();
@@ -386,8 +387,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
     return delegate(inputs)->allgather(outputs, inputs, opts);
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
-    return two_level_gather_scatter_->all_gather_list(outputs, inputs, c10d::OpType::ALLGATHER,
-                                                      opts.timeout, opts.asyncOp);
+    return two_level_gather_scatter_->all_gather_list(
+        outputs, inputs, c10d::OpType::ALLGATHER, sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather_list(outputs, inputs, opts.timeout, opts.asyncOp);
 }
@@ -400,7 +401,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
-                                                 opts.timeout, opts.asyncOp);
+                                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
                                      opts.asyncOp, sel);
@@ -444,7 +445,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather_list(
-        std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, opts.timeout, opts.asyncOp);
+        std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, sel.two_level_leader,
+        opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
 }
@@ -460,7 +462,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
-                                                 opts.timeout, opts.asyncOp);
+                                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
                                      opts.asyncOp, sel);
@@ -498,7 +500,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter_list(
-        outputs, inputs, *native_op(opts.reduceOp), opts.timeout, opts.asyncOp);
+        outputs, inputs, *native_op(opts.reduceOp), sel.two_level_leader, opts.timeout,
+        opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
                                               opts.timeout, opts.asyncOp);
@@ -512,9 +515,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     return delegate(input)->_reduce_scatter_base(output, input, opts);
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
-    return two_level_gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
-                                                     c10d::OpType::_REDUCE_SCATTER_BASE,
-                                                     opts.timeout, opts.asyncOp);
+    return two_level_gather_scatter_->reduce_scatter(
+        {output}, {input}, *native_op(opts.reduceOp), c10d::OpType::_REDUCE_SCATTER_BASE,
+        sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
                                          c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
@@ -531,9 +534,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
-    return two_level_gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
-                                                     c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                                                     opts.timeout, opts.asyncOp);
+    return two_level_gather_scatter_->reduce_scatter(
+        outputs, inputs, *native_op(opts.reduceOp), c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+        sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
