@@ -357,7 +357,7 @@ def test_leader_form_against_slices_fails_every_rank(tmp_path: Path) -> None:
             assert "timed out" not in message, (rank, message)
 
 
-def _killed_on_one_host(rank: int, world: int, victim: int) -> str:
+def _killed_on_one_host(rank: int, world: int, victim: int, numel: int) -> str:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
     )
@@ -366,14 +366,19 @@ def _killed_on_one_host(rank: int, world: int, victim: int) -> str:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError) as info:
-        dist.all_reduce(torch.ones(1 << 16))
+        dist.all_reduce(torch.ones(numel))
     assert time.monotonic() - start < TIMEOUT_S + 15
     return str(info.value)
 
 
-def test_killed_rank_fails_every_rank_of_every_host() -> None:
+@pytest.mark.parametrize("leader", [False, True], ids=["slices", "leader"])
+def test_killed_rank_fails_every_rank_of_every_host(leader: bool, tmp_path: Path) -> None:
+    # 256 KiB crosses in slices; 4 KiB, with one core per host, in the leader form, where the
+    # victim (local rank 1 of host 1) never crosses hosts itself.
+    env = _with_model(_hosts_env([2, 2]), {"net_host_cores": 1 if leader else 64}, tmp_path)
+    numel = 1024 if leader else 1 << 16
     messages = run_ranks(
-        _killed_on_one_host, 4, 3, per_rank_env=_hosts_env([2, 2]), timeout=180, expect_dead=(3,)
+        _killed_on_one_host, 4, 3, numel, per_rank_env=env, timeout=180, expect_dead=(3,)
     )
     assert all(m for m in messages[:3]), messages
     # Its host's other rank sees it exit in the host's shared-memory barrier.
