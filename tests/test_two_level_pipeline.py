@@ -154,7 +154,9 @@ def test_killed_rank_mid_pipeline_fails_every_rank_of_every_host(tmp_path: Path)
     # Slow streams, so the 256 KiB allreduce after the kill runs two levels in 4 pieces.
     model = _network_model(tmp_path, net_stream_gbps=0.01)
     env = [{**e, "XDEV_CPU_MODEL": model, "XDEV_TWO_LEVEL_PIECES": "4"} for e in _hosts_env([2, 2])]
-    messages = run_ranks(_killed_on_one_host, 4, 3, per_rank_env=env, timeout=180, expect_dead=(3,))
+    messages = run_ranks(
+        _killed_on_one_host, 4, 3, 1 << 16, per_rank_env=env, timeout=180, expect_dead=(3,)
+    )
     assert all(m for m in messages[:3]), messages
     # Its host's other rank sees it exit in the first piece's reduce-scatter inside the host.
     assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
