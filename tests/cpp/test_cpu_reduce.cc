@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -350,6 +351,64 @@ TEST(cpu_reduce_avg_of_integers_truncates_toward_zero) {
   int8_t out8[1];
   xdev::kernels::reduce(DType::kInt8, ReduceOp::kAvg, out8, src8, 2, 1, 2);
   CHECK_EQ(static_cast<int>(out8[0]), -28);
+}
+
+TEST(cpu_reduce_avg_of_int32_extremes_is_the_integer_division) {
+  // The quotients nearest an integer from below and above, at the ends of int32, for many
+  // divisors: AVG must give the integer division's result (truncated toward zero) for each.
+  std::vector<int32_t> values;
+  for (int64_t k = 0; k < 64; ++k) {
+    values.push_back(static_cast<int32_t>(INT32_MAX - k));
+    values.push_back(static_cast<int32_t>(INT32_MIN + k));
+    values.push_back(static_cast<int32_t>(k - 32));
+  }
+  const std::vector<int32_t> zeros(values.size(), 0);
+  std::vector<int32_t> out(values.size());
+  const void* src[] = {values.data(), zeros.data()};
+  const int64_t divisors[] = {1, 2, 3, 7, 8, 63, 64, 1000, 65537, int64_t{1} << 30};
+  for (const int64_t divisor : divisors) {
+    xdev::kernels::reduce(DType::kInt32, ReduceOp::kAvg, out.data(), src, 2,
+                          static_cast<int64_t>(values.size()), divisor);
+    for (size_t i = 0; i < values.size(); ++i) {
+      CHECK_EQ(static_cast<int64_t>(out[i]), static_cast<int64_t>(values[i]) / divisor);
+    }
+  }
+}
+
+// MIN and MAX fold `b < a ? b : a` and `a < b ? b : a` left to right, whatever the vector
+// instructions: with a NaN, or zeros of both signs, which of the two comes out depends on the
+// order, and every lane must give what the scalar fold gives.
+template <typename T>
+void check_selects_match_the_scalar_fold(DType dtype) {
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  const T specials[] = {nan, T(-0.0), T(0.0), T(1.5), T(-2.0), -nan};
+  constexpr int kSpecials = 6;
+  // Every ordered triple of specials, one per element (216 elements: vector lanes and a tail).
+  std::vector<T> a, b, c;
+  for (int i = 0; i < kSpecials; ++i)
+    for (int j = 0; j < kSpecials; ++j)
+      for (int k = 0; k < kSpecials; ++k) {
+        a.push_back(specials[i]);
+        b.push_back(specials[j]);
+        c.push_back(specials[k]);
+      }
+  const void* src[] = {a.data(), b.data(), c.data()};
+  std::vector<T> out(a.size());
+  for (const ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax}) {
+    xdev::kernels::reduce(dtype, op, out.data(), src, 3, static_cast<int64_t>(a.size()), 0);
+    for (size_t e = 0; e < a.size(); ++e) {
+      T v = a[e];
+      for (const T x : {b[e], c[e]}) {
+        v = op == ReduceOp::kMin ? (x < v ? x : v) : (v < x ? x : v);
+      }
+      CHECK(std::memcmp(&out[e], &v, sizeof(T)) == 0);
+    }
+  }
+}
+
+TEST(cpu_reduce_min_max_keep_nan_and_zero_signs_as_the_scalar_fold) {
+  check_selects_match_the_scalar_fold<float>(DType::kFloat32);
+  check_selects_match_the_scalar_fold<double>(DType::kFloat64);
 }
 
 TEST(cpu_reduce_rounds_16bit_floats_once) {
