@@ -21,8 +21,10 @@
 // Ranks of one host that disagree among themselves are caught by the host's
 // own check. A collective whose first step is inside the host then sends its
 // exchange as a refusal (refuse()), so that the other hosts' ranks fail too
-// rather than wait for it. Either way every rank stops at the same step with
-// an error and the group stays usable.
+// rather than wait for it. In a leader form, where only local rank 0
+// exchanges, every other rank that a mismatch stops sends a refusal as well,
+// so each rank crosses once whichever form each host ran. Either way every
+// rank stops at the same step with an error and the group stays usable.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
