@@ -43,9 +43,12 @@ def _input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor
 
 
 def _reduce_reference(full: list[torch.Tensor], op: dist.ReduceOp, world: int) -> torch.Tensor:
-    """Every rank's full input summed exactly in int64, then as the dtype (AVG: divided there)."""
+    """Every rank's full input summed exactly in int64, then as the dtype (AVG: divided there,
+    integers truncated toward zero)."""
     total = torch.stack([t.to(torch.int64) for t in full]).sum(0).to(full[0].dtype)
-    return total / world if op == dist.ReduceOp.AVG else total
+    if op != dist.ReduceOp.AVG:
+        return total
+    return total / world if total.is_floating_point() else total.div(world, rounding_mode="trunc")
 
 
 def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
@@ -65,8 +68,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
             gathers.append(out.to(torch.float64))
             paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
             leader_forms.add("leader form" in torch_xdev.describe(group)["last_gather_scatter"][2])
-            ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
-            for op in ops:
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 # reduce_scatter_tensor: block `rank` of every rank's full input, reduced.
                 full = [_input(seed + 1, r, world * block, dtype) for r in range(world)]
                 got = torch.full((block,), 7, dtype=dtype)
@@ -126,7 +128,7 @@ def _list_forms(
             assert torch.equal(outs[r], blocks[r]), (dtype, r)
         gathers.append(torch.cat([o.flatten() for o in outs]).to(torch.float64))
         paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
-        ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
+        ops = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
         for op in ops:
             # Rank r's list: one piece of 1531 elements per rank (many 4 KiB slots).
             pieces = [

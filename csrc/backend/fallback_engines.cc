@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "tensor_helpers.h"
+
 namespace xdev::backend {
 
 FallbackEngines::FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo,
@@ -72,13 +74,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   std::vector<at::Tensor> outs = tensors;
   auto wait_and_divide = [inner, outs, world]() {
     inner->wait();
-    for (const at::Tensor& t : outs) {
-      if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
-        t.div_(world, "trunc");
-      } else {
-        t.div_(world);
-      }
-    }
+    for (const at::Tensor& t : outs) divide_for_avg(t, world);
   };
   const bool cuda =
       std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });

@@ -78,6 +78,14 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
   }
 }
 
+void divide_for_avg(const at::Tensor& t, int64_t divisor) {
+  if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+    t.div_(divisor, "trunc");
+  } else {
+    t.div_(divisor);
+  }
+}
+
 void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors) {
   int64_t start = 0;
   for (const at::Tensor& t : tensors) {

@@ -29,6 +29,10 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
+// AVG after a SUM by an engine that has none: t /= divisor in place, as the
+// native kernels divide (integers truncated toward zero).
+void divide_for_avg(const at::Tensor& t, int64_t divisor);
+
 // Copies consecutive pieces of the 1-D `packed` into `tensors`, each its own numel, in order:
 // the inverse of concatenating the tensors' flattened forms.
 void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors);

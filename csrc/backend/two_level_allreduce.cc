@@ -174,7 +174,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     if (p.engine_work) {
       wait_for_engine(p.engine_work, engine_timeout(deadline),
                       "two-level allreduce: the engine's allreduce across hosts");
-      if (op == kernels::ReduceOp::kAvg) p.slice.div_(group_.size());
+      if (op == kernels::ReduceOp::kAvg) divide_for_avg(p.slice, group_.size());
     }
     run_in_host(plan::GatherScatterKind::kAllGather, p.flat, p.slice, kernels::ReduceOp::kSum, call,
                 deadline, p.placement, kAllreduceName);

@@ -69,7 +69,7 @@ class TwoLevelAllreduce {
 
   // Tensors of one native dtype; op as the native kernels run it (AVG: SUM
   // everywhere, then a division by the world size of the slice before the
-  // all-gather, for floating dtypes only, as the selection ensures). The
+  // all-gather, integers truncated as the kernels do: divide_for_avg). The
   // payload is pipelined in `pieces` pieces (plan::schedule_two_level), at
   // most one per element of a local rank's slice, or, with `leader`, runs in
   // the leader form (a payload that fits plan::leader_form_fits).

@@ -371,7 +371,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     wait_for_engine(engine_->_reduce_scatter_base(out, in, opts), opts.timeout,
                     "two-level reduce_scatter: the engine's reduce-scatter across hosts");
   }
-  if (op == kernels::ReduceOp::kAvg && !carried) mine.div_(group_.size());
+  if (op == kernels::ReduceOp::kAvg && !carried) divide_for_avg(mine, group_.size());
   if (outputs.size() > 1) unpack_into(mine, outputs);
 }
 

@@ -84,8 +84,8 @@ class TwoLevelGatherScatter {
                                             bool leader, std::chrono::milliseconds timeout,
                                             bool async_op);
   // outputs[i] (C_i elements) = op over ranks of block `rank` of inputs[i]
-  // (P * C_i elements). One native dtype for every tensor; AVG (floating
-  // dtypes only, as the selection ensures) is a SUM, then a division by P.
+  // (P * C_i elements). One native dtype for every tensor; AVG is a SUM,
+  // then a division by P (integers truncated, as the kernels do).
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor> outputs,
                                                 std::vector<at::Tensor> inputs,
                                                 kernels::ReduceOp op, c10d::OpType type,

@@ -191,17 +191,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     in.in_symmetric_heap = shared.heap != nullptr;
   }
   if (in.two_level_available) {
-    // One flat payload, cut into the same slices on every host; the engine
-    // has no AVG, which is a division after its SUM, so for floating dtypes only.
+    // One flat payload of one dtype, cut into the same slices on every host.
     for (const at::Tensor& t : tensors) {
       if (t.scalar_type() != tensors[0].scalar_type()) {
         in.two_level_available = false;
         in.two_level_note = "tensors of several dtypes";
       }
-    }
-    if (in.op_is_avg && !at::isFloatingType(tensors[0].scalar_type())) {
-      in.two_level_available = false;
-      in.two_level_note = "AVG of integers";
     }
   }
   const plan::Selection sel = plan::select_allreduce(in);
@@ -270,15 +265,11 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   if (two_level_gather_scatter_ != nullptr) {
     in.two_level_available = true;
     in.two_level_note.clear();
-    // The engine has no AVG: a division after its SUM, for floating dtypes only.
+    // A reduce-scatter reduces one dtype (the engine has no AVG: a division after its SUM).
     for (const at::Tensor& t : full_tensors) {
       if (op != nullptr && t.scalar_type() != full_tensors[0].scalar_type()) {
         in.two_level_available = false;
         in.two_level_note = "tensors of several dtypes";
-      }
-      if (op != nullptr && op->op_ == c10d::ReduceOp::AVG && !at::isFloatingType(t.scalar_type())) {
-        in.two_level_available = false;
-        in.two_level_note = "AVG of integers";
       }
     }
     in.ranks_per_host = group_.local_world_size();
