@@ -267,6 +267,7 @@ void TwoLevelGatherScatter::run_all_gather_leader(const std::vector<at::Tensor>&
         const char* payload = CrossHostCheck::payload_of(messages, h);
         for (size_t i = 0; i < inputs.size(); ++i) {
           const at::Tensor dst = region(i, h);
+          if (dst.numel() == 0) continue;  // an empty tensor may have no data pointer
           std::memcpy(dst.data_ptr(), payload, static_cast<size_t>(dst.numel()));
           payload += dst.numel();
         }
