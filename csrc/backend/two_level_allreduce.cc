@@ -46,6 +46,12 @@ std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline) 
   return std::max(left, std::chrono::milliseconds(1));
 }
 
+std::string host_and_its_ranks(const GroupContext& group) {
+  std::string ranks;
+  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return "host '" + group.config().hostname + "', whose local ranks are group ranks " + ranks;
+}
+
 void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
                      const char* what) {
   if (!work->wait(timeout)) TORCH_CHECK(false, "xdev ", what, " failed");
@@ -84,11 +90,7 @@ TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& s
       broadcast_executor_(*group.host_channel()),
       engine_(engine),
       check_(group, std::move(engine)) {
-  // Errors of the host's channel number its ranks locally: say which group ranks they are.
-  std::string ranks;
-  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  where_ = " in host '" + group.config().hostname + "', whose local ranks are group ranks " +
-           ranks + ")";
+  where_ = " in " + host_and_its_ranks(group) + ")";
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tensor> tensors,

@@ -43,6 +43,10 @@ namespace xdev::backend {
 c10d::ReduceOp two_level_engine_op(kernels::ReduceOp op);
 // The time an engine's call may take: what is left until `deadline`, at least 1 ms.
 std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
+// "host 'NAME', whose local ranks are group ranks 0, 1": errors of the host's
+// channel number its ranks locally, so the two-level collectives say which
+// group ranks they are.
+std::string host_and_its_ranks(const GroupContext& group);
 // Waits for an engine's call; throws naming `what` when it fails or times out.
 void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
                      const char* what);

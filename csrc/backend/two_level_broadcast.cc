@@ -17,10 +17,7 @@ TwoLevelBroadcast::TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10
       executor_(*group.host_channel()),
       engine_(engine),
       check_(group, std::move(engine)) {
-  std::string ranks;
-  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  what_ = "two-level broadcast (inside host '" + group.config().hostname +
-          "', whose local ranks are group ranks " + ranks + ")";
+  what_ = "two-level broadcast (inside " + host_and_its_ranks(group) + ")";
 }
 
 c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tensor> tensors,

@@ -56,11 +56,7 @@ TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group, const SharedBu
   for (size_t k = 0; k < order.size(); ++k)
     rank_order = rank_order && order[k] == static_cast<int64_t>(k);
   if (!rank_order) host_major_ranks_ = at::tensor(order, at::kLong);
-  // Errors of the host's channel number its ranks locally: say which group ranks they are.
-  std::string ranks;
-  for (int r : group.host_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  const std::string where = " in host '" + group.config().hostname +
-                            "', whose local ranks are group ranks " + ranks + ")";
+  const std::string where = " in " + host_and_its_ranks(group) + ")";
   what_reduce_scatter_ = "two-level reduce_scatter (reduce-scatter" + where;
   what_all_gather_ = "two-level all_gather (all-gather" + where;
   what_broadcast_ = "two-level all_gather (broadcast from local rank 0" + where;
