@@ -9,6 +9,23 @@
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
+namespace {
+
+// c10d's OpType gained REDUCE_SCATTER_TENSOR_COALESCED after torch 2.11; older
+// releases label the coalesced reduce-scatter REDUCE_SCATTER.
+template <typename OpType>
+constexpr auto coalesced_reduce_scatter(int) -> decltype(OpType::REDUCE_SCATTER_TENSOR_COALESCED) {
+  return OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+}
+template <typename OpType>
+constexpr OpType coalesced_reduce_scatter(long) {
+  return OpType::REDUCE_SCATTER;
+}
+constexpr c10d::OpType reduce_scatter_coalesced_op_type() {
+  return coalesced_reduce_scatter<c10d::OpType>(0);
+}
+
+}  // namespace
 
 #ifndef XDEV_WITH_CUDA
 std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext&) {
@@ -526,12 +543,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
-        outputs, inputs, *native_op(opts.reduceOp), c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+        outputs, inputs, *native_op(opts.reduceOp), reduce_scatter_coalesced_op_type(),
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
-                                         c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                                         opts.timeout, opts.asyncOp, sel);
+                                         reduce_scatter_coalesced_op_type(), opts.timeout,
+                                         opts.asyncOp, sel);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
