@@ -32,6 +32,7 @@ struct CudaGroupInfo {
   plan::TopologyClass topology = plan::TopologyClass::kNone;
   std::string topology_source;   // "nvml", "XDEV_TOPO_FILE", or why there are no NVLinks
   bool ranks_share_gpu = false;  // NCCL refuses this: CUDA fallback is Gloo then
+  int ranks_on_this_gpu = 1;     // the group's ranks on this rank's GPU, itself included
   int compute_capability = 0;    // the lowest of the ranks' GPUs, major x 10 + minor
   // The machine auto weighs xdev's plans and NCCL's algorithms on: set where
   // every rank of the one host has a GPU of its own (ranks sharing a GPU

@@ -155,16 +155,21 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
 
 }  // namespace
 
-CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout)
+CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
+                           int ranks_on_this_gpu)
     : channel_(channel) {
   timeout_ns_ = static_cast<uint64_t>(std::max<int64_t>(1, peer_timeout.count())) * 1000000ull;
   CudaDeviceGuard guard(channel.device());
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),
              "cudaDeviceGetAttribute");
-  // At most half the SMs: the barrier needs every block resident at once, and
-  // another kernel running beside ours must not keep some of them waiting.
-  num_blocks_ = std::max(1, std::min(sms / 2, kMaxBlocks));
+  // All of this GPU's ranks together take at most half its SMs. The barrier
+  // needs every block of every rank resident at once: ranks sharing the GPU
+  // under MPS run their kernels side by side, and 4 ranks of 64 blocks on 132
+  // SMs left one rank's blocks waiting for SMs its peers held while they
+  // waited for it, until the timeout. The other half is for a kernel running
+  // beside ours, which must not keep some of our blocks waiting either.
+  num_blocks_ = std::max(1, std::min(sms / 2 / std::max(1, ranks_on_this_gpu), kMaxBlocks));
   try {
     check_cuda(cudaMalloc(&grid_sync_, sizeof(GridSync)), "cudaMalloc");
     check_cuda(cudaMemset(grid_sync_, 0, sizeof(GridSync)), "cudaMemset");

@@ -279,6 +279,12 @@ class CudaCollectivesImpl : public CudaCollectives {
         }
       }
     }
+    info.ranks_on_this_gpu = 0;
+    for (int r = 0; r < size; ++r) {
+      if (hosts[r] == config.hostname && lower(info.gpus[r]) == lower(info.gpus[rank])) {
+        ++info.ranks_on_this_gpu;
+      }
+    }
 
     // Links: an injected file, else NVML as rank 0 sees it (one answer for all).
     plan::LinkMatrix class_reach = info.reachable;
@@ -339,7 +345,8 @@ class CudaCollectivesImpl : public CudaCollectives {
           g_.rank(), g_.size(), device, static_cast<size_t>(g_.config().cuda_slot_bytes),
           key + "ipc/", [&store](const std::string& k, const std::string& v) { store.set(k, v); },
           [&store](const std::string& k) { return store.get_to_str(k); });
-      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, g_.config().timeout);
+      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, g_.config().timeout,
+                                                            info->ranks_on_this_gpu);
     } catch (const std::exception& e) {
       why = e.what();
       executor_.reset();
