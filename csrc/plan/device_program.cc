@@ -131,4 +131,9 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
   return p;
 }
 
+int device_blocks_per_rank(int multiprocessors, int ranks_on_gpu, int max_blocks) {
+  const int share = multiprocessors / 2 / std::max(1, ranks_on_gpu);
+  return std::max(1, std::min(share, max_blocks));
+}
+
 }  // namespace xdev::plan

@@ -43,6 +43,16 @@ struct DeviceProgram {
   std::vector<int32_t> phase_begin;  // ops of phase p: [phase_begin[p], phase_begin[p + 1])
 };
 
+// Thread blocks of one rank's window kernel. The GPU barrier needs every block
+// of every rank sharing the GPU resident at once (under MPS, ranks that share
+// a GPU run their kernels side by side), and another kernel beside ours must
+// not keep some of our blocks waiting either: so all of one GPU's ranks
+// together take at most half its multiprocessors, one block each, and at
+// least one block per rank. 4 ranks of 64 blocks on an H100's 132 SMs hung
+// until the timeout: one rank's last blocks waited for SMs its peers held
+// while those waited for it in the barrier.
+int device_blocks_per_rank(int multiprocessors, int ranks_on_gpu, int max_blocks);
+
 // The ops `rank` runs in window w of a single-tensor payload (payload offset ==
 // tensor element offset). Copies of a slot range onto itself are dropped.
 // Throws std::invalid_argument when the window does not fit the limits above

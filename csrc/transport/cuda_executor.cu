@@ -11,8 +11,7 @@ namespace xdev::transport {
 namespace {
 
 constexpr int kThreads = 512;
-// Half an H100: the GPU barrier needs every block resident, and two groups'
-// kernels (or a user's kernels) must fit beside each other.
+// Half an H100 for one rank per GPU (plan::device_blocks_per_rank).
 constexpr int kMaxBlocks = 64;
 
 // This rank's own counters for the grid-wide part of the barrier; never
@@ -163,13 +162,7 @@ CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds pe
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),
              "cudaDeviceGetAttribute");
-  // All of this GPU's ranks together take at most half its SMs. The barrier
-  // needs every block of every rank resident at once: ranks sharing the GPU
-  // under MPS run their kernels side by side, and 4 ranks of 64 blocks on 132
-  // SMs left one rank's blocks waiting for SMs its peers held while they
-  // waited for it, until the timeout. The other half is for a kernel running
-  // beside ours, which must not keep some of our blocks waiting either.
-  num_blocks_ = std::max(1, std::min(sms / 2 / std::max(1, ranks_on_this_gpu), kMaxBlocks));
+  num_blocks_ = plan::device_blocks_per_rank(sms, ranks_on_this_gpu, kMaxBlocks);
   try {
     check_cuda(cudaMalloc(&grid_sync_, sizeof(GridSync)), "cudaMalloc");
     check_cuda(cudaMemset(grid_sync_, 0, sizeof(GridSync)), "cudaMemset");

@@ -48,7 +48,7 @@ class CudaExecutor {
   // peer_timeout bounds every wait of a kernel for a peer; a kernel that gives
   // up records it (device_error) and exits. ranks_on_this_gpu counts the
   // group's ranks whose kernels run on this rank's GPU (itself included): they
-  // split its SMs, since under MPS their kernels are resident at once.
+  // split its SMs (plan::device_blocks_per_rank).
   CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
                int ranks_on_this_gpu);
   ~CudaExecutor();  // never throws

@@ -139,3 +139,21 @@ TEST(device_program_rejects_cpu_only_forwarded_schedules) {
   }
   CHECK_THROWS(compile_device_program(w, 0), std::invalid_argument, "CPU executor only");
 }
+
+TEST(device_blocks_leave_every_rank_sharing_a_gpu_resident_at_once) {
+  // One rank per H100 (132 SMs): half of them, capped.
+  CHECK_EQ(device_blocks_per_rank(132, 1, 64), 64);
+  CHECK_EQ(device_blocks_per_rank(100, 1, 64), 50);
+  // Ranks sharing it split that half: 4 x 64 blocks on 132 SMs hung under MPS.
+  for (int ranks = 1; ranks <= kMaxDeviceRanks; ++ranks) {
+    const int blocks = device_blocks_per_rank(132, ranks, 64);
+    CHECK(blocks >= 1);
+    CHECK(blocks * ranks <= 132 / 2 || blocks == 1);
+  }
+  CHECK_EQ(device_blocks_per_rank(132, 4, 64), 16);
+  CHECK_EQ(device_blocks_per_rank(132, 8, 64), 8);
+  // A GPU too small to halve, or more ranks than SMs: one block each.
+  CHECK_EQ(device_blocks_per_rank(1, 1, 64), 1);
+  CHECK_EQ(device_blocks_per_rank(8, 16, 64), 1);
+  CHECK_EQ(device_blocks_per_rank(132, 0, 64), 64);
+}
