@@ -266,6 +266,42 @@ def test_all_gather_coalesced_lists(world: int) -> None:
     run_ranks(_coalesced_lists, world)
 
 
+def _fallback_integer_avg(rank: int, world: int) -> None:
+    # Gloo averages in floating point and cannot write the quotient into integers; xdev's
+    # engine path sums there, then truncates as its native kernels do.
+    options = torch_xdev.Options(algorithm="fallback")
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    avg = dist.ReduceOp.AVG
+    for dtype in (torch.int32, torch.int64, torch.uint8, torch.float32):
+        n = 37
+        inputs = [make_input(80, r, world * n, dtype, avg) for r in range(world)]
+        mine = slice(rank * n, (rank + 1) * n)
+        expected = reference(inputs, avg)[mine]
+        what = f"fallback reduce_scatter AVG {dtype}"
+        out = torch.full((n,), 9, dtype=dtype)
+        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=avg)
+        check_close(out, expected, avg, world, f"{what} (tensor)")
+        listed = torch.full((n,), 9, dtype=dtype)
+        dist.reduce_scatter(listed, list(inputs[rank].clone().chunk(world)), op=avg)
+        check_close(listed, expected, avg, world, f"{what} (list)")
+        coalesced = [torch.full((n,), 9, dtype=dtype), torch.full((1,), 9, dtype=dtype)]
+        second = [make_input(81, r, world, dtype, avg) for r in range(world)]
+        with _coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(coalesced[0], inputs[rank].clone(), op=avg)
+            dist.reduce_scatter_tensor(coalesced[1], second[rank].clone(), op=avg)
+        cm.wait()
+        check_close(coalesced[0], expected, avg, world, f"{what} (coalesced)")
+        check_close(
+            coalesced[1], reference(second, avg)[rank : rank + 1], avg, world, f"{what} (#2)"
+        )
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fallback_reduce_scatter_averages_integers(world: int) -> None:
+    run_ranks(_fallback_integer_avg, world)
+
+
 def _dead_peer(rank: int, world: int) -> None:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)

@@ -69,26 +69,45 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   if (!avg_as_sum_then_divide) return call(opts);
   c10d::AllreduceOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  auto inner = call(sum);
+  return divide_after(group, call(sum), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
+    GroupContext& group, const std::vector<at::Tensor>& outputs,
+    const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
+  c10d::Backend* engine = for_tensors(outputs);
+  const bool integer_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG && !has_native_avg(*engine) &&
+                           std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
+                             return at::isIntegralType(t.scalar_type(), /*includeBool=*/true);
+                           });
+  if (!integer_avg) return call(*engine, opts);
+  c10d::ReduceScatterOptions sum = opts;
+  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return divide_after(group, call(*engine, sum), outputs, type, "xdev:reduce_scatter");
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group,
+                                                             c10::intrusive_ptr<c10d::Work> sum,
+                                                             const std::vector<at::Tensor>& outputs,
+                                                             c10d::OpType type,
+                                                             const char* profiling_name) {
   const int world = group.size();
-  std::vector<at::Tensor> outs = tensors;
-  auto wait_and_divide = [inner, outs, world]() {
-    inner->wait();
-    for (const at::Tensor& t : outs) divide_for_avg(t, world);
+  auto wait_and_divide = [sum, outputs, world]() {
+    sum->wait();
+    for (const at::Tensor& t : outputs) divide_for_avg(t, world);
   };
   const bool cuda =
-      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
+      std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_cuda(); });
   if (cuda) {
     // On CUDA tensors, wait() orders the caller's current stream after the
     // SUM, so dividing right here on that stream is ordered too. Synchronous,
     // but rare (ranks sharing a GPU without a native path).
     wait_and_divide();
-    return inner;
+    return sum;
   }
   // On the worker thread, so the returned Work completes only once the
   // division is done.
-  return group.enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", outs, wait_and_divide,
-                       /*async_op=*/true);
+  return group.enqueue(type, profiling_name, outputs, wait_and_divide, /*async_op=*/true);
 }
 
 void FallbackEngines::shutdown() {

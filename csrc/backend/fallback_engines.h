@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,10 +46,28 @@ class FallbackEngines {
                                            const c10d::AllreduceOptions& opts, bool coalesced,
                                            bool avg_as_sum_then_divide);
 
+  // A reduce-scatter through the engine for `outputs`, which `call` runs with
+  // the options it is given. Gloo averages in floating point and cannot write
+  // the quotient into integer outputs, so an integer AVG there runs as SUM,
+  // then a truncating divide (the native path's result), like the allreduce.
+  using ReduceScatterCall = std::function<c10::intrusive_ptr<c10d::Work>(
+      c10d::Backend&, const c10d::ReduceScatterOptions&)>;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(GroupContext& group,
+                                                const std::vector<at::Tensor>& outputs,
+                                                const c10d::ReduceScatterOptions& opts,
+                                                c10d::OpType type, const ReduceScatterCall& call);
+
   // Shuts the engines down and drops them (without the GIL: their destructors join threads).
   void shutdown();
 
  private:
+  // Completes `sum` (an engine's SUM into outputs), then divides outputs by
+  // the group's size; the returned Work covers the division.
+  c10::intrusive_ptr<c10d::Work> divide_after(GroupContext& group,
+                                              c10::intrusive_ptr<c10d::Work> sum,
+                                              const std::vector<at::Tensor>& outputs,
+                                              c10d::OpType type, const char* profiling_name);
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   CudaCollectives* cuda_;

@@ -504,7 +504,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   const auto sel = select_gather_scatter("reduce_scatter", all, full, &opts.reduceOp,
                                          list_refusal(uneven, inputs.size()));
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(outputs)->reduce_scatter(outputs, inputs, opts);
+    return fallbacks_.reduce_scatter(
+        group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine.reduce_scatter(outputs, inputs, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter_list(
@@ -520,7 +524,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(input)->_reduce_scatter_base(output, input, opts);
+    return fallbacks_.reduce_scatter(
+        group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine._reduce_scatter_base(output, input, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
@@ -539,7 +547,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(inputs)->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    return fallbacks_.reduce_scatter(
+        group_, outputs, opts, reduce_scatter_coalesced_op_type(),
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine.reduce_scatter_tensor_coalesced(outputs, inputs, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
