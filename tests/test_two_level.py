@@ -380,3 +380,41 @@ def test_killed_rank_fails_every_rank_of_every_host(leader: bool, tmp_path: Path
     assert all(m for m in messages[:3]), messages
     # Its host's other rank sees it exit in the host's shared-memory barrier.
     assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
+
+
+def _broadcasts(rank: int, world: int, sizes: tuple[int, ...]) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    for numel in sizes:
+        want = torch.arange(numel, dtype=torch.float32) * 3 + 1
+        got = want.clone() if rank == 1 else torch.zeros(numel)
+        dist.broadcast(got, src=1)
+        assert torch.equal(got, want), numel
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "network,sizes,path",
+    [
+        # The engine's tree crosses a slow network in log2(4) steps, two levels once; 200,000
+        # floats do not ride in the check, so the engine's broadcast among the hosts follows.
+        ({"net_latency_us": 5000.0, "net_stream_gbps": 0.1}, (1, 5000, 200_000), "two_level"),
+        # Sockets with next to no latency: the tree's two steps cost less than the check and
+        # the step inside each host (larger payloads cross this host's memory four times
+        # through sockets, so there two levels win again).
+        ({"net_latency_us": 1.0, "net_stream_gbps": 1000.0}, (1, 5000), "fallback"),
+    ],
+    ids=["slow-network", "fast-network"],
+)
+def test_broadcast_across_hosts_follows_the_model(
+    network: dict[str, float],
+    sizes: tuple[int, ...],
+    path: str,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    env = [{**e, "XDEV_DEBUG": "INFO"} for e in _with_model(_hosts_env([2, 2]), network, tmp_path)]
+    run_ranks(_broadcasts, 4, sizes, per_rank_env=env)
+    err = capfd.readouterr().err
+    choices = [line for line in err.splitlines() if "broadcast on CPU tensors ->" in line]
+    assert len(choices) == 4 * len(sizes), err  # each rank logs each size class once
+    assert all(f"-> {path} (" in line for line in choices), choices

@@ -333,9 +333,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
   ++collectives_called_;
-  // Across hosts evenly, two levels whenever they can run: they send what the
-  // engine's broadcast sends across hosts at most, and nothing through sockets
-  // inside a host.
   bool native = (cpu_ != nullptr || two_level_broadcast_ != nullptr) && opts.rootTensor == 0;
   for (const at::Tensor& t : tensors) {
     native = native && t.device().is_cpu() && t.layout() == at::kStrided;
@@ -343,7 +340,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   if (!native) return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
-  if (two_level_broadcast_ != nullptr) {
+  if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
+    const plan::AcrossHostsChoice c =
+        plan::choose_broadcast_across_hosts({group_.num_hosts(), group_.local_world_size()},
+                                            plan::model_bucket_bytes(payload_bytes(tensors)),
+                                            two_level_->network(), two_level_->host_model());
+    const char* path = c.two_level ? "two_level" : "fallback";
+    group_.log_once("broadcast:" + c.reason,
+                    std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
+    if (!c.two_level) return fallbacks_.cpu()->broadcast(tensors, opts);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }

@@ -67,6 +67,13 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// Steps of a binomial tree over n ranks.
+int tree_steps(int n) {
+  int steps = 0;
+  while ((int64_t{1} << steps) < n) ++steps;
+  return steps;
+}
+
 }  // namespace
 
 Traffic flat_ring_traffic(const HostLayout& hosts, int64_t bytes) {
@@ -337,6 +344,57 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
                 "inside them) predicted %.1f us%s, the engine's ring over all ranks %.1f us",
                 hosts.num_hosts, hosts.ranks_per_host, to_string(kind), two * 1e6,
                 leader ? " (leader form: one rank per host crosses)" : "", ring * 1e6);
+  c.reason = buf;
+  return c;
+}
+
+double predict_flat_broadcast_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {
+  check(hosts);
+  const double size = static_cast<double>(bytes);
+  const int across = hosts.num_hosts > 1 ? tree_steps(hosts.num_hosts) : 0;
+  const int inside = std::max(0, tree_steps(hosts.world_size()) - across);
+  double t = 0;
+  for (int k = 0; k < inside; ++k) {
+    // 2^k of the root host's ranks send to the others of that host.
+    const int streams = std::min(1 << k, hosts.ranks_per_host);
+    t += message_latency(net, streams) + size / stream_rate(net, streams, 0);
+  }
+  // Every rank of a holding host sends to its counterpart on another host.
+  const int streams = std::min(1 << inside, hosts.ranks_per_host);
+  t += across * (message_latency(net, streams) + size / stream_rate(net, streams, streams));
+  return t;
+}
+
+double predict_two_level_broadcast_s(const HostLayout& hosts, int64_t bytes,
+                                     const NetworkParams& net, const MachineModel& host) {
+  check(hosts);
+  check_host_model(hosts, host);
+  const double inside = hosts.ranks_per_host > 1
+                            ? predict_gather_scatter(host, GatherScatterKind::kAllGather,
+                                                     GatherScatterCandidate{}, bytes, 1)
+                                  .seconds
+                            : 0.0;
+  const double across =
+      carried_across_hosts(bytes)
+          ? 0.0
+          : tree_steps(hosts.num_hosts) *
+                (message_latency(net, 1) + static_cast<double>(bytes) / stream_rate(net, 1, 1));
+  return cross_host_check_s(hosts, net, 1) + across + inside;
+}
+
+AcrossHostsChoice choose_broadcast_across_hosts(const HostLayout& hosts, int64_t bytes,
+                                                const NetworkParams& net,
+                                                const MachineModel& host) {
+  const double tree = predict_flat_broadcast_s(hosts, bytes, net);
+  const double two = predict_two_level_broadcast_s(hosts, bytes, net, host);
+  AcrossHostsChoice c;
+  c.two_level = two < tree;
+  c.predicted_s = std::min(two, tree);
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "%d hosts x %d ranks: two-level broadcast (one rank per host crosses, shared "
+                "memory inside hosts) predicted %.1f us, the engine's tree over all ranks %.1f us",
+                hosts.num_hosts, hosts.ranks_per_host, two * 1e6, tree * 1e6);
   c.reason = buf;
   return c;
 }

@@ -226,4 +226,27 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
                                                      int64_t elem_bytes, const NetworkParams& net,
                                                      const MachineModel& host);
 
+// ---- Broadcast across hosts ----
+//
+// The engine's broadcast is Gloo's binomial tree over all P ranks: ceil(log2
+// P) steps, each a whole message from every rank that holds the data to one
+// that does not, nearest ranks first. With ranks numbered host by host, the
+// first steps stay inside the root's host (through sockets) and the last
+// ceil(log2 H) cross hosts, every rank of a host that holds the data sending
+// at once.
+//
+// The two-level broadcast: the ranks of the root's local index, one per host,
+// exchange the call (the payload riding along when it fits), else the engine
+// broadcasts among them (a tree of H ranks, one stream per host); then each
+// host broadcasts over shared memory (costed as an all-gather of the payload,
+// as the leader forms' last step is). It never sends more across hosts than
+// the engine, but pays the exchange's fixed-size message and a step inside
+// the host: with few ranks per host and a fast network the engine can win.
+double predict_flat_broadcast_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
+double predict_two_level_broadcast_s(const HostLayout& hosts, int64_t bytes,
+                                     const NetworkParams& net, const MachineModel& host);
+// The faster of the two for `bytes`, with both predictions in the reason.
+AcrossHostsChoice choose_broadcast_across_hosts(const HostLayout& hosts, int64_t bytes,
+                                                const NetworkParams& net, const MachineModel& host);
+
 }  // namespace xdev::plan
