@@ -14,7 +14,8 @@
 //     shared memory inside each host and an engine across;
 //   - FallbackEngines: Gloo, and NCCL for CUDA tensors, for everything else.
 // What they share (rank, store, options, the channel, the op queue) is the
-// GroupContext.
+// GroupContext. The all-gather and reduce-scatter entry points, and the
+// collectives always delegated, are in xdev_backend_gather_scatter.cc.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -1,0 +1,321 @@
+// XdevBackend's all-gather and reduce-scatter entry points (every c10d form:
+// native on one host, in two levels across hosts, else the engine), their
+// selection, and the collectives it always hands to the engine.
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "tensor_helpers.h"
+#include "xdev_backend.h"
+
+namespace xdev::backend {
+namespace {
+
+// c10d's OpType gained REDUCE_SCATTER_TENSOR_COALESCED after torch 2.11; older
+// releases label the coalesced reduce-scatter REDUCE_SCATTER.
+template <typename OpType>
+constexpr auto coalesced_reduce_scatter(int) -> decltype(OpType::REDUCE_SCATTER_TENSOR_COALESCED) {
+  return OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+}
+template <typename OpType>
+constexpr OpType coalesced_reduce_scatter(long) {
+  return OpType::REDUCE_SCATTER;
+}
+constexpr c10d::OpType reduce_scatter_coalesced_op_type() {
+  return coalesced_reduce_scatter<c10d::OpType>(0);
+}
+
+}  // namespace
+
+const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
+  if (!uneven) return nullptr;
+  // Across hosts every rank's block must be one size: the engine gathers
+  // blocks of one size among the ranks of a local index.
+  if (group_.num_hosts() > 1) return "uneven list sizes (the two-level form needs one size)";
+  return num_lists > 1 ? "uneven sizes in several lists" : nullptr;
+}
+
+plan::GatherScatterSelection XdevBackend::select_gather_scatter(
+    const char* name, const std::vector<at::Tensor>& tensors,
+    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
+    const char* shape_refusal) {
+  plan::GatherScatterInput in;
+  in.requested = group_.requested();
+  in.world_size = size_;
+  in.num_hosts = group_.num_hosts();
+  in.transport_available = group_.channel() != nullptr;
+  in.op_supported = op == nullptr || native_op(*op).has_value();
+  for (const at::Tensor& t : tensors) {
+    if (t.device().is_cuda()) in.device = plan::DeviceKind::kCuda;
+    in.op_supported = in.op_supported && t.device().is_cpu() && t.layout() == at::kStrided &&
+                      (op == nullptr || native_dtype(t.scalar_type()).has_value());
+  }
+  if (shape_refusal != nullptr) {
+    in.shapes_supported = false;
+    in.unsupported_note = shape_refusal;
+  }
+  in.payload_bytes = payload_bytes(full_tensors);
+  in.num_tensors = static_cast<int64_t>(full_tensors.size());
+  in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
+  // The CPU model chooses the form; a reduce-scatter predicts with its dtype's width.
+  in.kind =
+      op == nullptr ? plan::GatherScatterKind::kAllGather : plan::GatherScatterKind::kReduceScatter;
+  if (!full_tensors.empty()) in.elem_bytes = full_tensors[0].element_size();
+  if (cpu_ != nullptr) {
+    in.model = &cpu_->model();
+    in.model_cache = &gather_scatter_choices_;
+    // The tensor peers would read in place: a reduce-scatter's input, an all-gather's output.
+    in.in_symmetric_heap = full_tensors.size() == 1 && full_tensors[0].device().is_cpu() &&
+                           shared_.find(full_tensors[0]).heap != nullptr;
+  }
+  in.two_level_note = two_level_note_;
+  if (two_level_gather_scatter_ != nullptr) {
+    in.two_level_available = true;
+    in.two_level_note.clear();
+    // A reduce-scatter reduces one dtype (the engine has no AVG: a division after its SUM).
+    for (const at::Tensor& t : full_tensors) {
+      if (op != nullptr && t.scalar_type() != full_tensors[0].scalar_type()) {
+        in.two_level_available = false;
+        in.two_level_note = "tensors of several dtypes";
+      }
+    }
+    in.ranks_per_host = group_.local_world_size();
+    in.host_model = &two_level_->host_model();
+    in.network = &two_level_->network();
+  }
+  const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
+  {
+    std::lock_guard<std::mutex> lock(selection_mutex_);
+    last_gather_scatter_ = {name, plan::to_string(sel.path), sel.reason};
+  }
+  const char* device = in.device == plan::DeviceKind::kCuda ? "CUDA" : "CPU";
+  group_.log_once(std::string(name) + ":" + device + ":" + sel.reason,
+                  std::string(name) + " on " + device + " tensors -> " + plan::to_string(sel.path) +
+                      " (" + sel.reason + ")");
+  if (sel.path != plan::GatherScatterPath::kFallback) ++collectives_called_;
+  return sel;
+}
+
+// ---- Entry points (all-gather and reduce-scatter native; the rest delegated) ----
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOptions& opts) {
+  return delegate(tensors)->reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> all = inputs;
+  std::vector<at::Tensor> full;  // every output: what the call moves
+  bool uneven = false;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (const at::Tensor& t : outputs[i]) {
+      all.push_back(t);
+      full.push_back(t);
+      uneven = uneven || (i < inputs.size() && t.numel() != inputs[i].numel());
+    }
+  }
+  const auto sel =
+      select_gather_scatter("all_gather", all, full, nullptr, list_refusal(uneven, outputs.size()));
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->allgather(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather_list(
+        outputs, inputs, c10d::OpType::ALLGATHER, sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->all_gather_list(outputs, inputs, opts.timeout, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(input)->_allgather_base(output, input, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
+                                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
+                                     opts.asyncOp, sel);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  // outputs[r][i] receives rank r's inputs[i]. Checked here, as Gloo checks it,
+  // so a wrong call is a ValueError on the rank that made it; a call that
+  // differs between ranks is caught by the native path's descriptor check.
+  TORCH_CHECK_VALUE(!inputs.empty(), "xdev all_gather_coalesced: no input tensors given");
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_,
+                    "xdev all_gather_coalesced: needs one output list per rank (", size_, "); got ",
+                    outputs.size());
+  std::vector<at::Tensor> all = inputs;
+  std::vector<at::Tensor> full;  // every output: what the call moves
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "xdev all_gather_coalesced: output list ",
+                      r, " has ", outputs[r].size(), " tensor(s) for ", inputs.size(), " input(s)");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& out = outputs[r][i];
+      TORCH_CHECK_VALUE(
+          out.sizes() == inputs[i].sizes() && out.scalar_type() == inputs[i].scalar_type(),
+          "xdev all_gather_coalesced: output ", r, "/", i, " (", out.scalar_type(), " ",
+          out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
+          inputs[i].sizes(), ")");
+      all.push_back(out);
+      full.push_back(out);
+    }
+  }
+  const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->allgather_coalesced(outputs, inputs, opts);
+  }
+  // The list form with one list per input (lists[i][r] = outputs[r][i]): one
+  // all-gather of every input's bytes, each rank's block the inputs in order.
+  std::vector<std::vector<at::Tensor>> lists(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (const std::vector<at::Tensor>& per_rank : outputs) lists[i].push_back(per_rank[i]);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather_list(
+        std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, sel.two_level_leader,
+        opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
+                                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
+                                     opts.asyncOp, sel);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::GatherOptions& opts) {
+  return delegate(inputs)->gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  return delegate(outputs)->scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> all = outputs;
+  std::vector<at::Tensor> full;  // every input: what the call moves
+  bool uneven = false;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (const at::Tensor& t : inputs[i]) {
+      all.push_back(t);
+      full.push_back(t);
+      uneven = uneven || (i < outputs.size() && t.numel() != outputs[i].numel());
+    }
+  }
+  const auto sel = select_gather_scatter("reduce_scatter", all, full, &opts.reduceOp,
+                                         list_refusal(uneven, inputs.size()));
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return fallbacks_.reduce_scatter(
+        group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine.reduce_scatter(outputs, inputs, o);
+        });
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter_list(
+        outputs, inputs, *native_op(opts.reduceOp), sel.two_level_leader, opts.timeout,
+        opts.asyncOp);
+  }
+  return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
+                                              opts.timeout, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const auto sel =
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return fallbacks_.reduce_scatter(
+        group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine._reduce_scatter_base(output, input, o);
+        });
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter(
+        {output}, {input}, *native_op(opts.reduceOp), c10d::OpType::_REDUCE_SCATTER_BASE,
+        sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
+                                         c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
+                                         opts.asyncOp, sel);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr);
+  if (sel.path == plan::GatherScatterPath::kFallback) {
+    return fallbacks_.reduce_scatter(
+        group_, outputs, opts, reduce_scatter_coalesced_op_type(),
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
+          return engine.reduce_scatter_tensor_coalesced(outputs, inputs, o);
+        });
+  }
+  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
+    return two_level_gather_scatter_->reduce_scatter(
+        outputs, inputs, *native_op(opts.reduceOp), reduce_scatter_coalesced_op_type(),
+        sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
+                                         reduce_scatter_coalesced_op_type(), opts.timeout,
+                                         opts.asyncOp, sel);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                          std::vector<int64_t>& output_split_sizes,
+                                                          std::vector<int64_t>& input_split_sizes,
+                                                          const c10d::AllToAllOptions& opts) {
+  return delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  return delegate(inputs)->alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                                 int tag) {
+  return fallbacks_.for_point_to_point(tensors)->send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                                 int tag) {
+  return fallbacks_.for_point_to_point(tensors)->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                          int tag) {
+  return fallbacks_.for_point_to_point(tensors)->recvAnysource(tensors, tag);
+}
+
+}  // namespace xdev::backend
