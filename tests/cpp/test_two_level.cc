@@ -13,6 +13,7 @@
 #include "plan/selection.h"
 #include "plan/two_level.h"
 #include "test_harness.h"
+#include "two_level_test_util.h"
 
 using namespace xdev::plan;  // NOLINT: test file, every name under test lives there
 
@@ -150,15 +151,8 @@ TEST(the_leader_form_wins_where_streams_outnumber_cores) {
 
 TEST(a_fast_network_and_slow_host_memory_favour_the_ring) {
   // With sockets as fast as memory and a host path far slower, the model must say so.
-  NetworkParams net;
-  net.stream_bytes_per_s = 1e13;
-  net.host_bytes_per_s = 1e13;
-  net.latency_s = 0;
-  CpuHostParams slow;
-  slow.core_bytes_per_s = 1e8;
-  slow.memory_bytes_per_s = 1e8;
-  const MachineModel host = cpu_host(2, slow);
-  const AcrossHostsChoice c = choose_across_hosts({2, 2}, 64 * kMiB, net, host);
+  const AcrossHostsChoice c = choose_across_hosts({2, 2}, 64 * kMiB, xdev_test::fast_network(),
+                                                  xdev_test::slow_cpu_host(2));
   CHECK(!c.two_level);
 }
 

@@ -7,6 +7,7 @@
 #include "plan/machines.h"
 #include "plan/two_level.h"
 #include "test_harness.h"
+#include "two_level_test_util.h"
 
 using namespace xdev::plan;  // NOLINT: test file, every name under test lives there
 
@@ -93,14 +94,8 @@ TEST(broadcast_choice_follows_the_model) {
   CHECK(!choose_broadcast_across_hosts({2, 2}, 4096, net, vm).two_level);
   CHECK(choose_broadcast_across_hosts({2, 2}, 16 * kMiB, net, vm).two_level);
   // Sockets as fast as memory and a slow host: the engine's tree.
-  NetworkParams fast;
-  fast.stream_bytes_per_s = 1e13;
-  fast.host_bytes_per_s = 1e13;
-  fast.latency_s = 1e-7;
-  CpuHostParams slow;
-  slow.core_bytes_per_s = 1e8;
-  slow.memory_bytes_per_s = 1e8;
-  const MachineModel slow_host = cpu_host(2, slow);
+  const NetworkParams fast = xdev_test::fast_network();
+  const MachineModel slow_host = xdev_test::slow_cpu_host(2);
   const AcrossHostsChoice c = choose_broadcast_across_hosts({2, 2}, 16 * kMiB, fast, slow_host);
   CHECK(!c.two_level);
   CHECK(near(c.predicted_s, predict_flat_broadcast_s({2, 2}, 16 * kMiB, fast)));
