@@ -78,7 +78,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
   c10d::Backend* engine = for_tensors(outputs);
   const bool integer_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG && !has_native_avg(*engine) &&
                            std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
-                             return at::isIntegralType(t.scalar_type(), /*includeBool=*/true);
+                             return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
                            });
   if (!integer_avg) return call(*engine, opts);
   c10d::ReduceScatterOptions sum = opts;
