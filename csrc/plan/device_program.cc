@@ -11,10 +11,6 @@ bool overlaps(int64_t a, int64_t a_count, int64_t b, int64_t b_count) {
   return a < b + b_count && b < a + a_count;
 }
 
-bool reads_own_slot(const DeviceOp& op, int rank) {
-  return std::find(op.sources, op.sources + op.num_sources, rank) != op.sources + op.num_sources;
-}
-
 // Two ops of one rank and phase must not race on the rank's own slot; an op
 // may read and write the same elements (an in-place reduce touches each
 // element from one thread only).
@@ -29,14 +25,37 @@ void check_phase(const std::vector<DeviceOp>& ops, size_t begin, size_t end, int
         throw std::invalid_argument("device program: two ops of rank " + std::to_string(rank) +
                                     " write one slot range in phase " + std::to_string(w.phase));
       }
-      if (!reads_own_slot(r, rank)) continue;
-      const bool in_place = same_op && r.src_offset == w.dst_offset;
-      if (!in_place && overlaps(w.dst_offset, w.count, r.src_offset, r.count)) {
-        throw std::invalid_argument("device program: rank " + std::to_string(rank) +
-                                    " reads a slot range it writes in phase " +
-                                    std::to_string(w.phase));
+      for (int s = 0; s < r.num_sources; ++s) {
+        if (r.sources[s] != rank) continue;
+        const bool in_place = same_op && r.src_offsets[s] == w.dst_offset;
+        if (!in_place && overlaps(w.dst_offset, w.count, r.src_offsets[s], r.count)) {
+          throw std::invalid_argument("device program: rank " + std::to_string(rank) +
+                                      " reads a slot range it writes in phase " +
+                                      std::to_string(w.phase));
+        }
       }
     }
+  }
+}
+
+void check_limits(int world_size, int num_phases, int rank) {
+  if (world_size > kMaxDeviceRanks) {
+    throw std::invalid_argument("device program: at most " + std::to_string(kMaxDeviceRanks) +
+                                " ranks; got " + std::to_string(world_size));
+  }
+  if (num_phases > kMaxDevicePhases) {
+    throw std::invalid_argument("device program: at most " + std::to_string(kMaxDevicePhases) +
+                                " phases; got " + std::to_string(num_phases));
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw std::invalid_argument("device program: rank out of range");
+  }
+}
+
+void check_program(const DeviceProgram& p, int rank) {
+  for (int phase = 0; phase <= p.num_phases; ++phase) {
+    check_phase(p.ops, static_cast<size_t>(p.phase_begin[phase]),
+                static_cast<size_t>(p.phase_begin[phase + 1]), rank);
   }
 }
 
@@ -49,7 +68,7 @@ DeviceOp make_op(int phase, const Step& s, int64_t src_offset, int64_t dst_offse
   op.dst_is_output = to_output ? 1 : 0;
   op.num_sources = static_cast<int32_t>(s.sources.size());
   std::copy(s.sources.begin(), s.sources.end(), op.sources);
-  op.src_offset = src_offset;
+  std::fill(op.src_offsets, op.src_offsets + op.num_sources, src_offset);
   op.dst_offset = dst_offset;
   op.count = count;
   return op;
@@ -59,17 +78,7 @@ DeviceOp make_op(int phase, const Step& s, int64_t src_offset, int64_t dst_offse
 
 DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
   const Schedule& sched = w.schedule;
-  if (sched.world_size > kMaxDeviceRanks) {
-    throw std::invalid_argument("device program: at most " + std::to_string(kMaxDeviceRanks) +
-                                " ranks; got " + std::to_string(sched.world_size));
-  }
-  if (sched.num_phases > kMaxDevicePhases) {
-    throw std::invalid_argument("device program: at most " + std::to_string(kMaxDevicePhases) +
-                                " phases; got " + std::to_string(sched.num_phases));
-  }
-  if (rank < 0 || rank >= sched.world_size) {
-    throw std::invalid_argument("device program: rank out of range");
-  }
+  check_limits(sched.world_size, sched.num_phases, rank);
   // The GPU window kernel stages whole windows and has one destination per op.
   bool forwarded = !sched.staged_ranges.empty();
   for (const Step& s : sched.steps) {
@@ -92,7 +101,7 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
       op.phase = 0;
       op.num_sources = 1;
       op.sources[0] = kOwnInput;
-      op.src_offset = seg.payload_begin;
+      op.src_offsets[0] = seg.payload_begin;
       op.dst_offset = seg.slot_begin;
       op.count = seg.count;
       p.ops.push_back(op);
@@ -124,11 +133,80 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
     }
     p.phase_begin.push_back(static_cast<int32_t>(p.ops.size()));
   }
-  for (int phase = 0; phase <= p.num_phases; ++phase) {
-    check_phase(p.ops, static_cast<size_t>(p.phase_begin[phase]),
-                static_cast<size_t>(p.phase_begin[phase + 1]), rank);
-  }
+  check_program(p, rank);
   return p;
+}
+
+DeviceProgram compile_gather_scatter_program(const GatherScatterPlan& plan, int64_t k, int rank) {
+  const int world = plan.world_size();
+  const GatherScatterWindow w = plan.window(k);
+  const Schedule& sched = w.schedule;
+  check_limits(world, sched.num_phases, rank);
+  const bool reduce_scatter = plan.kind() == GatherScatterKind::kReduceScatter;
+  const int64_t p = w.block.size();
+  std::vector<int64_t> block_start(static_cast<size_t>(world), 0);  // in the full tensor
+  for (int j = 1; j < world; ++j) {
+    block_start[static_cast<size_t>(j)] =
+        block_start[static_cast<size_t>(j - 1)] + plan.block_elems(j - 1);
+  }
+  // fn(j, x, n) for each part of slot range r that lies in rank j's piece.
+  const auto for_each_piece = [p](Range r, auto&& fn) {
+    for (int64_t j = r.begin / p; j * p < r.end; ++j) {
+      const int64_t lo = std::max(r.begin, j * p);
+      const int64_t hi = std::min(r.end, (j + 1) * p);
+      if (hi > lo) fn(static_cast<int>(j), lo, hi - lo);
+    }
+  };
+  // Slot coordinate x of rank j's piece, in the full tensor and in j's block.
+  const auto in_full = [&](int j, int64_t x) {
+    return block_start[static_cast<size_t>(j)] + w.block.begin + (x - j * p);
+  };
+  const auto in_block = [&](int j, int64_t x) { return w.block.begin + (x - j * p); };
+  const auto in_input = [&](int j, int64_t x) {
+    return reduce_scatter ? in_full(j, x) : in_block(j, x);
+  };
+  const auto in_output = [&](int j, int64_t x) {
+    return reduce_scatter ? in_block(j, x) : in_full(j, x);
+  };
+
+  DeviceProgram prog;
+  prog.num_phases = sched.num_phases;
+  prog.phase_begin.push_back(0);
+  for (const Range& r : sched.staged_ranges[static_cast<size_t>(rank)]) {
+    for_each_piece(r, [&](int j, int64_t x, int64_t n) {
+      DeviceOp op;
+      op.num_sources = 1;
+      op.sources[0] = kOwnInput;
+      op.src_offsets[0] = in_input(j, x);
+      op.dst_offset = plan.slot_memory_offset(rank, x, p);
+      op.count = n;
+      prog.ops.push_back(op);
+    });
+  }
+  prog.phase_begin.push_back(static_cast<int32_t>(prog.ops.size()));
+  for (int phase = 1; phase <= sched.num_phases; ++phase) {
+    for (const Step& s : sched.steps) {
+      if (s.actor != rank || s.phase != phase || s.range.empty()) continue;
+      if (s.target != Target::kOutput || s.also_output ||
+          static_cast<int>(s.sources.size()) > kMaxDeviceRanks || s.sources.empty()) {
+        throw std::invalid_argument(
+            "device program: a gather/scatter step writes the output from 1.." +
+            std::to_string(kMaxDeviceRanks) + " sources");
+      }
+      for_each_piece(s.range, [&](int j, int64_t x, int64_t n) {
+        DeviceOp op = make_op(phase, s, 0, in_output(j, x), n, true);
+        for (int i = 0; i < op.num_sources; ++i) {
+          const int src = op.sources[i];
+          op.src_offsets[i] =
+              src == kOwnInput ? in_input(j, x) : plan.slot_memory_offset(src, x, p);
+        }
+        prog.ops.push_back(op);
+      });
+    }
+    prog.phase_begin.push_back(static_cast<int32_t>(prog.ops.size()));
+  }
+  check_program(prog, rank);
+  return prog;
 }
 
 int device_blocks_per_rank(int multiprocessors, int ranks_on_gpu, int max_blocks) {

@@ -4,8 +4,9 @@
 //
 // Pure C++17 and plain old data, so the same struct is read by the CUDA
 // window kernel (csrc/transport/cuda_executor.cu) and by the host reference
-// interpreter of the unit tests. The GPU path works on one contiguous tensor
-// per collective (the backend flattens coalesced lists), so every move is
+// interpreter of the unit tests. The GPU path works on one contiguous input
+// and one contiguous output tensor per collective (the backend flattens
+// coalesced lists; an allreduce's input is its output), so every move is
 // "n source ranges -> one destination range" with element offsets.
 //
 // Ordering contract with the kernel: the ops of one phase run concurrently
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "collective_plan.h"
+#include "gather_scatter_plan.h"
 
 namespace xdev::plan {
 
@@ -29,11 +31,13 @@ struct DeviceOp {
   int32_t phase = 0;          // 0: staging, then 1..num_phases
   int32_t is_reduce = 0;      // 0: copy sources[0]; 1: reduce all sources in order
   int32_t finalize = 0;       // produces a total: AVG divides here
-  int32_t dst_is_output = 0;  // 1: the rank's tensor; 0: the rank's own staging slot
+  int32_t dst_is_output = 0;  // 1: the rank's output tensor; 0: the rank's own staging slot
   int32_t num_sources = 0;
-  int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kOwnInput (its tensor)
-  int64_t src_offset = 0;                 // elements from the start of every source
-  int64_t dst_offset = 0;                 // elements from the start of the destination
+  int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kOwnInput (its input)
+  // Elements from the start of each source: a reduce-scatter reads its own
+  // contribution from its input and its peers' from where each staged it.
+  int64_t src_offsets[kMaxDeviceRanks] = {};
+  int64_t dst_offset = 0;  // elements from the start of the destination
   int64_t count = 0;
 };
 
@@ -58,5 +62,13 @@ int device_blocks_per_rank(int multiprocessors, int ranks_on_gpu, int max_blocks
 // Throws std::invalid_argument when the window does not fit the limits above
 // or when two ops of one phase would race on the rank's own slot.
 DeviceProgram compile_device_program(const WindowPlan& w, int rank);
+
+// The ops `rank` runs in window k of a reduce-scatter or all-gather plan, one
+// tensor per side: a reduce-scatter's input is the full tensor (rank j's
+// block from the sum of the blocks before it) and its output the rank's
+// block; an all-gather's the other way round. Slot memory follows
+// GatherScatterPlan::slot_memory_offset. Throws std::invalid_argument as
+// compile_device_program does.
+DeviceProgram compile_gather_scatter_program(const GatherScatterPlan& plan, int64_t k, int rank);
 
 }  // namespace xdev::plan

@@ -31,7 +31,8 @@ struct WindowParams {
   char* slots[plan::kMaxDeviceRanks];        // this window's slot of every rank
   uint64_t* inboxes[plan::kMaxDeviceRanks];  // every rank's inbox, mapped here
   GridSync* grid;
-  char* tensor;
+  const char* input;  // what kOwnInput reads; an allreduce's is its output
+  char* output;
   uint64_t epoch_base;  // this window's barriers are epoch_base + 1 .. + num_phases
   int64_t avg_divisor;  // world size for AVG, 0 otherwise
   uint64_t timeout_ns;
@@ -130,20 +131,24 @@ template <typename T, kernels::ReduceOp Op>
 __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const auto source = [&p](int src) -> const char* {
+    return src == plan::kOwnInput ? p.input : p.slots[src];
+  };
   for (int phase = 0; phase <= p.num_phases; ++phase) {
     for (int i = p.phase_begin[phase]; i < p.phase_begin[phase + 1]; ++i) {
       const plan::DeviceOp& op = p.ops[i];
-      T* dst = reinterpret_cast<T*>(op.dst_is_output ? p.tensor : p.slots[p.rank]) + op.dst_offset;
+      T* dst = reinterpret_cast<T*>(op.dst_is_output ? p.output : p.slots[p.rank]) + op.dst_offset;
       if (!op.is_reduce) {
-        const char* src = op.sources[0] == plan::kOwnInput ? p.tensor : p.slots[op.sources[0]];
-        kernels::cuda::copy_bytes(reinterpret_cast<char*>(dst),
-                                  src + op.src_offset * static_cast<int64_t>(sizeof(T)),
+        const T* src = reinterpret_cast<const T*>(source(op.sources[0])) + op.src_offsets[0];
+        // An all-gather whose input lies in its output has its own block in place already.
+        if (src == dst) continue;
+        kernels::cuda::copy_bytes(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src),
                                   op.count * static_cast<int64_t>(sizeof(T)), tid, nthreads);
         continue;
       }
       const T* srcs[plan::kMaxDeviceRanks];
       for (int s = 0; s < op.num_sources; ++s) {
-        srcs[s] = reinterpret_cast<const T*>(p.slots[op.sources[s]]) + op.src_offset;
+        srcs[s] = reinterpret_cast<const T*>(source(op.sources[s])) + op.src_offsets[s];
       }
       kernels::cuda::reduce_elements<T, Op>(dst, srcs, op.num_sources, op.count,
                                             op.finalize ? p.avg_divisor : 0, tid, nthreads);
@@ -202,12 +207,13 @@ std::string CudaExecutor::device_error() const {
 }
 
 const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
-    const CudaPlanKey& key, const plan::CollectivePlan& plan, cudaStream_t stream) {
+    const CudaPlanKey& key, int64_t num_windows,
+    const std::function<plan::DeviceProgram(int64_t)>& compile, cudaStream_t stream) {
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   // Bounded: a job with ever-changing sizes rebuilds instead of growing.
   constexpr size_t kMaxCachedWindows = 4096;
-  if (cached_windows_ + static_cast<size_t>(plan.num_windows()) > kMaxCachedWindows) {
+  if (cached_windows_ + static_cast<size_t>(num_windows) > kMaxCachedWindows) {
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
     for (auto& entry : cache_) {
       for (DeviceWindow& w : entry.second) cudaFree(w.ops);
@@ -217,9 +223,8 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
   }
   std::vector<DeviceWindow> windows;
   try {
-    for (int64_t k = 0; k < plan.num_windows(); ++k) {
-      const plan::DeviceProgram prog =
-          plan::compile_device_program(plan.window(k), channel_.rank());
+    for (int64_t k = 0; k < num_windows; ++k) {
+      const plan::DeviceProgram prog = compile(k);
       DeviceWindow w;
       w.num_phases = prog.num_phases;
       w.phase_begin = prog.phase_begin;
@@ -245,16 +250,38 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
 
 void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
                              kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream) {
+  const int rank = channel_.rank();
+  run(
+      key, plan.num_windows(),
+      [&](int64_t k) { return plan::compile_device_program(plan.window(k), rank); }, tensor, tensor,
+      dtype, op, stream);
+}
+
+void CudaExecutor::gather_scatter(const CudaPlanKey& key, const plan::GatherScatterPlan& plan,
+                                  const void* input, void* output, kernels::DType dtype,
+                                  kernels::ReduceOp op, cudaStream_t stream) {
+  const int rank = channel_.rank();
+  run(
+      key, plan.num_windows(),
+      [&](int64_t k) { return plan::compile_gather_scatter_program(plan, k, rank); }, input, output,
+      dtype, op, stream);
+}
+
+void CudaExecutor::run(const CudaPlanKey& key, int64_t num_windows,
+                       const std::function<plan::DeviceProgram(int64_t)>& compile,
+                       const void* input, void* output, kernels::DType dtype, kernels::ReduceOp op,
+                       cudaStream_t stream) {
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
   CudaDeviceGuard guard(channel_.device());
-  const std::vector<DeviceWindow>& windows = programs(key, plan, stream);
+  const std::vector<DeviceWindow>& windows = programs(key, num_windows, compile, stream);
   WindowParams p{};
   p.rank = channel_.rank();
   p.world_size = channel_.world_size();
   for (int r = 0; r < p.world_size; ++r) p.inboxes[r] = channel_.inbox(r);
   p.grid = static_cast<GridSync*>(grid_sync_);
-  p.tensor = static_cast<char*>(tensor);
+  p.input = static_cast<const char*>(input);
+  p.output = static_cast<char*>(output);
   p.avg_divisor = op == kernels::ReduceOp::kAvg ? p.world_size : 0;
   p.timeout_ns = timeout_ns_;
   p.error = error_device_;
@@ -271,7 +298,7 @@ void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan&
       constexpr kernels::ReduceOp kOp = decltype(op_tag)::value;
       window_kernel<T, kOp><<<num_blocks_, kThreads, 0, stream>>>(p);
     });
-    check_cuda(cudaGetLastError(), "launching the xdev allreduce kernel");
+    check_cuda(cudaGetLastError(), "launching the xdev collective kernel");
   }
 }
 

@@ -1,7 +1,8 @@
-// Runs a CollectivePlan's allreduce on GPUs over a CudaIpcChannel: one kernel
-// launch per window, which stages the rank's tensor into its slot, runs the
-// rank's steps reading peers' slots straight over NVLink / PCIe (no copy into
-// a local buffer first), and passes a barrier of every rank between phases.
+// Runs a CollectivePlan's allreduce, or a GatherScatterPlan's reduce-scatter
+// or all-gather, on GPUs over a CudaIpcChannel: one kernel launch per window,
+// which stages the rank's input into its slot, runs the rank's steps reading
+// peers' slots straight over NVLink / PCIe (no copy into a local buffer
+// first), and passes a barrier of every rank between phases.
 //
 // The barrier lives on the GPU (flags in IPC memory), so the host only
 // launches: no host round trip per phase. Its memory-ordering argument is
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -22,24 +24,29 @@
 #include "../kernels/cpu_reduce.h"
 #include "../plan/collective_plan.h"
 #include "../plan/device_program.h"
+#include "../plan/gather_scatter_plan.h"
 #include "cuda_ipc_channel.h"
 
 namespace xdev::transport {
 
 // What identifies a plan's device programs in the cache: everything
-// CollectivePlan::allreduce was built from (programs are in elements, so the
-// dtype does not matter).
+// CollectivePlan::allreduce or the GatherScatterPlan was built from (programs
+// are in elements, so the dtype does not matter, only the slot's capacity in
+// its elements).
 struct CudaPlanKey {
+  enum Collective { kAllreduce, kReduceScatter, kAllGather };
+  int collective = kAllreduce;
   int algorithm = 0;
   int root = 0;
   int64_t total = 0;
-  int64_t window_elems = 0;
-  std::vector<int64_t> pack_bounds;  // begin, end of every pack
+  int64_t window_elems = 0;          // a gather/scatter: the slot's capacity
+  std::vector<int64_t> pack_bounds;  // begin, end of every pack; a gather/scatter: every block
   std::vector<int> tree_ids;         // the balanced plan's trees, flattened; empty otherwise
 
   bool operator<(const CudaPlanKey& o) const {
-    return std::tie(algorithm, root, total, window_elems, pack_bounds, tree_ids) <
-           std::tie(o.algorithm, o.root, o.total, o.window_elems, o.pack_bounds, o.tree_ids);
+    return std::tie(collective, algorithm, root, total, window_elems, pack_bounds, tree_ids) <
+           std::tie(o.collective, o.algorithm, o.root, o.total, o.window_elems, o.pack_bounds,
+                    o.tree_ids);
   }
 };
 
@@ -61,6 +68,14 @@ class CudaExecutor {
   void allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
                  kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
 
+  // The same for a reduce-scatter (input: the full tensor, output: this
+  // rank's block) or an all-gather (the other way round); both contiguous.
+  // key.collective says which, key.pack_bounds holds every rank's block.
+  // An all-gather's input may lie inside its output, at its own block.
+  void gather_scatter(const CudaPlanKey& key, const plan::GatherScatterPlan& plan,
+                      const void* input, void* output, kernels::DType dtype, kernels::ReduceOp op,
+                      cudaStream_t stream);
+
   // Empty while healthy; otherwise what a kernel reported (which peer it gave
   // up waiting for). Once set, the channel's barrier counters disagree across
   // ranks: the group must be recreated.
@@ -74,8 +89,14 @@ class CudaExecutor {
     int32_t num_phases = 0;
     std::vector<int32_t> phase_begin;
   };
-  const std::vector<DeviceWindow>& programs(const CudaPlanKey& key,
-                                            const plan::CollectivePlan& plan, cudaStream_t stream);
+  // The cached windows of key, compiling each of num_windows with compile on a miss.
+  const std::vector<DeviceWindow>& programs(
+      const CudaPlanKey& key, int64_t num_windows,
+      const std::function<plan::DeviceProgram(int64_t)>& compile, cudaStream_t stream);
+  // Launches key's windows (compiled on first use) on input and output.
+  void run(const CudaPlanKey& key, int64_t num_windows,
+           const std::function<plan::DeviceProgram(int64_t)>& compile, const void* input,
+           void* output, kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;

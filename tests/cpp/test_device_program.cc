@@ -12,12 +12,37 @@ using namespace xdev::plan;
 
 namespace {
 
+using Values = std::vector<int64_t>;
+
+// One rank's ops of one phase, as the kernel runs them: `input` holds what
+// kOwnInput reads, `output` what dst_is_output writes (one vector for an
+// allreduce). reversed runs them back to front, which must not change any result.
+void run_phase(const DeviceProgram& p, int phase, int rank, std::vector<Values>& slots,
+               const Values& input, Values& output, bool reversed) {
+  std::vector<DeviceOp> ops(p.ops.begin() + p.phase_begin[phase],
+                            p.ops.begin() + p.phase_begin[phase + 1]);
+  if (reversed) std::reverse(ops.begin(), ops.end());
+  for (const DeviceOp& op : ops) {
+    CHECK_EQ(op.phase, phase);
+    auto read = [&](int s, int64_t i) {
+      const int64_t at = op.src_offsets[s] + i;
+      return op.sources[s] == kOwnInput ? input.at(at) : slots[op.sources[s]].at(at);
+    };
+    Values& dst = op.dst_is_output ? output : slots[rank];
+    for (int64_t i = 0; i < op.count; ++i) {
+      int64_t v = read(0, i);
+      if (op.is_reduce) {
+        for (int s = 1; s < op.num_sources; ++s) v += read(s, i);
+      }
+      dst.at(op.dst_offset + i) = v;
+    }
+  }
+}
+
 // Runs every window of plan on world ranks whose tensors start as inputs; returns the tensors.
-// reversed runs the ops of each phase back to front, which must not change any result.
-std::vector<std::vector<int64_t>> interpret(const CollectivePlan& plan, int world,
-                                            std::vector<std::vector<int64_t>> tensors,
-                                            bool reversed) {
-  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(world));
+std::vector<Values> interpret(const CollectivePlan& plan, int world, std::vector<Values> tensors,
+                              bool reversed) {
+  std::vector<Values> slots(static_cast<size_t>(world));
   for (int64_t k = 0; k < plan.num_windows(); ++k) {
     const WindowPlan w = plan.window(k);
     std::vector<DeviceProgram> programs;
@@ -27,24 +52,7 @@ std::vector<std::vector<int64_t>> interpret(const CollectivePlan& plan, int worl
     }
     for (int phase = 0; phase <= w.schedule.num_phases; ++phase) {
       for (int r = 0; r < world; ++r) {
-        const DeviceProgram& p = programs[r];
-        std::vector<DeviceOp> ops(p.ops.begin() + p.phase_begin[phase],
-                                  p.ops.begin() + p.phase_begin[phase + 1]);
-        if (reversed) std::reverse(ops.begin(), ops.end());
-        for (const DeviceOp& op : ops) {
-          CHECK_EQ(op.phase, phase);
-          auto source = [&](int s) -> const std::vector<int64_t>& {
-            return op.sources[s] == kOwnInput ? tensors[r] : slots[op.sources[s]];
-          };
-          std::vector<int64_t>& dst = op.dst_is_output ? tensors[r] : slots[r];
-          for (int64_t i = 0; i < op.count; ++i) {
-            int64_t v = source(0)[op.src_offset + i];
-            if (op.is_reduce) {
-              for (int s = 1; s < op.num_sources; ++s) v += source(s)[op.src_offset + i];
-            }
-            dst[op.dst_offset + i] = v;
-          }
-        }
+        run_phase(programs[r], phase, r, slots, tensors[r], tensors[r], reversed);
       }
     }
   }
@@ -156,4 +164,118 @@ TEST(device_blocks_leave_every_rank_sharing_a_gpu_resident_at_once) {
   CHECK_EQ(device_blocks_per_rank(1, 1, 64), 1);
   CHECK_EQ(device_blocks_per_rank(8, 16, 64), 1);
   CHECK_EQ(device_blocks_per_rank(132, 0, 64), 64);
+}
+
+namespace {
+
+// Runs every window of a gather/scatter plan through its device programs; returns each
+// rank's output (sized as the kernel's caller sizes it).
+std::vector<Values> interpret_gather_scatter(const GatherScatterPlan& plan, int64_t slot_elems,
+                                             const std::vector<Values>& inputs,
+                                             const std::vector<int64_t>& output_sizes,
+                                             bool reversed) {
+  const int world = plan.world_size();
+  std::vector<Values> outputs;
+  for (int64_t n : output_sizes) outputs.emplace_back(static_cast<size_t>(n), -7);
+  std::vector<Values> slots(static_cast<size_t>(world));
+  for (int64_t k = 0; k < plan.num_windows(); ++k) {
+    std::vector<DeviceProgram> programs;
+    for (int r = 0; r < world; ++r) {
+      programs.push_back(compile_gather_scatter_program(plan, k, r));
+      CHECK_EQ(programs[r].num_phases, 1);
+      slots[r].assign(static_cast<size_t>(slot_elems), -1);
+    }
+    for (int phase = 0; phase <= 1; ++phase) {
+      for (int r = 0; r < world; ++r) {
+        run_phase(programs[r], phase, r, slots, inputs[r], outputs[r], reversed);
+      }
+    }
+  }
+  return outputs;
+}
+
+void check_gather_scatter(GatherScatterKind kind, const std::vector<int64_t>& blocks,
+                          int64_t slot_elems, std::mt19937& rng) {
+  const int world = static_cast<int>(blocks.size());
+  int64_t full = 0;
+  std::vector<int64_t> start;
+  for (int64_t b : blocks) {
+    start.push_back(full);
+    full += b;
+  }
+  const bool reduce_scatter = kind == GatherScatterKind::kReduceScatter;
+  std::vector<Values> inputs(static_cast<size_t>(world));
+  std::vector<int64_t> output_sizes;
+  for (int r = 0; r < world; ++r) {
+    const int64_t n = reduce_scatter ? full : blocks[r];
+    for (int64_t i = 0; i < n; ++i) inputs[r].push_back(xdev_test::uniform(rng, -1000, 1000));
+    output_sizes.push_back(reduce_scatter ? blocks[r] : full);
+  }
+  // Reference: block r of every rank's full input summed; every rank's block, in rank order.
+  std::vector<Values> expected(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    if (reduce_scatter) {
+      for (int64_t i = 0; i < blocks[r]; ++i) {
+        int64_t v = 0;
+        for (int j = 0; j < world; ++j) v += inputs[j][start[r] + i];
+        expected[r].push_back(v);
+      }
+    } else {
+      for (int j = 0; j < world; ++j) {
+        expected[r].insert(expected[r].end(), inputs[j].begin(), inputs[j].end());
+      }
+    }
+  }
+  const GatherScatterPlan plan(kind, blocks, slot_elems);
+  for (bool reversed : {false, true}) {
+    const auto out = interpret_gather_scatter(plan, slot_elems, inputs, output_sizes, reversed);
+    for (int r = 0; r < world; ++r) {
+      if (out[r] != expected[r]) {
+        CHECK(false);
+        std::cout << "  " << to_string(kind) << " world " << world << " slot " << slot_elems
+                  << " rank " << r << (reversed ? " reversed" : "") << "\n";
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(device_programs_reduce_scatter_and_all_gather_even_and_uneven_blocks) {
+  std::mt19937 rng(11);
+  for (GatherScatterKind kind :
+       {GatherScatterKind::kReduceScatter, GatherScatterKind::kAllGather}) {
+    for (int world : {1, 2, 3, 5, 8}) {
+      for (int64_t block : {int64_t{1}, int64_t{13}, int64_t{300}}) {
+        for (int64_t slot : {int64_t{8}, int64_t{64}, int64_t{1} << 16}) {
+          if (slot < world) continue;  // a window holds one element per rank
+          check_gather_scatter(kind, std::vector<int64_t>(static_cast<size_t>(world), block), slot,
+                               rng);
+          std::vector<int64_t> uneven;
+          for (int r = 0; r < world; ++r) uneven.push_back(xdev_test::uniform(rng, 0, block));
+          check_gather_scatter(kind, uneven, slot, rng);
+        }
+      }
+    }
+  }
+}
+
+TEST(gather_scatter_device_program_reads_its_own_input_and_peers_slots) {
+  // 3 ranks, 4 elements each, one window: rank 1 stages the pieces ranks 0 and 2 reduce
+  // (packed: its own is never staged), then reduces its block from its input and both slots.
+  const GatherScatterPlan plan(GatherScatterKind::kReduceScatter, 3, 4, 1 << 10);
+  const DeviceProgram p = compile_gather_scatter_program(plan, 0, 1);
+  CHECK_EQ(p.phase_begin[1], 2);
+  CHECK_EQ(p.ops[0].src_offsets[0], 0);  // block 0 of its input, to its slot's start
+  CHECK_EQ(p.ops[0].dst_offset, 0);
+  CHECK_EQ(p.ops[1].src_offsets[0], 8);  // block 2, right after it
+  CHECK_EQ(p.ops[1].dst_offset, 4);
+  const DeviceOp& sum = p.ops[2];
+  CHECK_EQ(sum.num_sources, 3);
+  CHECK_EQ(sum.sources[1], kOwnInput);
+  CHECK_EQ(sum.src_offsets[0], 0);  // rank 0 staged blocks 1 and 2: block 1 first
+  CHECK_EQ(sum.src_offsets[1], 4);  // its own block 1, from its input
+  CHECK_EQ(sum.src_offsets[2], 4);  // rank 2 staged blocks 0 and 1: block 1 second
+  CHECK(sum.finalize == 1 && sum.dst_is_output == 1 && sum.dst_offset == 0);
 }
