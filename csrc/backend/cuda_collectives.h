@@ -15,6 +15,7 @@
 
 #include "../kernels/cpu_reduce.h"
 #include "../plan/cost_model.h"
+#include "../plan/gather_scatter_plan.h"
 #include "../plan/selection.h"
 #include "../plan/topology.h"
 
@@ -60,6 +61,17 @@ class CudaCollectives {
   virtual c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors,
                                                    kernels::ReduceOp op, plan::Selection sel,
                                                    std::chrono::milliseconds timeout) = 0;
+
+  // Native reduce-scatter (kind kReduceScatter: `full` in, this rank's
+  // `block` out) or all-gather (`block` in, `full` out) of one CUDA tensor
+  // per side on the group's device, the full tensor holding every rank's
+  // block in rank order (shapes checked by the caller). An all-gather moves
+  // bytes, so any dtype; a reduce-scatter needs a native dtype and op. Needs
+  // the transport (info()->transport). Stream semantics as allreduce.
+  virtual c10::intrusive_ptr<c10d::Work> gather_scatter(plan::GatherScatterKind kind,
+                                                        at::Tensor full, at::Tensor block,
+                                                        kernels::ReduceOp op, c10d::OpType type,
+                                                        std::chrono::milliseconds timeout) = 0;
 
   // Blocks the host until every GPU collective launched so far has finished,
   // and throws if a GPU barrier gave up on a peer.

@@ -200,6 +200,14 @@ class XdevBackend : public c10d::Backend {
   // native path, or null: one host runs one such list natively, several
   // hosts none.
   const char* list_refusal(bool uneven, size_t num_lists) const;
+  // The native CUDA reduce-scatter (op given; full in, block out) or all-gather
+  // (op null; block in, full out) of one tensor per side, after the checks the
+  // CPU path makes. Async by nature, as every CUDA collective.
+  c10::intrusive_ptr<c10d::Work> cuda_gather_scatter(plan::GatherScatterKind kind,
+                                                     const at::Tensor& full,
+                                                     const at::Tensor& block,
+                                                     const c10d::ReduceOp* op, c10d::OpType type,
+                                                     std::chrono::milliseconds timeout);
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
     ++collectives_called_;

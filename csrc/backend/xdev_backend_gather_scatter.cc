@@ -35,6 +35,20 @@ const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
   return num_lists > 1 ? "uneven sizes in several lists" : nullptr;
 }
 
+c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
+    plan::GatherScatterKind kind, const at::Tensor& full, const at::Tensor& block,
+    const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
+  const char* name = op == nullptr ? "all_gather" : "reduce_scatter";
+  // Checked as the CPU path checks them (check_pairs), on the rank that made the call.
+  TORCH_CHECK_VALUE(full.scalar_type() == block.scalar_type(), "xdev ", name,
+                    ": input and output dtypes differ (", full.scalar_type(), " and ",
+                    block.scalar_type(), ")");
+  TORCH_CHECK_VALUE(full.numel() == block.numel() * size_, "xdev ", name, ": the full tensor has ",
+                    full.numel(), " elements; it must hold ", size_, " blocks of ", block.numel());
+  return cuda_->gather_scatter(
+      kind, full, block, op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type, timeout);
+}
+
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
     const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
@@ -47,8 +61,21 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   in.op_supported = op == nullptr || native_op(*op).has_value();
   for (const at::Tensor& t : tensors) {
     if (t.device().is_cuda()) in.device = plan::DeviceKind::kCuda;
-    in.op_supported = in.op_supported && t.device().is_cpu() && t.layout() == at::kStrided &&
+    in.op_supported = in.op_supported && t.layout() == at::kStrided &&
+                      t.device() == tensors[0].device() &&
                       (op == nullptr || native_dtype(t.scalar_type()).has_value());
+  }
+  if (in.device == plan::DeviceKind::kCuda) {
+    const CudaGroupInfo* info = nullptr;
+    if (cuda_ != nullptr && size_ > 1 && tensors[0].device().is_cuda()) {
+      // Collective on first use, as for the allreduce.
+      info = &cuda_->ensure_ready(tensors[0].device().index());
+    }
+    in.transport_available = info != nullptr && info->transport;
+    in.transport_note = info != nullptr    ? info->transport_note
+                        : cuda_ == nullptr ? "this build has no CUDA path"
+                                           : "one rank, or tensors on several devices";
+    in.nccl_available = info != nullptr && !info->ranks_share_gpu;
   }
   if (shape_refusal != nullptr) {
     in.shapes_supported = false;
@@ -138,6 +165,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
+  if (sel.path == plan::GatherScatterPath::kCuda) {
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, output, input, nullptr,
+                               c10d::OpType::_ALLGATHER_BASE, opts.timeout);
+  }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
                                      opts.asyncOp, sel);
 }
@@ -198,6 +229,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
+                               nullptr, c10d::OpType::COALESCED, opts.timeout);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
                                      opts.asyncOp, sel);
@@ -262,6 +297,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
         {output}, {input}, *native_op(opts.reduceOp), c10d::OpType::_REDUCE_SCATTER_BASE,
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
+  if (sel.path == plan::GatherScatterPath::kCuda) {
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, input, output,
+                               &opts.reduceOp, c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout);
+  }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
                                          c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout,
                                          opts.asyncOp, sel);
@@ -284,6 +323,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     return two_level_gather_scatter_->reduce_scatter(
         outputs, inputs, *native_op(opts.reduceOp), reduce_scatter_coalesced_op_type(),
         sel.two_level_leader, opts.timeout, opts.asyncOp);
+  }
+  if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, inputs.at(0), outputs.at(0),
+                               &opts.reduceOp, reduce_scatter_coalesced_op_type(), opts.timeout);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          reduce_scatter_coalesced_op_type(), opts.timeout,

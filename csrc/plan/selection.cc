@@ -266,6 +266,8 @@ const char* to_string(GatherScatterPath p) {
       return "fallback";
     case GatherScatterPath::kTwoLevel:
       return "two_level";
+    case GatherScatterPath::kCuda:
+      return "cuda";
   }
   return "?";
 }
@@ -345,6 +347,33 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
   return s;
 }
 
+// One host, CUDA tensors. NCCL's all-gather and reduce-scatter are not yet
+// in the model, and xdev's have not been measured against them, so auto
+// keeps NCCL where it can run; where it cannot (ranks sharing a GPU), the
+// engine is Gloo through host memory, and the native path runs.
+GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
+  GatherScatterSelection s;
+  if (!in.transport_available) {
+    s.reason = "no native transport for CUDA tensors";
+    if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
+  } else if (!in.op_supported) {
+    s.reason = "no native kernel for this reduce op / dtype";
+  } else if (in.num_tensors != 1 || !in.shapes_supported) {
+    s.reason = "CUDA: the native path takes one tensor per side";
+  } else if (in.requested == Algorithm::kAuto && in.nccl_available) {
+    s.reason =
+        "NCCL (xdev's CUDA all-gather and reduce-scatter are not yet measured against it; "
+        "a native algorithm, e.g. algorithm='flat', forces them)";
+  } else {
+    s.path = GatherScatterPath::kCuda;
+    s.reason = in.requested == Algorithm::kAuto
+                   ? "CUDA IPC, one barrier per window (ranks share a GPU: no NCCL)"
+                   : std::string("CUDA IPC, one barrier per window (algorithm='") +
+                         to_string(in.requested) + "' requested)";
+  }
+  return s;
+}
+
 }  // namespace
 
 GatherScatterChoiceCache::Choice GatherScatterChoiceCache::get(const MachineModel& model,
@@ -376,7 +405,7 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
   } else if (in.num_hosts > 1) {
     s = gather_scatter_across_hosts(in);
   } else if (in.device == DeviceKind::kCuda) {
-    s.reason = "no native path for CUDA tensors yet";
+    s = cuda_gather_scatter(in);
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
   } else if (!in.shapes_supported) {

@@ -169,6 +169,7 @@ enum class GatherScatterPath {
   kOneRank,   // a world of one: the output is a copy of the input, whatever the op
   kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
   kTwoLevel,  // several hosts: shared memory inside each, the engine across (plan/two_level.h)
+  kCuda,      // one host, CUDA IPC (GatherScatterPlan as device programs); one tensor per side
 };
 
 const char* to_string(GatherScatterPath p);
@@ -193,11 +194,17 @@ class GatherScatterChoiceCache {
 };
 
 struct GatherScatterInput {
-  Algorithm requested = Algorithm::kAuto;  // only 'fallback' matters: one native plan
+  // CPU: only 'fallback' matters (one native plan). CUDA: any native name
+  // forces the native path where it can run (auto prefers NCCL, see below).
+  Algorithm requested = Algorithm::kAuto;
   int world_size = 1;
   int num_hosts = 1;
   DeviceKind device = DeviceKind::kCpu;
-  bool transport_available = true;  // the host's shared-memory channel is open
+  // The host's shared-memory channel is open (CPU), or the CUDA IPC transport (CUDA).
+  bool transport_available = true;
+  std::string transport_note;  // CUDA: why the transport is off
+  // CUDA: the engine is NCCL (every rank has a GPU of its own).
+  bool nccl_available = false;
   // Native kernels for the op and every dtype (a reduce-scatter), or dense
   // tensors whose bytes can move (an all-gather).
   bool op_supported = true;

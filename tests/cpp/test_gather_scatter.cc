@@ -50,9 +50,25 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   hosts.num_hosts = 2;
   hosts.transport_available = false;
   CHECK_EQ(plan::select_gather_scatter(hosts).reason, "ranks span 2 hosts");
+  // CUDA: auto keeps NCCL where it runs; a forced native name, or ranks sharing a GPU (no
+  // NCCL), run the native path, one tensor per side, where the IPC transport is open.
   plan::GatherScatterInput cuda = in;
   cuda.device = plan::DeviceKind::kCuda;
+  cuda.nccl_available = true;
   CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kFallback);
+  cuda.requested = plan::Algorithm::kFlat;
+  CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
+  cuda.requested = plan::Algorithm::kAuto;
+  cuda.nccl_available = false;
+  CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
+  cuda.num_tensors = 2;
+  CHECK_EQ(plan::select_gather_scatter(cuda).reason,
+           "CUDA: the native path takes one tensor per side");
+  cuda.num_tensors = 1;
+  cuda.transport_available = false;
+  cuda.transport_note = "off: ranks span several hosts";
+  CHECK_EQ(plan::select_gather_scatter(cuda).reason,
+           "no native transport for CUDA tensors (off: ranks span several hosts)");
   plan::GatherScatterInput op = in;
   op.op_supported = false;
   op.world_size = 1;  // even a world of one: the engine knows the dtype, the copy would not

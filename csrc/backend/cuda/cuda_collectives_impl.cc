@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -92,14 +93,14 @@ class StreamEvent {
   cudaEvent_t event_ = nullptr;
 };
 
-// The Work of a native CUDA allreduce. The host part (the barrier that checks
+// The Work of a native CUDA collective. The host part (the barrier that checks
 // every rank runs the same collective, and the launches) completes it; the GPU
 // part is done when done_ has passed on the internal stream.
 class CudaWork : public XdevWork {
  public:
-  CudaWork(int rank, std::vector<at::Tensor> outputs, c10::cuda::CUDAStream stream)
-      : XdevWork(rank, c10d::OpType::ALLREDUCE, "xdev:all_reduce", outputs,
-                 {c10::Device(c10::kCUDA, stream.device_index())}),
+  CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+           c10::cuda::CUDAStream stream)
+      : XdevWork(rank, type, title, outputs, {c10::Device(c10::kCUDA, stream.device_index())}),
         stream_(stream) {}
 
   // The future records its CUDA events on the current stream: make it ours.
@@ -157,28 +158,19 @@ class CudaCollectivesImpl : public CudaCollectives {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors, kernels::ReduceOp op,
                                            plan::Selection sel,
                                            std::chrono::milliseconds timeout) override {
-    const int device = info_->device;
-    c10::cuda::CUDAGuard device_guard(device);
-    // Our stream starts after everything the caller queued before this call.
-    auto ready = std::make_shared<StreamEvent>();
-    ready->record(c10::cuda::getCurrentCUDAStream(device));
-    for (const at::Tensor& t : tensors) {
-      // The caller may free these once its stream moves on; the allocator must
-      // not hand their memory out before our stream is done with them.
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
-    }
-    auto work = c10::make_intrusive<CudaWork>(g_.rank(), tensors, *stream_);
-    g_.enqueue_work(
-        work,
-        [this, work, tensors, op, sel, timeout, ready]() {
-          c10::cuda::CUDAGuard guard(info_->device);
-          c10::cuda::CUDAStreamGuard stream_guard(*stream_);
-          ready->block(*stream_);
-          run_allreduce(tensors, op, sel, timeout);
-          work->record_done();
-        },
-        /*async_op=*/false);  // inline unless CPU work is queued: launching is quick
-    return work;
+    return launch(c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors, tensors,
+                  [this, tensors, op, sel, timeout] { run_allreduce(tensors, op, sel, timeout); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather_scatter(plan::GatherScatterKind kind, at::Tensor full,
+                                                at::Tensor block, kernels::ReduceOp op,
+                                                c10d::OpType type,
+                                                std::chrono::milliseconds timeout) override {
+    const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+    return launch(type, reduce_scatter ? "xdev:reduce_scatter" : "xdev:all_gather", {full, block},
+                  {reduce_scatter ? block : full}, [this, kind, full, block, op, timeout] {
+                    run_gather_scatter(kind, full, block, op, timeout);
+                  });
   }
 
   void synchronize() override {
@@ -368,6 +360,79 @@ class CudaCollectivesImpl : public CudaCollectives {
       std::fprintf(stderr, "[xdev] group '%s' rank %d: CUDA IPC unavailable: %s\n",
                    g_.config().group_name.c_str(), g_.rank(), why.c_str());
     }
+  }
+
+  // Queues `run` on the group's op thread with our stream current; the stream
+  // starts after everything the caller queued before this call on `used`.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* title,
+                                        const std::vector<at::Tensor>& used,
+                                        std::vector<at::Tensor> outputs,
+                                        std::function<void()> run) {
+    const int device = info_->device;
+    c10::cuda::CUDAGuard device_guard(device);
+    auto ready = std::make_shared<StreamEvent>();
+    ready->record(c10::cuda::getCurrentCUDAStream(device));
+    for (const at::Tensor& t : used) {
+      // The caller may free these once its stream moves on; the allocator must
+      // not hand their memory out before our stream is done with them.
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
+    }
+    auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_);
+    g_.enqueue_work(
+        work,
+        [this, work, ready, run = std::move(run)]() {
+          c10::cuda::CUDAGuard guard(info_->device);
+          c10::cuda::CUDAStreamGuard stream_guard(*stream_);
+          ready->block(*stream_);
+          run();
+          work->record_done();
+        },
+        /*async_op=*/false);  // inline unless CPU work is queued: launching is quick
+    return work;
+  }
+
+  // On the op's thread, with our stream current. Both sides are made
+  // contiguous for the kernel (the output copied back after, if it was not).
+  void run_gather_scatter(plan::GatherScatterKind kind, const at::Tensor& full,
+                          const at::Tensor& block, kernels::ReduceOp op,
+                          std::chrono::milliseconds timeout) {
+    const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
+    const at::Tensor full_c = full.contiguous();
+    const at::Tensor block_c = block.contiguous();
+    // A reduce-scatter reduces elements; an all-gather moves bytes.
+    const kernels::DType dtype =
+        reduce_scatter ? *native_dtype(full.scalar_type()) : kernels::DType::kUInt8;
+    const int64_t unit = reduce_scatter ? 1 : block.element_size();
+    const int64_t block_units = block.numel() * unit;
+    const int64_t slot_units =
+        g_.config().cuda_slot_bytes / (reduce_scatter ? block.element_size() : 1);
+    const plan::GatherScatterPlan plan(kind, g_.size(), block_units, slot_units);
+
+    transport::OpDescriptor d =
+        g_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
+    d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+    d.dtype = static_cast<int32_t>(dtype);
+    d.num_tensors = 1;
+    d.total_elems = block_units;
+    d.shape_hash = shape_hash({full, block});
+    d.device = 1;
+    const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
+    // As for the allreduce: every rank runs this very collective before any GPU waits.
+    g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
+    if (plan.num_windows() == 0) return;
+
+    transport::CudaPlanKey key;
+    key.collective = reduce_scatter ? transport::CudaPlanKey::kReduceScatter
+                                    : transport::CudaPlanKey::kAllGather;
+    key.total = block_units;
+    key.window_elems = slot_units;
+    key.pack_bounds = {block_units};
+    const at::Tensor& input = reduce_scatter ? full_c : block_c;
+    const at::Tensor& output = reduce_scatter ? block_c : full_c;
+    executor_->gather_scatter(key, plan, input.data_ptr(), output.data_ptr(), dtype, op,
+                              stream_->stream());
+    const at::Tensor& caller_output = reduce_scatter ? block : full;
+    if (!output.is_same(caller_output)) caller_output.copy_(output);
   }
 
   // On the op's thread, with our stream current.

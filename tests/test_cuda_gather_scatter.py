@@ -1,0 +1,209 @@
+"""The native CUDA reduce-scatter and all-gather (one tensor per side, over CUDA IPC).
+
+- ``test_cuda_gather_scatter_grid``: 2, 3 and 4 ranks x 8 dtypes x 5 ops x block sizes
+  (0, 1, 7, 1021, ~2.5 staging slots) with ``cuda_slot_bytes=4096``, so that blocks run in
+  several windows. Each reduce-scatter is compared with an independent float64/int64
+  reference and, bit for bit, with the same group's CPU reduce-scatter of the same inputs
+  (both sum in rank order); each all-gather (every dtype, bool and complex too: it moves
+  bytes) with the concatenated inputs. Then the forms FSDP2 uses: the coalesced forms with
+  one pair, the all-gather whose input lies inside its output, a non-contiguous output,
+  ``async_op`` with ``wait()``, and results equal on every rank.
+- ``test_cuda_gather_scatter_mismatch_and_auto``: a reduce-scatter whose block differs
+  between ranks fails on every rank with a clear error, and the group keeps working; with
+  algorithm auto, ranks sharing a GPU (no NCCL) run the native path, and the choice is in
+  ``describe()["last_gather_scatter"]``.
+
+Rank placement and the skip rule are in cuda_ranks.py.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cuda_ranks
+import torch_xdev
+from collective_cases import ALL_DTYPES, OPS, check_close, digest, make_input, reference
+from cuda_ranks import (
+    GROUP_TIMEOUT,
+    SLOT,
+    XDEV_TIMEOUT_S,
+    assert_same_on_all_ranks,
+    close_group,
+    first_cuda_collective,
+    setup_rank,
+)
+from harness import run_ranks
+
+cuda_ranks.skip_module_without_cuda()
+
+BIG = -1  # about 2.5 slots of the dtype: three windows
+SIZES = (0, 1, 7, 1021, BIG)
+BYTE_DTYPES = (torch.bool, torch.complex64)  # no reduce kernel; an all-gather moves their bytes
+
+
+def _numel(size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (5 * SLOT // 2) // elem + 3 if size == BIG else size
+
+
+def _gather_input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype == torch.bool:
+        return torch.rand(numel, generator=g) > 0.5
+    if dtype == torch.complex64:
+        return torch.randn(numel, 2, generator=g).view(torch.complex64).flatten()
+    return make_input(seed, rank, numel, dtype, dist.ReduceOp.SUM)
+
+
+def _assert_path(group: Any, name: str, what: str) -> None:
+    last = torch_xdev.describe(group)["last_gather_scatter"]
+    assert last is not None and last[0] == name and last[1] == "cuda", f"{what}: ran {last}"
+
+
+def _open(rank: int, world: int, algorithm: str) -> tuple[torch.device, Any, dict[str, Any]]:
+    device = setup_rank(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    options = torch_xdev.Options(
+        algorithm=algorithm, cuda_slot_bytes=SLOT, shm_slot_bytes=SLOT, timeout=XDEV_TIMEOUT_S
+    )
+    group = dist.new_group(backend="xdev", pg_options=options)
+    return device, group, first_cuda_collective(device, group)
+
+
+def _grid(rank: int, world: int) -> dict[str, Any]:
+    device, group, info = _open(rank, world, "flat")
+    if not info["transport"]:
+        close_group(group)
+        dist.destroy_process_group()
+        return {"skip": f"no CUDA transport: {info['transport_note']}"}
+    started = time.monotonic()
+    digests: list[int] = []
+    labels: list[str] = []
+    for dtype in ALL_DTYPES:
+        for op in OPS:
+            for size in SIZES:
+                numel = _numel(size, dtype)
+                seed = zlib.crc32(f"rs {world} {dtype} {op} {numel}".encode())
+                inputs = [make_input(seed, r, world * numel, dtype, op) for r in range(world)]
+                what = f"reduce_scatter {world} ranks {dtype} {op} block={numel}"
+                got = torch.full((numel,), 7, dtype=dtype, device=device)
+                dist.reduce_scatter_tensor(got, inputs[rank].to(device), op=op, group=group)
+                _assert_path(group, "reduce_scatter", what)
+                result = got.cpu()
+                mine = slice(rank * numel, (rank + 1) * numel)
+                check_close(result, reference(inputs, op)[mine], op, world, what)
+                on_cpu = torch.full((numel,), 7, dtype=dtype)
+                dist.reduce_scatter_tensor(on_cpu, inputs[rank].clone(), op=op, group=group)
+                assert torch.equal(result, on_cpu), f"{what}: not the CPU path's bits"
+                digests.append(digest(result))
+                labels.append(what)
+    for dtype in ALL_DTYPES + BYTE_DTYPES:
+        for size in SIZES:
+            numel = _numel(size, dtype)
+            parts = [_gather_input(numel + 3, r, numel, dtype) for r in range(world)]
+            what = f"all_gather {world} ranks {dtype} block={numel}"
+            out = torch.empty(world * numel, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(out, parts[rank].to(device), group=group)
+            _assert_path(group, "all_gather", what)
+            assert torch.equal(out.cpu(), torch.cat(parts)), what
+    cases = len(labels)
+    _forms(rank, world, device, group)
+    close_group(group)
+    assert_same_on_all_ranks(digests, labels, world)
+    dist.destroy_process_group()
+    return {"cases": cases, "seconds": time.monotonic() - started}
+
+
+def _forms(rank: int, world: int, device: torch.device, group: Any) -> None:
+    """The forms FSDP2 and DTensor call, async_op, in place and non-contiguous outputs."""
+    n = 1000
+    inputs = [make_input(41, r, world * n, torch.float32, OPS[0]) for r in range(world)]
+    expected = reference(inputs, dist.ReduceOp.AVG)[rank * n : (rank + 1) * n]
+    # FSDP2's reduce-scatter: AVG, asynchronous, waited on the caller's stream.
+    out = torch.empty(n, device=device)
+    work = dist.reduce_scatter_tensor(
+        out, inputs[rank].to(device), op=dist.ReduceOp.AVG, group=group, async_op=True
+    )
+    work.wait()
+    check_close(out.cpu(), expected, dist.ReduceOp.AVG, world, "async AVG reduce_scatter")
+    # The coalesced forms with one pair.
+    outs = [torch.empty(n, device=device)]
+    with dist._coalescing_manager(group=group, device=device, async_ops=True) as cm:
+        dist.reduce_scatter_tensor(outs[0], inputs[rank].to(device), group=group)
+    cm.wait()
+    _assert_path(group, "reduce_scatter", "coalesced reduce_scatter")
+    check_close(
+        outs[0].cpu(),
+        reference(inputs, OPS[0])[rank * n : (rank + 1) * n],
+        OPS[0],
+        world,
+        "coalesced reduce_scatter",
+    )
+    parts = [_gather_input(43, r, n, torch.bfloat16) for r in range(world)]
+    gathered = torch.empty(world * n, dtype=torch.bfloat16, device=device)
+    with dist._coalescing_manager(group=group, device=device, async_ops=True) as cm:
+        dist.all_gather_into_tensor(gathered, parts[rank].to(device), group=group)
+    cm.wait()
+    assert torch.equal(gathered.cpu(), torch.cat(parts)), "coalesced all_gather"
+    # FSDP2's all-gather: the input is this rank's block of the output itself.
+    full = torch.zeros(world * n, dtype=torch.bfloat16, device=device)
+    full[rank * n : (rank + 1) * n] = parts[rank].to(device)
+    dist.all_gather_into_tensor(full, full[rank * n : (rank + 1) * n], group=group)
+    assert torch.equal(full.cpu(), torch.cat(parts)), "all_gather with its input in its output"
+    # A non-contiguous output (every other element of a larger tensor).
+    wide = torch.zeros(2 * n, device=device)
+    dist.reduce_scatter_tensor(wide[::2], inputs[rank].to(device), group=group)
+    check_close(
+        wide[::2].cpu(),
+        reference(inputs, OPS[0])[rank * n : (rank + 1) * n],
+        OPS[0],
+        world,
+        "non-contiguous reduce_scatter output",
+    )
+    assert torch.count_nonzero(wide[1::2]).item() == 0, "wrote outside the strided output"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cuda_gather_scatter_grid(world: int) -> None:
+    results = run_ranks(_grid, world, timeout=600)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
+    assert results[0]["cases"] > 0
+    print(f"{world} ranks: {results[0]['cases']} cases in {results[0]['seconds']:.1f} s")
+
+
+def _mismatch_and_auto(rank: int, world: int) -> dict[str, Any]:
+    device, group, info = _open(rank, world, "auto")
+    if not info["transport"]:
+        close_group(group)
+        dist.destroy_process_group()
+        return {"skip": f"no CUDA transport: {info['transport_note']}"}
+    if not info["ranks_share_gpu"]:
+        close_group(group)
+        dist.destroy_process_group()
+        return {"skip": "every rank has a GPU of its own: auto keeps NCCL for these"}
+    n = 16 + rank  # a different block on every rank
+    out = torch.empty(n, device=device)
+    with pytest.raises(dist.DistBackendError, match="mismatched collectives at reduce_scatter"):
+        dist.reduce_scatter_tensor(out, torch.ones(world * n, device=device), group=group)
+        torch.cuda.synchronize()
+    # The group is still usable, and auto ran the native path (no NCCL on a shared GPU).
+    out = torch.empty(16, device=device)
+    dist.reduce_scatter_tensor(out, torch.ones(world * 16, device=device), group=group)
+    assert torch.equal(out.cpu(), torch.full((16,), float(world))), out
+    _assert_path(group, "reduce_scatter", "auto on a shared GPU")
+    close_group(group)
+    dist.destroy_process_group()
+    return {}
+
+
+def test_cuda_gather_scatter_mismatch_and_auto() -> None:
+    results = run_ranks(_mismatch_and_auto, 2, timeout=300)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
