@@ -29,6 +29,12 @@ plans' model: what crosses hosts per host and from the busiest rank, the sequent
 across hosts, and what goes through sockets between ranks of one host (on one machine every
 "network" byte is loopback).
 
+With ``--device cuda`` (one host) the tensors are on the GPUs, rank r on GPU r % device_count:
+``xdev`` is a group with ``algorithm="flat"``, which forces xdev's native CUDA reduce-scatter and
+all-gather (``auto`` keeps NCCL for them where NCCL runs), next to NCCL where every rank has a GPU
+of its own, else Gloo on the same CUDA tensors (NCCL refuses ranks that share a GPU; start MPS
+for those). Each timed loop ends with ``torch.cuda.synchronize()``.
+
 Sizes and bandwidths are those of nccl-tests: ``size`` is the whole tensor (a reduce-scatter's
 input, an all-gather's output: world x the per-rank block; a broadcast's tensor); algbw = size /
 time; busbw = algbw x (n-1)/n for reduce-scatter and all-gather, algbw for broadcast.
@@ -79,11 +85,16 @@ def run_op(collective: str, full: torch.Tensor, block: torch.Tensor, group: Any)
 
 
 def slowest_mean(fn: Callable[[], None], iters: int) -> float:
-    """Slowest rank's seconds per call over ``iters`` back-to-back calls."""
+    """Slowest rank's seconds per call over ``iters`` back-to-back calls (GPU work included)."""
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     dist.barrier()
+    if on_gpu:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    if on_gpu:
+        torch.cuda.synchronize()
     seconds = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds.item())
@@ -148,18 +159,20 @@ def check(
     torch.testing.assert_close(results[1], results[0], msg=f"{collective} {size}: xdev != gloo")
 
 
-def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
+def format_table(rows: list[dict[str, Any]], world: int, baseline: str) -> list[str]:
     """nccl-tests' layout: size (B) and count (elements) of the whole tensor, type, redop,
     then time and bandwidths; one block per collective, a row per backend."""
+    vs = f"vs_{baseline}"
     lines = [
         f"# {world} ranks, torch_xdev from {Path(torch_xdev.__file__).parent}",
         "# time = median over rounds of the slowest rank's mean per call. size/count: the whole",
         "# tensor (a reduce-scatter's input, an all-gather's output: world x the block);",
-        "# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); vs_gloo = Gloo's time / this",
+        f"# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); {vs} = {baseline}'s time /"
+        " this",
     ]
     columns = (
         f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>25} {'time':>10}"
-        f" {'algbw':>8} {'busbw':>8} {'vs_gloo':>8}"
+        f" {'algbw':>8} {'busbw':>8} {vs:>8}"
     )
     units = (
         f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>25} {'(us)':>10}"
@@ -174,7 +187,7 @@ def format_table(rows: list[dict[str, Any]], world: int) -> list[str]:
             lines.append(
                 f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>9} {redop:>6}"
                 f" {r['backend']:>25} {r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f}"
-                f" {r['busbw_gbps']:>8.3f} {r['vs_gloo']:>8.2f}"
+                f" {r['busbw_gbps']:>8.3f} {r['vs_baseline']:>8.2f}"
             )
     return lines
 
@@ -207,6 +220,55 @@ def one_host_variants(
             ("xdev_heap", heap_full, heap_block, xdev),
         )
     }
+
+
+def cuda_variants(
+    collective: str,
+    count: int,
+    dtype: torch.dtype,
+    rank: int,
+    world: int,
+    groups: dict[str, Any],
+) -> dict[str, Callable[[], None]]:
+    """The engine (NCCL, or Gloo where ranks share a GPU) and xdev's native CUDA path on the
+    same CUDA tensors, after checking xdev's result against the engine's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine_name, engine = groups["engine"]
+    full = torch.randn(count, device=device).to(dtype)
+    block = torch.randn(count // world, device=device).to(dtype)
+
+    def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh copies; FSDP2's in-place all-gather takes its block from its output."""
+        f = full.clone()
+        if collective == "all_gather_in_place":
+            return f, f.narrow(0, rank * (count // world), count // world)
+        return f, block.clone()
+
+    results = []
+    for group in (engine, groups["xdev"]):
+        f, b = tensors()
+        run_op(collective, f, b, group)
+        results.append(b if collective == "reduce_scatter" else f)
+    torch.testing.assert_close(
+        results[1], results[0], msg=f"{collective} {count}: xdev != {engine_name}"
+    )
+    return {
+        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
+        for name, (f, b), group in (
+            (engine_name, tensors(), engine),
+            ("xdev", tensors(), groups["xdev"]),
+        )
+    }
+
+
+def cuda_groups(rank: int, world: int) -> dict[str, Any]:
+    """This rank's GPU; the engine group (NCCL where every rank has a GPU of its own, else the
+    default Gloo group) and the xdev group forced onto its native CUDA path."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    own_gpus = torch.cuda.device_count() >= world and dist.is_nccl_available()
+    engine = ("nccl", dist.new_group(backend="nccl")) if own_gpus else ("gloo", None)
+    xdev = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="flat"))
+    return {"engine": engine, "xdev": xdev}
 
 
 def hosts_variants(
@@ -313,21 +375,31 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         os.environ["XDEV_HOSTNAME"] = f"fake-host-{rank // (world // args.hosts)}"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    groups = {"xdev": dist.new_group(backend="xdev")}
-    if args.hosts > 1:
-        groups["xdev_2lvl"] = two_level_group(rank)
+    baseline = "gloo"
+    if args.device == "cuda":
+        groups = cuda_groups(rank, world)
+        baseline = groups["engine"][0]
+    elif args.hosts > 1:
+        groups = {"xdev": dist.new_group(backend="xdev"), "xdev_2lvl": two_level_group(rank)}
     else:
         # Single copy (off by default): peers read one large tensor in place from 256 KiB.
-        groups["xdev_sc"] = dist.new_group(
-            backend="xdev", pg_options=torch_xdev.Options(single_copy=True)
-        )
+        groups = {
+            "xdev": dist.new_group(backend="xdev"),
+            "xdev_sc": dist.new_group(
+                backend="xdev", pg_options=torch_xdev.Options(single_copy=True)
+            ),
+        }
     dtype = getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
     for collective in args.collectives:
         for size in args.sizes:
             count = size // esize // world * world
-            variants = hosts_variants if args.hosts > 1 else one_host_variants
+            variants = (
+                cuda_variants
+                if args.device == "cuda"
+                else hosts_variants if args.hosts > 1 else one_host_variants
+            )
             fns = variants(collective, count, dtype, rank, world, groups)
             iters = {}
             for name, fn in fns.items():
@@ -364,12 +436,14 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                     }
                 )
     if rank == 0:
-        gloo_us = {
-            (r["collective"], r["size_bytes"]): r["time_us"] for r in rows if r["backend"] == "gloo"
+        baseline_us = {
+            (r["collective"], r["size_bytes"]): r["time_us"]
+            for r in rows
+            if r["backend"] == baseline
         }
         for r in rows:
-            r["vs_gloo"] = gloo_us[(r["collective"], r["size_bytes"])] / r["time_us"]
-        lines = format_table(rows, world)
+            r["vs_baseline"] = baseline_us[(r["collective"], r["size_bytes"])] / r["time_us"]
+        lines = format_table(rows, world, baseline)
         traffic = (
             traffic_rows(args.hosts, world, args.sizes, esize, args.collectives)
             if args.hosts > 1
@@ -378,7 +452,14 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         for line in lines[:4] + format_traffic(traffic, args.hosts, world) + lines[4:]:
             print(line)
         if args.json:
-            result = {"world": world, "hosts": args.hosts, "rows": rows, "traffic": traffic}
+            result = {
+                "world": world,
+                "hosts": args.hosts,
+                "device": args.device,
+                "baseline": baseline,
+                "rows": rows,
+                "traffic": traffic,
+            }
             Path(args.json).write_text(json.dumps(result, indent=2))
     dist.destroy_process_group()
 
@@ -386,6 +467,12 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one host, xdev's native CUDA path next to NCCL (Gloo where ranks share a GPU)",
+    )
     parser.add_argument("--sizes", default="64KiB,16MiB", help="comma-separated, e.g. 4KiB,1MiB")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
@@ -406,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.hosts < 1 or args.nproc % args.hosts:
         parser.error("--hosts must divide --nproc")
+    if args.device == "cuda" and (args.hosts > 1 or not torch.cuda.is_available()):
+        parser.error("--device cuda needs a GPU torch can see, and one host")
     known = HOSTS_COLLECTIVES if args.hosts > 1 else COLLECTIVES
     args.collectives = args.collectives.split(",") if args.collectives else list(known)
     unknown = [c for c in args.collectives if c not in known]
