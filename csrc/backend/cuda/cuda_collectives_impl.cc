@@ -264,19 +264,18 @@ class CudaCollectivesImpl : public CudaCollectives {
         all_reachable = all_reachable && both;
       }
     }
-    for (int i = 0; i < size && !info.ranks_share_gpu; ++i) {
-      for (int j = i + 1; j < size; ++j) {
+    // The group's ranks on each rank's GPU (itself included): NCCL refuses a
+    // group where any GPU has two, and they split the GPU's SMs.
+    std::vector<int> ranks_on_gpu(static_cast<size_t>(size), 0);
+    for (int i = 0; i < size; ++i) {
+      for (int j = 0; j < size; ++j) {
         if (hosts[i] == hosts[j] && lower(info.gpus[i]) == lower(info.gpus[j])) {
-          info.ranks_share_gpu = true;
+          ++ranks_on_gpu[static_cast<size_t>(i)];
         }
       }
     }
-    info.ranks_on_this_gpu = 0;
-    for (int r = 0; r < size; ++r) {
-      if (hosts[r] == config.hostname && lower(info.gpus[r]) == lower(info.gpus[rank])) {
-        ++info.ranks_on_this_gpu;
-      }
-    }
+    info.ranks_on_this_gpu = ranks_on_gpu[static_cast<size_t>(rank)];
+    info.ranks_share_gpu = *std::max_element(ranks_on_gpu.begin(), ranks_on_gpu.end()) > 1;
 
     // Links: an injected file, else NVML as rank 0 sees it (one answer for all).
     plan::LinkMatrix class_reach = info.reachable;
