@@ -418,3 +418,23 @@ def test_broadcast_across_hosts_follows_the_model(
     choices = [line for line in err.splitlines() if "broadcast on CPU tensors ->" in line]
     assert len(choices) == 4 * len(sizes), err  # each rank logs each size class once
     assert all(f"-> {path} (" in line for line in choices), choices
+
+
+def _one_allreduce(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    got = torch.full((5000,), float(rank))
+    dist.all_reduce(got)
+    assert torch.equal(got, torch.full((5000,), float(sum(range(world)))))
+    dist.destroy_process_group()
+
+
+def test_debug_log_says_two_levels_ran(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Across hosts the selection's algorithm is the plan inside each host: the log must not
+    read as if flat had run over all ranks."""
+    slow = {"net_latency_us": 5000.0, "net_stream_gbps": 0.1}
+    env = [{**e, "XDEV_DEBUG": "INFO"} for e in _with_model(_hosts_env([2, 2]), slow, tmp_path)]
+    run_ranks(_one_allreduce, 4, per_rank_env=env)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "allreduce on CPU tensors ->" in line]
+    assert len(lines) == 4, err
+    assert all("-> two_level, flat inside each host (" in line for line in lines), lines

@@ -154,9 +154,13 @@ void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
     last_selection_ = {plan::to_string(sel.algorithm), sel.reason};
   }
   const char* device = cuda ? "CUDA" : "CPU";
-  group_.log_once(std::string(device) + ":" + plan::to_string(sel.algorithm) + sel.reason,
-                  std::string("allreduce on ") + device + " tensors -> " +
-                      plan::to_string(sel.algorithm) + " (" + sel.reason + ")");
+  // Across hosts `algorithm` is the plan inside each host: say that two levels run.
+  const std::string what = sel.two_level ? std::string("two_level, ") +
+                                               plan::to_string(sel.algorithm) + " inside each host"
+                                         : plan::to_string(sel.algorithm);
+  group_.log_once(
+      std::string(device) + ":" + what + sel.reason,
+      std::string("allreduce on ") + device + " tensors -> " + what + " (" + sel.reason + ")");
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
