@@ -39,6 +39,7 @@ from cuda_ranks import (
     setup_rank,
 )
 from harness import run_ranks
+from training_cases import sgd_losses, sharded_mlp
 
 cuda_ranks.skip_module_without_cuda()
 
@@ -212,9 +213,6 @@ def test_cuda_gather_scatter_mismatch_and_auto() -> None:
 def _fsdp2(rank: int, world: int, on_cuda: bool) -> dict[str, Any]:
     """Four FSDP2 steps of a small MLP: on CUDA over xdev (its native reduce-scatter and
     all-gather forced), or on CPU over Gloo, the reference."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     device = setup_rank(rank) if on_cuda else torch.device("cpu")
     if on_cuda:
         options = torch_xdev.Options(algorithm="flat", timeout=XDEV_TIMEOUT_S)
@@ -223,21 +221,9 @@ def _fsdp2(rank: int, world: int, on_cuda: bool) -> dict[str, Any]:
         )
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).to(device)
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model = sharded_mlp(64, 3, world, device)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + rank)).to(device)
-    losses = []
-    for _ in range(4):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = sgd_losses(model, x, lr=0.5, steps=4)
     last = torch_xdev.describe()["last_gather_scatter"] if on_cuda else None
     if on_cuda:
         torch.cuda.synchronize()

@@ -23,6 +23,7 @@ import torch_xdev  # noqa: F401  (registers the backend)
 
 from collective_cases import make_input
 from harness import run_ranks
+from training_cases import sgd_losses
 
 IN_PLACE = {
     name: re.compile(rf"rank (\d+): {name} ran in place from the symmetric heap")
@@ -107,15 +108,8 @@ def _fsdp2_training(
     for module in model.modules():  # each call sets it for that module's own parameters
         if isinstance(module, FSDPModule):
             module.set_allocate_memory_from_process_group_for_comm(alloc_from_group)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
     x = torch.randn(32, 96, generator=torch.Generator().manual_seed(100 + rank))
-    losses = []
-    for _ in range(5):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    losses = sgd_losses(model, x, lr=0.2, steps=5)
     # Plain lists: a tensor would travel back through shared memory the exiting rank owns.
     params = [p.full_tensor().tolist() for p in model.parameters()]
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 import torch_xdev
 from collective_cases import ALL_DTYPES, OPS, check_close, make_input, reference
 from harness import run_ranks
+from training_cases import sgd_losses, sharded_mlp
 
 SMALL_SLOT = 4096  # 512 float64 elements: a block of 1021 spans several windows on any world
 SIZES = (0, 1, 7, 1021)
@@ -379,25 +380,10 @@ def test_single_copy_large_tensors(capfd: pytest.CaptureFixture[str]) -> None:
 
 
 def _fsdp2_training(rank: int, world: int, backend: str) -> list[float]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     dist.init_process_group(backend, rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model = sharded_mlp(64, 3, world, torch.device("cpu"))
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + rank))
-    losses = []
-    for _ in range(4):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = sgd_losses(model, x, lr=0.5, steps=4)
     dist.destroy_process_group()
     return losses
 

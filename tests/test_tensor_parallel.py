@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import torch_xdev
 from harness import run_ranks
+from training_cases import sgd_losses
 
 ROWS, COLS = 10, 6  # 10 rows over 3 ranks: shards of 4, 4 and 2
 
@@ -114,15 +115,8 @@ def _tp_training(rank: int, world: int, backend: str) -> dict[str, Any]:
         torch.nn.Linear(16, 8 * world), torch.nn.ReLU(), torch.nn.Linear(8 * world, 16)
     )
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(7))  # the same on every rank
-    losses = []
-    for _ in range(4):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = sgd_losses(model, x, lr=0.05, steps=4)
     params = {name: p.full_tensor().tolist() for name, p in model.named_parameters()}
     dist.destroy_process_group()
     return {"losses": losses, "params": params}
