@@ -77,12 +77,16 @@ def _open(rank: int, world: int, algorithm: str) -> tuple[torch.device, Any, dic
     return device, group, first_cuda_collective(device, group)
 
 
+def _skip(group: Any, why: str) -> dict[str, Any]:
+    close_group(group)
+    dist.destroy_process_group()
+    return {"skip": why}
+
+
 def _grid(rank: int, world: int) -> dict[str, Any]:
     device, group, info = _open(rank, world, "flat")
     if not info["transport"]:
-        close_group(group)
-        dist.destroy_process_group()
-        return {"skip": f"no CUDA transport: {info['transport_note']}"}
+        return _skip(group, f"no CUDA transport: {info['transport_note']}")
     started = time.monotonic()
     digests: list[int] = []
     labels: list[str] = []
@@ -182,13 +186,9 @@ def test_cuda_gather_scatter_grid(world: int) -> None:
 def _mismatch_and_auto(rank: int, world: int) -> dict[str, Any]:
     device, group, info = _open(rank, world, "auto")
     if not info["transport"]:
-        close_group(group)
-        dist.destroy_process_group()
-        return {"skip": f"no CUDA transport: {info['transport_note']}"}
+        return _skip(group, f"no CUDA transport: {info['transport_note']}")
     if not info["ranks_share_gpu"]:
-        close_group(group)
-        dist.destroy_process_group()
-        return {"skip": "every rank has a GPU of its own: auto keeps NCCL for these"}
+        return _skip(group, "every rank has a GPU of its own: auto keeps NCCL for these")
     n = 16 + rank  # a different block on every rank
     out = torch.empty(n, device=device)
     with pytest.raises(dist.DistBackendError, match="mismatched collectives at reduce_scatter"):
