@@ -25,6 +25,28 @@ constexpr c10d::OpType reduce_scatter_coalesced_op_type() {
   return coalesced_reduce_scatter<c10d::OpType>(0);
 }
 
+// A list form's tensors as select_gather_scatter takes them: `all` (this
+// rank's own tensors, then every list's), `full` (every list's: what the call
+// moves), and whether a list holds a size unlike this rank's tensor's.
+struct ListCall {
+  std::vector<at::Tensor> all;
+  std::vector<at::Tensor> full;
+  bool uneven = false;
+};
+
+ListCall list_call(const std::vector<at::Tensor>& mine,
+                   const std::vector<std::vector<at::Tensor>>& lists) {
+  ListCall call{mine, {}, false};
+  for (size_t i = 0; i < lists.size(); ++i) {
+    for (const at::Tensor& t : lists[i]) {
+      call.all.push_back(t);
+      call.full.push_back(t);
+      call.uneven = call.uneven || (i < mine.size() && t.numel() != mine[i].numel());
+    }
+  }
+  return call;
+}
+
 }  // namespace
 
 const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
@@ -38,13 +60,8 @@ const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
     plan::GatherScatterKind kind, const at::Tensor& full, const at::Tensor& block,
     const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
-  const char* name = op == nullptr ? "all_gather" : "reduce_scatter";
-  // Checked as the CPU path checks them (check_pairs), on the rank that made the call.
-  TORCH_CHECK_VALUE(full.scalar_type() == block.scalar_type(), "xdev ", name,
-                    ": input and output dtypes differ (", full.scalar_type(), " and ",
-                    block.scalar_type(), ")");
-  TORCH_CHECK_VALUE(full.numel() == block.numel() * size_, "xdev ", name, ": the full tensor has ",
-                    full.numel(), " elements; it must hold ", size_, " blocks of ", block.numel());
+  // Checked as the CPU paths check them, on the rank that made the call.
+  check_pairs(op == nullptr ? "all_gather" : "reduce_scatter", {full}, {block}, size_);
   return cuda_->gather_scatter(
       kind, full, block, op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type, timeout);
 }
@@ -133,18 +150,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  std::vector<at::Tensor> all = inputs;
-  std::vector<at::Tensor> full;  // every output: what the call moves
-  bool uneven = false;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    for (const at::Tensor& t : outputs[i]) {
-      all.push_back(t);
-      full.push_back(t);
-      uneven = uneven || (i < inputs.size() && t.numel() != inputs[i].numel());
-    }
-  }
-  const auto sel =
-      select_gather_scatter("all_gather", all, full, nullptr, list_refusal(uneven, outputs.size()));
+  const ListCall call = list_call(inputs, outputs);
+  const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr,
+                                         list_refusal(call.uneven, outputs.size()));
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather(outputs, inputs, opts);
   }
@@ -253,18 +261,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> all = outputs;
-  std::vector<at::Tensor> full;  // every input: what the call moves
-  bool uneven = false;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    for (const at::Tensor& t : inputs[i]) {
-      all.push_back(t);
-      full.push_back(t);
-      uneven = uneven || (i < outputs.size() && t.numel() != outputs[i].numel());
-    }
-  }
-  const auto sel = select_gather_scatter("reduce_scatter", all, full, &opts.reduceOp,
-                                         list_refusal(uneven, inputs.size()));
+  const ListCall call = list_call(outputs, inputs);
+  const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
+                                         list_refusal(call.uneven, inputs.size()));
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
