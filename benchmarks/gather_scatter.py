@@ -139,15 +139,19 @@ def check(
     rank: int,
     world: int,
     heap: bool = False,
+    reference: tuple[str, Any] = ("gloo", None),
+    device: torch.device = torch.device("cpu"),
 ) -> None:
+    """Runs the collective on ``xdev`` and on the reference group (name, group; None: the
+    default Gloo group) with the same inputs on ``device`` and asserts equal results."""
     count = size // torch.tensor([], dtype=dtype).element_size()
     g = torch.Generator().manual_seed(rank)
-    full = torch.randn(count, generator=g).to(dtype)
+    full = torch.randn(count, generator=g).to(dtype).to(device)
     block = full[: count // world].clone()
     results = []
-    for group in (None, xdev):
+    for group in (reference[1], xdev):
         f, b = full.clone(), block.clone()
-        if group is not None and heap:
+        if group is xdev and heap:
             f, b = make_tensors(collective, count, dtype, rank, world, xdev)
             f.copy_(full)
             if collective != "all_gather_in_place":
@@ -156,7 +160,9 @@ def check(
             b = f.narrow(0, rank * (count // world), count // world)
         run_op(collective, f, b, group)
         results.append(b if collective == "reduce_scatter" else f)
-    torch.testing.assert_close(results[1], results[0], msg=f"{collective} {size}: xdev != gloo")
+    torch.testing.assert_close(
+        results[1], results[0], msg=f"{collective} {size}: xdev != {reference[0]}"
+    )
 
 
 def format_table(rows: list[dict[str, Any]], world: int, baseline: str) -> list[str]:
@@ -192,6 +198,16 @@ def format_table(rows: list[dict[str, Any]], world: int, baseline: str) -> list[
     return lines
 
 
+def timed_calls(
+    collective: str, variants: list[tuple[str, torch.Tensor, torch.Tensor, Any]]
+) -> dict[str, Callable[[], None]]:
+    """One call of the collective per (name, full, block, group)."""
+    return {
+        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
+        for name, f, b, group in variants
+    }
+
+
 def one_host_variants(
     collective: str,
     count: int,
@@ -211,15 +227,15 @@ def one_host_variants(
         check(collective, count * esize, dtype, group, rank, world)
     check(collective, count * esize, dtype, xdev, rank, world, heap=True)
     heap_full, heap_block = heap_copies(collective, full, block, rank, world, xdev)
-    return {
-        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
-        for name, f, b, group in (
+    return timed_calls(
+        collective,
+        [
             ("gloo", full, block, None),
             ("xdev", full, block, xdev),
             ("xdev_sc", full, block, xdev_sc),
             ("xdev_heap", heap_full, heap_block, xdev),
-        )
-    }
+        ],
+    )
 
 
 def cuda_variants(
@@ -234,6 +250,17 @@ def cuda_variants(
     same CUDA tensors, after checking xdev's result against the engine's."""
     device = torch.device("cuda", torch.cuda.current_device())
     engine_name, engine = groups["engine"]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    check(
+        collective,
+        count * esize,
+        dtype,
+        groups["xdev"],
+        rank,
+        world,
+        reference=groups["engine"],
+        device=device,
+    )
     full = torch.randn(count, device=device).to(dtype)
     block = torch.randn(count // world, device=device).to(dtype)
 
@@ -244,21 +271,10 @@ def cuda_variants(
             return f, f.narrow(0, rank * (count // world), count // world)
         return f, block.clone()
 
-    results = []
-    for group in (engine, groups["xdev"]):
-        f, b = tensors()
-        run_op(collective, f, b, group)
-        results.append(b if collective == "reduce_scatter" else f)
-    torch.testing.assert_close(
-        results[1], results[0], msg=f"{collective} {count}: xdev != {engine_name}"
+    return timed_calls(
+        collective,
+        [(engine_name, *tensors(), engine), ("xdev", *tensors(), groups["xdev"])],
     )
-    return {
-        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
-        for name, (f, b), group in (
-            (engine_name, tensors(), engine),
-            ("xdev", tensors(), groups["xdev"]),
-        )
-    }
 
 
 def cuda_groups(rank: int, world: int) -> dict[str, Any]:
@@ -295,15 +311,15 @@ def hosts_variants(
         check(collective, count * esize, dtype, groups[name], rank, world)
     check(collective, count * esize, dtype, two_level, rank, world, heap=True)
     heap_full, heap_block = heap_copies(collective, full, block, rank, world, two_level)
-    return {
-        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
-        for name, f, b, group in (
+    return timed_calls(
+        collective,
+        [
             ("gloo", full, block, None),
             ("xdev", full, block.clone(), groups["xdev"]),
             ("xdev_2lvl", full, block.clone(), two_level),
             ("xdev_2lvl_heap", heap_full, heap_block, two_level),
-        )
-    }
+        ],
+    )
 
 
 def two_level_group(rank: int) -> Any:
