@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_xdev
+from harness import run_ranks
 
 SLOT = 4096  # cuda_slot_bytes (and shm_slot_bytes) of the grids: many windows, cheaply
 NATIVE = ("hierarchical_copy", "hierarchical_balanced", "reduce_to_one", "flat", "direct")
@@ -46,6 +47,15 @@ def why_skip() -> Optional[str]:
             "build against a CUDA build of torch with a CUDA toolkit present)"
         )
     return "; ".join(missing) if missing else None
+
+
+def run_or_skip(fn: Callable[..., Any], world: int, *args: Any, timeout: float) -> list[Any]:
+    """run_ranks, then skips the test with the ranks' reason where rank 0 returned
+    ``{"skip": why}`` (no CUDA transport there, or a case this machine cannot make)."""
+    results = run_ranks(fn, world, *args, timeout=timeout)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
+    return results
 
 
 def setup_rank(rank: int, topo_file: Optional[str] = None) -> torch.device:

@@ -44,9 +44,9 @@ from cuda_ranks import (
     close_group,
     first_cuda_collective,
     last_allreduce,
+    run_or_skip,
     setup_rank,
 )
-from harness import run_ranks
 from topologies import DGX1_V100
 
 cuda_ranks.skip_module_without_cuda()
@@ -203,9 +203,7 @@ GRID = [
 @pytest.mark.parametrize("world,algorithm", GRID)
 def test_cuda_allreduce_grid(world: int, algorithm: str) -> None:
     sizes = SIZES if world <= 4 else SIZES_8_RANKS
-    results = run_ranks(_grid, world, algorithm, sizes, timeout=600 if world <= 4 else 900)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    results = run_or_skip(_grid, world, algorithm, sizes, timeout=600 if world <= 4 else 900)
     assert results[0]["cases"] > 0
     cases, seconds = results[0]["cases"], results[0]["seconds"]
     print(f"{world} ranks {algorithm}: {cases} cases in {seconds:.1f} s ({_info_line(results[0])})")
@@ -309,7 +307,5 @@ def test_dgx1_topology_runs_hierarchical_copy(tmp_path: Path) -> None:
     broken[0][4] = broken[4][0] = 0
     partial = tmp_path / "dgx1-minus-link.json"
     partial.write_text(json.dumps({"name": "dgx1-minus-0-4", "nvlink": broken}))
-    results = run_ranks(_dgx1, 8, str(dgx1), str(partial), timeout=900)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    results = run_or_skip(_dgx1, 8, str(dgx1), str(partial), timeout=900)
     assert results[0]["cases"] > 0

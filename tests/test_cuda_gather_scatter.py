@@ -36,6 +36,7 @@ from cuda_ranks import (
     assert_same_on_all_ranks,
     close_group,
     first_cuda_collective,
+    run_or_skip,
     setup_rank,
 )
 from harness import run_ranks
@@ -176,9 +177,7 @@ def _forms(rank: int, world: int, device: torch.device, group: Any) -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_cuda_gather_scatter_grid(world: int) -> None:
-    results = run_ranks(_grid, world, timeout=600)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    results = run_or_skip(_grid, world, timeout=600)
     assert results[0]["cases"] > 0
     print(f"{world} ranks: {results[0]['cases']} cases in {results[0]['seconds']:.1f} s")
 
@@ -205,9 +204,7 @@ def _mismatch_and_auto(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_cuda_gather_scatter_mismatch_and_auto() -> None:
-    results = run_ranks(_mismatch_and_auto, 2, timeout=300)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    run_or_skip(_mismatch_and_auto, 2, timeout=300)
 
 
 def _fsdp2(rank: int, world: int, on_cuda: bool) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from cuda_ranks import (
     assert_same_on_all_ranks,
     first_cuda_collective,
     last_allreduce,
+    run_or_skip,
     setup_rank,
 )
 from harness import run_ranks
@@ -139,9 +140,7 @@ def _streams(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_stream_semantics() -> None:
-    results = run_ranks(_streams, 2, timeout=300)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    run_or_skip(_streams, 2, timeout=300)
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,9 +279,7 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_layouts_coalesced_mixed_dtypes(world: int) -> None:
-    results = run_ranks(_layouts, world, timeout=300)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    run_or_skip(_layouts, world, timeout=300)
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,9 +421,7 @@ def _bad_input(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_bad_input() -> None:
-    results = run_ranks(_bad_input, 2, timeout=300)
-    if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+    run_or_skip(_bad_input, 2, timeout=300)
 
 
 # ---------------------------------------------------------------------------------------
