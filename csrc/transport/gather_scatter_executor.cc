@@ -66,6 +66,19 @@ int64_t block_count(const GatherScatterRequest& req, size_t t, int j) {
   return req.block_starts.empty() ? req.block_layout->numel(t) : req.plan->block_elems(j);
 }
 
+// An all-gather's own piece, read once: into its slot for the peers and into
+// its own output, a chunk at a time so that the second copy reads the chunk
+// from L1 rather than from memory. Skips the output where the input already
+// lies in it (FSDP's in-place all-gather).
+void copy_to_slot_and_output(char* slot, char* output, const char* input, size_t bytes) {
+  constexpr size_t kChunk = 16 * 1024;
+  for (size_t at = 0; at < bytes; at += kChunk) {
+    const size_t n = std::min(kChunk, bytes - at);
+    std::memcpy(slot + at, input + at, n);
+    if (output != input) std::memcpy(output + at, input + at, n);
+  }
+}
+
 }  // namespace
 
 bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
@@ -102,9 +115,14 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
       }
       char* slot = channel_.slot(parity, me);
       for (const plan::Range& r : sched.staged_ranges[static_cast<size_t>(me)]) {
-        map.for_each_piece(r, [&](int64_t slot_pos, char* input, char*, int64_t count) {
-          std::memcpy(slot + plan.slot_memory_offset(me, slot_pos, p) * es, input,
-                      static_cast<size_t>(count * es));
+        map.for_each_piece(r, [&](int64_t slot_pos, char* input, char* output, int64_t count) {
+          char* staged = slot + plan.slot_memory_offset(me, slot_pos, p) * es;
+          const auto bytes = static_cast<size_t>(count * es);
+          if (all_gather) {
+            copy_to_slot_and_output(staged, output, input, bytes);
+          } else {
+            std::memcpy(staged, input, bytes);
+          }
         });
       }
     };
@@ -122,6 +140,9 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     // only this rank's output.
     for (const plan::Step& s : sched.steps) {
       if (s.actor != me) continue;
+      // An all-gather's own piece went to its output while it was staged
+      // (alone, a rank stages nothing and copies it here).
+      if (all_gather && s.sources[0] == plan::kOwnInput && channel_.world_size() > 1) continue;
       const int64_t divisor =
           (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
       sources.resize(s.sources.size());
@@ -136,9 +157,7 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
         if (s.kind == plan::StepKind::kReduce) {
           kernels::reduce(req.dtype, req.op, output, sources.data(),
                           static_cast<int>(sources.size()), count, divisor);
-        } else if (output != sources[0]) {
-          // An all-gather's input may lie inside its output (FSDP's in-place
-          // all-gather): then its own piece is already in place.
+        } else if (output != sources[0]) {  // alone, FSDP's input already lies in its output
           std::memmove(output, sources[0], bytes);
         }
       });

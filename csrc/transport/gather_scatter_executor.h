@@ -1,6 +1,7 @@
 // Runs a GatherScatterPlan (reduce-scatter or all-gather) over a ShmChannel by
 // staging: each window, every rank copies the pieces its peers read into its
-// slot, passes one barrier, and runs its steps of the window's schedule. The
+// slot, passes one barrier, and runs its steps of the window's schedule (an
+// all-gather writes its own piece to its output as it stages it). The
 // slot coordinates of the schedule map to tensors as the plan lays them out:
 // rank j's piece of window [a, b) is block elements [a, b) of rank j. A block
 // may span several tensors (the coalesced forms): block_layout says which.
