@@ -24,7 +24,7 @@ network (XDEV_CPU_MODEL with ``net_latency_us`` 1e6, over the user's file if one
 that it runs the two-level plan at every size, to show what the model weighed against Gloo;
 ``xdev_2lvl_heap`` is that group on tensors from its heap (FSDP2's buffers across hosts: the
 step inside each host reads them in place). Broadcast from rank 0 runs there too (Gloo and
-xdev only: it takes two levels whenever it can, without a model). The header gives each plan's traffic from the
+xdev's ``auto``, labelled with what the model chose: ``two_level`` or ``fallback``). The header gives each plan's traffic from the
 plans' model: what crosses hosts per host and from the busiest rank, the sequential steps
 across hosts, and what goes through sockets between ranks of one host (on one machine every
 "network" byte is loopback).
@@ -429,12 +429,15 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             for name in fns:
                 seconds = statistics.median(times[name])
                 algbw = count * esize / seconds / 1e9
-                label, picked = name, None
-                if args.hosts > 1 and name != "gloo" and collective != "broadcast":
+                label, path, reason = name, None, None
+                if args.hosts > 1 and name != "gloo":
                     # What the group ran (its last call was one of the timed ones) and why.
-                    group = groups[name.removesuffix("_heap")]
-                    picked = torch_xdev.describe(group)["last_gather_scatter"]
-                    label = f"{name}({picked[1]})"
+                    info = torch_xdev.describe(groups[name.removesuffix("_heap")])
+                    if collective == "broadcast":
+                        path, reason = info["last_broadcast"]
+                    else:
+                        _, path, reason = info["last_gather_scatter"]
+                    label = f"{name}({path})"
                 rows.append(
                     {
                         "collective": collective,
@@ -448,7 +451,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                         "algbw_gbps": algbw,
                         "busbw_gbps": algbw
                         * (1 if collective == "broadcast" else (world - 1) / world),
-                        "reason": picked[2] if picked is not None else None,
+                        "reason": reason,
                     }
                 )
     if rank == 0:

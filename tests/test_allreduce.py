@@ -159,6 +159,7 @@ def _shapes_and_modes(rank: int, world: int) -> None:
             x = b.clone() if rank == root else torch.zeros_like(b)
             dist.broadcast(x, src=root)
             assert torch.equal(x, b)
+            assert torch_xdev.describe()["last_broadcast"][0] == "native"
     dist.barrier()
     dist.destroy_process_group()
 

@@ -92,6 +92,7 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     _list_forms(rank, world, group, gathers, paths)
     # Broadcast from a root on each host, of tensors of two dtypes (one strided), and one too
     # large to ride in the check across hosts (the engine's broadcast follows it).
+    broadcast_paths: set[str] = set()
     for root in (0, world - 1):
         a = torch.arange(1000, dtype=torch.float64) * (root + 1)
         b = torch.arange(12, dtype=torch.int16).view(3, 4) - root
@@ -99,9 +100,9 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
         mine_a = a.clone() if rank == root else torch.zeros_like(a)
         mine_b = b.t().clone().t() if rank == root else torch.zeros_like(b).t().contiguous().t()
         mine_c = c.clone() if rank == root else torch.zeros_like(c)
-        dist.broadcast(mine_a, src=root, group=group)
-        dist.broadcast(mine_b, src=root, group=group)
-        dist.broadcast(mine_c, src=root, group=group)
+        for mine in (mine_a, mine_b, mine_c):
+            dist.broadcast(mine, src=root, group=group)
+            broadcast_paths.add(torch_xdev.describe(group)["last_broadcast"][0])
         assert torch.equal(mine_a, a) and torch.equal(mine_b, b), (layout, root)
         assert torch.equal(mine_c, c), (layout, root)
     # The same bits on every rank of every host (the all-gathers' outputs).
@@ -111,7 +112,12 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
     assert all(torch.equal(e, everyone[0]) for e in everyone)
     dist.destroy_process_group(group)
     dist.destroy_process_group()
-    return {"paths": sorted(paths), "reason": reason, "leader_forms": sorted(leader_forms)}
+    return {
+        "paths": sorted(paths),
+        "reason": reason,
+        "leader_forms": sorted(leader_forms),
+        "broadcast_paths": sorted(broadcast_paths),
+    }
 
 
 def _list_forms(
@@ -195,6 +201,7 @@ def test_two_level_gather_scatter(layout: str, tmp_path: Path) -> None:
     results = run_ranks(_cases, len(hosts), layout, per_rank_env=env, timeout=300)
     for result in results:
         assert result["paths"] == ["two_level"], result
+        assert result["broadcast_paths"] == ["two_level"], result
         assert "two-level reduce_scatter" in result["reason"], result["reason"]
         # Two fake hosts' streams share this machine's cores: payloads that ride whole in the
         # exchange take the leader form, the largest blocks go by the engine from every rank.
@@ -213,8 +220,12 @@ def _uneven(rank: int, world: int) -> dict[str, Any]:
     dist.all_gather_into_tensor(out, full[rank][:block])
     assert torch.equal(out, torch.cat([f[:block] for f in full]))
     last = torch_xdev.describe()["last_gather_scatter"]
+    b = torch.arange(5.0) if rank == 4 else torch.zeros(5)
+    dist.broadcast(b, src=4)
+    assert torch.equal(b, torch.arange(5.0))
+    broadcast = torch_xdev.describe()["last_broadcast"]
     dist.destroy_process_group()
-    return {"last": last}
+    return {"last": last, "broadcast": broadcast}
 
 
 def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
@@ -223,6 +234,8 @@ def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
         name, path, reason = result["last"]
         assert (name, path) == ("all_gather", "fallback"), result
         assert "different numbers of ranks" in reason, reason
+        path, reason = result["broadcast"]
+        assert path == "fallback" and "different numbers of ranks" in reason, result
 
 
 @pytest.mark.slow

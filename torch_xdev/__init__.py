@@ -50,6 +50,8 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     ``num_hosts``, ``shared_memory``, ``fallback_backend``, ``cpu_allreduce_plan``
     (algorithm and reason per payload size), ``cuda_allreduce_plan``, ``last_allreduce``,
     ``last_gather_scatter`` (the last all-gather or reduce-scatter: name, path and reason),
+    ``last_broadcast`` (the last broadcast's path, ``native``, ``two_level`` or ``fallback``,
+    and reason),
     ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive),
     ``ddp_shared_buckets`` (whether DDP's buckets on this group will live in its symmetric
     heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas

@@ -146,6 +146,10 @@ py::dict describe(const XdevBackend& b) {
   d["last_gather_scatter"] = last_gs.empty()
                                  ? py::object(py::none())
                                  : py::object(py::make_tuple(last_gs[0], last_gs[1], last_gs[2]));
+  const auto broadcast = b.last_broadcast();
+  d["last_broadcast"] = broadcast.first.empty()
+                            ? py::object(py::none())
+                            : py::object(py::make_tuple(broadcast.first, broadcast.second));
   const auto last = b.last_selection();
   d["last_allreduce"] = last.first.empty() ? py::object(py::none())
                                            : py::object(py::make_tuple(last.first, last.second));

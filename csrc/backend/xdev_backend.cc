@@ -102,6 +102,11 @@ std::vector<std::string> XdevBackend::last_gather_scatter() const {
   return last_gather_scatter_;
 }
 
+std::pair<std::string, std::string> XdevBackend::last_broadcast() const {
+  std::lock_guard<std::mutex> lock(selection_mutex_);
+  return last_broadcast_;
+}
+
 plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) const {
   plan::SelectionInput in;
   in.requested = group_.requested();
@@ -251,11 +256,27 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
   ++collectives_called_;
-  bool native = (cpu_ != nullptr || two_level_broadcast_ != nullptr) && opts.rootTensor == 0;
-  for (const at::Tensor& t : tensors) {
-    native = native && t.device().is_cpu() && t.layout() == at::kStrided;
+  const auto record = [this](const char* path, std::string reason) {
+    std::lock_guard<std::mutex> lock(selection_mutex_);
+    last_broadcast_ = {path, std::move(reason)};
+  };
+  std::string refusal;
+  if (cpu_ == nullptr && two_level_broadcast_ == nullptr) {
+    refusal = size_ == 1               ? "one rank"
+              : group_.num_hosts() > 1 ? "across hosts: " + two_level_note_
+                                       : "no shared memory between the ranks";
+  } else if (opts.rootTensor != 0) {
+    refusal = "a root tensor other than the first";
   }
-  if (!native) return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
+  for (const at::Tensor& t : tensors) {
+    if (refusal.empty() && !(t.device().is_cpu() && t.layout() == at::kStrided)) {
+      refusal = t.device().is_cuda() ? "CUDA tensors" : "tensors that are not strided CPU tensors";
+    }
+  }
+  if (!refusal.empty()) {
+    record("fallback", refusal);
+    return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
+  }
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
   if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
@@ -266,10 +287,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     const char* path = c.two_level ? "two_level" : "fallback";
     group_.log_once("broadcast:" + c.reason,
                     std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
+    record(path, c.reason);
     if (!c.two_level) return fallbacks_.cpu()->broadcast(tensors, opts);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
+  record("native", "one host: staged through shared memory");
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 

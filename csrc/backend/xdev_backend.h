@@ -162,6 +162,8 @@ class XdevBackend : public c10d::Backend {
   std::pair<std::string, std::string> last_selection() const;
   // The last all-gather or reduce-scatter: its name, path and why (empty before the first).
   std::vector<std::string> last_gather_scatter() const;
+  // The last broadcast: its path ("native", "two_level" or "fallback") and why.
+  std::pair<std::string, std::string> last_broadcast() const;
   // What select_allreduce weighs about this group for an allreduce of this
   // many bytes (the call's op, tensors and placement are the caller's to add),
   // and the selection an allreduce of supported op and dtype would get.
@@ -239,6 +241,7 @@ class XdevBackend : public c10d::Backend {
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;
   std::vector<std::string> last_gather_scatter_;
+  std::pair<std::string, std::string> last_broadcast_;
 };
 
 }  // namespace xdev::backend
