@@ -257,3 +257,32 @@ def test_gpu_machines_list_nccl_candidates_and_auto_takes_the_fastest(tmp_path: 
         assert chosen["nccl"] == (size == 16 << 20)
     # CPU machines have no NCCL rows.
     assert not any(r["nccl"] for r in plan.rows(plan.machine("cpu-4"), [1 << 20]))
+
+
+def test_gpu_machines_list_nccl_gather_scatter_candidates(tmp_path: Path) -> None:
+    out = tmp_path / "h100_ag.json"
+    argv = ["--topology", "hgx-h100", "--collective", "all_gather", "--sizes", "4KiB,256MiB"]
+    assert plan.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    for size in (4 << 10, 256 << 20):
+        at_size = [r for r in rows if r["size"] == size]
+        nccl = [r for r in at_size if r["nccl"]]
+        # NCCL's ring with each protocol and NVLS, never a tree, after xdev's forms.
+        assert [r["label"] for r in nccl] == [
+            "nccl_ring/LL",
+            "nccl_ring/LL128",
+            "nccl_ring/Simple",
+            "nccl_nvls/Simple",
+        ]
+        assert all(r["algorithm"] == "nccl" for r in nccl)
+        (chosen,) = [r for r in at_size if r["chosen"]]
+        eligible = [r for r in at_size if not r["ring_reference"]]
+        assert chosen["time_us"] == min(r["time_us"] for r in eligible)
+    # The header says what auto runs on CUDA tensors whatever the model marks.
+    proc = run_cli(*argv)
+    assert "auto still runs NCCL" in proc.stdout, proc.stdout
+    # CPU machines: no NCCL rows, no such line.
+    proc = run_cli("--topology", "cpu-2", "--collective", "all_gather", "--sizes", "4KiB")
+    labels = [m["label"] for matches in parse_rows(proc.stdout).values() for m in matches]
+    assert not any(label.startswith("nccl_") for label in labels), labels
+    assert "auto still runs NCCL" not in proc.stdout, proc.stdout

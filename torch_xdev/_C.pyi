@@ -97,6 +97,8 @@ class plan:
         def barrier_latency_s(self) -> float: ...
         @property
         def barrier_between_phases(self) -> bool: ...
+        @property
+        def has_nccl(self) -> bool: ...  # NCCL's candidates are predicted on this machine
         def links(self) -> list[list[int]]: ...
 
     class Prediction(TypedDict):
@@ -178,6 +180,17 @@ class plan:
         with_ring_reference: bool = True,
         with_nccl: bool = True,
     ) -> plan.Choice: ...
+    @staticmethod
+    def choose_gather_scatter(
+        machine: plan.MachineModel,
+        collective: str,
+        nbytes: int,
+        single_copy: bool = True,
+        in_place: bool = True,
+        with_ring_reference: bool = True,
+        elem_bytes: int = 4,
+        with_nccl: bool = True,
+    ) -> dict[str, Any]: ...  # "best" and "predictions": dicts with label, form, nccl, seconds...
     @staticmethod
     def classify(links: list[list[int]]) -> str: ...
 

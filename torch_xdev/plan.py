@@ -28,7 +28,12 @@ only) and ``in_place`` (peers read the input where every rank maps it: the symme
 heap). The size is the whole tensor (all ranks' blocks), busbw is algbw x (n-1)/n, as
 nccl-tests reports them. ``--no-single-copy`` and ``--no-in-place`` leave a form out of
 the choice, as a group without single copy, or a tensor outside the heap, would; the
-ring reference is the reduce-scatter or all-gather half of NCCL's ring.
+ring reference is the reduce-scatter or all-gather half of NCCL's ring. On GPU machines
+NCCL's own candidates follow (its ring with each protocol, and NVLS on NVSwitch: NCCL runs
+no tree for these), from the same tuning model, and ``*`` may mark one of them. On CUDA
+tensors ``auto`` still hands these collectives to NCCL wherever NCCL runs, whatever the
+model says, until xdev's CUDA form has been measured against NCCL; its reason quotes both
+predictions.
 
 ``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``hgx-h100``,
 ``hgx-a100``, ``nvlink-2gpu``, ``nvlink-4gpu``, ``pcie-8gpu``, ``cpu-<N>``; sources in
@@ -273,7 +278,8 @@ def gather_scatter_rows(
     in_place: bool = True,
 ) -> list[Row]:
     """Every form's prediction of a reduce-scatter or all-gather of ``size`` bytes (the whole
-    tensor), the ring reference last; ``chosen`` marks the fastest form allowed."""
+    tensor), then NCCL's (on a GPU machine), the ring reference last; ``chosen`` marks the
+    fastest of the forms allowed and NCCL's."""
     choice = _plan.choose_gather_scatter(model, collective, size, True, True, True)
     best = choice["best"]["label"]
     if not (single_copy and in_place):  # every form shown, the choice among those allowed
@@ -289,7 +295,7 @@ def gather_scatter_rows(
             algorithm=p["form"],
             num_packs=0,
             ring_reference=p["ring_reference"],
-            nccl=False,
+            nccl=p["nccl"],
             time_us=p["seconds"] * 1e6,
             algbw_gbps=p["algbw"] / 1e9,
             busbw_gbps=p["busbw"] / 1e9,
@@ -304,8 +310,9 @@ LABEL_WIDTH = len("hierarchical_balanced/9999")
 
 _WHAT = {
     "allreduce": "allreduce of float32 sums; * = the choice of algorithm=auto",
-    "reduce_scatter": "reduce_scatter of float32 sums (size: the whole input); * = xdev's choice",
-    "all_gather": "all_gather (size: the whole output); * = xdev's choice",
+    "reduce_scatter": "reduce_scatter of float32 sums (size: the whole input); * = the model's"
+    " choice",
+    "all_gather": "all_gather (size: the whole output); * = the model's choice",
 }
 
 
@@ -317,6 +324,14 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
             f"# source: {model.source}",
             f"# predicted {_WHAT[collective]} (the ring reference is never chosen; nccl_* rows "
             "are NCCL's own tuning model)",
+            *(
+                []
+                if collective == "allreduce" or not model.has_nccl
+                else [
+                    "# on CUDA tensors auto still runs NCCL wherever it runs: xdev's CUDA "
+                    "form has not yet been measured against it"
+                ]
+            ),
             "#",
             f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
             f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice",

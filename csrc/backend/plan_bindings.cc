@@ -66,9 +66,11 @@ py::dict to_dict(const plan::GatherScatterPrediction& p) {
   py::dict d;
   d["label"] = p.candidate.label();
   d["form"] = p.candidate.ring_reference ? std::string("ring")
+              : p.candidate.nccl         ? std::string("nccl")
                                          : std::string(plan::to_string(p.candidate.form));
   d["window_bytes"] = p.candidate.window_bytes;
   d["ring_reference"] = p.candidate.ring_reference;
+  d["nccl"] = p.candidate.nccl;
   d["bytes"] = p.bytes;
   d["seconds"] = p.seconds;
   d["algbw"] = p.algbw;
@@ -103,6 +105,8 @@ void bind_plan(py::module_& parent) {
       .def_readonly("step_latency_s", &plan::MachineModel::step_latency_s)
       .def_readonly("barrier_latency_s", &plan::MachineModel::barrier_latency_s)
       .def_readonly("barrier_between_phases", &plan::MachineModel::barrier_between_phases)
+      .def_property_readonly("has_nccl",
+                             [](const plan::MachineModel& mm) { return mm.nccl.present; })
       .def(
           "links", [](const plan::MachineModel& mm) { return mm.links.to_rows(); },
           "Direct link counts per device pair (NVLinks; 1 per pair for a CPU host).")
@@ -247,13 +251,14 @@ void bind_plan(py::module_& parent) {
   m.def(
       "choose_gather_scatter",
       [](const plan::MachineModel& mm, const std::string& collective, int64_t nbytes,
-         bool single_copy, bool in_place, bool with_ring_reference, int64_t elem_bytes) {
+         bool single_copy, bool in_place, bool with_ring_reference, int64_t elem_bytes,
+         bool with_nccl) {
         check_bytes(nbytes, elem_bytes);
         const plan::GatherScatterKind kind = gather_scatter_kind(collective);
         plan::GatherScatterChoice choice;
         {
           py::gil_scoped_release no_gil;
-          choice = plan::choose_gather_scatter(mm, kind, nbytes, {single_copy, in_place},
+          choice = plan::choose_gather_scatter(mm, kind, nbytes, {single_copy, in_place, with_nccl},
                                                with_ring_reference, elem_bytes);
         }
         py::list predictions;
@@ -267,10 +272,12 @@ void bind_plan(py::module_& parent) {
       },
       py::arg("machine"), py::arg("collective"), py::arg("nbytes"), py::arg("single_copy") = true,
       py::arg("in_place") = true, py::arg("with_ring_reference") = true, py::arg("elem_bytes") = 4,
-      "Reduce-scatter or all-gather of a full tensor of nbytes: the fastest form allowed "
-      "('best': staged, plus single_copy / in_place where allowed) and every prediction "
-      "('predictions': dicts with label, form, window_bytes, ring_reference, bytes, seconds, "
-      "algbw and busbw; ring reference last).");
+      py::arg("with_nccl") = true,
+      "Reduce-scatter or all-gather of a full tensor of nbytes: the fastest candidate allowed "
+      "('best': staged, plus single_copy / in_place where allowed, and NCCL's algorithms on a "
+      "machine with NCCL unless with_nccl is False) and every prediction ('predictions': dicts "
+      "with label, form ('nccl' for NCCL's), window_bytes, ring_reference, nccl, bytes, "
+      "seconds, algbw and busbw; ring reference last).");
 
   m.def(
       "classify",

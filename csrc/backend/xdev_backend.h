@@ -232,9 +232,10 @@ class XdevBackend : public c10d::Backend {
   SharedBuffers shared_;
   FallbackEngines fallbacks_;
 
-  mutable plan::ModelChoiceCache model_choices_;           // the CPU model's, per size class
-  mutable plan::ModelChoiceCache cuda_model_choices_;      // the GPUs' model's, likewise
-  plan::GatherScatterChoiceCache gather_scatter_choices_;  // the same for gather/scatter
+  mutable plan::ModelChoiceCache model_choices_;                // the CPU model's, per size class
+  mutable plan::ModelChoiceCache cuda_model_choices_;           // the GPUs' model's, likewise
+  plan::GatherScatterChoiceCache gather_scatter_choices_;       // the same for gather/scatter
+  plan::GatherScatterChoiceCache cuda_gather_scatter_choices_;  // and on the GPUs' model
 
   std::atomic<uint64_t> collectives_called_{0};  // getSequenceNumberForGroup
 

@@ -93,6 +93,10 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
                         : cuda_ == nullptr ? "this build has no CUDA path"
                                            : "one rank, or tensors on several devices";
     in.nccl_available = info != nullptr && !info->ranks_share_gpu;
+    if (info != nullptr && info->model) {  // what auto's reason weighs: xdev's form and NCCL
+      in.model = &*info->model;
+      in.model_cache = &cuda_gather_scatter_choices_;
+    }
   }
   if (shape_refusal != nullptr) {
     in.shapes_supported = false;
@@ -105,7 +109,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   in.kind =
       op == nullptr ? plan::GatherScatterKind::kAllGather : plan::GatherScatterKind::kReduceScatter;
   if (!full_tensors.empty()) in.elem_bytes = full_tensors[0].element_size();
-  if (cpu_ != nullptr) {
+  if (cpu_ != nullptr && in.device == plan::DeviceKind::kCpu) {
     in.model = &cpu_->model();
     in.model_cache = &gather_scatter_choices_;
     // The tensor peers would read in place: a reduce-scatter's input, an all-gather's output.

@@ -69,6 +69,7 @@ const char* to_string(GatherScatterForm f) {
 
 std::string GatherScatterCandidate::label() const {
   if (ring_reference) return "ring (reference)";
+  if (nccl) return nccl_candidate.label();
   std::string s = to_string(form);
   if (form == GatherScatterForm::kStaged && window_bytes > 0) {
     s += window_bytes % 1024 == 0 ? "/" + std::to_string(window_bytes / 1024) + "KiB"
@@ -148,6 +149,12 @@ GatherScatterPrediction predict_gather_scatter(const MachineModel& m, GatherScat
   pr.candidate = c;
   pr.bytes = bytes;
   const int n = m.num_devices();
+  if (c.nccl) {
+    pr.seconds = predict_nccl_gather_scatter(m.nccl, c.nccl_candidate, n, bytes).seconds;
+    pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
+    pr.busbw = pr.algbw * (n - 1) / n;
+    return pr;
+  }
   // The payload one window of the staged form (or of the ring) moves, for
   // predict_windowed_seconds to scale from a few windows: whole elements of
   // every block, or no scaling.
@@ -176,11 +183,17 @@ GatherScatterPrediction predict_gather_scatter(const MachineModel& m, GatherScat
 std::vector<GatherScatterCandidate> gather_scatter_candidates(const MachineModel& m,
                                                               const GatherScatterOptions& opts) {
   std::vector<GatherScatterCandidate> out;
-  out.push_back({GatherScatterForm::kStaged, m.window_bytes, false});
+  const auto form = [](GatherScatterForm f, int64_t window_bytes) {
+    GatherScatterCandidate c;
+    c.form = f;
+    c.window_bytes = window_bytes;
+    return c;
+  };
+  out.push_back(form(GatherScatterForm::kStaged, m.window_bytes));
   if (opts.single_copy && m.has_cross_process_read()) {
-    out.push_back({GatherScatterForm::kSingleCopy, 0, false});
+    out.push_back(form(GatherScatterForm::kSingleCopy, 0));
   }
-  if (opts.in_place) out.push_back({GatherScatterForm::kInPlace, 0, false});
+  if (opts.in_place) out.push_back(form(GatherScatterForm::kInPlace, 0));
   return out;
 }
 
@@ -192,6 +205,19 @@ GatherScatterChoice choose_gather_scatter(const MachineModel& m, GatherScatterKi
     choice.predictions.push_back(predict_gather_scatter(m, kind, c, bytes, elem_bytes));
     if (choice.predictions.size() == 1 || choice.predictions.back().seconds < choice.best.seconds) {
       choice.best = choice.predictions.back();
+    }
+  }
+  choice.best_native = choice.best;
+  if (opts.nccl && m.nccl.present && m.num_devices() > 1) {
+    for (const NcclCandidate& nc : nccl_gather_scatter_candidates(m.nccl)) {
+      GatherScatterCandidate c;
+      c.nccl = true;
+      c.nccl_candidate = nc;
+      choice.predictions.push_back(predict_gather_scatter(m, kind, c, bytes, elem_bytes));
+      const GatherScatterPrediction& p = choice.predictions.back();
+      if (!choice.has_nccl || p.seconds < choice.best_nccl.seconds) choice.best_nccl = p;
+      choice.has_nccl = true;
+      if (p.seconds < choice.best.seconds) choice.best = p;
     }
   }
   if (with_ring_reference) {

@@ -15,7 +15,8 @@
 //                  peer-mapped memory on GPUs): nothing staged, no syscall;
 //                  the same closing barrier.
 // The last two are the direct form (every rank reads its slice from all
-// peers); staged is the windowed one.
+// peers); staged is the windowed one. On a machine with NCCL, NCCL's own
+// candidates (nccl_model.h) are predicted next to them.
 //
 // Pure C++17, no torch or CUDA.
 #pragma once
@@ -42,8 +43,12 @@ struct GatherScatterCandidate {
   // Ring reference (all-gather or reduce-scatter half of NCCL's ring, on the
   // machine's rings): for comparison only, never chosen.
   bool ring_reference = false;
+  // NCCL's own algorithm and protocol (nccl_model.h): the engine, not a form.
+  bool nccl = false;
+  NcclCandidate nccl_candidate;  // when nccl
 
-  std::string label() const;  // "staged", "staged/64KiB", "single_copy", "ring (reference)"
+  // "staged", "staged/64KiB", "single_copy", "ring (reference)", "nccl_ring/LL"
+  std::string label() const;
 };
 
 struct GatherScatterPrediction {
@@ -68,10 +73,11 @@ GatherScatterPrediction predict_gather_scatter(const MachineModel& m, GatherScat
 
 // Which direct forms a call may take: single copy needs every rank to allow
 // cross-process reads (and one tensor); in place needs every rank's tensor in
-// memory all map.
+// memory all map. `nccl` adds NCCL's candidates where the machine has NCCL.
 struct GatherScatterOptions {
   bool single_copy = false;
   bool in_place = false;
+  bool nccl = false;
 };
 
 // What could run on this machine: staged (the machine's window), single copy
@@ -80,12 +86,16 @@ std::vector<GatherScatterCandidate> gather_scatter_candidates(const MachineModel
                                                               const GatherScatterOptions& opts);
 
 struct GatherScatterChoice {
-  GatherScatterPrediction best;                      // the fastest runnable candidate
+  GatherScatterPrediction best;         // the fastest runnable candidate, NCCL's included
+  GatherScatterPrediction best_native;  // the fastest of xdev's forms
+  bool has_nccl = false;                // NCCL candidates were weighed
+  GatherScatterPrediction best_nccl;    // the fastest of them, when has_nccl
   std::vector<GatherScatterPrediction> predictions;  // every one considered, ring reference last
 };
 
-// The fastest of gather_scatter_candidates(m, opts) for `bytes` (ties go to
-// the earlier one), and every prediction behind the choice.
+// The fastest of gather_scatter_candidates(m, opts) and, with opts.nccl, of
+// the machine's NCCL candidates for `bytes` (ties go to the earlier one, so
+// to xdev's forms), and every prediction behind the choice.
 GatherScatterChoice choose_gather_scatter(const MachineModel& m, GatherScatterKind kind,
                                           int64_t bytes, const GatherScatterOptions& opts,
                                           bool with_ring_reference = false, int64_t elem_bytes = 4);

@@ -43,6 +43,75 @@ int log2_floor(int64_t v) {
   return l;
 }
 
+// NCCL 2.20.3's ncclTopoTuneModel and ncclTopoGetAlgoTime for one node: an
+// allreduce, or (gather_scatter) a reduce-scatter or an all-gather.
+NcclPrediction predict(const NcclHost& host, bool gather_scatter, const NcclCandidate& c, int ranks,
+                       int64_t bytes, const char* who) {
+  const std::string name = who;
+  if (!host.present) throw std::invalid_argument(name + ": no NCCL on this host");
+  if (ranks < 2) throw std::invalid_argument(name + ": needs at least two ranks");
+  if (bytes < 0) throw std::invalid_argument(name + ": bytes must be >= 0");
+  if (gather_scatter && c.algo == NcclAlgo::kTree) {
+    throw std::invalid_argument(name + ": NCCL runs no tree for a reduce-scatter or all-gather");
+  }
+  const int a = static_cast<int>(c.algo), p = static_cast<int>(c.proto);
+  const int gen = generation(host.compute_capability);
+  const int steps = gather_scatter ? ranks - 1 : 2 * (ranks - 1);
+  const double hop_us = host.nvlink ? kNvlinkLatencyUs[a][p] : kPcieLatencyUs[a][p];
+
+  double bus_gbps = 0, latency_us = 0, to_algbw = 1;
+  switch (c.algo) {
+    case NcclAlgo::kRing:
+      bus_gbps = host.channels * host.channel_gbps;
+      if (c.proto == NcclProto::kLL) {
+        bus_gbps = std::min(kLlMaxGbps[gen], bus_gbps / (gather_scatter ? 3 : 4));
+      }
+      if (c.proto == NcclProto::kLL128) {
+        bus_gbps = std::min(bus_gbps * 0.92, host.channels * kRingLl128ChannelGbps[gen]);
+      }
+      to_algbw = static_cast<double>(ranks) / steps;
+      latency_us = kBaseLatencyUs[a][p] + steps * hop_us;
+      break;
+    case NcclAlgo::kTree:
+      bus_gbps =
+          std::min(host.channels * host.channel_gbps * 0.92, host.channels * kTreeChannelGbps[gen]);
+      if (c.proto == NcclProto::kLL) bus_gbps = std::min(bus_gbps / 3.8, kLlMaxGbps[gen]);
+      if (c.proto == NcclProto::kLL128) {
+        bus_gbps = std::min(bus_gbps * 7.0 / 9.0, host.channels * kTreeLl128ChannelGbps[gen]);
+      }
+      to_algbw = 0.5;
+      latency_us = kBaseLatencyUs[a][p] + 2.0 * (ranks - 1) * hop_us;
+      break;
+    case NcclAlgo::kNvls:
+      if (host.nvls_channels <= 0) throw std::invalid_argument(name + ": this host has no NVLS");
+      bus_gbps = host.nvls_channels * host.nvls_channel_gbps;
+      to_algbw = 5.0 / 6.0;
+      latency_us = kNvlinkLatencyUs[a][p];
+      break;
+  }
+  double algbw_gbps = bus_gbps * to_algbw;
+  const int size_class = log2_floor(bytes >> 6);
+  if (c.algo == NcclAlgo::kTree && size_class < 23) algbw_gbps *= kTreeCorrection[p][size_class];
+
+  NcclPrediction out;
+  out.candidate = c;
+  out.latency_s = latency_us * 1e-6;
+  out.algbw = algbw_gbps * 1e9;
+  out.seconds = out.latency_s + (out.algbw > 0 ? static_cast<double>(bytes) / out.algbw : 0.0);
+  return out;
+}
+
+NcclPrediction fastest(const NcclHost& host, const std::vector<NcclCandidate>& candidates,
+                       bool gather_scatter, int ranks, int64_t bytes, const char* who) {
+  if (candidates.empty()) throw std::invalid_argument(std::string(who) + ": no NCCL on this host");
+  NcclPrediction best;
+  for (const NcclCandidate& c : candidates) {
+    const NcclPrediction p = predict(host, gather_scatter, c, ranks, bytes, who);
+    if (&c == &candidates.front() || p.seconds < best.seconds) best = p;
+  }
+  return best;
+}
+
 }  // namespace
 
 const char* to_string(NcclAlgo a) {
@@ -90,65 +159,29 @@ std::vector<NcclCandidate> nccl_candidates(const NcclHost& host) {
 
 NcclPrediction predict_nccl_allreduce(const NcclHost& host, const NcclCandidate& c, int ranks,
                                       int64_t bytes) {
-  if (!host.present) throw std::invalid_argument("predict_nccl_allreduce: no NCCL on this host");
-  if (ranks < 2) throw std::invalid_argument("predict_nccl_allreduce: needs at least two ranks");
-  if (bytes < 0) throw std::invalid_argument("predict_nccl_allreduce: bytes must be >= 0");
-  const int a = static_cast<int>(c.algo), p = static_cast<int>(c.proto);
-  const int gen = generation(host.compute_capability);
-  const int steps = 2 * (ranks - 1);
-  const double hop_us = host.nvlink ? kNvlinkLatencyUs[a][p] : kPcieLatencyUs[a][p];
-
-  double bus_gbps = 0, latency_us = 0, to_algbw = 1;
-  switch (c.algo) {
-    case NcclAlgo::kRing:
-      bus_gbps = host.channels * host.channel_gbps;
-      if (c.proto == NcclProto::kLL) bus_gbps = std::min(kLlMaxGbps[gen], bus_gbps / 4);
-      if (c.proto == NcclProto::kLL128) {
-        bus_gbps = std::min(bus_gbps * 0.92, host.channels * kRingLl128ChannelGbps[gen]);
-      }
-      to_algbw = static_cast<double>(ranks) / steps;
-      latency_us = kBaseLatencyUs[a][p] + steps * hop_us;
-      break;
-    case NcclAlgo::kTree:
-      bus_gbps =
-          std::min(host.channels * host.channel_gbps * 0.92, host.channels * kTreeChannelGbps[gen]);
-      if (c.proto == NcclProto::kLL) bus_gbps = std::min(bus_gbps / 3.8, kLlMaxGbps[gen]);
-      if (c.proto == NcclProto::kLL128) {
-        bus_gbps = std::min(bus_gbps * 7.0 / 9.0, host.channels * kTreeLl128ChannelGbps[gen]);
-      }
-      to_algbw = 0.5;
-      latency_us = kBaseLatencyUs[a][p] + 2.0 * (ranks - 1) * hop_us;
-      break;
-    case NcclAlgo::kNvls:
-      if (host.nvls_channels <= 0) {
-        throw std::invalid_argument("predict_nccl_allreduce: this host has no NVLS");
-      }
-      bus_gbps = host.nvls_channels * host.nvls_channel_gbps;
-      to_algbw = 5.0 / 6.0;
-      latency_us = kNvlinkLatencyUs[a][p];
-      break;
-  }
-  double algbw_gbps = bus_gbps * to_algbw;
-  const int size_class = log2_floor(bytes >> 6);
-  if (c.algo == NcclAlgo::kTree && size_class < 23) algbw_gbps *= kTreeCorrection[p][size_class];
-
-  NcclPrediction out;
-  out.candidate = c;
-  out.latency_s = latency_us * 1e-6;
-  out.algbw = algbw_gbps * 1e9;
-  out.seconds = out.latency_s + (out.algbw > 0 ? static_cast<double>(bytes) / out.algbw : 0.0);
-  return out;
+  return predict(host, false, c, ranks, bytes, "predict_nccl_allreduce");
 }
 
 NcclPrediction best_nccl_allreduce(const NcclHost& host, int ranks, int64_t bytes) {
-  const std::vector<NcclCandidate> candidates = nccl_candidates(host);
-  if (candidates.empty()) throw std::invalid_argument("best_nccl_allreduce: no NCCL on this host");
-  NcclPrediction best;
-  for (const NcclCandidate& c : candidates) {
-    const NcclPrediction p = predict_nccl_allreduce(host, c, ranks, bytes);
-    if (&c == &candidates.front() || p.seconds < best.seconds) best = p;
+  return fastest(host, nccl_candidates(host), false, ranks, bytes, "best_nccl_allreduce");
+}
+
+std::vector<NcclCandidate> nccl_gather_scatter_candidates(const NcclHost& host) {
+  std::vector<NcclCandidate> out;
+  for (const NcclCandidate& c : nccl_candidates(host)) {
+    if (c.algo != NcclAlgo::kTree) out.push_back(c);
   }
-  return best;
+  return out;
+}
+
+NcclPrediction predict_nccl_gather_scatter(const NcclHost& host, const NcclCandidate& c, int ranks,
+                                           int64_t bytes) {
+  return predict(host, true, c, ranks, bytes, "predict_nccl_gather_scatter");
+}
+
+NcclPrediction best_nccl_gather_scatter(const NcclHost& host, int ranks, int64_t bytes) {
+  return fastest(host, nccl_gather_scatter_candidates(host), true, ranks, bytes,
+                 "best_nccl_gather_scatter");
 }
 
 }  // namespace xdev::plan

@@ -1,6 +1,7 @@
 // NCCL as a candidate: the time NCCL's own tuning model predicts for an
-// allreduce on one host, so that algorithm="auto" on CUDA tensors can weigh
-// xdev's plans against the engine it would otherwise hand the call to.
+// allreduce, reduce-scatter or all-gather on one host, so that
+// algorithm="auto" on CUDA tensors can weigh xdev's plans against the engine
+// it would otherwise hand the call to.
 //
 // The model is NCCL's, not ours: NCCL 2.20.3's src/graph/tuning.cc
 // (ncclTopoTuneModel and ncclTopoGetAlgoTime) for one node. Every algorithm
@@ -12,6 +13,12 @@
 // predicts latency + bytes / bandwidth. NCCL picks the minimum of these; so do
 // we. What NCCL's search would find on a machine (channels, bandwidth per
 // channel, whether NVLS runs) is given per machine in NcclHost.
+//
+// A reduce-scatter or an all-gather (the same model in NCCL) runs as a ring
+// of N - 1 steps or, on one node with NVSwitch multicast, as NVLS; never as a
+// tree. Its size is the whole tensor, N blocks, as NCCL's model and
+// nccl-tests count it. The ring's LL protocol there keeps a third of the bus
+// bandwidth (an allreduce's a quarter).
 //
 // Pure C++17, no torch, CUDA or NCCL.
 #pragma once
@@ -65,5 +72,19 @@ NcclPrediction predict_nccl_allreduce(const NcclHost& host, const NcclCandidate&
 
 // NCCL's own choice: the fastest of nccl_candidates.
 NcclPrediction best_nccl_allreduce(const NcclHost& host, int ranks, int64_t bytes);
+
+// The pairs NCCL enables for a reduce-scatter or an all-gather on this host:
+// the ring with LL, LL128 (as for the allreduce) and Simple; NVLS where the
+// host has it.
+std::vector<NcclCandidate> nccl_gather_scatter_candidates(const NcclHost& host);
+
+// NCCL's predicted time for a reduce-scatter or an all-gather whose full
+// tensor (all N blocks) holds `bytes`. Throws as predict_nccl_allreduce does,
+// and for a tree candidate.
+NcclPrediction predict_nccl_gather_scatter(const NcclHost& host, const NcclCandidate& c, int ranks,
+                                           int64_t bytes);
+
+// NCCL's own choice: the fastest of nccl_gather_scatter_candidates.
+NcclPrediction best_nccl_gather_scatter(const NcclHost& host, int ranks, int64_t bytes);
 
 }  // namespace xdev::plan

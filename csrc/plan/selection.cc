@@ -295,11 +295,12 @@ GatherScatterChoiceCache::Choice gather_scatter_model_choice(const MachineModel&
       choose_gather_scatter(model, kind, bytes, opts, false, elem_bytes);
   GatherScatterChoiceCache::Choice c;
   c.form = choice.best.candidate.form;
+  c.nccl = choice.best.candidate.nccl;
   c.predicted_s = choice.best.seconds;
   char buf[200];
-  std::snprintf(buf, sizeof buf, "%s; model '%s': %s predicted %.1f us", describe(c.form),
-                model.name().c_str(), choice.best.candidate.label().c_str(),
-                choice.best.seconds * 1e6);
+  std::snprintf(buf, sizeof buf, "%s; model '%s': %s predicted %.1f us",
+                c.nccl ? "NCCL" : describe(c.form), model.name().c_str(),
+                choice.best.candidate.label().c_str(), choice.best.seconds * 1e6);
   c.reason = buf;
   const GatherScatterPrediction* second = nullptr;
   for (const GatherScatterPrediction& p : choice.predictions) {
@@ -347,10 +348,11 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
   return s;
 }
 
-// One host, CUDA tensors. NCCL's all-gather and reduce-scatter are not yet
-// in the model, and xdev's have not been measured against them, so auto
-// keeps NCCL where it can run; where it cannot (ranks sharing a GPU), the
-// engine is Gloo through host memory, and the native path runs.
+// One host, CUDA tensors. xdev's CUDA all-gather and reduce-scatter have not
+// been measured against NCCL's, so auto keeps NCCL where it can run, and
+// says what the model predicts for both; where NCCL cannot run (ranks
+// sharing a GPU), the engine is Gloo through host memory, and the native
+// path runs.
 GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
   GatherScatterSelection s;
   if (!in.transport_available) {
@@ -361,8 +363,22 @@ GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
   } else if (in.num_tensors != 1 || !in.shapes_supported) {
     s.reason = "CUDA: the native path takes one tensor per side";
   } else if (in.requested == Algorithm::kAuto && in.nccl_available) {
-    s.reason =
-        "NCCL (xdev's CUDA all-gather and reduce-scatter are not yet measured against it; "
+    s.reason = "NCCL (";
+    if (in.model != nullptr && in.model->num_devices() == in.world_size) {
+      GatherScatterOptions opts;
+      opts.nccl = true;
+      const int64_t bucket = model_bucket_bytes(in.payload_bytes);
+      const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
+      const GatherScatterChoiceCache::Choice c =
+          in.model_cache != nullptr
+              ? in.model_cache->get(*in.model, in.kind, bucket, elem_bytes, opts)
+              : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
+      // The predictions only: the form's description speaks of shared memory.
+      const size_t predictions = c.reason.find("model '");
+      if (predictions != std::string::npos) s.reason += c.reason.substr(predictions) + "; ";
+    }
+    s.reason +=
+        "xdev's CUDA all-gather and reduce-scatter are not yet measured against NCCL; "
         "a native algorithm, e.g. algorithm='flat', forces them)";
   } else {
     s.path = GatherScatterPath::kCuda;
@@ -388,7 +404,7 @@ GatherScatterChoiceCache::Choice GatherScatterChoiceCache::get(const MachineMode
                                 "' after model '" + model_->name() + "'");
   }
   const auto key = std::make_tuple(static_cast<int>(kind), bucket_bytes, elem_bytes,
-                                   opts.single_copy, opts.in_place);
+                                   opts.single_copy, opts.in_place, opts.nccl);
   auto it = choices_.find(key);
   if (it == choices_.end()) {
     it = choices_

@@ -181,6 +181,7 @@ class GatherScatterChoiceCache {
  public:
   struct Choice {
     GatherScatterForm form = GatherScatterForm::kStaged;
+    bool nccl = false;  // NCCL's candidate won (only where opts.nccl)
     double predicted_s = 0;
     std::string reason;
   };
@@ -190,7 +191,7 @@ class GatherScatterChoiceCache {
  private:
   std::mutex mutex_;
   const MachineModel* model_ = nullptr;
-  std::map<std::tuple<int, int64_t, int64_t, bool, bool>, Choice> choices_;
+  std::map<std::tuple<int, int64_t, int64_t, bool, bool, bool>, Choice> choices_;
 };
 
 struct GatherScatterInput {
@@ -223,8 +224,10 @@ struct GatherScatterInput {
   // lies in the group's symmetric heap on this rank: the in-place form may run.
   bool in_symmetric_heap = false;
   // The machine model that chooses between staged and in place (its device
-  // count must be world_size); without one, a heap tensor is staged.
-  // model_cache, when given, memoises its choices per size class.
+  // count must be world_size); without one, a heap tensor is staged. On CUDA
+  // tensors, the GPUs' model: it weighs xdev's form against NCCL's for the
+  // reason auto gives. model_cache, when given, memoises its choices per size
+  // class.
   const MachineModel* model = nullptr;
   GatherScatterChoiceCache* model_cache = nullptr;
   // Several hosts, CPU tensors, as for the allreduce: whether the two-level
@@ -255,8 +258,8 @@ struct GatherScatterSelection {
 
 // The decision, in order: algorithm='fallback'; several hosts (two-level
 // where it can run and the model predicts it faster than the engine's ring
-// over all ranks, else the engine); CUDA tensors
-// (no native CUDA path yet); no kernel for the op/dtype; shapes the native
+// over all ranks, else the engine); CUDA tensors (NCCL where it runs,
+// else the native CUDA path); no kernel for the op/dtype; shapes the native
 // path does not take; a world of one (a copy); no shared-memory channel;
 // otherwise native: for one tensor in the symmetric heap, staged or in place
 // as the model predicts faster at the payload's size class; where that is

@@ -21,9 +21,9 @@ namespace {
 
 constexpr auto kRS = GatherScatterKind::kReduceScatter;
 constexpr auto kAG = GatherScatterKind::kAllGather;
-constexpr GatherScatterCandidate kStaged{GatherScatterForm::kStaged, 0, false};
-constexpr GatherScatterCandidate kSingleCopy{GatherScatterForm::kSingleCopy, 0, false};
-constexpr GatherScatterCandidate kInPlace{GatherScatterForm::kInPlace, 0, false};
+constexpr GatherScatterCandidate kStaged{GatherScatterForm::kStaged, 0, false, false, {}};
+constexpr GatherScatterCandidate kSingleCopy{GatherScatterForm::kSingleCopy, 0, false, false, {}};
+constexpr GatherScatterCandidate kInPlace{GatherScatterForm::kInPlace, 0, false, false, {}};
 
 bool near(double a, double b) {
   return std::abs(a - b) <= 1e-9 * std::max(std::abs(a), std::abs(b));
@@ -88,7 +88,7 @@ TEST(gather_scatter_model_staged_costs_its_memory_traffic) {
   CHECK(near(ag, 50e-6 + 12 * c / mem + 2e-6));
   // A window as a parameter: 16 KiB slots make the reduce-scatter above 4 windows, each of
   // a quarter of the traffic and one barrier.
-  const GatherScatterCandidate small{GatherScatterForm::kStaged, 16 * 1024, false};
+  const GatherScatterCandidate small{GatherScatterForm::kStaged, 16 * 1024, false, false, {}};
   CHECK_EQ(small.label(), std::string("staged/16KiB"));
   const double rs_small = predict_gather_scatter(m, kRS, small, bytes).seconds;
   CHECK(near(rs_small, 50e-6 + 4 * (10 * pe / 4 / mem + 2e-6)));
@@ -164,8 +164,9 @@ TEST(gather_scatter_model_ring_halves_split_the_ring_allreduce) {
   const MachineModel m = dgx1_v100();
   const Schedule all = ring_allreduce_schedule(8, find_rings(m.links), {0, 8000});
   const Program rs =
-      gather_scatter_program(m, kRS, {GatherScatterForm::kStaged, 0, true}, 32000, 4);
-  const Program ag = gather_scatter_program(m, kAG, {GatherScatterForm::kStaged, 0, true}, 8000, 1);
+      gather_scatter_program(m, kRS, {GatherScatterForm::kStaged, 0, true, false, {}}, 32000, 4);
+  const Program ag =
+      gather_scatter_program(m, kAG, {GatherScatterForm::kStaged, 0, true, false, {}}, 8000, 1);
   size_t rs_steps = 0, ag_steps = 0;
   for (const Task& t : rs.tasks) rs_steps += t.label.rfind("stage", 0) != 0 && t.label != "launch";
   for (const Task& t : ag.tasks) ag_steps += t.label.rfind("stage", 0) != 0 && t.label != "launch";

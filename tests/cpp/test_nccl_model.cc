@@ -1,10 +1,12 @@
 // Unit tests of NCCL as a modelled candidate (csrc/plan/nccl_model.h), of the GPU machines it is
-// weighed on, and of algorithm="auto" on CUDA tensors choosing between xdev's plans and NCCL.
+// weighed on, and of algorithm="auto" on CUDA tensors choosing between xdev's plans and NCCL
+// (for the allreduce) or quoting both (reduce-scatter and all-gather).
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "plan/gather_scatter_predict.h"
 #include "plan/machines.h"
 #include "plan/nccl_model.h"
 #include "plan/predict.h"
@@ -177,4 +179,105 @@ TEST(the_ring_reference_opens_at_most_one_ring_per_nccl_channel) {
   }
   CHECK_EQ(reference_rings(hgx_h100()).size(), size_t{16});
   CHECK_EQ(reference_rings(dgx1_v100()).size(), size_t{6});
+}
+
+TEST(nccl_gather_scatter_by_hand_on_hgx_h100) {
+  // NCCL 2.20.3's model of a reduce-scatter or all-gather on 8 H100s (size: the whole tensor):
+  // a ring of 7 steps, latency 6.6 + 7 x 0.6 us with LL, whose busBw keeps a third of the
+  // channels' (16 x 23.175 GB/s / 3, capped at 87.7), algbw = busBw x 8 / 7.
+  const MachineModel m = hgx_h100();
+  const NcclPrediction ll =
+      predict_nccl_gather_scatter(m.nccl, {NcclAlgo::kRing, NcclProto::kLL}, 8, 1 << 20);
+  CHECK_NEAR(ll.latency_s, (6.6 + 7 * 0.6) * 1e-6);
+  CHECK_NEAR(ll.algbw, 87.7e9 * 8 / 7);
+  // Ring Simple: 8.4 + 7 x 3.4 us, the whole NVLink busBw; half the allreduce's steps and time
+  // per byte.
+  const NcclPrediction simple =
+      predict_nccl_gather_scatter(m.nccl, {NcclAlgo::kRing, NcclProto::kSimple}, 8, 0);
+  CHECK_NEAR(simple.latency_s, (8.4 + 7 * 3.4) * 1e-6);
+  CHECK_NEAR(simple.algbw, 18 * 20.6e9 * 8 / 7);
+  const NcclPrediction simple_allreduce =
+      predict_nccl_allreduce(m.nccl, {NcclAlgo::kRing, NcclProto::kSimple}, 8, 0);
+  CHECK_NEAR(simple.algbw, 2 * simple_allreduce.algbw);
+  // NVLS as for the allreduce: 23 us, 16 channels x 20.6 GB/s x 5/6.
+  const NcclPrediction nvls =
+      predict_nccl_gather_scatter(m.nccl, {NcclAlgo::kNvls, NcclProto::kSimple}, 8, 0);
+  CHECK_NEAR(nvls.latency_s, 23e-6);
+  CHECK_NEAR(nvls.algbw, 16 * 20.6e9 * 5 / 6);
+  // On 2 PCIe GPUs LL's third is not capped: 2 channels' worth / 3, x 2 / 1.
+  const MachineModel pcie = pcie_8gpu();
+  const NcclPrediction pcie_ll =
+      predict_nccl_gather_scatter(pcie.nccl, {NcclAlgo::kRing, NcclProto::kLL}, 2, 0);
+  CHECK_NEAR(pcie_ll.algbw,
+             std::min(87.7e9, pcie.nccl.channels * pcie.nccl.channel_gbps * 1e9 / 3) * 2);
+}
+
+TEST(nccl_gather_scatter_candidates_have_no_tree) {
+  const std::vector<NcclCandidate> h100 = nccl_gather_scatter_candidates(hgx_h100().nccl);
+  CHECK_EQ(h100.size(), size_t{4});  // ring LL, LL128, Simple; NVLS
+  CHECK(has(h100, NcclAlgo::kNvls, NcclProto::kSimple));
+  CHECK(!has(h100, NcclAlgo::kTree, NcclProto::kSimple));
+  CHECK(!has(nccl_gather_scatter_candidates(pcie_8gpu().nccl), NcclAlgo::kRing, NcclProto::kLL128));
+  CHECK(nccl_gather_scatter_candidates(NcclHost{}).empty());
+  CHECK_THROWS(
+      predict_nccl_gather_scatter(hgx_h100().nccl, {NcclAlgo::kTree, NcclProto::kLL}, 8, 0),
+      std::invalid_argument, "no tree");
+  CHECK_THROWS(best_nccl_gather_scatter(NcclHost{}, 8, 0), std::invalid_argument, "no NCCL");
+  // NCCL's choice is the fastest of them: LL when small, Simple or NVLS when large.
+  const MachineModel m = hgx_h100();
+  CHECK(best_nccl_gather_scatter(m.nccl, 8, 4096).candidate.proto == NcclProto::kLL);
+  CHECK(best_nccl_gather_scatter(m.nccl, 8, int64_t{1} << 30).candidate.proto ==
+        NcclProto::kSimple);
+}
+
+TEST(gather_scatter_choice_weighs_nccl_on_gpu_machines) {
+  for (const char* name : kGpuMachines) {
+    const MachineModel m = builtin_machine(name);
+    for (GatherScatterKind kind :
+         {GatherScatterKind::kReduceScatter, GatherScatterKind::kAllGather}) {
+      for (int64_t bytes = 4096; bytes <= (int64_t{1} << 28); bytes *= 16) {
+        GatherScatterOptions opts;
+        opts.in_place = true;
+        const GatherScatterChoice without = choose_gather_scatter(m, kind, bytes, opts);
+        CHECK(!without.has_nccl);
+        opts.nccl = true;
+        const GatherScatterChoice c = choose_gather_scatter(m, kind, bytes, opts);
+        CHECK(c.has_nccl);
+        CHECK(c.best_nccl.candidate.nccl);
+        CHECK_NEAR(c.best_nccl.seconds,
+                   best_nccl_gather_scatter(m.nccl, m.num_devices(), bytes).seconds);
+        // The forms' choice is the one without NCCL; the overall one the faster of the two.
+        CHECK_EQ(c.best_native.candidate.label(), without.best.candidate.label());
+        CHECK_NEAR(c.best.seconds, std::min(c.best_native.seconds, c.best_nccl.seconds));
+      }
+    }
+  }
+  // CPU hosts have no NCCL rows, whatever the options say.
+  GatherScatterOptions opts;
+  opts.nccl = true;
+  CHECK(!choose_gather_scatter(cpu_host(4, CpuHostParams{}), GatherScatterKind::kAllGather, 4096,
+                               opts)
+             .has_nccl);
+}
+
+TEST(selection_cuda_gather_scatter_keeps_nccl_and_quotes_the_model) {
+  // auto keeps NCCL where it runs (xdev's CUDA form is not yet measured against it), and
+  // says what the GPUs' model predicts for both.
+  const MachineModel m = hgx_h100();
+  GatherScatterInput in;
+  in.world_size = 8;
+  in.device = DeviceKind::kCuda;
+  in.nccl_available = true;
+  in.kind = GatherScatterKind::kAllGather;
+  in.payload_bytes = 4096;
+  in.model = &m;
+  GatherScatterSelection s = select_gather_scatter(in);
+  CHECK(s.path == GatherScatterPath::kFallback);
+  CHECK(s.reason.find("NCCL (model 'hgx-h100': staged") == 0);
+  CHECK(s.reason.find("nccl_ring/LL") != std::string::npos);
+  CHECK(s.reason.find("not yet measured") != std::string::npos);
+  // Where ranks share a GPU there is no NCCL: the native path.
+  in.nccl_available = false;
+  s = select_gather_scatter(in);
+  CHECK(s.path == GatherScatterPath::kCuda);
 }
