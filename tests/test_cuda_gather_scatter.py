@@ -1,4 +1,4 @@
-"""The native CUDA reduce-scatter and all-gather (one tensor per side, over CUDA IPC).
+"""The native CUDA reduce-scatter and all-gather (a tensor or a list per side, over CUDA IPC).
 
 - ``test_cuda_gather_scatter_grid``: 2, 3 and 4 ranks x 8 dtypes x 5 ops x block sizes
   (0, 1, 7, 1021, ~2.5 staging slots) with ``cuda_slot_bytes=4096``, so that blocks run in
@@ -7,7 +7,8 @@
   (both sum in rank order); each all-gather (every dtype, bool and complex too: it moves
   bytes) with the concatenated inputs. Then the forms FSDP2 uses: the coalesced forms with
   one pair, the all-gather whose input lies inside its output, a non-contiguous output,
-  ``async_op`` with ``wait()``, and results equal on every rank.
+  ``async_op`` with ``wait()``, the list forms (``reduce_scatter``, ``all_gather``, strided
+  entries), and results equal on every rank.
 - ``test_cuda_gather_scatter_mismatch_and_auto``: a reduce-scatter whose block differs
   between ranks fails on every rank with a clear error, and the group keeps working; with
   algorithm auto, ranks sharing a GPU (no NCCL) run the native path, and the choice is in
@@ -173,6 +174,28 @@ def _forms(rank: int, world: int, device: torch.device, group: Any) -> None:
         "non-contiguous reduce_scatter output",
     )
     assert torch.count_nonzero(wide[1::2]).item() == 0, "wrote outside the strided output"
+    # The list forms: packed into one full tensor on the group's stream, unpacked after; the
+    # list's entries may be strided (transposed views, written back in place).
+    lists = [
+        [make_input(47 + j, r, n, torch.float32, OPS[0]) for j in range(world)]
+        for r in range(world)
+    ]
+    got = torch.full((n,), 7.0, device=device)
+    dist.reduce_scatter(got, [t.to(device) for t in lists[rank]], group=group)
+    _assert_path(group, "reduce_scatter", "list reduce_scatter")
+    check_close(
+        got.cpu(),
+        reference([lists[r][rank] for r in range(world)], OPS[0]),
+        OPS[0],
+        world,
+        "list reduce_scatter",
+    )
+    blocks = [_gather_input(53, r, 40, torch.int16).view(4, 10) for r in range(world)]
+    outs = [torch.full((10, 4), 7, dtype=torch.int16, device=device).t() for _ in range(world)]
+    dist.all_gather(outs, blocks[rank].to(device), group=group)
+    _assert_path(group, "all_gather", "list all_gather")
+    for r in range(world):
+        assert torch.equal(outs[r].cpu(), blocks[r]), f"list all_gather, rank {r}'s entry"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

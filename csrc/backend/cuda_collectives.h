@@ -63,14 +63,17 @@ class CudaCollectives {
                                                    std::chrono::milliseconds timeout) = 0;
 
   // Native reduce-scatter (kind kReduceScatter: `full` in, this rank's
-  // `block` out) or all-gather (`block` in, `full` out) of one CUDA tensor
-  // per side on the group's device, the full tensor holding every rank's
-  // block in rank order (shapes checked by the caller). An all-gather moves
-  // bytes, so any dtype; a reduce-scatter needs a native dtype and op. Needs
-  // the transport (info()->transport). Stream semantics as allreduce.
+  // `block` out) or all-gather (`block` in, `full` out) of CUDA tensors on the
+  // group's device. `full` is one tensor holding every rank's block in rank
+  // order, or (the list forms) one tensor per rank, each of the block's size
+  // and dtype, packed into one on the group's stream (shapes checked by the
+  // caller). An all-gather moves bytes, so any dtype; a reduce-scatter needs
+  // a native dtype and op. Needs the transport (info()->transport). Stream
+  // semantics as allreduce.
   virtual c10::intrusive_ptr<c10d::Work> gather_scatter(plan::GatherScatterKind kind,
-                                                        at::Tensor full, at::Tensor block,
-                                                        kernels::ReduceOp op, c10d::OpType type,
+                                                        std::vector<at::Tensor> full,
+                                                        at::Tensor block, kernels::ReduceOp op,
+                                                        c10d::OpType type,
                                                         std::chrono::milliseconds timeout) = 0;
 
   // Blocks the host until every GPU collective launched so far has finished,

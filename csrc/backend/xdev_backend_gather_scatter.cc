@@ -34,6 +34,10 @@ struct ListCall {
   bool uneven = false;
 };
 
+bool is_cuda(const std::vector<at::Tensor>& tensors) {
+  return !tensors.empty() && tensors[0].is_cuda();
+}
+
 ListCall list_call(const std::vector<at::Tensor>& mine,
                    const std::vector<std::vector<at::Tensor>>& lists) {
   ListCall call{mine, {}, false};
@@ -49,8 +53,9 @@ ListCall list_call(const std::vector<at::Tensor>& mine,
 
 }  // namespace
 
-const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
+const char* XdevBackend::list_refusal(bool uneven, size_t num_lists, bool cuda) const {
   if (!uneven) return nullptr;
+  if (cuda) return "uneven list sizes";
   // Across hosts every rank's block must be one size: the engine gathers
   // blocks of one size among the ranks of a local index.
   if (group_.num_hosts() > 1) return "uneven list sizes (the two-level form needs one size)";
@@ -58,19 +63,26 @@ const char* XdevBackend::list_refusal(bool uneven, size_t num_lists) const {
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
-    plan::GatherScatterKind kind, const at::Tensor& full, const at::Tensor& block,
+    plan::GatherScatterKind kind, std::vector<at::Tensor> full, const at::Tensor& block,
     const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
   // Checked as the CPU paths check them, on the rank that made the call.
-  check_pairs(op == nullptr ? "all_gather" : "reduce_scatter", {full}, {block}, size_);
-  return cuda_->gather_scatter(
-      kind, full, block, op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type, timeout);
+  const char* what = op == nullptr ? "all_gather" : "reduce_scatter";
+  if (full.size() == 1 && size_ > 1) {
+    check_pairs(what, full, {block}, size_);
+  } else {
+    list_sizes(what, full, block, size_, rank_);  // one dtype; the selection refused uneven sizes
+  }
+  return cuda_->gather_scatter(kind, std::move(full), block,
+                               op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type,
+                               timeout);
 }
 
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
     const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
-    const char* shape_refusal) {
+    const char* shape_refusal, bool one_list) {
   plan::GatherScatterInput in;
+  in.one_list = one_list;
   in.requested = group_.requested();
   in.world_size = size_;
   in.num_hosts = group_.num_hosts();
@@ -156,9 +168,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
                                                       const c10d::AllgatherOptions& opts) {
   const ListCall call = list_call(inputs, outputs);
   const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr,
-                                         list_refusal(call.uneven, outputs.size()));
+                                         list_refusal(call.uneven, outputs.size(), is_cuda(inputs)),
+                                         outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather(outputs, inputs, opts);
+  }
+  if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
+                               nullptr, c10d::OpType::ALLGATHER, opts.timeout);
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather_list(
@@ -178,7 +195,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {
-    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, output, input, nullptr,
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {output}, input, nullptr,
                                c10d::OpType::_ALLGATHER_BASE, opts.timeout);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
@@ -243,7 +260,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {outputs.at(0)}, inputs.at(0),
                                nullptr, c10d::OpType::COALESCED, opts.timeout);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
@@ -267,7 +284,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const ListCall call = list_call(outputs, inputs);
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
-                                         list_refusal(call.uneven, inputs.size()));
+                                         list_refusal(call.uneven, inputs.size(), is_cuda(outputs)),
+                                         inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
@@ -279,6 +297,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     return two_level_gather_scatter_->reduce_scatter_list(
         outputs, inputs, *native_op(opts.reduceOp), sel.two_level_leader, opts.timeout,
         opts.asyncOp);
+  }
+  if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, inputs.at(0), outputs.at(0),
+                               &opts.reduceOp, c10d::OpType::REDUCE_SCATTER, opts.timeout);
   }
   return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
                                               opts.timeout, opts.asyncOp);
@@ -301,7 +323,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {
-    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, input, output,
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {input}, output,
                                &opts.reduceOp, c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout);
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
@@ -328,8 +350,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, inputs.at(0), outputs.at(0),
-                               &opts.reduceOp, reduce_scatter_coalesced_op_type(), opts.timeout);
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {inputs.at(0)},
+                               outputs.at(0), &opts.reduceOp, reduce_scatter_coalesced_op_type(),
+                               opts.timeout);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          reduce_scatter_coalesced_op_type(), opts.timeout,

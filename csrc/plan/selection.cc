@@ -360,8 +360,9 @@ GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
     if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
-  } else if (in.num_tensors != 1 || !in.shapes_supported) {
-    s.reason = "CUDA: the native path takes one tensor per side";
+  } else if ((in.num_tensors != 1 && !in.one_list) || !in.shapes_supported) {
+    s.reason = "CUDA: the native path takes one tensor per side, or one list of one size";
+    if (!in.unsupported_note.empty()) s.reason += " (" + in.unsupported_note + ")";
   } else if (in.requested == Algorithm::kAuto && in.nccl_available) {
     s.reason = "NCCL (";
     if (in.model != nullptr && in.model->num_devices() == in.world_size) {

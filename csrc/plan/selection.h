@@ -169,7 +169,7 @@ enum class GatherScatterPath {
   kOneRank,   // a world of one: the output is a copy of the input, whatever the op
   kFallback,  // the inner engine (Gloo for CPU, NCCL for CUDA)
   kTwoLevel,  // several hosts: shared memory inside each, the engine across (plan/two_level.h)
-  kCuda,      // one host, CUDA IPC (GatherScatterPlan as device programs); one tensor per side
+  kCuda,  // one host, CUDA IPC (GatherScatterPlan as device programs): one tensor or list a side
 };
 
 const char* to_string(GatherScatterPath p);
@@ -216,6 +216,10 @@ struct GatherScatterInput {
   // every rank may read its peers' memory (single copy).
   int64_t payload_bytes = 0;
   int64_t num_tensors = 1;
+  // A list form of one list: num_tensors full tensors, one per rank, each of
+  // the block's size (uneven sizes come with shapes_supported false). The
+  // CUDA path packs them into one.
+  bool one_list = false;
   bool single_copy_available = false;
   // Which collective, and a reduce-scatter's element width: what the model predicts.
   GatherScatterKind kind = GatherScatterKind::kReduceScatter;

@@ -63,7 +63,16 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
   cuda.num_tensors = 2;
   CHECK_EQ(plan::select_gather_scatter(cuda).reason,
-           "CUDA: the native path takes one tensor per side");
+           "CUDA: the native path takes one tensor per side, or one list of one size");
+  cuda.one_list = true;  // a list form: one tensor per rank, packed into one
+  CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
+  cuda.shapes_supported = false;
+  cuda.unsupported_note = "uneven list sizes";
+  CHECK_EQ(plan::select_gather_scatter(cuda).reason,
+           "CUDA: the native path takes one tensor per side, or one list of one size (uneven "
+           "list sizes)");
+  cuda.shapes_supported = true;
+  cuda.one_list = false;
   cuda.num_tensors = 1;
   cuda.transport_available = false;
   cuda.transport_note = "off: ranks span several hosts";

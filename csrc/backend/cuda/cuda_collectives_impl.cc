@@ -162,13 +162,16 @@ class CudaCollectivesImpl : public CudaCollectives {
                   [this, tensors, op, sel, timeout] { run_allreduce(tensors, op, sel, timeout); });
   }
 
-  c10::intrusive_ptr<c10d::Work> gather_scatter(plan::GatherScatterKind kind, at::Tensor full,
-                                                at::Tensor block, kernels::ReduceOp op,
-                                                c10d::OpType type,
+  c10::intrusive_ptr<c10d::Work> gather_scatter(plan::GatherScatterKind kind,
+                                                std::vector<at::Tensor> full, at::Tensor block,
+                                                kernels::ReduceOp op, c10d::OpType type,
                                                 std::chrono::milliseconds timeout) override {
     const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
-    return launch(type, reduce_scatter ? "xdev:reduce_scatter" : "xdev:all_gather", {full, block},
-                  {reduce_scatter ? block : full}, [this, kind, full, block, op, timeout] {
+    std::vector<at::Tensor> used = full;
+    used.push_back(block);
+    return launch(type, reduce_scatter ? "xdev:reduce_scatter" : "xdev:all_gather", used,
+                  reduce_scatter ? std::vector<at::Tensor>{block} : full,
+                  [this, kind, full, block, op, timeout] {
                     run_gather_scatter(kind, full, block, op, timeout);
                   });
   }
@@ -391,16 +394,28 @@ class CudaCollectivesImpl : public CudaCollectives {
   }
 
   // On the op's thread, with our stream current. Both sides are made
-  // contiguous for the kernel (the output copied back after, if it was not).
-  void run_gather_scatter(plan::GatherScatterKind kind, const at::Tensor& full,
+  // contiguous for the kernel (the output copied back after, if it was not);
+  // a list's tensors are packed into one full tensor (an all-gather's
+  // unpacked after).
+  void run_gather_scatter(plan::GatherScatterKind kind, const std::vector<at::Tensor>& full,
                           const at::Tensor& block, kernels::ReduceOp op,
                           std::chrono::milliseconds timeout) {
     const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
-    const at::Tensor full_c = full.contiguous();
+    const bool list = full.size() != 1;
+    at::Tensor full_c;
+    if (!list) {
+      full_c = full[0].contiguous();
+    } else if (reduce_scatter) {
+      std::vector<at::Tensor> flat;
+      for (const at::Tensor& t : full) flat.push_back(t.reshape({-1}));
+      full_c = at::cat(flat);
+    } else {
+      full_c = at::empty({static_cast<int64_t>(full.size()) * block.numel()}, block.options());
+    }
     const at::Tensor block_c = block.contiguous();
     // A reduce-scatter reduces elements; an all-gather moves bytes.
     const kernels::DType dtype =
-        reduce_scatter ? *native_dtype(full.scalar_type()) : kernels::DType::kUInt8;
+        reduce_scatter ? *native_dtype(block.scalar_type()) : kernels::DType::kUInt8;
     const int64_t unit = reduce_scatter ? 1 : block.element_size();
     const int64_t block_units = block.numel() * unit;
     const int64_t slot_units =
@@ -413,7 +428,9 @@ class CudaCollectivesImpl : public CudaCollectives {
     d.dtype = static_cast<int32_t>(dtype);
     d.num_tensors = 1;
     d.total_elems = block_units;
-    d.shape_hash = shape_hash({full, block});
+    std::vector<at::Tensor> shapes = full;
+    shapes.push_back(block);
+    d.shape_hash = shape_hash(shapes);
     d.device = 1;
     const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
     // As for the allreduce: every rank runs this very collective before any GPU waits.
@@ -430,8 +447,16 @@ class CudaCollectivesImpl : public CudaCollectives {
     const at::Tensor& output = reduce_scatter ? block_c : full_c;
     executor_->gather_scatter(key, plan, input.data_ptr(), output.data_ptr(), dtype, op,
                               stream_->stream());
-    const at::Tensor& caller_output = reduce_scatter ? block : full;
-    if (!output.is_same(caller_output)) caller_output.copy_(output);
+    if (reduce_scatter) {
+      if (!output.is_same(block)) block.copy_(output);
+    } else if (!list) {
+      if (!output.is_same(full[0])) full[0].copy_(output);
+    } else {
+      const int64_t n = block.numel();
+      for (size_t r = 0; r < full.size(); ++r) {
+        full[r].copy_(output.narrow(0, static_cast<int64_t>(r) * n, n).view(full[r].sizes()));
+      }
+    }
   }
 
   // On the op's thread, with our stream current.
