@@ -315,6 +315,17 @@ GatherScatterChoiceCache::Choice gather_scatter_model_choice(const MachineModel&
   return c;
 }
 
+// in.model's choice for this call's size class (an all-gather moves bytes; a
+// reduce-scatter reduces its dtype), through in.model_cache where given.
+GatherScatterChoiceCache::Choice model_choice_for(const GatherScatterInput& in,
+                                                  const GatherScatterOptions& opts) {
+  const int64_t bucket = model_bucket_bytes(in.payload_bytes);
+  const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
+  return in.model_cache != nullptr
+             ? in.model_cache->get(*in.model, in.kind, bucket, elem_bytes, opts)
+             : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
+}
+
 // Ranks on several hosts: the two-level form where it can run and the model
 // predicts it faster than the engine's ring over all ranks; the engine otherwise.
 GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in) {
@@ -368,12 +379,7 @@ GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
     if (in.model != nullptr && in.model->num_devices() == in.world_size) {
       GatherScatterOptions opts;
       opts.nccl = true;
-      const int64_t bucket = model_bucket_bytes(in.payload_bytes);
-      const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
-      const GatherScatterChoiceCache::Choice c =
-          in.model_cache != nullptr
-              ? in.model_cache->get(*in.model, in.kind, bucket, elem_bytes, opts)
-              : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
+      const GatherScatterChoiceCache::Choice c = model_choice_for(in, opts);
       // The predictions only: the form's description speaks of shared memory.
       const size_t predictions = c.reason.find("model '");
       if (predictions != std::string::npos) s.reason += c.reason.substr(predictions) + "; ";
@@ -448,12 +454,7 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
                                   std::to_string(in.world_size) + " ranks");
     }
     if (in.model != nullptr && opts.in_place) {
-      const int64_t bucket = model_bucket_bytes(in.payload_bytes);
-      const int64_t elem_bytes = in.kind == GatherScatterKind::kAllGather ? 1 : in.elem_bytes;
-      const GatherScatterChoiceCache::Choice c =
-          in.model_cache != nullptr
-              ? in.model_cache->get(*in.model, in.kind, bucket, elem_bytes, opts)
-              : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
+      const GatherScatterChoiceCache::Choice c = model_choice_for(in, opts);
       form = c.form;
       s.predicted_s = c.predicted_s;
       s.reason = c.reason;
