@@ -118,9 +118,9 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
         map.for_each_piece(r, [&](int64_t slot_pos, char* input, char* output, int64_t count) {
           char* staged = slot + plan.slot_memory_offset(me, slot_pos, p) * es;
           const auto bytes = static_cast<size_t>(count * es);
-          if (all_gather) {
+          if (all_gather && !in_heap) {
             copy_to_slot_and_output(staged, output, input, bytes);
-          } else {
+          } else {  // a reduce-scatter; or the heap's output got the whole own block above
             std::memcpy(staged, input, bytes);
           }
         });
@@ -140,8 +140,9 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     // only this rank's output.
     for (const plan::Step& s : sched.steps) {
       if (s.actor != me) continue;
-      // An all-gather's own piece went to its output while it was staged
-      // (alone, a rank stages nothing and copies it here).
+      // An all-gather's own piece went to its output while it was staged, or
+      // before the first barrier in the heap (alone, a rank stages nothing
+      // and copies it here).
       if (all_gather && s.sources[0] == plan::kOwnInput && channel_.world_size() > 1) continue;
       const int64_t divisor =
           (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
