@@ -53,6 +53,32 @@ Schedule ring_half(const MachineModel& m, GatherScatterKind kind, int64_t elems)
   return half;
 }
 
+// One of xdev's forms (or the ring reference), simulated: the payload one
+// window of the staged form (or of the ring) moves lets
+// predict_windowed_seconds scale from a few windows (whole elements of every
+// block, or no scaling).
+double predict_form_seconds(const MachineModel& m, GatherScatterKind kind,
+                            const GatherScatterCandidate& c, int64_t bytes, int64_t elem_bytes) {
+  const int n = m.num_devices();
+  const int64_t unit = kind == GatherScatterKind::kReduceScatter ? elem_bytes : 1;
+  int64_t window = 0;
+  if (c.ring_reference && m.window_bytes > 0) {
+    window = std::max<int64_t>(n, m.window_bytes / unit) * unit;
+  } else if (c.form == GatherScatterForm::kStaged && !c.ring_reference) {
+    const int64_t slot = c.window_bytes > 0 ? c.window_bytes : m.window_bytes;
+    if (slot > 0) {
+      const int64_t per_rank = kind == GatherScatterKind::kReduceScatter
+                                   ? std::max<int64_t>(1, slot / elem_bytes / n) * elem_bytes
+                                   : std::max<int64_t>(n, slot);
+      window = per_rank * n;
+    }
+  }
+  if (window % elem_bytes != 0 || window / elem_bytes % n != 0) window = 0;
+  return predict_windowed_seconds(m, bytes, window, [&](int64_t b) {
+    return gather_scatter_program(m, kind, c, b, elem_bytes);
+  });
+}
+
 }  // namespace
 
 const char* to_string(GatherScatterForm f) {
@@ -149,32 +175,8 @@ GatherScatterPrediction predict_gather_scatter(const MachineModel& m, GatherScat
   pr.candidate = c;
   pr.bytes = bytes;
   const int n = m.num_devices();
-  if (c.nccl) {
-    pr.seconds = predict_nccl_gather_scatter(m.nccl, c.nccl_candidate, n, bytes).seconds;
-    pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
-    pr.busbw = pr.algbw * (n - 1) / n;
-    return pr;
-  }
-  // The payload one window of the staged form (or of the ring) moves, for
-  // predict_windowed_seconds to scale from a few windows: whole elements of
-  // every block, or no scaling.
-  const int64_t unit = kind == GatherScatterKind::kReduceScatter ? elem_bytes : 1;
-  int64_t window = 0;
-  if (c.ring_reference && m.window_bytes > 0) {
-    window = std::max<int64_t>(n, m.window_bytes / unit) * unit;
-  } else if (c.form == GatherScatterForm::kStaged && !c.ring_reference) {
-    const int64_t slot = c.window_bytes > 0 ? c.window_bytes : m.window_bytes;
-    if (slot > 0) {
-      const int64_t per_rank = kind == GatherScatterKind::kReduceScatter
-                                   ? std::max<int64_t>(1, slot / elem_bytes / n) * elem_bytes
-                                   : std::max<int64_t>(n, slot);
-      window = per_rank * n;
-    }
-  }
-  if (window % elem_bytes != 0 || window / elem_bytes % n != 0) window = 0;
-  pr.seconds = predict_windowed_seconds(m, bytes, window, [&](int64_t b) {
-    return gather_scatter_program(m, kind, c, b, elem_bytes);
-  });
+  pr.seconds = c.nccl ? predict_nccl_gather_scatter(m.nccl, c.nccl_candidate, n, bytes).seconds
+                      : predict_form_seconds(m, kind, c, bytes, elem_bytes);
   pr.algbw = pr.seconds > 0 ? static_cast<double>(bytes) / pr.seconds : 0;
   pr.busbw = n > 1 ? pr.algbw * (n - 1) / n : pr.algbw;
   return pr;
