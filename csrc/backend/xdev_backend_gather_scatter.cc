@@ -67,7 +67,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
     const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
   // Checked as the CPU paths check them, on the rank that made the call.
   const char* what = op == nullptr ? "all_gather" : "reduce_scatter";
-  if (full.size() == 1 && size_ > 1) {
+  if (full.size() == 1) {  // the tensor form (the CUDA path has at least two ranks)
     check_pairs(what, full, {block}, size_);
   } else {
     list_sizes(what, full, block, size_, rank_);  // one dtype; the selection refused uneven sizes
