@@ -24,10 +24,10 @@ network (XDEV_CPU_MODEL with ``net_latency_us`` 1e6, over the user's file if one
 that it runs the two-level plan at every size, to show what the model weighed against Gloo;
 ``xdev_2lvl_heap`` is that group on tensors from its heap (FSDP2's buffers across hosts: the
 step inside each host reads them in place). Broadcast from rank 0 runs there too (Gloo and
-xdev's ``auto``, labelled with what the model chose: ``two_level`` or ``fallback``). The header gives each plan's traffic from the
-plans' model: what crosses hosts per host and from the busiest rank, the sequential steps
-across hosts, and what goes through sockets between ranks of one host (on one machine every
-"network" byte is loopback).
+xdev's ``auto``, labelled with what the model chose: ``two_level`` or ``fallback``). The
+header gives each plan's traffic from the plans' model: what crosses hosts per host and
+from the busiest rank, the sequential steps across hosts, and what goes through sockets
+between ranks of one host (on one machine every "network" byte is loopback).
 
 With ``--device cuda`` (one host) the tensors are on the GPUs, rank r on GPU r % device_count:
 ``xdev`` is a group with ``algorithm="flat"``, which forces xdev's native CUDA reduce-scatter and
