@@ -21,10 +21,18 @@ reduce-scatters their gradients with AVG.
 - ``fsdp_alone``: FSDP2 on a group of this rank alone (Gloo, a world of one), training on
   this rank's data: FSDP2's own work (copy-in, copy-out, resharding, DTensor bookkeeping;
   in a world of one it calls no collective) with nobody to talk to.
+- ``fsdp_no_comm``: FSDP2 sharded over all the ranks as in the others, with the
+  communication removed: ``set_custom_all_gather`` and ``set_custom_reduce_scatter`` put in
+  collectives that do nothing, so FSDP2 does all its own work on the same shards (copy-in,
+  copy-out, the gradients' chunk-cat, resharding) and sends nothing. Their buffers are
+  zeros kept from call to call, so the parameters stay as they are and finite; the other
+  variants' buffers are FSDP2's own (fresh per call), so this baseline leaves the cost of
+  allocating them on the communicating side.
 - ``local``: the plain model, unsharded, local forward/backward/step: the step without
   communication. A variant's median step minus this one's (``comm``) is what sharding and
-  communication cost it per step; minus ``fsdp_alone``'s is what talking to the peers costs
-  beyond FSDP2's own work.
+  communication cost it per step; minus ``fsdp_no_comm``'s (``net``) is what the
+  communication alone costs; minus ``fsdp_alone``'s is what talking to the peers costs
+  beyond FSDP2's own work in a world of one.
 
 After one untimed step per variant, the variants run round-robin for ``--rounds`` rounds,
 each round starting one variant later; each turn times ``--steps`` steps after ``--warmup``
@@ -50,6 +58,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import math
 import resource
 import statistics
 import sys
@@ -62,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 import torch_xdev
@@ -87,6 +97,7 @@ from step_common import (
 GLOO = "gloo"
 NO_COMM = "local"
 ALONE = "fsdp_alone"
+NO_COMM_FSDP = "fsdp_no_comm"
 # Largest |shard - Gloo's shard| accepted after the run; the reductions may round differently.
 MATCH_TOLERANCE = 1e-4
 PROFILE_ROWS = 14
@@ -98,10 +109,12 @@ class Variant:
     backend: Optional[str]  # of the variant's group; None: no FSDP
     heap_buffers: bool = False  # set_allocate_memory_from_process_group_for_comm(True)
     alone: bool = False  # a group of this rank alone
+    no_comm: bool = False  # FSDP2's collectives replaced by ones that send nothing
 
     @property
     def spans_ranks(self) -> bool:
-        return self.backend is not None and not self.alone
+        """Its collectives reach every rank (its parameters must then match Gloo's)."""
+        return self.backend is not None and not self.alone and not self.no_comm
 
 
 VARIANTS = (
@@ -109,9 +122,80 @@ VARIANTS = (
     Variant("xdev_heap", "xdev", heap_buffers=True),
     Variant(GLOO, "gloo"),
     Variant(ALONE, "gloo", alone=True),
+    Variant(NO_COMM_FSDP, "gloo", no_comm=True),
     Variant(NO_COMM, None),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+
+
+def kept_zeros(
+    buffers: dict[tuple[int, torch.dtype, str], torch.Tensor],
+    size: Sequence[int | torch.SymInt],
+    dtype: torch.dtype,
+    device: torch.device,
+    role: str,
+) -> torch.Tensor:
+    """A zero-filled buffer of ``size`` for ``role``, the same one on every call."""
+    key = (math.prod(int(s) for s in size), dtype, role)
+    if key not in buffers:
+        buffers[key] = torch.zeros(key[0], dtype=dtype, device=device)
+    return buffers[key]
+
+
+class NoCommAllGather(AllGather):
+    """FSDP2's all-gather without the communication. FSDP2 copies this rank's shard into its
+    block of the output (the input is that block) and the unsharded parameters out of it; the
+    other ranks' blocks hold zeros. One output per size serves every call: on CPU FSDP2 copies
+    an output out before it all-gathers the next."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return kept_zeros(self.buffers, size, dtype, device, "output")
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Optional[dist.Work]:
+        return None
+
+
+class NoCommReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter without the communication. FSDP2 asks for the input buffer
+    (which its chunk-cat of the gradients fills), then for the output, whose zeros become the
+    sharded gradients: SGD leaves the parameters as they are."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+        self.roles = ("input", "output")
+        self.allocations = 0
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        role = self.roles[self.allocations % 2]
+        self.allocations += 1
+        return kept_zeros(self.buffers, size, dtype, device, role)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Optional[dist.Work]:
+        # The gradients must land in zeros: fail loudly should FSDP2 ask in another order.
+        kept = self.buffers.get((output_tensor.numel(), output_tensor.dtype, "output"))
+        if kept is None or kept.data_ptr() != output_tensor.data_ptr():
+            raise RuntimeError("fsdp_no_comm: FSDP2 no longer allocates input, then output")
+        return None
 
 
 @dataclasses.dataclass
@@ -163,6 +247,12 @@ def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if variant.no_comm:
+            all_gather, reduce_scatter = NoCommAllGather(), NoCommReduceScatter()
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_all_gather(all_gather)
+                    module.set_custom_reduce_scatter(reduce_scatter)
         if variant.heap_buffers:
             # The setting is per FSDP module (each fully_shard call has its own buffers):
             # on the root alone it would reach none of the layers.
@@ -229,14 +319,17 @@ def summarise(
     medians = {r.variant.name: statistics.median(r.samples) for r in runners}
     local = medians.get(NO_COMM)
     alone = medians.get(ALONE)
+    no_comm = medians.get(NO_COMM_FSDP)
     gloo = medians.get(GLOO)
     gloo_comm = None if gloo is None or local is None else gloo - local
+    gloo_net = None if gloo is None or no_comm is None else gloo - no_comm
     rows: list[dict[str, Any]] = []
     for runner, diff, heap, fault_count, cpu_ms in zip(runners, diffs, heaps, faults, cpu):
         v = runner.variant
         median = medians[v.name]
         comm = median - local if local is not None and v.backend is not None else None
         beyond = median - alone if alone is not None and v.spans_ranks else None
+        net = median - no_comm if no_comm is not None and v.spans_ranks else None
         rows.append(
             {
                 "variant": v.name,
@@ -246,11 +339,15 @@ def summarise(
                 **timing_stats(runner.samples),
                 "comm_ms": None if comm is None else comm * 1e3,
                 "beyond_alone_ms": None if beyond is None else beyond * 1e3,
+                "net_ms": None if net is None else net * 1e3,
                 "step_vs_gloo": None if gloo is None else gloo / median,
                 "comm_vs_gloo": (
                     gloo_comm / comm
                     if gloo_comm is not None and comm is not None and comm > 0 and v.spans_ranks
                     else None
+                ),
+                "net_vs_gloo": (
+                    gloo_net / net if gloo_net is not None and net is not None and net > 0 else None
                 ),
                 "max_diff_vs_gloo": diff,
                 "matches_gloo": None if diff is None else diff <= MATCH_TOLERANCE,
@@ -264,18 +361,20 @@ def summarise(
 
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"{'variant':<11} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'comm ms':>8}"
-        f" {'vs alone':>8} {'vs gloo':>8} {'comm vs':>8} {'diff':>8} {'heap MB':>8} {'faults':>7} {'cpu ms':>7}"
+        f"{'variant':<12} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'comm ms':>8}"
+        f" {'vs alone':>8} {'net ms':>8} {'vs gloo':>8} {'comm vs':>8} {'net vs':>8} {'diff':>8}"
+        f" {'heap MB':>8} {'faults':>7} {'cpu ms':>7}"
     ]
     for row in rows:
         heap = row["heap_bytes_reserved"]
         diff = row["max_diff_vs_gloo"]
         lines.append(
-            f"{row['variant']:<11} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f}"
+            f"{row['variant']:<12} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f}"
             f" {row['max_ms']:>8.2f} {text(row['comm_ms'], '.2f'):>8}"
-            f" {text(row['beyond_alone_ms'], '.2f'):>8}"
+            f" {text(row['beyond_alone_ms'], '.2f'):>8} {text(row['net_ms'], '.2f'):>8}"
             f" {text(row['step_vs_gloo'], '.2f', 'x'):>8}"
             f" {text(row['comm_vs_gloo'], '.2f', 'x'):>8}"
+            f" {text(row['net_vs_gloo'], '.2f', 'x'):>8}"
             f" {'BROKEN' if row['matches_gloo'] is False else text(diff, '.1e'):>8}"
             f" {text(None if heap is None else heap / 1e6, '.1f'):>8}"
             f" {row['minor_faults_per_step']:>7.0f} {row['cpu_ms_per_step']:>7.1f}"
@@ -287,8 +386,10 @@ LEGEND = [
     "# median/min/max: the slowest rank's step (zero_grad, forward, backward, optimizer.step),",
     f"#   over every timed step. comm: median minus {NO_COMM}'s (the unsharded model, no",
     f"#   communication). vs alone: median minus {ALONE}'s (FSDP2 on a group of one rank):",
-    "#   what talking to the peers adds to FSDP2's own work. vs gloo: Gloo's median step /",
-    "#   this one. comm vs: Gloo's comm / this comm.",
+    "#   what talking to the peers adds to FSDP2's own work in a world of one. net: median",
+    f"#   minus {NO_COMM_FSDP}'s (FSDP2 on the same shards, its collectives sending nothing):",
+    "#   the communication alone. vs gloo: Gloo's median step / this one. comm vs: Gloo's",
+    "#   comm / this comm. net vs: Gloo's net / this net.",
     "# diff: largest |parameter - Gloo's parameter| on any rank after the run ('-': not",
     "#   compared). heap MB: bytes reserved by the group's symmetric heap (past its first",
     "#   arena only when FSDP2's buffers come from it). faults: minor page faults per step",
@@ -352,7 +453,7 @@ def breakdown(runners: list[Runner], batches: Batches, args: argparse.Namespace)
     lines = [
         "# where a step goes (--profile; a barrier before each collective): ms per step,",
         "#   median over steps of the ranks' mean; collective calls per step in ()",
-        f"#   {'variant':<11} {'step':>8} {'all_gather':>15} {'reduce_scatter':>15}"
+        f"#   {'variant':<12} {'step':>8} {'all_gather':>15} {'reduce_scatter':>15}"
         f" {'arrival':>8} {'rest':>8}",
     ]
     for runner in runners:
@@ -360,7 +461,7 @@ def breakdown(runners: list[Runner], batches: Batches, args: argparse.Namespace)
         step, ag, rs, arrival = (statistics.median(s[i] for s in steps) * 1e3 for i in range(4))
         ag_calls, rs_calls = (round(steps[0][i]) for i in (4, 5))
         lines.append(
-            f"#   {runner.variant.name:<11} {step:>8.1f} {ag:>8.1f} ({ag_calls:>3})"
+            f"#   {runner.variant.name:<12} {step:>8.1f} {ag:>8.1f} ({ag_calls:>3})"
             f" {rs:>8.1f} ({rs_calls:>3}) {arrival:>8.1f} {step - ag - rs - arrival:>8.1f}"
         )
     return lines

@@ -1,4 +1,4 @@
-"""The benchmarks run: tiny runs of benchmarks/allreduce.py and benchmarks/gather_scatter.py.
+"""The benchmarks run: tiny runs of benchmarks/allreduce.py, gather_scatter.py and fsdp_step.py.
 
 Not timings (these runs are too short to mean anything), but the scripts themselves: each
 checks xdev's results against Gloo's before timing and exits non-zero on a difference, so a
@@ -26,11 +26,13 @@ PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run_benchmark(
+    script: str, *args: str, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
+        [sys.executable, *launcher, str(BENCHMARKS / script), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -108,6 +110,24 @@ def test_gather_scatter_across_hosts_rows(tmp_path: Path) -> None:
     assert "gloo" in broadcast and xdev in ("xdev(two_level)", "xdev(fallback)"), set(broadcast)
     assert "predicted" in broadcast[xdev]["reason"], broadcast[xdev]
     assert broadcast[xdev]["busbw_gbps"] == broadcast[xdev]["algbw_gbps"]
+
+
+def test_fsdp_step_rows(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp.json"
+    proc = run_benchmark(
+        "fsdp_step.py",
+        *("--hidden", "64", "--layers", "2", "--rounds", "1", "--steps", "1", "--warmup", "0"),
+        *("--json", str(out)),
+        launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # 1: parameters differ from Gloo's
+    rows = {r["variant"]: r for r in read_rows(out)[1]}
+    assert set(rows) == {"xdev", "xdev_heap", "gloo", "fsdp_alone", "fsdp_no_comm", "local"}
+    for name in ("xdev", "xdev_heap", "gloo"):  # they talk: compared with Gloo, net of FSDP2
+        assert rows[name]["matches_gloo"] is True and rows[name]["net_ms"] is not None, rows[name]
+    assert rows["gloo"]["net_vs_gloo"] in (None, 1.0)  # None where Gloo's net was <= 0
+    # The variant without communication is the baseline, compared with nothing.
+    assert rows["fsdp_no_comm"]["matches_gloo"] is None and rows["fsdp_no_comm"]["net_ms"] is None
 
 
 def test_allreduce_bad_arguments_say_why() -> None:
