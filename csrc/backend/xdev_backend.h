@@ -191,19 +191,15 @@ class XdevBackend : public c10d::Backend {
   // How a reduce-scatter (op given) or all-gather (op null) of these tensors
   // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
   // plan::select_gather_scatter says; logs the choice once per reason
-  // (XDEV_DEBUG=INFO) and counts a native call. shape_refusal: why these
-  // shapes have no native path (list_refusal), or null. one_list: a list form
-  // of one list (full_tensors: one tensor per rank).
+  // (XDEV_DEBUG=INFO) and counts a native call. uneven_list_sizes: a list form
+  // whose lists hold sizes unlike this rank's block; one_list: a list form of
+  // one list (full_tensors: one tensor per rank).
   plan::GatherScatterSelection select_gather_scatter(const char* name,
                                                      const std::vector<at::Tensor>& tensors,
                                                      const std::vector<at::Tensor>& full_tensors,
                                                      const c10d::ReduceOp* op,
-                                                     const char* shape_refusal = nullptr,
+                                                     bool uneven_list_sizes = false,
                                                      bool one_list = false);
-  // Why a list form whose lists hold sizes unlike this rank's (uneven) has no
-  // native path, or null: one host runs one such list natively on CPU
-  // tensors; CUDA tensors and several hosts need one size.
-  const char* list_refusal(bool uneven, size_t num_lists, bool cuda) const;
   // The native CUDA reduce-scatter (op given; full in, block out) or all-gather
   // (op null; block in, full out): `full` is one tensor, or one list entry per
   // rank of the block's size. After the checks the CPU path makes. Async by

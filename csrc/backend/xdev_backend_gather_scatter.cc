@@ -34,10 +34,6 @@ struct ListCall {
   bool uneven = false;
 };
 
-bool is_cuda(const std::vector<at::Tensor>& tensors) {
-  return !tensors.empty() && tensors[0].is_cuda();
-}
-
 ListCall list_call(const std::vector<at::Tensor>& mine,
                    const std::vector<std::vector<at::Tensor>>& lists) {
   ListCall call{mine, {}, false};
@@ -52,15 +48,6 @@ ListCall list_call(const std::vector<at::Tensor>& mine,
 }
 
 }  // namespace
-
-const char* XdevBackend::list_refusal(bool uneven, size_t num_lists, bool cuda) const {
-  if (!uneven) return nullptr;
-  if (cuda) return "uneven list sizes";
-  // Across hosts every rank's block must be one size: the engine gathers
-  // blocks of one size among the ranks of a local index.
-  if (group_.num_hosts() > 1) return "uneven list sizes (the two-level form needs one size)";
-  return num_lists > 1 ? "uneven sizes in several lists" : nullptr;
-}
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
     plan::GatherScatterKind kind, std::vector<at::Tensor> full, const at::Tensor& block,
@@ -79,10 +66,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
 
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
-    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op,
-    const char* shape_refusal, bool one_list) {
+    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op, bool uneven_list_sizes,
+    bool one_list) {
   plan::GatherScatterInput in;
   in.one_list = one_list;
+  in.uneven_list_sizes = uneven_list_sizes;
   in.requested = group_.requested();
   in.world_size = size_;
   in.num_hosts = group_.num_hosts();
@@ -109,10 +97,6 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
       in.model = &*info->model;
       in.model_cache = &cuda_gather_scatter_choices_;
     }
-  }
-  if (shape_refusal != nullptr) {
-    in.shapes_supported = false;
-    in.unsupported_note = shape_refusal;
   }
   in.payload_bytes = payload_bytes(full_tensors);
   in.num_tensors = static_cast<int64_t>(full_tensors.size());
@@ -167,8 +151,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
   const ListCall call = list_call(inputs, outputs);
-  const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr,
-                                         list_refusal(call.uneven, outputs.size(), is_cuda(inputs)),
+  const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr, call.uneven,
                                          outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather(outputs, inputs, opts);
@@ -186,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr, nullptr);
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(input)->_allgather_base(output, input, opts);
   }
@@ -251,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr, nullptr);
+  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
@@ -284,8 +267,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const ListCall call = list_call(outputs, inputs);
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
-                                         list_refusal(call.uneven, inputs.size(), is_cuda(outputs)),
-                                         inputs.size() == 1);
+                                         call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
@@ -309,7 +291,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const auto sel =
-      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp, nullptr);
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return fallbacks_.reduce_scatter(
         group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
@@ -336,7 +318,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp, nullptr);
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, reduce_scatter_coalesced_op_type(),

@@ -326,6 +326,15 @@ GatherScatterChoiceCache::Choice model_choice_for(const GatherScatterInput& in,
              : gather_scatter_model_choice(*in.model, in.kind, bucket, elem_bytes, opts);
 }
 
+// Why no native path takes these tensor shapes, or null.
+const char* shape_refusal(const GatherScatterInput& in) {
+  if (!in.uneven_list_sizes) return nullptr;
+  if (in.device == DeviceKind::kCuda) return "uneven list sizes";
+  // Across hosts the engine gathers blocks of one size among the ranks of a local index.
+  if (in.num_hosts > 1) return "uneven list sizes (the two-level form needs one size)";
+  return in.one_list ? nullptr : "uneven sizes in several lists";
+}
+
 // Ranks on several hosts: the two-level form where it can run and the model
 // predicts it faster than the engine's ring over all ranks; the engine otherwise.
 GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in) {
@@ -337,10 +346,8 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
     if (!in.two_level_note.empty()) s.reason += "; no two-level form: " + in.two_level_note;
   } else if (!in.op_supported) {
     s.reason += "; no native kernel for this reduce op / dtype";
-  } else if (!in.shapes_supported) {
-    s.reason += "; " + (in.unsupported_note.empty() ? std::string("tensor shapes without a "
-                                                                  "native path")
-                                                    : in.unsupported_note);
+  } else if (const char* refusal = shape_refusal(in)) {
+    s.reason += std::string("; ") + refusal;
   } else {
     if (in.host_model == nullptr || in.network == nullptr) {
       throw std::invalid_argument(
@@ -371,9 +378,9 @@ GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
     if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
-  } else if ((in.num_tensors != 1 && !in.one_list) || !in.shapes_supported) {
+  } else if ((in.num_tensors != 1 && !in.one_list) || shape_refusal(in) != nullptr) {
     s.reason = "CUDA: the native path takes one tensor per side, or one list of one size";
-    if (!in.unsupported_note.empty()) s.reason += " (" + in.unsupported_note + ")";
+    if (in.uneven_list_sizes) s.reason += std::string(" (") + shape_refusal(in) + ")";
   } else if (in.requested == Algorithm::kAuto && in.nccl_available) {
     s.reason = "NCCL (";
     if (in.model != nullptr && in.model->num_devices() == in.world_size) {
@@ -431,9 +438,8 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
     s = cuda_gather_scatter(in);
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
-  } else if (!in.shapes_supported) {
-    s.reason =
-        in.unsupported_note.empty() ? "tensor shapes without a native path" : in.unsupported_note;
+  } else if (const char* refusal = shape_refusal(in)) {
+    s.reason = refusal;
   } else if (in.world_size == 1) {
     s.path = GatherScatterPath::kOneRank;
     s.reason = "one rank: the output is a copy of the input";

@@ -209,16 +209,17 @@ struct GatherScatterInput {
   // Native kernels for the op and every dtype (a reduce-scatter), or dense
   // tensors whose bytes can move (an all-gather).
   bool op_supported = true;
-  // Tensor shapes the native path accepts (e.g. even list sizes); otherwise unsupported_note.
-  bool shapes_supported = true;
-  std::string unsupported_note;
+  // A list form whose tensors differ in size (uneven blocks). One list of them
+  // runs natively on one host's CPU ranks; several lists, CUDA and the
+  // two-level form (whose engine step takes blocks of one size) refuse them.
+  bool uneven_list_sizes = false;
   // The full tensor's bytes (all ranks' blocks), how many tensors, and whether
   // every rank may read its peers' memory (single copy).
   int64_t payload_bytes = 0;
   int64_t num_tensors = 1;
   // A list form of one list: num_tensors full tensors, one per rank, each of
-  // the block's size (uneven sizes come with shapes_supported false). The
-  // CUDA path packs them into one.
+  // the block's size (or uneven: uneven_list_sizes). The CUDA path packs them
+  // into one.
   bool one_list = false;
   bool single_copy_available = false;
   // Which collective, and a reduce-scatter's element width: what the model predicts.

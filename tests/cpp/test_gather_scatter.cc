@@ -66,12 +66,11 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
            "CUDA: the native path takes one tensor per side, or one list of one size");
   cuda.one_list = true;  // a list form: one tensor per rank, packed into one
   CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
-  cuda.shapes_supported = false;
-  cuda.unsupported_note = "uneven list sizes";
+  cuda.uneven_list_sizes = true;
   CHECK_EQ(plan::select_gather_scatter(cuda).reason,
            "CUDA: the native path takes one tensor per side, or one list of one size (uneven "
            "list sizes)");
-  cuda.shapes_supported = true;
+  cuda.uneven_list_sizes = false;
   cuda.one_list = false;
   cuda.num_tensors = 1;
   cuda.transport_available = false;
@@ -82,10 +81,14 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   op.op_supported = false;
   op.world_size = 1;  // even a world of one: the engine knows the dtype, the copy would not
   CHECK_EQ(plan::select_gather_scatter(op).path, GatherScatterPath::kFallback);
+  // Uneven list sizes: one list runs natively on one host's CPU ranks, several do not.
   plan::GatherScatterInput shapes = in;
-  shapes.shapes_supported = false;
-  shapes.unsupported_note = "uneven list sizes";
-  CHECK_EQ(plan::select_gather_scatter(shapes).reason, "uneven list sizes");
+  shapes.uneven_list_sizes = true;
+  shapes.one_list = true;
+  CHECK_EQ(plan::select_gather_scatter(shapes).path, GatherScatterPath::kNative);
+  shapes.one_list = false;
+  CHECK_EQ(plan::select_gather_scatter(shapes).path, GatherScatterPath::kFallback);
+  CHECK_EQ(plan::select_gather_scatter(shapes).reason, "uneven sizes in several lists");
   plan::GatherScatterInput one = in;
   one.world_size = 1;
   one.transport_available = false;  // a world of one has no channel, and needs none

@@ -436,11 +436,12 @@ TEST(select_gather_scatter_across_hosts) {
   no.op_supported = false;
   CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
   no = in;
-  no.shapes_supported = false;
-  no.unsupported_note = "uneven sizes in several lists";
+  no.uneven_list_sizes = true;  // even one list: the engine's step takes blocks of one size
+  no.one_list = true;
   s = select_gather_scatter(no);
   CHECK_EQ(s.path, GatherScatterPath::kFallback);
-  CHECK(s.reason.find("uneven sizes") != std::string::npos);
+  CHECK(s.reason.find("uneven list sizes (the two-level form needs one size)") !=
+        std::string::npos);
   no = in;
   no.device = DeviceKind::kCuda;
   CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
