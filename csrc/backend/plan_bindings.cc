@@ -46,13 +46,13 @@ double non_negative_us(double us, const char* what) {
   return us / 1e6;
 }
 
-py::dict to_dict(const plan::Prediction& p) {
+// What every prediction says, an allreduce's or a gather/scatter's: its
+// candidate's kind ("ring", "nccl" or the plan's own name) under kind_key.
+template <typename P>
+py::dict prediction_dict(const P& p, const char* kind_key, const char* plan_name) {
   py::dict d;
   d["label"] = p.candidate.label();
-  d["algorithm"] = p.candidate.ring_reference ? std::string("ring")
-                   : p.candidate.nccl         ? std::string("nccl")
-                                              : std::string(plan::to_string(p.candidate.algorithm));
-  d["num_packs"] = p.candidate.num_packs;
+  d[kind_key] = p.candidate.ring_reference ? "ring" : p.candidate.nccl ? "nccl" : plan_name;
   d["ring_reference"] = p.candidate.ring_reference;
   d["nccl"] = p.candidate.nccl;
   d["bytes"] = p.bytes;
@@ -62,19 +62,15 @@ py::dict to_dict(const plan::Prediction& p) {
   return d;
 }
 
+py::dict to_dict(const plan::Prediction& p) {
+  py::dict d = prediction_dict(p, "algorithm", plan::to_string(p.candidate.algorithm));
+  d["num_packs"] = p.candidate.num_packs;
+  return d;
+}
+
 py::dict to_dict(const plan::GatherScatterPrediction& p) {
-  py::dict d;
-  d["label"] = p.candidate.label();
-  d["form"] = p.candidate.ring_reference ? std::string("ring")
-              : p.candidate.nccl         ? std::string("nccl")
-                                         : std::string(plan::to_string(p.candidate.form));
+  py::dict d = prediction_dict(p, "form", plan::to_string(p.candidate.form));
   d["window_bytes"] = p.candidate.window_bytes;
-  d["ring_reference"] = p.candidate.ring_reference;
-  d["nccl"] = p.candidate.nccl;
-  d["bytes"] = p.bytes;
-  d["seconds"] = p.seconds;
-  d["algbw"] = p.algbw;
-  d["busbw"] = p.busbw;
   return d;
 }
 
