@@ -54,7 +54,22 @@ std::string host_and_its_ranks(const GroupContext& group) {
 
 void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
                      const char* what) {
-  if (!work->wait(timeout)) TORCH_CHECK(false, "xdev ", what, " failed");
+  std::string reason;
+  try {
+    if (work->wait(timeout)) return;
+    reason = "the engine's work did not complete";
+  } catch (const c10::Error& e) {
+    reason = e.what_without_backtrace();  // Gloo's own words, e.g. its timeout
+  } catch (const std::exception& e) {
+    reason = e.what();
+  }
+  // Across hosts nothing checked beforehand that the ranks there reached this
+  // call; say what could keep them away.
+  throw transport::PeerError(
+      std::string("xdev: ") + what + " failed (" + reason +
+      "). A rank on another host has exited, is stuck, or called a different collective (auto "
+      "chooses two levels or the engine by size: ranks whose sizes differ across hosts may "
+      "take different paths)");
 }
 
 void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& executor,

@@ -47,7 +47,8 @@ std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
 // channel number its ranks locally, so the two-level collectives say which
 // group ranks they are.
 std::string host_and_its_ranks(const GroupContext& group);
-// Waits for an engine's call; throws naming `what` when it fails or times out.
+// Waits for an engine's call; throws transport::PeerError naming `what`, the
+// engine's reason and what may keep a peer away when it fails or times out.
 void wait_for_engine(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
                      const char* what);
 // Runs a step inside the host (req's context made): in place from the host's
