@@ -49,12 +49,8 @@ against the copy bandwidth, are benchmarked by ``benchmarks/cuda_kernels.py``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -67,8 +63,8 @@ import torch.multiprocessing as mp
 import deepspeed_shm
 import network_fit
 import torch_xdev
+from run_record import XDEV_PATH, environment, write_results
 from allreduce_common import (
-    XDEV_PATH,
     DTYPES,
     TARGET_ROW_SECONDS,
     MIN_ITERS,
@@ -279,8 +275,6 @@ def run_rank(rank: int, cfg: Config) -> None:
 
 
 def write_json(cfg: Config, rows: list[dict[str, Any]], deepspeed_skipped: str) -> None:
-    path = Path(cfg.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "nproc": cfg.nproc,
         "sizes": cfg.sizes,
@@ -296,19 +290,12 @@ def write_json(cfg: Config, rows: list[dict[str, Any]], deepspeed_skipped: str) 
             "skipped": deepspeed_skipped or None,
         },
         "slot_bytes": cfg.slot_bytes,
-        "torch_version": torch.__version__,
-        "torch_xdev_version": torch_xdev.__version__,
-        "torch_xdev_path": XDEV_PATH,
-        "cpu_count": os.cpu_count(),
         "memcpy_gbps": cfg.memcpy_gbps,
         "memcpy_bytes": MEMCPY_BYTES,
         "memcpy_us_per_size": {str(k): v for k, v in cfg.memcpy_us.items()},
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **environment(),
     }
-    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
-    print(f"# wrote {path}", flush=True)
+    write_results(Path(cfg.json_path), meta, rows)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -14,12 +14,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-import torch_xdev
-
-# Which build runs: run from a checkout, `python benchmarks/allreduce.py` imports the installed
-# package (sys.path starts at benchmarks/), not an in-place build; set PYTHONPATH to the
-# checkout for that. The header says which one it got.
-XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 DTYPES = {
     "float32": torch.float32,

@@ -5,12 +5,8 @@ bandwidth and each backend's host time per call."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -20,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
+from run_record import XDEV_PATH, environment, write_results
 from allreduce_common import (
-    XDEV_PATH,
     DTYPES,
     TARGET_ROW_SECONDS,
     MIN_ITERS,
@@ -272,8 +268,6 @@ def write_cuda_json(
     cuda_info: Optional[dict[str, Any]],
     device: torch.device,
 ) -> None:
-    path = Path(cfg.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": "cuda",
         "nproc": cfg.nproc,
@@ -295,17 +289,10 @@ def write_cuda_json(
         "copy_us_per_size": {str(k): v for k, v in copy_us.items()},
         "host_overhead": overheads,
         "xdev_cuda": cuda_info,
-        "torch_version": torch.__version__,
         "torch_cuda_version": torch.version.cuda,
-        "torch_xdev_version": torch_xdev.__version__,
-        "torch_xdev_path": XDEV_PATH,
-        "cpu_count": os.cpu_count(),
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **environment(),
     }
-    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
-    print(f"# wrote {path}", flush=True)
+    write_results(Path(cfg.json_path), meta, rows)
 
 
 def cuda_settings(args: argparse.Namespace) -> dict[str, Any]:

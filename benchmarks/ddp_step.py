@@ -68,6 +68,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_xdev
+from run_record import write_results
 from step_common import (
     GROUP_TIMEOUT,
     Batches,
@@ -83,7 +84,6 @@ from step_common import (
     timing_stats,
     train_step,
     under_torchrun,
-    write_json,
     yes_no,
 )
 
@@ -348,7 +348,7 @@ def save_json(
         set_to_none=args.set_to_none,
         **{COMM_MEM_VARIABLE: os.environ.get(COMM_MEM_VARIABLE)},
     )
-    write_json(path, meta, rows)
+    write_results(path, meta, rows)
 
 
 def parse_variants(text_value: str) -> list[str]:

@@ -75,6 +75,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 
 import torch_xdev
+from run_record import write_results
 from step_common import (
     GROUP_TIMEOUT,
     Batches,
@@ -91,7 +92,6 @@ from step_common import (
     timing_stats,
     train_step,
     under_torchrun,
-    write_json,
 )
 
 GLOO = "gloo"
@@ -570,7 +570,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
         )
         meta = metadata("fsdp_step", args, world_size, params)
         meta["match_tolerance"] = MATCH_TOLERANCE
-        write_json(Path(args.json or default_json), meta, rows)
+        write_results(Path(args.json or default_json), meta, rows)
     del runners
     return 1 if broken else 0
 

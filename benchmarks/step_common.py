@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import socket
 import sys
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import torch_xdev
+from run_record import XDEV_PATH, environment
 
-# Run from a checkout, sys.path starts at benchmarks/, so this imports the installed package
-# unless PYTHONPATH names the checkout; the header says which one ran.
-XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
 SEED = 20240614
 DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
 GROUP_TIMEOUT = datetime.timedelta(seconds=300)
@@ -204,17 +198,5 @@ def metadata(
         "threads": args.threads,
         "variants": args.variants,
         "xdev_environment": {k: v for k, v in os.environ.items() if k.startswith("XDEV_")},
-        "torch_version": torch.__version__,
-        "torch_xdev_version": torch_xdev.__version__,
-        "torch_xdev_path": XDEV_PATH,
-        "cpu_count": os.cpu_count(),
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **environment(),
     }
-
-
-def write_json(path: Path, meta: dict[str, Any], rows: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
-    print(f"# wrote {path}", flush=True)
