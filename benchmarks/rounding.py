@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,10 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_xdev
+from run_record import XDEV_PATH
 
-# As in allreduce.py: run from a checkout, this imports the installed package unless
-# PYTHONPATH names the checkout; the header says which build ran.
-XDEV_PATH = str(Path(torch_xdev.__file__).resolve().parent)
 DTYPES = (torch.bfloat16, torch.float16)
 # (label, Options fields, tensor from shared_empty); "gloo" is handled apart.
 CASES: list[tuple[str, dict[str, Any], bool]] = [
