@@ -71,6 +71,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+# The interfaces set_custom_all_gather / set_custom_reduce_scatter take; torch exports them
+# from no public module (2.13, 2.14).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
