@@ -23,6 +23,10 @@ SLOT = 4096  # cuda_slot_bytes (and shm_slot_bytes) of the grids: many windows, 
 NATIVE = ("hierarchical_copy", "hierarchical_balanced", "reduce_to_one", "flat", "direct")
 GROUP_TIMEOUT = timedelta(seconds=300)
 XDEV_TIMEOUT_S = 120.0
+# What auto runs where ranks share one GPU under CUDA MPS (the fixed rule on a GPU that
+# reaches itself). Tests of the native path's semantics force it, so that they test that path
+# with or without MPS: without it auto leaves ranks sharing a GPU to Gloo.
+SHARED_GPU_PLAN = "reduce_to_one"
 
 
 def skip_module_without_cuda() -> None:
@@ -106,6 +110,16 @@ def assert_native(group: Any = None, expected: Optional[str] = None, what: str =
     if expected is not None:
         assert algorithm == expected, f"{what}: ran {algorithm} ({reason}), expected {expected}"
     assert algorithm in NATIVE, f"{what}: not native: {algorithm} ({reason})"
+
+
+def assert_ran(group: Any, expected: str, what: str = "") -> None:
+    """assert_native, except where ``expected`` is "fallback": auto on ranks that share a GPU
+    without CUDA MPS, which leaves the call to the engine and says why."""
+    if expected != "fallback":
+        assert_native(group, expected, what)
+        return
+    algorithm, reason = last_allreduce(group)
+    assert algorithm == "fallback" and "without CUDA MPS" in reason, (what, algorithm, reason)
 
 
 def close_group(group: Any) -> None:

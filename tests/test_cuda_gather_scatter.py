@@ -211,6 +211,8 @@ def _mismatch_and_auto(rank: int, world: int) -> dict[str, Any]:
         return _skip(group, f"no CUDA transport: {info['transport_note']}")
     if not info["ranks_share_gpu"]:
         return _skip(group, "every rank has a GPU of its own: auto keeps NCCL for these")
+    if info["gpu_time_sliced"]:
+        return _skip(group, "the ranks share the GPU without CUDA MPS: auto leaves them to Gloo")
     n = 16 + rank  # a different block on every rank
     out = torch.empty(n, device=device)
     with pytest.raises(dist.DistBackendError, match="mismatched collectives at reduce_scatter"):

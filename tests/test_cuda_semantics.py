@@ -32,6 +32,7 @@ import cuda_ranks
 import torch_xdev
 from collective_cases import OPS, check_close, digest, make_input, reference
 from cuda_ranks import (
+    SHARED_GPU_PLAN,
     SLOT,
     XDEV_TIMEOUT_S,
     assert_native,
@@ -57,7 +58,10 @@ SLEEP_CYCLES = 1_000_000_000
 def _streams(rank: int, world: int) -> dict[str, Any]:
     device = setup_rank(rank)
     dist.init_process_group(
-        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=XDEV_TIMEOUT_S)
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(algorithm=SHARED_GPU_PLAN, timeout=XDEV_TIMEOUT_S),
     )
     info = first_cuda_collective(device)
     if not info["transport"]:
@@ -149,7 +153,9 @@ def test_stream_semantics() -> None:
 
 def _layouts(rank: int, world: int) -> dict[str, Any]:
     device = setup_rank(rank)
-    options = torch_xdev.Options(cuda_slot_bytes=SLOT, shm_slot_bytes=SLOT, timeout=XDEV_TIMEOUT_S)
+    options = torch_xdev.Options(
+        algorithm=SHARED_GPU_PLAN, cuda_slot_bytes=SLOT, shm_slot_bytes=SLOT, timeout=XDEV_TIMEOUT_S
+    )
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
     info = first_cuda_collective(device)
     if not info["transport"]:
@@ -289,7 +295,10 @@ def test_layouts_coalesced_mixed_dtypes(world: int) -> None:
 def _delegated(rank: int, world: int) -> dict[str, Any]:
     device = setup_rank(rank)
     dist.init_process_group(
-        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=XDEV_TIMEOUT_S)
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(algorithm=SHARED_GPU_PLAN, timeout=XDEV_TIMEOUT_S),
     )
     before = dict(torch_xdev.describe()["cuda"])
     assert before["built"] is True, before
@@ -353,7 +362,10 @@ def test_delegated_collectives_share_gpu(world: int) -> None:
 def _bad_input(rank: int, world: int) -> dict[str, Any]:
     device = setup_rank(rank)
     dist.init_process_group(
-        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(algorithm=SHARED_GPU_PLAN, timeout=60.0),
     )
     info = first_cuda_collective(device)
     if not info["transport"]:

@@ -78,6 +78,8 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["nvlink"] = info->nvlink.to_rows();
   d["reachable"] = info->reachable.to_rows();
   d["ranks_share_gpu"] = info->ranks_share_gpu;
+  d["mps"] = info->mps;
+  d["gpu_time_sliced"] = info->gpu_time_sliced;
   d["transport"] = info->transport;
   d["transport_note"] = info->transport_note;
   return d;

@@ -33,8 +33,12 @@ struct CudaGroupInfo {
   plan::TopologyClass topology = plan::TopologyClass::kNone;
   std::string topology_source;   // "nvml", "XDEV_TOPO_FILE", or why there are no NVLinks
   bool ranks_share_gpu = false;  // NCCL refuses this: CUDA fallback is Gloo then
-  int ranks_on_this_gpu = 1;     // the group's ranks on this rank's GPU, itself included
-  int compute_capability = 0;    // the lowest of the ranks' GPUs, major x 10 + minor
+  bool mps = false;              // every rank sees a CUDA MPS control daemon
+  // Ranks share a GPU without MPS: the driver time-slices their kernels, and
+  // auto leaves collectives to the engine (plan::kGpuTimeSlicedReason).
+  bool gpu_time_sliced = false;
+  int ranks_on_this_gpu = 1;   // the group's ranks on this rank's GPU, itself included
+  int compute_capability = 0;  // the lowest of the ranks' GPUs, major x 10 + minor
   // The machine auto weighs xdev's plans and NCCL's algorithms on: set where
   // every rank of the one host has a GPU of its own (ranks sharing a GPU
   // exchange through its memory, not its links: the fixed rule decides there).

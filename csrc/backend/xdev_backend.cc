@@ -119,6 +119,7 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
     in.transport_available = info != nullptr && info->transport;
     if (info != nullptr) {
       in.topology = info->topology;
+      in.gpu_time_sliced = info->gpu_time_sliced;
       if (info->model) {
         in.model = &*info->model;
         in.model_cache = &cuda_model_choices_;

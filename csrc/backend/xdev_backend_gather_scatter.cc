@@ -93,6 +93,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
                         : cuda_ == nullptr ? "this build has no CUDA path"
                                            : "one rank, or tensors on several devices";
     in.nccl_available = info != nullptr && !info->ranks_share_gpu;
+    in.gpu_time_sliced = info != nullptr && info->gpu_time_sliced;
     if (info != nullptr && info->model) {  // what auto's reason weighs: xdev's form and NCCL
       in.model = &*info->model;
       in.model_cache = &cuda_gather_scatter_choices_;

@@ -59,8 +59,15 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   cuda.requested = plan::Algorithm::kFlat;
   CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
   cuda.requested = plan::Algorithm::kAuto;
-  cuda.nccl_available = false;
+  cuda.nccl_available = false;  // ranks share a GPU, under MPS
   CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
+  cuda.gpu_time_sliced = true;  // without MPS: the engine, unless an algorithm is forced
+  CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kFallback);
+  CHECK_EQ(plan::select_gather_scatter(cuda).reason, std::string(plan::kGpuTimeSlicedReason));
+  cuda.requested = plan::Algorithm::kFlat;
+  CHECK_EQ(plan::select_gather_scatter(cuda).path, GatherScatterPath::kCuda);
+  cuda.requested = plan::Algorithm::kAuto;
+  cuda.gpu_time_sliced = false;
   cuda.num_tensors = 2;
   CHECK_EQ(plan::select_gather_scatter(cuda).reason,
            "CUDA: the native path takes one tensor per side, or one list of one size");

@@ -362,6 +362,24 @@ TEST(selection_cuda_by_topology) {
   CHECK_EQ(s.reason, std::string("GPU topology is none"));
 }
 
+TEST(selection_cuda_time_sliced_gpu_leaves_auto_to_the_engine) {
+  // Ranks sharing a GPU without MPS: auto goes to the engine and says why; a forced plan runs.
+  SelectionInput in = cuda_input(TopologyClass::kFullyConnected, 2);
+  in.gpu_time_sliced = true;
+  Selection s = select_allreduce(in);
+  CHECK_EQ(s.algorithm, Algorithm::kFallback);
+  CHECK_EQ(s.reason, std::string(kGpuTimeSlicedReason));
+  CHECK(contains(s.reason, "nvidia-cuda-mps-control -d"));
+  in.requested = Algorithm::kFlat;
+  CHECK_EQ(select_allreduce(in).algorithm, Algorithm::kFlat);
+  // A world of one has nothing to wait for; CPU tensors never share a GPU.
+  in = cuda_input(TopologyClass::kFullyConnected, 1);
+  in.gpu_time_sliced = true;
+  CHECK_EQ(select_allreduce(in).algorithm, Algorithm::kDirect);
+  in = cuda_input(TopologyClass::kFullyConnected, 2);  // under MPS: the fixed rule
+  CHECK_EQ(select_allreduce(in).algorithm, Algorithm::kReduceToOne);
+}
+
 TEST(every_selection_has_a_reason) {
   int cases = 0;
   const Algorithm requests[] = {Algorithm::kAuto,        Algorithm::kHierarchicalCopy,

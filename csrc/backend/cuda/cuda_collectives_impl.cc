@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -47,6 +49,17 @@ std::vector<int> counts_from_text(const std::string& text) {
     p = end;
   }
   return counts;
+}
+
+// Whether a CUDA MPS control daemon is there for this process's CUDA clients:
+// its control pipe lies in CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps),
+// where the CUDA runtime looks for it.
+bool mps_daemon_visible() {
+  const char* dir = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  const std::string control =
+      std::string(dir != nullptr && *dir ? dir : "/tmp/nvidia-mps") + "/control";
+  struct stat st{};
+  return ::stat(control.c_str(), &st) == 0;
 }
 
 }  // namespace
@@ -279,6 +292,14 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     info.ranks_on_this_gpu = ranks_on_gpu[static_cast<size_t>(rank)];
     info.ranks_share_gpu = *std::max_element(ranks_on_gpu.begin(), ranks_on_gpu.end()) > 1;
+    // Ranks sharing a GPU run at once only under MPS; every rank must see its
+    // daemon for all to choose alike.
+    store.set(key + "mps/" + std::to_string(rank), mps_daemon_visible() ? "1" : "0");
+    info.mps = true;
+    for (int r = 0; r < size; ++r) {
+      info.mps = info.mps && store.get_to_str(key + "mps/" + std::to_string(r)) == "1";
+    }
+    info.gpu_time_sliced = info.ranks_share_gpu && !info.mps;
 
     // Links: an injected file, else NVML as rank 0 sees it (one answer for all).
     plan::LinkMatrix class_reach = info.reachable;
