@@ -388,9 +388,10 @@ GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
     if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
   } else if (!in.op_supported) {
     s.reason = "no native kernel for this reduce op / dtype";
-  } else if ((in.num_tensors != 1 && !in.one_list) || shape_refusal(in) != nullptr) {
+  } else if (const char* refusal = shape_refusal(in);
+             (in.num_tensors != 1 && !in.one_list) || refusal != nullptr) {
     s.reason = "CUDA: the native path takes one tensor per side, or one list of one size";
-    if (in.uneven_list_sizes) s.reason += std::string(" (") + shape_refusal(in) + ")";
+    if (refusal != nullptr) s.reason += std::string(" (") + refusal + ")";
   } else if (in.requested == Algorithm::kAuto && in.nccl_available) {
     s.reason = "NCCL (";
     if (in.model != nullptr && in.model->num_devices() == in.world_size) {
