@@ -183,12 +183,13 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
 // a third). Nobody spins where it would take a core that another busy thread
 // of this job needs: a caller that waits for its collective spins only when
 // every rank of the host has a core; a collective on the worker while its
-// caller computes (DDP's backward) spins only when every rank has two.
+// caller computes (DDP's backward) spins only when every rank has two. The
+// host's cores are its share of the machine's (hosts faked on one machine
+// share its cores).
 void GroupContext::choose_spin_budgets() {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const transport::Clock::duration none(0);
-  spin_while_caller_waits_ = local_world_size_ <= cores ? kBarrierSpin : none;
-  spin_while_caller_runs_ = 2 * local_world_size_ <= cores ? kBarrierSpin : none;
+  spin_while_caller_waits_ = local_world_size_ <= host_cores_ ? kBarrierSpin : none;
+  spin_while_caller_runs_ = 2 * local_world_size_ <= host_cores_ ? kBarrierSpin : none;
 }
 
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
