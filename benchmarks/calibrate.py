@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -41,19 +40,22 @@ from model_fit import (
     ALGORITHMS,
     ELEM_BYTES,
     HIERARCHICAL,
+    MIB,
+    FitQuality,
     LogBox,
     Vector,
-    mean_squared_log_error,
-    fit_in_box,
-    weighted_rows,
-    num_packs,
+    add_fit_arguments,
+    fit_params,
+    predict_rows_us,
+    print_fit_quality,
+    quality_of,
+    weighted_loss,
 )
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_OUT = RESULTS / "cpu_model.json"
 DEFAULT_WINDOW_BYTES = 256 << 10  # torch_xdev.Options.shm_slot_bytes
-MIB = 1 << 20
 
 # The fitted parameters, their search bounds and the starting points of the multi-start.
 PARAM_NAMES = (
@@ -94,13 +96,8 @@ class Params(TypedDict):
     sleeping_barrier_us: float  # a barrier with more ranks than cores (it sleeps)
 
 
-class FitResult(Params):
+class FitResult(Params, FitQuality):
     """fit()'s answer: the parameters, and how well and at what cost they were found."""
-
-    loss: float  # weighted mean of squared log errors
-    rms_log_error: float
-    evaluations: int  # objective evaluations
-    rows: int  # rows with a weight > 0
 
 
 class Measurement(TypedDict):
@@ -147,30 +144,16 @@ def machine(params: Params, ranks: int) -> plan.MachineModel:
     )
 
 
+def _predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
+    return predict_rows_us(lambda ranks: machine(params, ranks), measurements)
+
+
 def predict_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: int = 4) -> float:
     """The model's time for one allreduce of `size` bytes, in microseconds."""
-    m = machine(params, ranks)
-    return (
-        1e6 * plan.predict(m, algorithm, num_packs(algorithm, ranks), size, elem_bytes)["seconds"]
+    row = Measurement(
+        ranks=ranks, algorithm=algorithm, size_bytes=size, time_us=0.0, elem_bytes=elem_bytes
     )
-
-
-def _predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
-    machines: dict[int, plan.MachineModel] = {}
-    out: list[float] = []
-    for row in measurements:
-        n = row["ranks"]
-        if n not in machines:
-            machines[n] = machine(params, n)
-        p = plan.predict(
-            machines[n],
-            row["algorithm"],
-            num_packs(row["algorithm"], n),
-            row["size_bytes"],
-            row.get("elem_bytes", 4),
-        )
-        out.append(1e6 * p["seconds"])
-    return out
+    return _predict_all(params, [row])[0]
 
 
 # ---------------------------------------------------------------------------
@@ -193,12 +176,7 @@ def _to_params(x: Vector, cores: int, window_bytes: int) -> Params:
 
 def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
     """Weighted mean of squared log errors, log(predicted / measured)."""
-    rows = [(m, m.get("weight", 1.0)) for m in measurements]
-    rows = [(m, w) for m, w in rows if w > 0]
-    if not rows:
-        raise ValueError("no measurements with a weight > 0")
-    predicted = _predict_all(params, [m for m, _ in rows])
-    return mean_squared_log_error(predicted, [m["time_us"] for m, _ in rows], [w for _, w in rows])
+    return weighted_loss(lambda rows: _predict_all(params, rows), measurements)
 
 
 def fit(
@@ -217,19 +195,10 @@ def fit(
     """
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    fitted = weighted_rows(measurements)
-    best_x, evaluations = fit_in_box(
-        lambda x: loss_of(_to_params(x, cores, window_bytes), fitted), starts, BOX, max_evals
+    params, quality = fit_params(
+        lambda x: _to_params(x, cores, window_bytes), loss_of, measurements, starts, BOX, max_evals
     )
-    params = _to_params(best_x, cores, window_bytes)
-    loss = loss_of(params, fitted)
-    return FitResult(
-        **params,
-        loss=loss,
-        rms_log_error=math.sqrt(loss),
-        evaluations=evaluations,
-        rows=len(fitted),
-    )
+    return FitResult(**params, **quality)
 
 
 # ---------------------------------------------------------------------------
@@ -380,13 +349,8 @@ def print_params(result: FitResult) -> None:
         f"step {result['step_us']:.3f} us  "
         f"sleeping barrier {result['sleeping_barrier_us']:.2f} us"
     )
-    print(
-        f"# {result['rows']} rows fitted, rms log error {result['rms_log_error']:.4f}, "
-        f"{result['evaluations']} model evaluations"
-    )
-    bound = at_bound(result)
-    if bound:
-        print("# at a search bound (these rows do not determine it): " + ", ".join(bound))
+    values = {name: float(result[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
+    print_fit_quality(result, BOX, values)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -416,24 +380,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         default=RESULTS,
         help="where --run writes allreduce_<N>ranks.json (default benchmarks/results)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output ({DEFAULT_OUT})")
-    parser.add_argument(
-        "--min-fit-bytes",
-        type=int,
-        default=MIB,
-        help="rows of at least this size are fitted and judged (default 1 MiB)",
-    )
+    add_fit_arguments(parser, DEFAULT_OUT)
     parser.add_argument(
         "--small-weight",
         type=float,
         default=0.0,
         help="fit weight of the rows below --min-fit-bytes (default 0: shown only)",
-    )
-    parser.add_argument(
-        "--tolerance", type=float, default=25.0, help="acceptance: |error| in %% (default 25)"
-    )
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a fitted row is outside --tolerance"
     )
     return parser.parse_args(argv)
 
@@ -482,10 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for k in ("cores", "window_bytes", *PARAM_NAMES)
         },
         "fit": {
-            "loss": result["loss"],
-            "rms_log_error": result["rms_log_error"],
-            "evaluations": result["evaluations"],
-            "rows": result["rows"],
+            **quality_of(result),
             "min_fit_bytes": args.min_fit_bytes,
             "small_weight": args.small_weight,
         },

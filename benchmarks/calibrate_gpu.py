@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, NotRequired, Optional, Sequence, TypedDict
@@ -40,19 +39,22 @@ from torch_xdev.plan import format_size
 from model_fit import (
     ALGORITHMS,
     ELEM_BYTES,
+    MIB,
+    FitQuality,
     LogBox,
     Vector,
-    mean_squared_log_error,
-    fit_in_box,
-    weighted_rows,
-    num_packs,
+    add_fit_arguments,
+    fit_params,
+    predict_rows_us,
+    print_fit_quality,
+    quality_of,
+    weighted_loss,
 )
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE.parent / "docs" / "results" / "h100" / "cuda_allreduce_2ranks_mps.json"
 DEFAULT_OUT = HERE / "results" / "gpu_model.json"
 DEFAULT_WINDOW_BYTES = 32 << 20  # torch_xdev.Options.cuda_slot_bytes (plan::kCudaWindowBytes)
-MIB = 1 << 20
 # Without MPS a barrier of ranks sharing a GPU waits for a time slice (about 2 ms on an H100):
 # calls of 1 MiB or less that take longer than this were time-sliced.
 TIME_SLICED_US = 1000.0
@@ -75,11 +77,8 @@ class Params(TypedDict):
     step_us: float
 
 
-class FitResult(Params):
-    loss: float  # weighted mean of squared log errors
-    rms_log_error: float
-    evaluations: int
-    rows: int  # rows with a weight > 0
+class FitResult(Params, FitQuality):
+    """fit()'s answer: the parameters, and how well and at what cost they were found."""
 
 
 class Measurement(TypedDict):
@@ -125,30 +124,16 @@ def machine(params: Params, ranks: int) -> plan.MachineModel:
     )
 
 
+def _model_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
+    return predict_rows_us(lambda ranks: machine(params, ranks), measurements)
+
+
 def model_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: int = 4) -> float:
     """The model's GPU time for one allreduce of `size` bytes, in microseconds."""
-    m = machine(params, ranks)
-    p = plan.predict(m, algorithm, num_packs(algorithm, ranks), size, elem_bytes)
-    return 1e6 * p["seconds"]
-
-
-def _model_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
-    machines: dict[int, plan.MachineModel] = {}
-    out: list[float] = []
-    for row in measurements:
-        n = row["ranks"]
-        if n not in machines:
-            machines[n] = machine(params, n)
-        algorithm = row["algorithm"]
-        p = plan.predict(
-            machines[n],
-            algorithm,
-            num_packs(algorithm, n),
-            row["size_bytes"],
-            row.get("elem_bytes", 4),
-        )
-        out.append(1e6 * p["seconds"])
-    return out
+    row = Measurement(
+        ranks=ranks, algorithm=algorithm, size_bytes=size, time_us=0.0, elem_bytes=elem_bytes
+    )
+    return _model_all(params, [row])[0]
 
 
 def predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
@@ -174,12 +159,8 @@ def _to_params(x: Vector, window_bytes: int) -> Params:
 
 
 def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
-    rows = [m for m in measurements if m.get("weight", 1.0) > 0]
-    return mean_squared_log_error(
-        predict_all(params, rows),
-        [m["time_us"] for m in rows],
-        [m.get("weight", 1.0) for m in rows],
-    )
+    """Weighted mean of squared log errors, log(predicted / measured)."""
+    return weighted_loss(lambda rows: predict_all(params, rows), measurements)
 
 
 def fit(
@@ -192,19 +173,10 @@ def fit(
     ValueError for rows the model cannot predict or no row with a weight > 0."""
     if window_bytes < 0:
         raise ValueError(f"window_bytes must be >= 0, got {window_bytes}")
-    fitted = weighted_rows(measurements)
-    best_x, evaluations = fit_in_box(
-        lambda x: loss_of(_to_params(x, window_bytes), fitted), starts, BOX, max_evals
+    params, quality = fit_params(
+        lambda x: _to_params(x, window_bytes), loss_of, measurements, starts, BOX, max_evals
     )
-    params = _to_params(best_x, window_bytes)
-    loss = loss_of(params, fitted)
-    return FitResult(
-        **params,
-        loss=loss,
-        rms_log_error=math.sqrt(loss),
-        evaluations=evaluations,
-        rows=len(fitted),
-    )
+    return FitResult(**params, **quality)
 
 
 # ---------------------------------------------------------------------------
@@ -375,23 +347,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         default=[DEFAULT_RESULTS],
         help="benchmarks/allreduce.py --device cuda JSON files (default: the H100 MPS run)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output ({DEFAULT_OUT})")
-    parser.add_argument(
-        "--min-fit-bytes",
-        type=int,
-        default=MIB,
-        help="rows of at least this size are fitted and judged (default 1 MiB)",
-    )
-    parser.add_argument(
-        "--tolerance", type=float, default=25.0, help="acceptance: |ratio - 1| in %% (default 25)"
-    )
+    add_fit_arguments(parser, DEFAULT_OUT)
     parser.add_argument(
         "--no-host-floor",
         action="store_true",
         help="predict the model's GPU time alone, without the measured host time per call",
-    )
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a judged row is outside --tolerance"
     )
     return parser.parse_args(argv)
 
@@ -412,13 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{result['launch_us']:.2f} us  step (barrier) {result['step_us']:.3f} us  window "
         f"{result['window_bytes']} B"
     )
-    print(
-        f"# {result['rows']} rows fitted, rms log error {result['rms_log_error']:.4f}, "
-        f"{result['evaluations']} model evaluations"
-    )
-    bound = BOX.at_bound({name: float(result[name]) for name in PARAM_NAMES})  # type: ignore
-    if bound:
-        print("# at a search bound (these rows do not determine it): " + ", ".join(bound))
+    values = {name: float(result[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
+    bound = print_fit_quality(result, BOX, values)
     rows = table(result, measurements, args.min_fit_bytes)
     print_table(rows, args.tolerance)
     judged = [r for r in rows if r["in_criterion"]]
@@ -435,10 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "gpu": loaded["gpu"],
         "params": {k: result[k] for k in ("window_bytes", *PARAM_NAMES)},  # type: ignore
         "fit": {
-            "loss": result["loss"],
-            "rms_log_error": result["rms_log_error"],
-            "evaluations": result["evaluations"],
-            "rows": result["rows"],
+            **quality_of(result),
             "min_fit_bytes": args.min_fit_bytes,
             "host_floor": not args.no_host_floor,
         },

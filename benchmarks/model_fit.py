@@ -10,11 +10,15 @@ multi-started from fixed points. No scipy.
 
 from __future__ import annotations
 
+import argparse
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict, TypeVar
 
 Vector = list[float]
 Row = TypeVar("Row", bound=Mapping[str, Any])
+Params = TypeVar("Params")
+MIB = 1 << 20
 
 # What benchmarks/allreduce.py's rows name: the explicit algorithms the models predict, and the
 # bytes of each dtype.
@@ -216,3 +220,111 @@ def fit_in_box(
 
     best_x, _ = minimise(objective, [box.point(s) for s in starts], box, max_evals)
     return best_x, len(cache)
+
+
+class FitQuality(TypedDict):
+    """How well a fit's parameters meet the rows, and what finding them cost."""
+
+    loss: float  # weighted mean of squared log errors
+    rms_log_error: float
+    evaluations: int  # distinct parameter points evaluated
+    rows: int  # rows with a weight > 0
+
+
+def fit_params(
+    to_params: Callable[[Vector], Params],
+    loss_of: Callable[[Params, Sequence[Row]], float],
+    measurements: Sequence[Row],
+    starts: Sequence[Sequence[float]],
+    box: LogBox,
+    max_evals: int,
+) -> tuple[Params, FitQuality]:
+    """The parameters (to_params of a log-space point of `box`) that minimise loss_of over the
+    rows of weight > 0, by fit_in_box from `starts`, and how well they fit. Raises ValueError as
+    weighted_rows does."""
+    fitted = weighted_rows(measurements)
+    best_x, evaluations = fit_in_box(
+        lambda x: loss_of(to_params(x), fitted), starts, box, max_evals
+    )
+    params = to_params(best_x)
+    loss = loss_of(params, fitted)
+    return params, FitQuality(
+        loss=loss, rms_log_error=math.sqrt(loss), evaluations=evaluations, rows=len(fitted)
+    )
+
+
+def weighted_loss(
+    predict: Callable[[list[Row]], list[float]], measurements: Sequence[Row]
+) -> float:
+    """mean_squared_log_error of predict's µs against the rows of weight > 0 (1 when absent)."""
+    rows = [m for m in measurements if m.get("weight", 1.0) > 0]
+    return mean_squared_log_error(
+        predict(rows), [m["time_us"] for m in rows], [m.get("weight", 1.0) for m in rows]
+    )
+
+
+def predict_rows_us(machine: Callable[[int], Any], rows: Sequence[Row]) -> list[float]:
+    """The model's time in µs of each row's allreduce (its ranks, algorithm, size_bytes and
+    elem_bytes, 4 when absent) on machine(ranks), each rank count's machine made once."""
+    from torch_xdev._C import plan  # imported here: the rest of this module needs no build
+
+    machines: dict[int, Any] = {}
+    out: list[float] = []
+    for row in rows:
+        ranks = row["ranks"]
+        if ranks not in machines:
+            machines[ranks] = machine(ranks)
+        algorithm = row["algorithm"]
+        predicted = plan.predict(
+            machines[ranks],
+            algorithm,
+            num_packs(algorithm, ranks),
+            row["size_bytes"],
+            row.get("elem_bytes", 4),
+        )
+        out.append(1e6 * predicted["seconds"])
+    return out
+
+
+def add_fit_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
+    """The options both calibration scripts take: where to write, which rows to judge, and
+    how strictly."""
+    parser.add_argument("--out", type=Path, default=default_out, help=f"output ({default_out})")
+    parser.add_argument(
+        "--min-fit-bytes",
+        type=int,
+        default=MIB,
+        help="rows of at least this size are fitted and judged (default 1 MiB)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=25.0,
+        help="acceptance: |predicted / measured - 1| in %% (default 25)",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a judged row is outside --tolerance"
+    )
+
+
+def print_fit_quality(quality: FitQuality, box: LogBox, values: Mapping[str, float]) -> list[str]:
+    """Prints how well the fit meets its rows and which parameters sit at a search bound (the
+    rows do not determine them); returns those."""
+    print(
+        f"# {quality['rows']} rows fitted, rms log error {quality['rms_log_error']:.4f}, "
+        f"{quality['evaluations']} model evaluations"
+    )
+    bound = box.at_bound(values)
+    if bound:
+        print("# at a search bound (these rows do not determine it): " + ", ".join(bound))
+    return bound
+
+
+def quality_of(result: Mapping[str, Any]) -> FitQuality:
+    """The FitQuality fields of a fit's result (parameters and quality in one dict)."""
+    return FitQuality(
+        loss=result["loss"],
+        rms_log_error=result["rms_log_error"],
+        evaluations=result["evaluations"],
+        rows=result["rows"],
+    )
