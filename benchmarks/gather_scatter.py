@@ -43,6 +43,7 @@ time; busbw = algbw x (n-1)/n for reduce-scatter and all-gather, algbw for broad
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -203,8 +204,7 @@ def timed_calls(
 ) -> dict[str, Callable[[], None]]:
     """One call of the collective per (name, full, block, group)."""
     return {
-        name: (lambda f=f, b=b, g=group: run_op(collective, f, b, g))
-        for name, f, b, group in variants
+        name: functools.partial(run_op, collective, f, b, group) for name, f, b, group in variants
     }
 
 
@@ -303,7 +303,7 @@ def hosts_variants(
     if collective == "broadcast":  # timed on the default group alone
         check(collective, count * esize, dtype, groups["xdev"], rank, world)
         return {
-            name: (lambda g=group: run_op(collective, full, block, g))
+            name: functools.partial(run_op, collective, full, block, group)
             for name, group in (("gloo", None), ("xdev", groups["xdev"]))
         }
     two_level = groups["xdev_2lvl"]

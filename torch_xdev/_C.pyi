@@ -142,6 +142,7 @@ class plan:
         pcie_gbps: float = 12.0,
         memory_gbps: float = 900.0,
         compute_capability: int = 70,
+        nvswitch: list[int] = [],
     ) -> plan.MachineModel: ...
     @staticmethod
     def cpu_machine(

@@ -100,7 +100,8 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
     """
 
     def make(prefix: str, rank: int, size: int) -> Any:
-        options = ProcessGroupGloo._Options()
+        # The options class with _devices (torch's type stub does not declare it).
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [ProcessGroupGloo.create_default_device(lazy_init=True)]
         return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
