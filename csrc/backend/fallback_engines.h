@@ -37,6 +37,8 @@ class FallbackEngines {
   std::string cuda_name() const;
   // Whether the engine runs ReduceOp.AVG itself: NCCL does, Gloo does not.
   bool has_native_avg(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
+  // Whether it runs ReduceOp.PREMUL_SUM itself: NCCL does, Gloo does not.
+  bool has_premul_sum(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
 
   // An allreduce through the engine for these tensors. With
   // avg_as_sum_then_divide (an AVG the engine lacks) it runs SUM, then a

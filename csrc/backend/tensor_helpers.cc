@@ -78,6 +78,42 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
   }
 }
 
+namespace {
+
+// The factor of a PREMUL_SUM, as a scalar tensor on t's device, or its double.
+struct PremulFactor {
+  at::Tensor tensor;  // undefined: use value
+  double value = 0;
+};
+
+PremulFactor premul_factor(const at::Tensor& t, const c10d::ReduceOp& op) {
+  TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()),
+                    "xdev: ReduceOp.PREMUL_SUM multiplies every input by a real factor, so it "
+                    "needs floating-point tensors; got ",
+                    t.scalar_type(), ". Use SUM, then scale the result.");
+  // NCCLPreMulSumSupplement: the name every supported torch has (later ones alias it).
+  const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(supplement != nullptr, "xdev: a ReduceOp.PREMUL_SUM without its factor");
+  if (!supplement->tensor_factor.defined()) return {at::Tensor(), supplement->double_factor};
+  return {supplement->tensor_factor.to(t.device()).reshape({}), 0};
+}
+
+}  // namespace
+
+void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op) {
+  const PremulFactor factor = premul_factor(t, op);
+  if (factor.tensor.defined()) {
+    t.mul_(factor.tensor);
+  } else {
+    t.mul_(factor.value);
+  }
+}
+
+at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op) {
+  const PremulFactor factor = premul_factor(t, op);
+  return factor.tensor.defined() ? t.mul(factor.tensor) : t.mul(factor.value);
+}
+
 void divide_for_avg(const at::Tensor& t, int64_t divisor) {
   if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
     t.div_(divisor, "trunc");

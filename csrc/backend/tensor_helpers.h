@@ -29,6 +29,23 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
+// ReduceOp.PREMUL_SUM, NCCL's premultiplied sum (FSDP2 asks for it after
+// set_gradient_divide_factor): every rank's input times the op's factor, then
+// summed. Where the engine has none (Gloo), xdev multiplies first and runs a
+// SUM on any path. premultiply_ scales t in place (an allreduce's tensor,
+// which the result overwrites); premultiplied returns a scaled copy (a
+// reduce-scatter's input, which must stay as it is). Both raise ValueError for
+// tensors that are not floating point.
+void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op);
+at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
+
+// Options with their reduce op replaced by SUM (after premultiply_ / premultiplied).
+template <typename Options>
+Options with_sum(Options opts) {
+  opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return opts;
+}
+
 // AVG after a SUM by an engine that has none: t /= divisor in place, as the
 // native kernels divide (integers truncated toward zero).
 void divide_for_avg(const at::Tensor& t, int64_t divisor);

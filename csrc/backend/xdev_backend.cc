@@ -169,9 +169,19 @@ void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
       std::string("allreduce on ") + device + " tensors -> " + what + " (" + sel.reason + ")");
 }
 
+bool XdevBackend::premultiplies_here(const c10d::ReduceOp& op,
+                                     const std::vector<at::Tensor>& tensors) {
+  return op.op_ == c10d::ReduceOp::PREMUL_SUM && !tensors.empty() &&
+         !fallbacks_.has_premul_sum(*fallbacks_.for_tensors(tensors));
+}
+
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
+  if (premultiplies_here(opts.reduceOp, tensors)) {
+    for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);  // the result overwrites t
+    return dispatch_allreduce(tensors, with_sum(opts), coalesced);
+  }
   ++collectives_called_;
   TORCH_CHECK_VALUE(!tensors.empty(), "xdev allreduce: no tensors given");
   const c10::Device device = tensors[0].device();

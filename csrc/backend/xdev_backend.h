@@ -184,6 +184,10 @@ class XdevBackend : public c10d::Backend {
   std::string cuda_fallback_name() const { return fallbacks_.cuda_name(); }
 
  private:
+  // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then
+  // run as a SUM: wherever their engine lacks it (Gloo), so that the native
+  // paths and Gloo run it alike. NCCL runs its own.
+  bool premultiplies_here(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors);
   c10::intrusive_ptr<c10d::Work> dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts,
                                                     bool coalesced);

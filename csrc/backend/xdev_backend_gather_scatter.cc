@@ -266,6 +266,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (premultiplies_here(opts.reduceOp, outputs)) {
+    std::vector<std::vector<at::Tensor>> scaled;
+    for (const std::vector<at::Tensor>& list : inputs) {
+      scaled.emplace_back();
+      for (const at::Tensor& t : list) scaled.back().push_back(premultiplied(t, opts.reduceOp));
+    }
+    return reduce_scatter(outputs, scaled, with_sum(opts));
+  }
   const ListCall call = list_call(outputs, inputs);
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
                                          call.uneven, inputs.size() == 1);
@@ -291,6 +299,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  if (premultiplies_here(opts.reduceOp, {output})) {
+    at::Tensor scaled = premultiplied(input, opts.reduceOp);
+    return _reduce_scatter_base(output, scaled, with_sum(opts));
+  }
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
@@ -317,6 +329,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (premultiplies_here(opts.reduceOp, outputs)) {
+    std::vector<at::Tensor> scaled;
+    for (const at::Tensor& t : inputs) scaled.push_back(premultiplied(t, opts.reduceOp));
+    return reduce_scatter_tensor_coalesced(outputs, scaled, with_sum(opts));
+  }
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);

@@ -1,0 +1,158 @@
+"""ReduceOp.PREMUL_SUM on CPU tensors: NCCL's premultiplied sum, which Gloo lacks.
+
+FSDP2 asks for it in its gradient reduce-scatter after ``set_gradient_divide_factor`` (a
+factor other than the shard group's size, such as 1.0 for a sum). xdev multiplies every input
+by the factor and runs a SUM on whatever path the call takes (native, two levels, or Gloo).
+
+Each form (all_reduce, all_reduce_coalesced, reduce_scatter_tensor, its coalesced form, the list
+reduce_scatter) is checked against a reference computed here (every rank's input times the
+factor, summed in float64) and bitwise against xdev's own SUM of inputs the test scaled itself:
+the same sums in the same order. A float factor and a tensor factor both work; integer tensors
+get a ValueError that names the fix, and the group goes on. FSDP2 with a divide factor of 1.0
+and the learning rate divided by the world size trains as FSDP2 on Gloo does with its default
+average.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import torch_xdev  # noqa: F401  (registers the "xdev" backend, in the spawned ranks too)
+from collective_cases import check_close, make_input, reference
+from harness import run_ranks
+from training_cases import sgd_losses, sharded_mlp
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+FACTOR = 0.375  # exact in every float dtype, so the factor itself adds no rounding
+NUMEL = 1021  # a block per rank; odd, and past one 4 KiB staging window in float64
+SMALL_SLOT = 4096
+
+
+def _premul(factor: Any) -> Any:
+    return dist._make_nccl_premul_sum(factor)
+
+
+def _scaled(inputs: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
+    return [t * factor for t in inputs]
+
+
+def _forms(rank: int, world: int) -> int:
+    dist.init_process_group(
+        "xdev",
+        rank=rank,
+        world_size=world,
+        pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT),
+    )
+    sum_op = dist.ReduceOp.SUM
+    cases = 0
+    for d, dtype in enumerate(DTYPES):
+        for factor_kind in ("float", "tensor"):
+            op = _premul(FACTOR if factor_kind == "float" else torch.tensor(FACTOR, dtype=dtype))
+            seed = 100 * d + (factor_kind == "tensor")
+            inputs = [make_input(seed, r, world * NUMEL, dtype, sum_op) for r in range(world)]
+            scaled = _scaled(inputs, FACTOR)
+            expected = reference(scaled, sum_op)
+            mine = slice(rank * NUMEL, (rank + 1) * NUMEL)
+            what = f"{dtype} factor as {factor_kind}"
+
+            got = inputs[rank].clone()
+            dist.all_reduce(got, op=op)
+            check_close(got, expected, sum_op, world, f"all_reduce {what}")
+            own_sum = scaled[rank].clone()
+            dist.all_reduce(own_sum, op=sum_op)
+            assert torch.equal(got, own_sum), f"all_reduce {what}: not xdev's SUM of scaled inputs"
+
+            pair = [inputs[rank][:NUMEL].clone(), inputs[rank][NUMEL:].clone()]
+            with _coalescing_manager(async_ops=True) as cm:
+                for t in pair:
+                    dist.all_reduce(t, op=op)
+            cm.wait()
+            assert torch.equal(torch.cat(pair), got), f"all_reduce coalesced {what}"
+
+            block = torch.empty(NUMEL, dtype=dtype)
+            before = inputs[rank].clone()
+            dist.reduce_scatter_tensor(block, before, op=op)
+            assert torch.equal(before, inputs[rank]), f"reduce_scatter {what}: input changed"
+            check_close(block, expected[mine], sum_op, world, f"reduce_scatter {what}")
+            own_block = torch.empty(NUMEL, dtype=dtype)
+            dist.reduce_scatter_tensor(own_block, scaled[rank].clone(), op=sum_op)
+            assert torch.equal(block, own_block), f"reduce_scatter {what}: not xdev's SUM"
+
+            blocks = [torch.empty(NUMEL, dtype=dtype) for _ in range(2)]
+            with _coalescing_manager(async_ops=True) as cm:
+                for b in blocks:
+                    dist.reduce_scatter_tensor(b, inputs[rank].clone(), op=op)
+            cm.wait()
+            for b in blocks:
+                assert torch.equal(b, block), f"reduce_scatter coalesced {what}"
+
+            listed = torch.empty(NUMEL, dtype=dtype)
+            dist.reduce_scatter(listed, list(inputs[rank].clone().chunk(world)), op=op)
+            assert torch.equal(listed, block), f"reduce_scatter list {what}"
+            cases += 6
+
+    ints = torch.ones(4 * world, dtype=torch.int32)
+    with pytest.raises(ValueError, match="floating-point tensors"):
+        dist.all_reduce(ints, op=_premul(2.0))
+    with pytest.raises(ValueError, match="floating-point tensors"):
+        dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int32), ints, op=_premul(2.0))
+    after = torch.ones(8) * (rank + 1)
+    dist.all_reduce(after)  # the group goes on
+    assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2)))
+    dist.destroy_process_group()
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_premul_sum_forms(world: int) -> None:
+    assert run_ranks(_forms, world) == [len(DTYPES) * 2 * 6] * world
+
+
+def test_premul_sum_across_hosts() -> None:
+    """Two fake hosts of two ranks: the two-level paths and their Gloo steps run a SUM of the
+    premultiplied inputs."""
+    hosts = [{"XDEV_HOSTNAME": f"premul-host-{r // 2}"} for r in range(4)]
+    assert run_ranks(_forms, 4, per_rank_env=hosts) == [len(DTYPES) * 2 * 6] * 4
+
+
+def _fsdp(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    lr, width, layers, steps = 0.05, 24, 3, 4
+    gloo_mesh = init_device_mesh("cpu", (world,), backend_override={0: "gloo"})
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(8, width, generator=gen)
+
+    summed = sharded_mlp(width, layers, world, torch.device("cpu"))  # fully_shard over the world
+    for module in summed.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # gradients summed: PREMUL_SUM(1.0)
+    summed_losses = sgd_losses(summed, x, lr / world, steps)
+
+    averaged = sharded_mlp(width, layers, world, torch.device("cpu"), mesh=gloo_mesh)
+    averaged_losses = sgd_losses(averaged, x, lr, steps)
+    out = {
+        "losses": (summed_losses, averaged_losses),
+        "max_diff": max(
+            (a.to_local() - b.to_local()).abs().max().item()
+            for a, b in zip(summed.parameters(), averaged.parameters())
+        ),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def test_fsdp2_gradient_divide_factor() -> None:
+    """FSDP2 with set_gradient_divide_factor(1.0) reduce-scatters with PREMUL_SUM(1.0), which
+    Gloo refuses; on xdev, with lr / world, it trains as Gloo's default average with lr."""
+    for result in run_ranks(_fsdp, 2):
+        summed, averaged = result["losses"]
+        assert summed == pytest.approx(averaged, rel=1e-5, abs=1e-6)
+        assert result["max_diff"] < 1e-5
