@@ -96,6 +96,17 @@ def _forms(rank: int, world: int) -> int:
             assert torch.equal(listed, block), f"reduce_scatter list {what}"
             cases += 6
 
+    # A factor of 1.0 (FSDP2's divide factor for a sum) is a plain SUM, input unchanged.
+    x = make_input(7, rank, world * NUMEL, torch.float32, sum_op)
+    summed, ones = x.clone(), x.clone()
+    dist.all_reduce(summed)
+    dist.all_reduce(ones, op=_premul(1.0))
+    assert torch.equal(ones, summed), "PREMUL_SUM(1.0) all_reduce is not the SUM"
+    block, sum_block, before = torch.empty(NUMEL), torch.empty(NUMEL), x.clone()
+    dist.reduce_scatter_tensor(block, before, op=_premul(1.0))
+    dist.reduce_scatter_tensor(sum_block, x.clone())
+    assert torch.equal(block, sum_block) and torch.equal(before, x), "PREMUL_SUM(1.0) RS"
+
     ints = torch.ones(4 * world, dtype=torch.int32)
     with pytest.raises(ValueError, match="floating-point tensors"):
         dist.all_reduce(ints, op=_premul(2.0))

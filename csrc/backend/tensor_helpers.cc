@@ -84,6 +84,8 @@ namespace {
 struct PremulFactor {
   at::Tensor tensor;  // undefined: use value
   double value = 0;
+  // x * 1 is x: a factor of 1.0 (FSDP2's divide factor for a plain sum) costs no pass.
+  bool is_one() const { return !tensor.defined() && value == 1.0; }
 };
 
 PremulFactor premul_factor(const at::Tensor& t, const c10d::ReduceOp& op) {
@@ -102,6 +104,7 @@ PremulFactor premul_factor(const at::Tensor& t, const c10d::ReduceOp& op) {
 
 void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op) {
   const PremulFactor factor = premul_factor(t, op);
+  if (factor.is_one()) return;
   if (factor.tensor.defined()) {
     t.mul_(factor.tensor);
   } else {
@@ -111,6 +114,7 @@ void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op) {
 
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op) {
   const PremulFactor factor = premul_factor(t, op);
+  if (factor.is_one()) return t;  // a reduce-scatter leaves its input unchanged anyway
   return factor.tensor.defined() ? t.mul(factor.tensor) : t.mul(factor.value);
 }
 
