@@ -337,6 +337,19 @@ def _delegated(rank: int, world: int) -> dict[str, Any]:
         expected &= v
     assert torch.equal(t.cpu(), expected)
 
+    # PREMUL_SUM: NCCL runs its own; where Gloo is the engine (ranks sharing a GPU), xdev
+    # multiplies the inputs and runs a SUM.
+    inputs = [torch.arange(2 * world, dtype=torch.float32) + 10 * r for r in range(world)]
+    expected = sum(x * 0.5 for x in inputs)
+    t = inputs[rank].to(device, copy=True)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    assert torch.equal(t.cpu(), expected), ("premul all_reduce", t, expected)
+    block = torch.empty(2, device=device)
+    full = inputs[rank].to(device, copy=True)
+    dist.reduce_scatter_tensor(block, full, op=dist._make_nccl_premul_sum(0.5))
+    assert torch.equal(block.cpu(), expected[2 * rank : 2 * rank + 2]), "premul reduce_scatter"
+    assert torch.equal(full.cpu(), inputs[rank]), "premul reduce_scatter changed its input"
+
     # And native allreduce still runs natively afterwards.
     t = torch.full((2049,), float(rank + 1), device=device)
     dist.all_reduce(t)
