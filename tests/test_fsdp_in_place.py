@@ -56,8 +56,9 @@ def _collectives(rank: int, world: int, misplace: bool) -> None:
     With ``misplace``, rank 1 allocates an extra block first, so its tensors lie elsewhere.
     """
     dist.init_process_group("xdev", rank=rank, world_size=world)
+    held = []  # alive until the group goes: every later block of rank 1 lies past it
     if misplace and rank == 1:
-        keep = _heap_tensor(4096)  # every later block of this rank lies past it
+        held.append(_heap_tensor(4096))
     block = 70001  # several staging windows
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         inputs = [make_input(5, r, world * block, torch.float32, op) for r in range(world)]
@@ -76,8 +77,7 @@ def _collectives(rank: int, world: int, misplace: bool) -> None:
         dist.all_gather_into_tensor(gathered, mine)
         assert torch.equal(gathered, total), op
         del full, out, gathered, mine
-    if misplace and rank == 1:
-        del keep
+    held.clear()
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch_xdev
 from torch_xdev import _C
 from torch_xdev.options import resolve_options
-from harness import free_port, run_ranks
+from harness import run_ranks
 
 
 @pytest.mark.parametrize(
