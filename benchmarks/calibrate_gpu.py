@@ -45,6 +45,7 @@ from model_fit import (
     Vector,
     add_fit_arguments,
     fit_params,
+    predict_one_us,
     predict_rows_us,
     print_fit_quality,
     quality_of,
@@ -130,10 +131,7 @@ def _model_all(params: Params, measurements: Sequence[Measurement]) -> list[floa
 
 def model_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: int = 4) -> float:
     """The model's GPU time for one allreduce of `size` bytes, in microseconds."""
-    row = Measurement(
-        ranks=ranks, algorithm=algorithm, size_bytes=size, time_us=0.0, elem_bytes=elem_bytes
-    )
-    return _model_all(params, [row])[0]
+    return predict_one_us(lambda n: machine(params, n), ranks, algorithm, size, elem_bytes)
 
 
 def predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:

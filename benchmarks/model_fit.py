@@ -286,6 +286,14 @@ def predict_rows_us(machine: Callable[[int], Any], rows: Sequence[Row]) -> list[
     return out
 
 
+def predict_one_us(
+    machine: Callable[[int], Any], ranks: int, algorithm: str, size: int, elem_bytes: int = 4
+) -> float:
+    """predict_rows_us of one allreduce of `size` bytes."""
+    row = {"ranks": ranks, "algorithm": algorithm, "size_bytes": size, "elem_bytes": elem_bytes}
+    return predict_rows_us(machine, [row])[0]
+
+
 def add_fit_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
     """The options both calibration scripts take: where to write, which rows to judge, and
     how strictly."""
