@@ -5,9 +5,9 @@ factor other than the shard group's size, such as 1.0 for a sum). xdev multiplie
 by the factor and runs a SUM on whatever path the call takes (native, two levels, or Gloo).
 
 Each form (all_reduce, all_reduce_coalesced, reduce_scatter_tensor, its coalesced form, the list
-reduce_scatter) is checked against a reference computed here (every rank's input times the
-factor, summed in float64) and bitwise against xdev's own SUM of inputs the test scaled itself:
-the same sums in the same order. A float factor and a tensor factor both work; integer tensors
+reduce_scatter, reduce to every root) is checked against a reference computed here (every rank's
+input times the factor, summed in float64) and bitwise against xdev's own SUM of inputs the test
+scaled itself: the same sums in the same order. Inputs that must stay unchanged do. A float factor and a tensor factor both work; integer tensors
 get a ValueError that names the fix, and the group goes on. FSDP2 with a divide factor of 1.0
 and the learning rate divided by the world size trains as FSDP2 on Gloo does with its default
 average.
@@ -91,10 +91,20 @@ def _forms(rank: int, world: int) -> int:
             for b in blocks:
                 assert torch.equal(b, block), f"reduce_scatter coalesced {what}"
 
+            for root in range(world):
+                reduced, own_reduced = inputs[rank].clone(), scaled[rank].clone()
+                dist.reduce(reduced, dst=root, op=op)
+                dist.reduce(own_reduced, dst=root, op=sum_op)  # Gloo's: its order of sums
+                if rank == root:
+                    check_close(reduced, expected, sum_op, world, f"reduce to {root} {what}")
+                    assert torch.equal(reduced, own_reduced), f"reduce {what}: not the SUM"
+                else:
+                    assert torch.equal(reduced, inputs[rank]), f"reduce {what}: input changed"
+
             listed = torch.empty(NUMEL, dtype=dtype)
             dist.reduce_scatter(listed, list(inputs[rank].clone().chunk(world)), op=op)
             assert torch.equal(listed, block), f"reduce_scatter list {what}"
-            cases += 6
+            cases += 7
 
     # A factor of 1.0 (FSDP2's divide factor for a sum) is a plain SUM, input unchanged.
     x = make_input(7, rank, world * NUMEL, torch.float32, sum_op)
@@ -121,14 +131,14 @@ def _forms(rank: int, world: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_premul_sum_forms(world: int) -> None:
-    assert run_ranks(_forms, world) == [len(DTYPES) * 2 * 6] * world
+    assert run_ranks(_forms, world) == [len(DTYPES) * 2 * 7] * world
 
 
 def test_premul_sum_across_hosts() -> None:
     """Two fake hosts of two ranks: the two-level paths and their Gloo steps run a SUM of the
     premultiplied inputs."""
     hosts = [{"XDEV_HOSTNAME": f"premul-host-{r // 2}"} for r in range(4)]
-    assert run_ranks(_forms, 4, per_rank_env=hosts) == [len(DTYPES) * 2 * 6] * 4
+    assert run_ranks(_forms, 4, per_rank_env=hosts) == [len(DTYPES) * 2 * 7] * 4
 
 
 def _fsdp(rank: int, world: int) -> dict[str, Any]:

@@ -32,10 +32,10 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
 // ReduceOp.PREMUL_SUM, NCCL's premultiplied sum (FSDP2 asks for it after
 // set_gradient_divide_factor): every rank's input times the op's factor, then
 // summed. Where the engine has none (Gloo), xdev multiplies first and runs a
-// SUM on any path. premultiply_ scales t in place (an allreduce's tensor,
-// which the result overwrites); premultiplied returns a scaled copy (a
-// reduce-scatter's input, which must stay as it is; t itself for a factor of
-// 1.0). Both raise ValueError for tensors that are not floating point.
+// SUM on any path. premultiply_ scales t in place (where the result
+// overwrites it: an allreduce's tensor, a reduce's root's); premultiplied
+// returns a scaled copy (an input that must stay as it is; t itself for a
+// factor of 1.0). Both raise ValueError for tensors that are not floating point.
 void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op);
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 

@@ -145,6 +145,20 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
+  if (premultiplies_here(opts.reduceOp, tensors)) {
+    // The root's tensor receives the result, so it is scaled in place; the
+    // others' stay as they are (NCCL leaves them so) and lend scaled copies.
+    std::vector<at::Tensor> scaled;
+    for (const at::Tensor& t : tensors) {
+      if (getRank() == opts.rootRank) {
+        premultiply_(t, opts.reduceOp);
+        scaled.push_back(t);
+      } else {
+        scaled.push_back(premultiplied(t, opts.reduceOp));
+      }
+    }
+    return reduce(scaled, with_sum(opts));
+  }
   return delegate(tensors)->reduce(tensors, opts);
 }
 
