@@ -118,6 +118,13 @@ at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op) {
   return factor.tensor.defined() ? t.mul(factor.tensor) : t.mul(factor.value);
 }
 
+std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
+                                      const c10d::ReduceOp& op) {
+  std::vector<at::Tensor> scaled;
+  for (const at::Tensor& t : tensors) scaled.push_back(premultiplied(t, op));
+  return scaled;
+}
+
 void divide_for_avg(const at::Tensor& t, int64_t divisor) {
   if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
     t.div_(divisor, "trunc");

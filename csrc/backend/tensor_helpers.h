@@ -38,6 +38,8 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
 // factor of 1.0). Both raise ValueError for tensors that are not floating point.
 void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op);
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
+std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
+                                      const c10d::ReduceOp& op);
 
 // Options with their reduce op replaced by SUM (after premultiply_ / premultiplied).
 template <typename Options>

@@ -283,8 +283,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   if (premultiplies_here(opts.reduceOp, outputs)) {
     std::vector<std::vector<at::Tensor>> scaled;
     for (const std::vector<at::Tensor>& list : inputs) {
-      scaled.emplace_back();
-      for (const at::Tensor& t : list) scaled.back().push_back(premultiplied(t, opts.reduceOp));
+      scaled.push_back(premultiplied(list, opts.reduceOp));
     }
     return reduce_scatter(outputs, scaled, with_sum(opts));
   }
@@ -344,8 +343,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, outputs)) {
-    std::vector<at::Tensor> scaled;
-    for (const at::Tensor& t : inputs) scaled.push_back(premultiplied(t, opts.reduceOp));
+    std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
     return reduce_scatter_tensor_coalesced(outputs, scaled, with_sum(opts));
   }
   std::vector<at::Tensor> all = outputs;
