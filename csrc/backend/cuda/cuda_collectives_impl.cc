@@ -247,10 +247,17 @@ class CudaCollectivesImpl : public CudaCollectives {
                "cudaDeviceGetAttribute");
     check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
                "cudaDeviceGetAttribute");
-    store.set(key + "cc/" + std::to_string(rank), std::to_string(major * 10 + minor));
+    // Each rank's compute capability and, in the same exchange, whether it sees
+    // a CUDA MPS daemon: ranks sharing a GPU run at once only under MPS, and
+    // every rank must see one for all to choose alike.
+    store.set(key + "cc/" + std::to_string(rank),
+              std::to_string(major * 10 + minor) + (mps_daemon_visible() ? " mps" : ""));
+    info.mps = true;
     for (int r = 0; r < size; ++r) {
-      const int cc = std::stoi(store.get_to_str(key + "cc/" + std::to_string(r)));
+      const std::string value = store.get_to_str(key + "cc/" + std::to_string(r));
+      const int cc = std::stoi(value);  // the number before " mps"
       info.compute_capability = r == 0 ? cc : std::min(info.compute_capability, cc);
+      info.mps = info.mps && value.find(" mps") != std::string::npos;
     }
 
     // My row of reachability: my GPU to each rank's.
@@ -292,13 +299,6 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     info.ranks_on_this_gpu = ranks_on_gpu[static_cast<size_t>(rank)];
     info.ranks_share_gpu = *std::max_element(ranks_on_gpu.begin(), ranks_on_gpu.end()) > 1;
-    // Ranks sharing a GPU run at once only under MPS; every rank must see its
-    // daemon for all to choose alike.
-    store.set(key + "mps/" + std::to_string(rank), mps_daemon_visible() ? "1" : "0");
-    info.mps = true;
-    for (int r = 0; r < size; ++r) {
-      info.mps = info.mps && store.get_to_str(key + "mps/" + std::to_string(r)) == "1";
-    }
     info.gpu_time_sliced = info.ranks_share_gpu && !info.mps;
 
     // Links: an injected file, else NVML as rank 0 sees it (one answer for all).
