@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_xdev
+from run_record import environment, write_results
 
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
@@ -471,15 +472,15 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
         for line in lines[:4] + format_traffic(traffic, args.hosts, world) + lines[4:]:
             print(line)
         if args.json:
-            result = {
+            meta = {
                 "world": world,
                 "hosts": args.hosts,
                 "device": args.device,
                 "baseline": baseline,
-                "rows": rows,
                 "traffic": traffic,
+                **environment(),
             }
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            write_results(Path(args.json), meta, rows)
     dist.destroy_process_group()
 
 
