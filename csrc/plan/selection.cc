@@ -59,7 +59,12 @@ Selection across_hosts(const SelectionInput& in) {
   Selection s;
   s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
   if (in.device == DeviceKind::kCuda) {
-    s.reason += "; CUDA tensors go to NCCL, whose trees already cross hosts";
+    // A two-level CUDA plan is predicted (cuda_across_hosts.h), not built: its
+    // window (64 KiB - 1 MiB on H100 and A100 hosts) rests on xdev's
+    // uncalibrated GPU latencies, and testing it needs several GPUs per host.
+    s.reason +=
+        "; CUDA tensors go to NCCL, which already runs trees across hosts (xdev has no "
+        "two-level CUDA plan; python -m torch_xdev.plan --hosts predicts both)";
     return s;
   }
   if (!in.two_level_available) {

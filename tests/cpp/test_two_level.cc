@@ -247,6 +247,7 @@ TEST(select_allreduce_across_hosts) {
   in.device = DeviceKind::kCuda;
   s = select_allreduce(in);
   CHECK(!s.two_level && s.algorithm == Algorithm::kFallback);
+  CHECK(s.reason.find("torch_xdev.plan --hosts") != std::string::npos);
 
   in = across_hosts_input(host, net, 2, 2, kMiB);
   in.requested = Algorithm::kFallback;
