@@ -286,3 +286,51 @@ def test_gpu_machines_list_nccl_gather_scatter_candidates(tmp_path: Path) -> Non
     labels = [m["label"] for matches in parse_rows(proc.stdout).values() for m in matches]
     assert not any(label.startswith("nccl_") for label in labels), labels
     assert "auto still runs NCCL" not in proc.stdout, proc.stdout
+
+
+def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: Path) -> None:
+    out = tmp_path / "hosts.json"
+    argv = ["--topology", "hgx-h100", "--hosts", "2", "--sizes", "4KiB,256MiB"]
+    assert plan.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    for size in (4 << 10, 256 << 20):
+        at_size = [r for r in rows if r["size"] == size]
+        # NVLS becomes NVLS tree across nodes; the two-level row comes last and is never chosen.
+        assert [r["label"] for r in at_size][-2:] == ["nccl_nvls_tree/Simple", "two_level"]
+        (chosen,) = [r for r in at_size if r["chosen"]]
+        assert chosen["nccl"]
+        assert chosen["time_us"] == min(r["time_us"] for r in at_size if r["nccl"])
+    # NCCL 2.20.3's ring Simple over 2 x 8 H100s at 4 KiB, worked by hand: 8.4 us, 26 steps
+    # inside a node of 3.4 us and 4 across of 14 us; the bus is 16 channels of 23.175 GB/s
+    # (NVLink, under 8 NICs of 50 GB/s), algbw busbw x 16 / 30.
+    (ring,) = [r for r in rows if r["size"] == 4 << 10 and r["label"] == "nccl_ring/Simple"]
+    expected_s = (8.4 + 26 * 3.4 + 4 * 14.0) * 1e-6 + 4096 / (370.8e9 * 16 / 30)
+    assert ring["time_us"] == pytest.approx(expected_s * 1e6)
+    # At 256 MiB NCCL's NVLS tree is predicted about twice as fast as two levels: the network
+    # time is alike, and two levels add a reduce-scatter and an all-gather inside each host.
+    large = {r["label"]: r for r in rows if r["size"] == 256 << 20}
+    assert large["nccl_nvls_tree/Simple"]["chosen"]
+    assert large["two_level"]["time_us"] > 1.5 * large["nccl_nvls_tree/Simple"]["time_us"]
+    # The table gives each size the two-level plan's steps.
+    proc = run_cli(*argv)
+    assert proc.returncode == 0, proc.stderr
+    assert "# 2 hosts x 8 GPUs: NCCL over all ranks (nccl_tree/LL)" in proc.stdout, proc.stdout
+    assert "8 NICs x 50 GB/s per host" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--topology", "cpu-4", "--hosts", "2"], "on a GPU machine"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--collective", "all_gather"], "allreduce"),
+        (["--topology", "hgx-h100", "--hosts", "0"], "--hosts must be >= 2"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--nics", "0"], "--nics must be >= 1"),
+    ],
+)
+def test_several_hosts_bad_arguments(
+    capsys: pytest.CaptureFixture[str], args: list[str], problem: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan.main([*args, "--sizes", "4KiB"])
+    assert exc.value.code == 2
+    assert problem in capsys.readouterr().err

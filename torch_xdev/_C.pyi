@@ -125,6 +125,15 @@ class plan:
         intra_host_socket_bytes: float  # between ranks of one host, through sockets
 
     @staticmethod
+    def predict_cuda_across_hosts(
+        machine: plan.MachineModel,
+        num_hosts: int,
+        nbytes: int,
+        nics: int,
+        nic_gbps: float,
+        amd_cpu: bool = False,
+    ) -> dict[str, Any]: ...  # nccl, best_nccl, reduce_scatter, across, all_gather, two_level_*
+    @staticmethod
     def across_hosts_traffic(
         num_hosts: int, ranks_per_host: int, nbytes: int, collective: str = "allreduce"
     ) -> dict[

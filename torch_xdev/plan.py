@@ -35,6 +35,18 @@ tensors ``auto`` still hands these collectives to NCCL wherever NCCL runs, whate
 model says, until xdev's CUDA form has been measured against NCCL; its reason quotes both
 predictions.
 
+Several hosts
+-------------
+``--hosts H`` (allreduce, GPU machines) predicts an allreduce of CUDA tensors over ``H``
+hosts, each the machine ``--topology`` names, joined by ``--nics`` NICs per host (default:
+one per GPU) of ``--nic-gbps`` GB/s each (default 50: 400 Gb/s InfiniBand); ``--amd-cpu``
+gives NCCL's figures for AMD hosts. One row per algorithm and protocol NCCL would run over
+all ranks (NCCL's tuning model across nodes, ``*`` on its choice: what auto runs) and a
+``two_level`` row: a reduce-scatter inside each host (xdev's staged CUDA form or NCCL's,
+whichever is predicted faster), NCCL across hosts among the ranks of each local index, an
+all-gather inside. xdev has no two-level plan for CUDA tensors; the row shows where one
+would stand, and a comment after each size gives its steps.
+
 ``--topology`` is a built-in machine (``dgx1-p100``, ``dgx1-v100``, ``hgx-h100``,
 ``hgx-a100``, ``nvlink-2gpu``, ``nvlink-4gpu``, ``pcie-8gpu``, ``cpu-<N>``; sources in
 ``docs/cost_model.md``) or the path of a topology file.
@@ -306,6 +318,10 @@ def gather_scatter_rows(
 
 
 LABEL_WIDTH = len("hierarchical_balanced/9999")
+COLUMNS = (
+    f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
+    f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice"
+)
 
 
 _WHAT = {
@@ -333,8 +349,7 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
                 ]
             ),
             "#",
-            f"# {'size':>10}  {'algorithm':<{LABEL_WIDTH}}  {'time(us)':>10}  "
-            f"{'algbw(GB/s)':>11}  {'busbw(GB/s)':>11}  choice",
+            COLUMNS,
         ]
     )
 
@@ -473,6 +488,24 @@ def _parser() -> argparse.ArgumentParser:
         help="allreduce: restrict the hierarchical plans to this many packs (default: try "
         "several)",
     )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="allreduce on a GPU machine: predict for this many such hosts (default 1)",
+    )
+    parser.add_argument(
+        "--nics", type=int, help="with --hosts: NICs per host (default: one per GPU)"
+    )
+    parser.add_argument(
+        "--nic-gbps",
+        type=float,
+        default=50.0,
+        help="with --hosts: each NIC's GB/s per direction (default 50: 400 Gb/s)",
+    )
+    parser.add_argument(
+        "--amd-cpu", action="store_true", help="with --hosts: NCCL's figures for AMD CPUs"
+    )
     parser.add_argument("--plot", metavar="PNG", help="plot busbw against size (matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     return parser
@@ -499,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.hosts != 1:
+        from . import _plan_hosts  # imports this module
+
+        return _plan_hosts.main(parser, args, model)
     # Printed size by size: large payloads on a CPU model take a while to simulate.
     print(format_header(model, args.collective), flush=True)
     table: list[Row] = []

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../plan/cost_model.h"
+#include "../plan/cuda_across_hosts.h"
 #include "../plan/gather_scatter_predict.h"
 #include "../plan/machines.h"
 #include "../plan/predict.h"
@@ -71,6 +72,16 @@ py::dict to_dict(const plan::Prediction& p) {
 py::dict to_dict(const plan::GatherScatterPrediction& p) {
   py::dict d = prediction_dict(p, "form", plan::to_string(p.candidate.form));
   d["window_bytes"] = p.candidate.window_bytes;
+  return d;
+}
+
+py::dict to_dict(const plan::NcclPrediction& p, int64_t bytes) {
+  py::dict d;
+  d["label"] = p.candidate.label();
+  d["bytes"] = bytes;
+  d["seconds"] = p.seconds;
+  d["latency_s"] = p.latency_s;
+  d["algbw"] = p.algbw;
   return d;
 }
 
@@ -281,6 +292,48 @@ void bind_plan(py::module_& parent) {
         return std::string(plan::to_string(plan::classify(link_matrix(links))));
       },
       py::arg("links"), "'none', 'partial', 'fully_connected' or 'dgx1'.");
+
+  m.def(
+      "predict_cuda_across_hosts",
+      [](const plan::MachineModel& mm, int num_hosts, int64_t nbytes, int nics, double nic_gbps,
+         bool amd_cpu) {
+        check_bytes(nbytes, 1);
+        if (nics < 1) throw std::invalid_argument("nics must be >= 1");
+        plan::NcclNetwork net;
+        net.nodes = num_hosts;
+        net.nics = nics;
+        net.nic_gbps = positive_gbps(nic_gbps, "nic_gbps") / 1e9;
+        net.amd_cpu = amd_cpu;
+        plan::CudaAcrossHostsPrediction p;
+        py::list candidates;
+        {
+          py::gil_scoped_release no_gil;
+          p = plan::predict_cuda_across_hosts(mm, net, nbytes);
+        }
+        const int ranks = num_hosts * mm.num_devices();
+        for (const plan::NcclCandidate& c : plan::nccl_candidates(mm.nccl, net)) {
+          candidates.append(
+              to_dict(plan::predict_nccl_allreduce(mm.nccl, c, ranks, nbytes, net), nbytes));
+        }
+        py::dict d;
+        d["nccl"] = candidates;
+        d["best_nccl"] = to_dict(p.nccl, nbytes);
+        d["reduce_scatter"] = to_dict(p.reduce_scatter);
+        d["across"] = to_dict(p.across, nbytes / mm.num_devices());
+        d["all_gather"] = to_dict(p.all_gather);
+        d["two_level_seconds"] = p.two_level_s;
+        d["two_level_faster"] = p.two_level_faster;
+        d["reason"] = p.reason;
+        return d;
+      },
+      py::arg("machine"), py::arg("num_hosts"), py::arg("nbytes"), py::arg("nics"),
+      py::arg("nic_gbps"), py::arg("amd_cpu") = false,
+      "An allreduce of nbytes of CUDA tensors on num_hosts hosts, each the GPU machine "
+      "`machine` with `nics` NICs of nic_gbps GB/s: NCCL's tuning model over all ranks (every "
+      "candidate: 'nccl'; its choice: 'best_nccl') against a two-level plan (a reduce-scatter "
+      "inside each host, NCCL across hosts among the ranks of each local index, an all-gather "
+      "inside: 'reduce_scatter', 'across', 'all_gather', 'two_level_seconds'), "
+      "'two_level_faster' and 'reason'.");
 
   m.def(
       "across_hosts_traffic",

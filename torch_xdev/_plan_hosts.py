@@ -1,0 +1,75 @@
+"""``python -m torch_xdev.plan --hosts H``: an allreduce of CUDA tensors over several GPU hosts,
+NCCL's tuning model across nodes against a two-level plan (see ``pydoc torch_xdev.plan``,
+"Several hosts", and ``csrc/plan/cuda_across_hosts.h``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ._C import plan as _plan
+from .plan import COLUMNS, MachineModel, Row, format_row
+
+
+def hosts_rows(
+    model: MachineModel, hosts: int, size: int, nics: int, nic_gbps: float, amd_cpu: bool = False
+) -> tuple[list[Row], str]:
+    """NCCL's candidates over ``hosts`` copies of a GPU machine and the two-level plan's
+    prediction for an allreduce of ``size`` bytes; the second item says what the two-level
+    plan's steps take."""
+    d = _plan.predict_cuda_across_hosts(model, hosts, size, nics, nic_gbps, amd_cpu)
+    ranks = hosts * model.num_devices
+    to_busbw = 2 * (ranks - 1) / ranks
+
+    def row(label: str, seconds: float, nccl: bool, chosen: bool) -> Row:
+        algbw = size / seconds if seconds > 0 else 0.0
+        return Row(
+            size=size,
+            label=label,
+            algorithm="nccl" if nccl else "two_level",
+            num_packs=0,
+            ring_reference=False,
+            nccl=nccl,
+            time_us=seconds * 1e6,
+            algbw_gbps=algbw / 1e9,
+            busbw_gbps=algbw * to_busbw / 1e9,
+            chosen=chosen,
+        )
+
+    best = d["best_nccl"]["label"]
+    table = [row(p["label"], p["seconds"], True, p["label"] == best) for p in d["nccl"]]
+    table.append(row("two_level", d["two_level_seconds"], False, False))
+    return table, d["reason"]
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: MachineModel) -> int:
+    if args.hosts < 2:
+        parser.error("--hosts must be >= 2")
+    if args.collective != "allreduce" or not model.has_nccl:
+        parser.error("--hosts predicts the allreduce on a GPU machine (one with NCCL)")
+    if args.plot is not None:
+        parser.error("--plot does not apply with --hosts")
+    nics = model.num_devices if args.nics is None else args.nics
+    if nics < 1 or not args.nic_gbps > 0:
+        parser.error("--nics must be >= 1 and --nic-gbps > 0")
+    cpu = "AMD" if args.amd_cpu else "Intel"
+    print(
+        f"# machine: {args.hosts} hosts x {model.name} ({model.num_devices} GPUs each), "
+        f"{nics} NICs x {args.nic_gbps:g} GB/s per host, {cpu} CPUs\n"
+        f"# source: {model.source}\n"
+        "# predicted allreduce of float32 sums over all ranks; nccl_* rows: NCCL's tuning model "
+        "across nodes, * = its choice (what auto runs); two_level: xdev inside each host, NCCL "
+        "across (not built for CUDA tensors)\n#\n" + COLUMNS,
+        flush=True,
+    )
+    table: list[Row] = []
+    for i, size in enumerate(args.sizes):
+        size_table, reason = hosts_rows(model, args.hosts, size, nics, args.nic_gbps, args.amd_cpu)
+        block = "\n".join(format_row(r) for r in size_table)
+        print(("\n" if i > 0 else "") + block + "\n  # " + reason, flush=True)
+        table += size_table
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+    return 0
