@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+def json_rows(tmp_path: Path, *argv: str) -> list[dict[str, Any]]:
+    """The rows `plan.main(argv)` writes with --json."""
+    out = tmp_path / "rows.json"
+    assert plan.main([*argv, "--json", str(out)]) == 0
+    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    return rows
 
 
 def test_table_marks_the_fastest_runnable_plan() -> None:
@@ -241,10 +250,8 @@ def test_gather_scatter_bad_arguments(
 
 
 def test_gpu_machines_list_nccl_candidates_and_auto_takes_the_fastest(tmp_path: Path) -> None:
-    out = tmp_path / "h100.json"
     # 16 MiB, not larger: NVLS already wins there, and simulating xdev's plans slows with size.
-    assert plan.main(["--topology", "hgx-h100", "--sizes", "4KiB,16MiB", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    rows = json_rows(tmp_path, "--topology", "hgx-h100", "--sizes", "4KiB,16MiB")
     for size in (4 << 10, 16 << 20):
         at_size = [r for r in rows if r["size"] == size]
         nccl = [r for r in at_size if r["nccl"]]
@@ -260,10 +267,8 @@ def test_gpu_machines_list_nccl_candidates_and_auto_takes_the_fastest(tmp_path: 
 
 
 def test_gpu_machines_list_nccl_gather_scatter_candidates(tmp_path: Path) -> None:
-    out = tmp_path / "h100_ag.json"
     argv = ["--topology", "hgx-h100", "--collective", "all_gather", "--sizes", "4KiB,256MiB"]
-    assert plan.main([*argv, "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    rows = json_rows(tmp_path, *argv)
     for size in (4 << 10, 256 << 20):
         at_size = [r for r in rows if r["size"] == size]
         nccl = [r for r in at_size if r["nccl"]]
@@ -289,10 +294,8 @@ def test_gpu_machines_list_nccl_gather_scatter_candidates(tmp_path: Path) -> Non
 
 
 def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: Path) -> None:
-    out = tmp_path / "hosts.json"
     argv = ["--topology", "hgx-h100", "--hosts", "2", "--sizes", "4KiB,256MiB"]
-    assert plan.main([*argv, "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    rows = json_rows(tmp_path, *argv)
     for size in (4 << 10, 256 << 20):
         at_size = [r for r in rows if r["size"] == size]
         # NVLS becomes NVLS tree across nodes; the two-level row comes last and is never chosen.
