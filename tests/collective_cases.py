@@ -26,7 +26,7 @@ OPS = (
 
 
 def make_input(
-    seed: int, rank: int, numel: int, dtype: torch.dtype, op: dist.ReduceOp
+    seed: int, rank: int, numel: int, dtype: torch.dtype, op: dist.ReduceOp.RedOpType
 ) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     if dtype.is_floating_point:
@@ -38,7 +38,7 @@ def make_input(
     return torch.randint(low, high, (numel,), generator=g, dtype=torch.int64).to(dtype)
 
 
-def reference(inputs: list[torch.Tensor], op: dist.ReduceOp) -> torch.Tensor:
+def reference(inputs: list[torch.Tensor], op: dist.ReduceOp.RedOpType) -> torch.Tensor:
     dtype = inputs[0].dtype
     if dtype.is_floating_point:
         stack = torch.stack([t.to(torch.float64) for t in inputs])
@@ -68,7 +68,7 @@ def reference(inputs: list[torch.Tensor], op: dist.ReduceOp) -> torch.Tensor:
 
 
 def check_close(
-    result: torch.Tensor, expected: torch.Tensor, op: dist.ReduceOp, world: int, what: str
+    result: torch.Tensor, expected: torch.Tensor, op: dist.ReduceOp.RedOpType, world: int, what: str
 ) -> None:
     """Exact for integers and MIN/MAX; rounding-aware tolerances for float sums/products."""
     if not result.dtype.is_floating_point or op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):

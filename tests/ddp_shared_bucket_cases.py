@@ -74,7 +74,8 @@ class ConvNet(nn.Module):
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
         self.head = nn.Parameter(0.3 * torch.randn(ddp_train.OUT_FEATURES, 8).t())
         self.bias = nn.Parameter(torch.zeros(ddp_train.OUT_FEATURES))
-        self.to(memory_format=torch.channels_last)
+        # Module.to takes memory_format (documented); torch's stubs lack that overload.
+        self.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
@@ -327,8 +328,10 @@ def case_channels_last_conv(run: Run) -> dict[str, Any]:
     snapshot = lambda: run.snapshot([ddp], bucket_view=True)  # noqa: E731
     losses = train(run, ddp, batch=image_batch, snapshot=snapshot)
     # The layouts survived: DDP's gradient views keep each parameter's strides.
-    assert model.conv1.weight.grad.is_contiguous(memory_format=torch.channels_last)
-    assert model.head.grad.stride() == model.head.stride()
+    conv_grad, head_grad = model.conv1.weight.grad, model.head.grad
+    assert conv_grad is not None and head_grad is not None
+    assert conv_grad.is_contiguous(memory_format=torch.channels_last)
+    assert head_grad.stride() == model.head.stride()
     return {"params": {"world": flat_params(model)}, "losses": losses}
 
 

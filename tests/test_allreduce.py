@@ -48,7 +48,7 @@ def _variants(algorithm: str, world: int) -> list[dict[str, Any]]:
     return [base, {**base, "shm_slot_bytes": 1 << 20}]
 
 
-def _ops(world: int, variant: int, dtype: int) -> tuple[dist.ReduceOp, ...]:
+def _ops(world: int, variant: int, dtype: int) -> tuple[dist.ReduceOp.RedOpType, ...]:
     """Every op up to 4 ranks. At 8 ranks each dtype meets one op per variant, the next op at the
     next variant: the plans there are the same for every op, and over the hierarchical plans'
     six variants every dtype still meets every op, at a fifth of the cases."""
@@ -57,7 +57,7 @@ def _ops(world: int, variant: int, dtype: int) -> tuple[dist.ReduceOp, ...]:
     return (OPS[(dtype + variant) % len(OPS)],)
 
 
-def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict[str, Any]:
+def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
     digests: list[int] = []
     cases = 0
@@ -80,7 +80,7 @@ def _grid(rank: int, world: int, algorithm: str, sizes: tuple[int, ...]) -> dict
                     cases += 1
         # A list of tensors through allreduce_coalesced: exercises packing across tensors.
         shapes = [(5,), (0,), (1,), (3, 7), (300,), (17,), (2000,)]
-        digests += check_coalesced(group, rank, world, shapes, 1000, variant)
+        digests += check_coalesced(group, rank, world, shapes, 1000, str(variant))
         dist.destroy_process_group(group)
     # Same bits on every rank: compare every result's checksum with rank 0's.
     assert_same_digests(digests, world)

@@ -101,14 +101,15 @@ def test_binding_validates_its_arguments() -> None:
     assert m.name == "shared-gpu-2" and m.num_devices == 2
     assert m.window_bytes == 32 << 20 and m.barrier_between_phases
     assert m.barrier_latency_s == pytest.approx(2e-6) and m.launch_latency_s == pytest.approx(5e-6)
-    for args, message in [
+    bad: list[tuple[tuple[Any, ...], str]] = [
         ((0, 3000.0, 5.0, 2.0), "ranks"),
         ((2, 0.0, 5.0, 2.0), "memory_gbps"),
         ((2, float("nan"), 5.0, 2.0), "memory_gbps"),
         ((2, 3000.0, -1.0, 2.0), "launch_us"),
         ((2, 3000.0, 5.0, float("inf")), "step_us"),
         ((2, 3000.0, 5.0, 2.0, -1), "window_bytes"),
-    ]:
+    ]
+    for args, message in bad:
         with pytest.raises(ValueError, match=message):
             plan.shared_gpu_machine(*args)
 

@@ -122,7 +122,7 @@ def _variants(algorithm: str, world: int) -> list[tuple[dict[str, Any], str]]:
 
 def _cases(
     variant_index: int, which: str, sizes: tuple[int, ...]
-) -> Iterator[tuple[torch.dtype, dist.ReduceOp, int]]:
+) -> Iterator[tuple[torch.dtype, dist.ReduceOp.RedOpType, int]]:
     if which == "coalesced":
         return
     for d, dtype in enumerate(ALL_DTYPES):

@@ -77,7 +77,9 @@ def test_cuda_transport_compiles_with_nvcc(tmp_path: Path) -> None:
 
 def test_cuda_glue_compiles_against_torch_headers(tmp_path: Path) -> None:
     nvcc = find_nvcc()
-    torch_include = Path(__import__("torch").__file__).parent / "include"
+    torch_file = __import__("torch").__file__
+    assert torch_file is not None, "torch is a namespace package here: no headers to find"
+    torch_include = Path(torch_file).parent / "include"
     # A CPU build of torch ships the c10/cuda headers but not the one CMake generates for CUDA
     # builds; an empty stand-in is enough to check our code.
     shim = tmp_path / "shim" / "c10" / "cuda" / "impl"

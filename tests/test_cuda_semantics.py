@@ -264,7 +264,7 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
             else:
                 tensors.append(t.to(device, copy=True))
         opts = dist.AllreduceCoalescedOptions()
-        opts.reduceOp = op
+        opts.reduceOp = dist.ReduceOp(op)
         pg.allreduce_coalesced(tensors, opts).wait()
         assert_native(what=f"mixed dtypes {op}")
         for i, (dtype, shape) in enumerate(specs):
@@ -340,7 +340,7 @@ def _delegated(rank: int, world: int) -> dict[str, Any]:
     # PREMUL_SUM: NCCL runs its own; where Gloo is the engine (ranks sharing a GPU), xdev
     # multiplies the inputs and runs a SUM.
     inputs = [torch.arange(2 * world, dtype=torch.float32) + 10 * r for r in range(world)]
-    expected = sum(x * 0.5 for x in inputs)
+    expected = torch.stack([x * 0.5 for x in inputs]).sum(0)
     t = inputs[rank].to(device, copy=True)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
     assert torch.equal(t.cpu(), expected), ("premul all_reduce", t, expected)

@@ -122,7 +122,12 @@ def test_xdev_matches_gloo(results: Results, name: str) -> None:
 
 def peers_of(part: str) -> list[tuple[int, ...]]:
     """The sets of ranks that must hold the same bits of `part` (see the cases' results)."""
-    return {"world": [tuple(range(WORLD_SIZE))], "pair": list(PAIRS), "alone": []}[part]
+    peers: dict[str, list[tuple[int, ...]]] = {
+        "world": [tuple(range(WORLD_SIZE))],
+        "pair": list(PAIRS),
+        "alone": [],
+    }
+    return peers[part]
 
 
 @pytest.mark.slow

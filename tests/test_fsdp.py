@@ -13,13 +13,14 @@ collectives natively on every group.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import torch_xdev  # noqa: F401  (registers the "xdev" backend, in the spawned ranks too)
 from harness import run_ranks
@@ -61,8 +62,10 @@ def _train(mesh: Any, rank: int) -> dict[str, Any]:
     # rank that exits first takes with it).
     return {
         "losses": losses,
-        "shards": [p.to_local().detach().numpy().copy() for p in model.parameters()],
-        "full": [p.full_tensor().detach().numpy().copy() for p in model.parameters()],
+        "shards": [cast(DTensor, p).to_local().detach().numpy().copy() for p in model.parameters()],
+        "full": [
+            cast(DTensor, p).full_tensor().detach().numpy().copy() for p in model.parameters()
+        ],
     }
 
 
@@ -71,7 +74,7 @@ def _on_mesh(rank: int, shape: tuple[int, ...]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     names: Optional[tuple[str, ...]] = ("replicate", "shard") if len(shape) == 2 else None
-    gloo_everywhere = {dim: "gloo" for dim in range(len(shape))}
+    gloo_everywhere: dict[int | str, Any] = {dim: "gloo" for dim in range(len(shape))}
     xdev_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     gloo_mesh = init_device_mesh(
         "cpu", shape, mesh_dim_names=names, backend_override=gloo_everywhere

@@ -13,11 +13,12 @@ that fits one staging window is staged too: in place would cost a closing barrie
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import torch_xdev  # noqa: F401  (registers the backend)
 
@@ -45,7 +46,9 @@ def _ranks_logging(pattern: re.Pattern[str], err: str) -> set[int]:
 
 
 def _heap_tensor(count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    world = dist.group.WORLD
+    assert world is not None
+    backend = world._get_backend(torch.device("cpu"))
     assert backend.supports_tensor_alloc(torch.device("cpu"))
     return backend.allocate_tensor(count, dtype=dtype, device=torch.device("cpu"))
 
@@ -111,7 +114,7 @@ def _fsdp2_training(
     x = torch.randn(32, 96, generator=torch.Generator().manual_seed(100 + rank))
     losses = sgd_losses(model, x, lr=0.2, steps=5)
     # Plain lists: a tensor would travel back through shared memory the exiting rank owns.
-    params = [p.full_tensor().tolist() for p in model.parameters()]
+    params = [cast(DTensor, p).full_tensor().tolist() for p in model.parameters()]
     dist.destroy_process_group()
     return {"losses": losses, "params": params}
 

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _all_gather_input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> t
 
 
 def _grid(rank: int, world: int) -> int:
-    options = dict(shm_slot_bytes=SMALL_SLOT)
+    options: dict[str, Any] = dict(shm_slot_bytes=SMALL_SLOT)
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(**options)
     )

@@ -282,7 +282,7 @@ def _delegated(rank: int, world: int) -> None:
     assert torch.equal(a2a, torch.tensor([10.0 * r + rank for r in range(world)]))
     g = [torch.empty(2) for _ in range(world)] if rank == 0 else None
     dist.gather(torch.full((2,), float(rank)), g, dst=0)
-    if rank == 0:
+    if g is not None:
         assert all(torch.equal(t, torch.full((2,), float(r))) for r, t in enumerate(g))
     s = torch.empty(2)
     dist.scatter(

@@ -15,12 +15,13 @@ average.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
+from torch.distributed.tensor import DTensor
 
 import torch_xdev  # noqa: F401  (registers the "xdev" backend, in the spawned ranks too)
 from collective_cases import check_close, make_input, reference
@@ -162,7 +163,7 @@ def _fsdp(rank: int, world: int) -> dict[str, Any]:
     out = {
         "losses": (summed_losses, averaged_losses),
         "max_diff": max(
-            (a.to_local() - b.to_local()).abs().max().item()
+            (cast(DTensor, a).to_local() - cast(DTensor, b).to_local()).abs().max().item()
             for a, b in zip(summed.parameters(), averaged.parameters())
         ),
     }

@@ -1,10 +1,9 @@
 """The house style, checked: black and clang-format leave every tracked source as it is, and
-mypy finds no type error in the package, the benchmarks and the examples.
+mypy finds no type error in the package, the benchmarks, the examples and these tests.
 
 Each check skips, saying why, where its tool is not installed (the README's test command
 installs them all; `pip install black clang-format mypy`). mypy reads torch's type stubs, so its
-verdict is for the torch installed; the tests, which lean on torch's looser stubs, are not
-checked.
+verdict is for the torch installed.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def test_cpp_and_cuda_are_clang_formatted() -> None:
     assert done.returncode == 0, f"run `clang-format -i` on these (.clang-format):\n{done.stderr}"
 
 
-def test_package_benchmarks_and_examples_type_check() -> None:
+def test_package_benchmarks_examples_and_tests_type_check() -> None:
     try:
         import mypy  # noqa: F401
     except ImportError:
@@ -70,6 +69,7 @@ def test_package_benchmarks_and_examples_type_check() -> None:
             "torch_xdev",
             "benchmarks",
             "examples",
+            "tests",
         ]
     )
     assert done.returncode == 0, f"mypy:\n{done.stdout}{done.stderr}"

@@ -18,7 +18,7 @@ give the right numbers:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -52,6 +52,7 @@ def _functional(rank: int, world: int) -> None:
 
     dist.init_process_group("xdev", rank=rank, world_size=world)
     group = dist.group.WORLD
+    assert group is not None
     numel = 4 * world + 3
     inputs = [_input(r, numel) for r in range(world)]
     total = torch.stack(inputs).sum(0)
@@ -102,6 +103,7 @@ def test_dtensor_redistribute_uneven_shards() -> None:
 
 def _tp_training(rank: int, world: int, backend: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -117,7 +119,8 @@ def _tp_training(rank: int, world: int, backend: str) -> dict[str, Any]:
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(7))  # the same on every rank
     losses = sgd_losses(model, x, lr=0.05, steps=4)
-    params = {name: p.full_tensor().tolist() for name, p in model.named_parameters()}
+    # DTensors: parallelize_module replaced the parameters.
+    params = {name: cast(DTensor, p).full_tensor().tolist() for name, p in model.named_parameters()}
     dist.destroy_process_group()
     return {"losses": losses, "params": params}
 

@@ -42,7 +42,9 @@ def _input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor
     return torch.randint(-50, 50, (numel,), generator=g, dtype=torch.int64).to(dtype)
 
 
-def _reduce_reference(full: list[torch.Tensor], op: dist.ReduceOp, world: int) -> torch.Tensor:
+def _reduce_reference(
+    full: list[torch.Tensor], op: dist.ReduceOp.RedOpType, world: int
+) -> torch.Tensor:
     """Every rank's full input summed exactly in int64, then as the dtype (AVG: divided there,
     integers truncated toward zero)."""
     total = torch.stack([t.to(torch.int64) for t in full]).sum(0).to(full[0].dtype)
