@@ -169,3 +169,24 @@ TEST(cuda_across_hosts_adds_up_its_steps) {
   CHECK_THROWS(predict_cuda_across_hosts(cpu_host(4, CpuHostParams{}), dgx_h100_network(2), 0),
                std::invalid_argument, "NCCL");
 }
+
+TEST(cuda_across_hosts_window_as_the_readme_states) {
+  // The README's table: on 2 x 8 H100s two levels win between 64 KiB and 1 MiB (by up to about
+  // 1.5x, at 256 KiB) and lose from 16 MiB; on 2 DGX-1s with four 100 Gb/s NICs the two stay
+  // within 15% of each other from 64 KiB to 256 MiB.
+  const MachineModel h100 = hgx_h100();
+  const CudaAcrossHostsPrediction mid =
+      predict_cuda_across_hosts(h100, dgx_h100_network(2), 256 << 10);
+  CHECK(mid.two_level_faster);
+  CHECK(mid.nccl.seconds / mid.two_level_s > 1.4 && mid.nccl.seconds / mid.two_level_s < 1.6);
+  CHECK(!predict_cuda_across_hosts(h100, dgx_h100_network(2), 16 << 20).two_level_faster);
+  NcclNetwork dgx1_net;
+  dgx1_net.nodes = 2;
+  dgx1_net.nics = 4;
+  dgx1_net.nic_gbps = 12.5;
+  for (int64_t bytes = 64 << 10; bytes <= (int64_t{256} << 20); bytes *= 4) {
+    const CudaAcrossHostsPrediction p = predict_cuda_across_hosts(dgx1_v100(), dgx1_net, bytes);
+    const double ratio = p.nccl.seconds / p.two_level_s;
+    CHECK(ratio > 0.9 && ratio < 1.15);
+  }
+}
