@@ -1,6 +1,7 @@
 // Several hosts with CUDA tensors: NCCL over every rank against a two-level
-// allreduce, so that the choice between them rests on a prediction rather
-// than a fixed rule.
+// allreduce, so that whether such a plan would pay is a prediction rather
+// than a guess. xdev has no two-level CUDA plan; the selection leaves CUDA
+// tensors across hosts to NCCL (selection.cc says why).
 //
 // NCCL already runs hierarchically across nodes: its tree is a chain inside
 // each node and a double binary tree across nodes, and its rings cross the
@@ -15,8 +16,8 @@
 // The steps run one after another (no pipelining), as the CPU path does where
 // the host has no spare core.
 //
-// Both sides are NCCL's own tuning model (nccl_model.h) wherever NCCL runs,
-// so the comparison carries NCCL's assumptions on both sides.
+// Wherever NCCL runs, on either side, it is predicted by its own tuning model
+// (nccl_model.h), so the comparison carries NCCL's assumptions on both sides.
 //
 // Pure C++17, no torch or CUDA.
 #pragma once
@@ -39,7 +40,7 @@ struct CudaAcrossHostsPrediction {
   GatherScatterPrediction all_gather;      // step 3, inside one host
   double two_level_s = 0;                  // the three steps
   bool two_level_faster = false;
-  std::string reason;  // both predictions, and which is faster
+  std::string reason;  // both predictions and the two-level plan's steps
 };
 
 // The NCCL view of one of the L communicators of step 2: one GPU per node, so
