@@ -5,10 +5,9 @@ NCCL's tuning model across nodes against a two-level plan (see ``pydoc torch_xde
 from __future__ import annotations
 
 import argparse
-import json
 
 from ._C import plan as _plan
-from .plan import COLUMNS, MachineModel, Row, format_row
+from .plan import COLUMNS, MachineModel, Row, format_row, write_json
 
 
 def hosts_rows(
@@ -69,7 +68,5 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
         print(("\n" if i > 0 else "") + block + "\n  # " + reason, flush=True)
         table += size_table
     if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+        write_json(args.json, table)
     return 0

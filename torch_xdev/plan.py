@@ -354,6 +354,13 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
     )
 
 
+def write_json(path: str, table: Sequence[Row]) -> None:
+    """``--json``: the rows as a JSON list."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(list(table), f, indent=1)
+        f.write("\n")
+
+
 def format_row(r: Row) -> str:
     """One line of the table."""
     line = (
@@ -550,9 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         print(("\n" if i > 0 else "") + block, flush=True)
         table += table_rows
     if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+        write_json(args.json, table)
     if pyplot is not None:
         plot(model, table, args.plot, pyplot, args.collective)
     return 0
