@@ -148,16 +148,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
   if (premultiplies_here(opts.reduceOp, tensors)) {
     // The root's tensor receives the result, so it is scaled in place; the
     // others' stay as they are (NCCL leaves them so) and lend scaled copies.
-    std::vector<at::Tensor> scaled;
-    for (const at::Tensor& t : tensors) {
-      if (getRank() == opts.rootRank) {
-        premultiply_(t, opts.reduceOp);
-        scaled.push_back(t);
-      } else {
-        scaled.push_back(premultiplied(t, opts.reduceOp));
-      }
+    if (getRank() != opts.rootRank) {
+      std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
+      return reduce(scaled, with_sum(opts));
     }
-    return reduce(scaled, with_sum(opts));
+    for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);
+    return reduce(tensors, with_sum(opts));
   }
   return delegate(tensors)->reduce(tensors, opts);
 }
