@@ -87,6 +87,17 @@ def _mismatch(rank: int, world: int) -> None:
         assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         dist.all_reduce(torch.ones(8), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+    # Lists of two dtypes on one rank, one dtype on the other: every rank stops at the first
+    # dtype's collective, and none has numbered the second, so later calls still line up.
+    second = torch.float64 if rank == 0 else torch.float32
+    with pytest.raises(dist.DistBackendError, match="mismatched collectives"):
+        dist.distributed_c10d._get_default_group().allreduce(
+            [torch.ones(10), torch.ones(10, dtype=second)]
+        ).wait()
+    for _ in range(3):
+        ok = torch.full((33,), float(rank + 1))
+        dist.all_reduce(ok)
+        assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
     # One rank in a barrier, the other in an allreduce.
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         if rank == 0:

@@ -27,7 +27,7 @@ plan::PackingOptions packing_options(const BackendConfig& config) {
   return packing;
 }
 
-std::vector<DtypeAllreduce> prepare_allreduce(GroupContext& group,
+std::vector<DtypeAllreduce> prepare_allreduce(const GroupContext& group,
                                               const std::vector<at::Tensor>& tensors,
                                               kernels::ReduceOp op, const plan::Selection& sel,
                                               bool packed) {
@@ -44,7 +44,7 @@ std::vector<DtypeAllreduce> prepare_allreduce(GroupContext& group,
     call.dtype = static_cast<kernels::DType>(g.dtype);
     if (packed) call.packs = plan::make_packs(g.layout, g.elem_size, packing);
     transport::OpDescriptor& d = call.descriptor;
-    d = group.next_descriptor(Collective::kAllreduce);
+    d.collective = static_cast<int32_t>(Collective::kAllreduce);  // numbered when it runs
     d.reduce_op = static_cast<int32_t>(op);
     d.dtype = g.dtype;
     d.algorithm = static_cast<int32_t>(sel.algorithm);

@@ -24,7 +24,7 @@ struct DtypeAllreduce {
   plan::DtypeGroup group;  // which of the call's tensors, laid out how
   kernels::DType dtype = kernels::DType::kFloat32;
   std::vector<plan::Range> packs;      // the selection's packing of the payload
-  transport::OpDescriptor descriptor;  // numbered: one op per dtype group
+  transport::OpDescriptor descriptor;  // seq 0: GroupContext::number it as it runs
   int64_t total() const { return group.layout.total(); }
 };
 
@@ -32,10 +32,10 @@ struct DtypeAllreduce {
 plan::PackingOptions packing_options(const BackendConfig& config);
 
 // Groups tensors (native dtypes only) by dtype and gives each group its packs
-// and descriptor, in the order every rank runs them. Takes one sequence number
-// per group: op thread only. Without packing (packed false) every group is one
-// pack and its descriptor says num_packs 0.
-std::vector<DtypeAllreduce> prepare_allreduce(GroupContext& group,
+// and descriptor, in the order every rank runs them. Takes no sequence
+// number: the caller numbers each group right before it opens it. Without packing (packed false)
+// every group is one pack and its descriptor says num_packs 0.
+std::vector<DtypeAllreduce> prepare_allreduce(const GroupContext& group,
                                               const std::vector<at::Tensor>& tensors,
                                               kernels::ReduceOp op, const plan::Selection& sel,
                                               bool packed = true);

@@ -60,6 +60,7 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
        prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_shared_buffer)) {
     const int64_t total = call.total();
     transport::OpDescriptor desc = call.descriptor;
+    group_.number(desc);
     transport::SharedBufferRequest in_place;
     if (in_shared_buffer || in_heap) {  // the one tensor, in memory every rank maps
       if (in_shared_buffer) {

@@ -194,7 +194,7 @@ void GroupContext::choose_spin_budgets() {
 
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
   transport::OpDescriptor desc;
-  desc.seq = ++next_seq_;
+  number(desc);
   desc.collective = static_cast<int32_t>(collective);
   return desc;
 }

@@ -101,6 +101,11 @@ class GroupContext {
   // A descriptor of the next native collective (takes its sequence number; op
   // thread only).
   transport::OpDescriptor next_descriptor(Collective collective);
+  // Gives d the next sequence number (op thread only). Take it just before the
+  // channel opens the collective, never ahead for several: a mismatch stops
+  // every rank at the first one it opens, and numbers taken for later ones
+  // would leave the ranks' counts apart for good.
+  void number(transport::OpDescriptor& d) { d.seq = ++next_seq_; }
   transport::OpContext make_context(const transport::OpDescriptor& desc, const char* name,
                                     transport::Clock::time_point deadline) const;
   // kUnsetTimeout means the group's timeout.

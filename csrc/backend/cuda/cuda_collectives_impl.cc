@@ -503,6 +503,7 @@ class CudaCollectivesImpl : public CudaCollectives {
           g_.config().cuda_slot_bytes / static_cast<int64_t>(call.group.elem_size);
       const plan::CollectivePlan cp = planner_->plan(g_, sel, call, window_elems);
 
+      g_.number(call.descriptor);
       call.descriptor.device = 1;
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
