@@ -1,10 +1,58 @@
 #include "backend_config.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
 namespace xdev::backend {
+namespace {
+
+std::string text_of(const std::string& v) {
+  return "\"" + v + "\"";
+}
+std::string text_of(int64_t v) {
+  return std::to_string(v);
+}
+std::string text_of(bool v) {
+  return v ? "true" : "false";
+}
+std::string text_of(std::chrono::milliseconds v) {
+  return std::to_string(v.count()) + " ms";
+}
+std::string text_of(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.17g", v);  // round-trips: equal text, equal value
+  return text;
+}
+template <typename T>
+std::string text_of(const std::vector<T>& v) {
+  std::string s = "[";
+  for (const T& e : v) s += (s.size() > 1 ? "," : "") + text_of(e);
+  return s + "]";
+}
+
+bool starts_with(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+
+}  // namespace
+
+std::vector<std::string> plan_settings(const BackendConfig& c) {
+  std::vector<std::string> settings;
+  const auto add = [&settings](const std::string& name, const std::string& value) {
+    settings.push_back(name + "=" + value);
+  };
+#define XDEV_ADD_OPTION(type, name, ...) \
+  if (std::string(#name) != "timeout" && std::string(#name) != "debug") add(#name, text_of(c.name));
+  XDEV_OPTION_FIELDS(XDEV_ADD_OPTION)
+#undef XDEV_ADD_OPTION
+#define XDEV_ADD_MODEL_FIELD(type, name, ...) \
+  if (starts_with(#name, "cpu_") || starts_with(#name, "net_")) add(#name, text_of(c.name));
+  XDEV_INTERNAL_FIELDS(XDEV_ADD_MODEL_FIELD)
+#undef XDEV_ADD_MODEL_FIELD
+  return settings;
+}
 
 void validate(const BackendConfig& config) {
   if (config.shm_slot_bytes < kMinSlotBytes) {

@@ -90,6 +90,14 @@ struct BackendConfig {
 inline constexpr int64_t kMinSlotBytes = 4096;
 inline constexpr int64_t kCudaSlotAlignment = 256;
 
+// The settings a rank picks its plans by, one "name=value" each: the options
+// but the timeout and debug, and the cost model's cpu_* and net_* fields.
+// Ranks whose settings differ could choose different paths for one call (two
+// levels on one host, Gloo on another) and wait for each other until the
+// timeout, so a group refuses to start unless every rank has the same
+// (GroupContext).
+std::vector<std::string> plan_settings(const BackendConfig& config);
+
 // Throws std::invalid_argument naming the first setting out of range. Settings whose range
 // depends on the group (reduce_to_rank, an algorithm that needs an even world) are checked
 // where the group is known.

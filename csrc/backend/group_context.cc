@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -46,6 +47,29 @@ void check_options(const BackendConfig& config, int size) {
   packing_options(config).validate();
   plan::check_root("reduce_to_rank", static_cast<int>(config.reduce_to_rank), size);
   validate(config);
+}
+
+// Throws std::invalid_argument naming every setting (plan_settings) in which
+// a rank differs from rank 0. Each rank picks its plans by them: ranks that
+// pick differently for one call would wait for each other until the timeout.
+template <typename SettingsOf>
+void check_same_settings(int size, SettingsOf settings_of) {
+  const std::vector<std::string>& first = settings_of(0);
+  std::string differences;
+  for (int r = 1; r < size; ++r) {
+    const std::vector<std::string>& other = settings_of(r);
+    for (size_t i = 0; i < std::max(first.size(), other.size()); ++i) {
+      const std::string a = i < first.size() ? first[i] : "(none)";
+      const std::string b = i < other.size() ? other[i] : "(none)";
+      if (a != b) differences += "\n  rank 0: " + a + ", rank " + std::to_string(r) + ": " + b;
+    }
+  }
+  if (differences.empty()) return;
+  throw std::invalid_argument(
+      "xdev: the ranks of this group were given different settings:" + differences +
+      "\nEvery rank must have the same torch_xdev.Options, XDEV_* variables and XDEV_CPU_MODEL "
+      "file (the timeout and debug aside): each rank picks its plans by them, and ranks that "
+      "picked differently for one call would wait for each other until the timeout.");
 }
 
 }  // namespace
@@ -91,25 +115,31 @@ GroupContext::~GroupContext() {
 }
 
 void GroupContext::rendezvous_hosts() {
-  // One key per rank: its machine, that machine's cores, its host identity.
+  // One key per rank, a line each: its machine, that machine's cores, its host
+  // identity, then the settings it picks plans by.
   struct Entry {
     std::string machine;
     int cores = 1;
     std::string host;
+    std::vector<std::string> settings;
   };
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  store_->set(
-      "xdev/host/" + std::to_string(rank_),
-      machine_identity(config_.hostname) + "\n" + std::to_string(cores) + "\n" + config_.hostname);
+  std::string mine =
+      machine_identity(config_.hostname) + "\n" + std::to_string(cores) + "\n" + config_.hostname;
+  for (const std::string& setting : plan_settings(config_)) mine += "\n" + setting;
+  store_->set("xdev/host/" + std::to_string(rank_), mine);
   std::vector<Entry> entries;
   for (int r = 0; r < size_; ++r) {
-    const std::string value = store_->get_to_str("xdev/host/" + std::to_string(r));
-    const size_t first = value.find('\n');
-    const size_t second = value.find('\n', first + 1);
-    entries.push_back({value.substr(0, first),
-                       std::max(1, std::atoi(value.substr(first + 1, second - first - 1).c_str())),
-                       value.substr(second + 1)});
+    std::vector<std::string> lines;
+    std::istringstream value(store_->get_to_str("xdev/host/" + std::to_string(r)));
+    for (std::string line; std::getline(value, line);) lines.push_back(line);
+    TORCH_CHECK(lines.size() >= 3, "xdev: rank ", r, "'s host entry is malformed");
+    entries.push_back({lines[0], std::max(1, std::atoi(lines[1].c_str())), lines[2],
+                       std::vector<std::string>(lines.begin() + 3, lines.end())});
   }
+  check_same_settings(size_, [&](int r) -> const std::vector<std::string>& {
+    return entries[static_cast<size_t>(r)].settings;
+  });
 
   std::vector<std::string> hosts;  // by lowest rank
   std::vector<int> ranks_on_host;
