@@ -7,6 +7,7 @@ import re
 import signal
 import stat
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -63,7 +64,7 @@ def _dead_peer(rank: int, world: int, victim: int) -> dict[str, Any]:
 def test_killed_rank_is_reported_and_leaves_no_segment() -> None:
     results = run_ranks(_dead_peer, 3, 2, timeout=120, expect_dead=(2,))
     name = results[0]["name"]
-    assert re.fullmatch(r"/xdev-\d+-[0-9a-f]{32}", name), name
+    assert re.fullmatch(r"/xdev-\d+-\d+-[0-9a-f]{32}", name), name
     # The name was unlinked once every rank had mapped it: nothing can leak.
     assert not os.path.exists("/dev/shm" + name)
 
@@ -112,6 +113,60 @@ def test_mismatched_calls_fail_everywhere_and_group_survives() -> None:
     run_ranks(_mismatch, 2, timeout=120)
 
 
+def _late_peer_after_timeout(rank: int, world: int) -> float:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))
+    dist.all_reduce(torch.ones(4), group=group)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 1.0)  # rank 0 has timed out by now
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(torch.ones(1 << 16), group=group)  # several windows
+    elapsed = time.monotonic() - start
+    if rank == 1:
+        # Rank 0 stopped at its timeout and left: rank 1 learns it within a liveness check
+        # (200 ms), not after a timeout of its own.
+        assert "has left the group" in str(info.value), str(info.value)
+        assert elapsed < TIMEOUT_S / 2, elapsed
+    dist.barrier()
+    return elapsed
+
+
+def test_a_rank_that_timed_out_releases_its_late_peers() -> None:
+    run_ranks(_late_peer_after_timeout, 2, timeout=120)
+
+
+def _huge_timeout(rank: int, world: int) -> None:
+    # A timedelta far beyond the clock's range, the usual way to say "never time out".
+    forever = torch_xdev.Options(timeout=timedelta(days=200000))
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=forever)
+    if rank == 1:
+        time.sleep(0.5)
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((5,), 3.0))
+    dist.destroy_process_group()
+
+
+def test_a_huge_timeout_waits_instead_of_overflowing() -> None:
+    run_ranks(_huge_timeout, 2, timeout=120)
+
+
+def _different_settings(rank: int, world: int) -> str:
+    options = torch_xdev.Options(shm_slot_bytes=4096 if rank == 0 else 8192)
+    with pytest.raises(ValueError) as info:
+        dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    return str(info.value)
+
+
+def test_ranks_with_different_settings_refuse_to_start() -> None:
+    # Each rank picks its plans by its settings: ranks that differ would pick differently for
+    # one call and wait for each other, so the group does not start, on any rank.
+    for message in run_ranks(_different_settings, 2, timeout=120):
+        assert "different settings" in message, message
+        assert "rank 0: shm_slot_bytes=4096, rank 1: shm_slot_bytes=8192" in message, message
+
+
 def _segment_hygiene(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     group_a = dist.new_group(backend="xdev")
@@ -137,21 +192,26 @@ def test_segments_private_unlinked_and_unmapped_on_destroy() -> None:
         expected_groups = 3 if r in (0, 1) else 2
         assert len(res["names"]) == expected_groups, res  # one segment per group
         for name in res["names"]:
-            assert re.fullmatch(r"/xdev-\d+-[0-9a-f]{32}", name)
+            assert re.fullmatch(r"/xdev-\d+-\d+-[0-9a-f]{32}", name)
             assert not os.path.exists("/dev/shm" + name)
         assert res["modes"] and all(m == 0o600 for m in res["modes"].values()), res["modes"]
         assert res["after_destroy"] == [], res["after_destroy"]
 
 
 def test_orphaned_segment_of_dead_creator_is_removed() -> None:
-    # A segment named after a pid that cannot exist, as a creator killed between
-    # create and unlink would leave it.
-    path = "/dev/shm/xdev-999999999-" + "0" * 32
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.close(fd)
+    # Segments named after a pid that cannot exist, as a creator killed between create and
+    # unlink would leave them: one of this pid namespace, which goes, and one of another (a
+    # container sharing /dev/shm), whose pid says nothing here, which stays.
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    ours = f"/dev/shm/xdev-999999999-{namespace}-" + "0" * 32
+    theirs = f"/dev/shm/xdev-999999999-{namespace + 1}-" + "1" * 32
+    for path in (ours, theirs):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     try:
         assert torch_xdev._C.remove_orphaned_segments() >= 1
-        assert not os.path.exists(path)
+        assert not os.path.exists(ours)
+        assert os.path.exists(theirs)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        for path in (ours, theirs):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -231,7 +231,7 @@ transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
 
 transport::Clock::time_point GroupContext::deadline_for(std::chrono::milliseconds timeout) const {
   const auto t = timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
-  return transport::Clock::now() + t;
+  return transport::Clock::now() + transport::bounded_timeout(t);
 }
 
 std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
@@ -324,10 +324,10 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     } catch (const transport::MismatchError& e) {
       work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
     } catch (const transport::PeerError& e) {
-      poisoned_ = e.what();
+      poison(e.what());
       work->fail(as_dist_error(e.what()));
     } catch (const std::exception& e) {
-      poisoned_ = e.what();
+      poison(e.what());
       work->fail(as_dist_error(std::string("xdev: ") + e.what()));
     }
   };

@@ -128,10 +128,16 @@ class GroupContext {
   bool stop_queue();
   // Frees the shared-memory channel (after stop_queue and after every user of it).
   void close_channel() {
-    if (channel_) channel_->mark_left();
+    mark_left();
     channel_.reset();
-    if (host_channel_) host_channel_->mark_left();
     host_channel_.reset();
+  }
+
+  // Tells peers on the shared-memory channels that this rank runs no more
+  // barriers (a peer waiting for it fails at its next liveness check).
+  void mark_left() {
+    if (channel_) channel_->mark_left();
+    if (host_channel_) host_channel_->mark_left();
   }
 
   // With Options.debug, prints message once per key (stderr, tagged with group and rank).
@@ -173,6 +179,14 @@ class GroupContext {
 
   uint64_t next_seq_ = 0;  // op thread only
   std::string poisoned_;   // op thread only
+
+  // After an error that leaves the channels out of step (a peer missing, a
+  // failure mid-collective): every later call fails at once, and peers waiting
+  // for this rank learn it has left instead of waiting out their deadline.
+  void poison(const std::string& why) {
+    poisoned_ = why;
+    mark_left();
+  }
 
   std::mutex log_mutex_;
   std::set<std::string> logged_;

@@ -53,6 +53,11 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   c10d::Store& store = group.store();
   store_barrier(store, "xdev/heap/published/", group.size(), group.config().timeout);
   for (int r = 0; channel != nullptr && r < channel->world_size() && why.empty(); ++r) {
+    if (!channel->shares_pid_namespace(r)) {
+      // Its arena's /proc/<pid>/fd path would name another process here.
+      why = "local rank " + std::to_string(r) + " runs in another pid namespace";
+      break;
+    }
     try {
       heap->arena_of(r, 0, channel->arena_of(r, 0));
     } catch (const std::exception& e) {

@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
 CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
                            int ranks_on_this_gpu)
     : channel_(channel) {
-  timeout_ns_ = static_cast<uint64_t>(std::max<int64_t>(1, peer_timeout.count())) * 1000000ull;
+  timeout_ns_ = static_cast<uint64_t>(std::max<int64_t>(1, bounded_timeout(peer_timeout).count())) *
+                1000000ull;
   CudaDeviceGuard guard(channel.device());
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),

@@ -26,6 +26,7 @@
 #include "../plan/device_program.h"
 #include "../plan/gather_scatter_plan.h"
 #include "cuda_ipc_channel.h"
+#include "deadline.h"
 
 namespace xdev::transport {
 

@@ -61,7 +61,8 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
   std::atomic<int32_t> pid;
   std::atomic<int32_t> left;  // 1 once this rank has closed its channel (mark_left)
-  char pad[kCacheLine - sizeof(std::atomic<uint64_t>) - 2 * sizeof(std::atomic<int32_t>)];
+  uint64_t pid_namespace;     // where pid means this rank's process (pid_namespace())
+  char pad[kCacheLine - 2 * sizeof(uint64_t) - 2 * sizeof(std::atomic<int32_t>)];
   OpDescriptor desc[2];        // indexed by op seq parity
   uint64_t buffer_address[2];  // likewise: the buffer lent to peers
   uint64_t buffer_bytes[2];
@@ -141,6 +142,7 @@ void ShmChannel::init_local_rank(int world_size, int rank, size_t slot_bytes) {
   slot_bytes_ = slot_bytes;
   data_offset_ = header()->data_offset;
   RankControl* me = control(rank_);
+  me->pid_namespace = pid_namespace();
   me->pid.store(static_cast<int32_t>(::getpid()));
   // A random token, so a successful read proves we reached the right process.
   probe_token_ = std::make_unique<uint64_t>(0);
@@ -188,9 +190,15 @@ std::string ShmChannel::gone_rank(uint64_t epoch) const {
     if (control(r)->left.load() != 0) {
       return who + " has left the group (destroy_process_group, or an error there)";
     }
-    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) return who + " exited";
+    if (pid > 0 && shares_pid_namespace(r) && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      return who + " exited";
+    }
   }
   return "";
+}
+
+bool ShmChannel::shares_pid_namespace(int rank) const {
+  return control(rank)->pid_namespace == control(rank_)->pid_namespace;
 }
 
 void ShmChannel::mark_left() {

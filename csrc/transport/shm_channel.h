@@ -16,12 +16,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "deadline.h"
 #include "shm_segment.h"
 #include "symmetric_heap.h"
 
 namespace xdev::transport {
-
-using Clock = std::chrono::steady_clock;
 
 // A peer did not arrive in time, or exited.
 class PeerError : public std::runtime_error {
@@ -156,6 +155,11 @@ class ShmChannel {
   ArenaAddress arena_of(int rank, int index) const;
 
   uint64_t barriers_passed() const { return epoch_; }
+
+  // Whether rank's pid names its process here (the same pid namespace). A
+  // container that shares /dev/shm but not its pids does not: its liveness
+  // cannot be tested by pid, nor its memory reached through /proc/<pid>.
+  bool shares_pid_namespace(int rank) const;
 
  private:
   struct Header;

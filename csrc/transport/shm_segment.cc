@@ -78,7 +78,12 @@ std::string ShmSegment::make_name() {
   }
   char hex[33];
   for (size_t i = 0; i < sizeof bytes; ++i) std::snprintf(hex + 2 * i, 3, "%02x", bytes[i]);
-  return "/xdev-" + std::to_string(::getpid()) + "-" + hex;
+  return "/xdev-" + std::to_string(::getpid()) + "-" + std::to_string(pid_namespace()) + "-" + hex;
+}
+
+uint64_t pid_namespace() {
+  struct stat st{};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
 ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
@@ -133,8 +138,11 @@ int ShmSegment::remove_orphans() {
   const uid_t me = ::geteuid();
   while (dirent* e = ::readdir(dir)) {
     long pid = 0;
+    unsigned long long ns = 0;
     char rest[64];
-    if (std::sscanf(e->d_name, "xdev-%ld-%63s", &pid, rest) != 2 || pid <= 0) continue;
+    if (std::sscanf(e->d_name, "xdev-%ld-%llu-%63s", &pid, &ns, rest) != 3 || pid <= 0) continue;
+    // Another namespace's pid says nothing about a process here.
+    if (ns != pid_namespace()) continue;
     struct stat st{};
     const std::string path = std::string("/dev/shm/") + e->d_name;
     if (::stat(path.c_str(), &st) != 0 || st.st_uid != me) continue;

@@ -7,13 +7,20 @@
 // then on the memory lives exactly as long as some rank maps it, so a normal
 // exit, a crash or a kill -9 cannot leak it. The only window for a leak is a
 // creator that dies between create and unlink; names carry the creator's pid
-// so the next creator on the machine removes such orphans.
+// and pid namespace so the next creator on the machine removes such orphans
+// (and leaves alone those of processes it cannot see: containers sharing
+// /dev/shm but not their pids).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace xdev::transport {
+
+// The inode of this process's pid namespace (/proc/self/ns/pid), or 0 when it
+// cannot be read. A pid means the same process only within one namespace.
+uint64_t pid_namespace();
 
 class ShmSegment {
  public:
@@ -24,7 +31,7 @@ class ShmSegment {
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
-  // "/xdev-<pid>-<32 hex digits from the kernel's CSPRNG>".
+  // "/xdev-<pid>-<pid namespace>-<32 hex digits from the kernel's CSPRNG>".
   static std::string make_name();
 
   static ShmSegment create(const std::string& name, size_t bytes);
@@ -33,8 +40,8 @@ class ShmSegment {
   // Removes the name; the mapping stays valid. Idempotent.
   void unlink();
 
-  // Unlinks /dev/shm/xdev-<pid>-* segments of this user whose creator pid is
-  // gone. Returns how many were removed.
+  // Unlinks /dev/shm/xdev-* segments of this user whose creator, in this pid
+  // namespace, is gone. Returns how many were removed.
   static int remove_orphans();
 
   void* data() const { return data_; }
