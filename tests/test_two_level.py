@@ -155,6 +155,35 @@ def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
         assert algorithm == "fallback" and "different numbers of ranks" in reason, reason
 
 
+def _half_avg(rank: int, world: int) -> list[str]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev")
+    plans = []
+    # 40000 fits float16 (up to 65504) and so does the average, but no host's sum of it does.
+    # 8 elements ride in the exchange of calls across hosts; 200000 go by Gloo.
+    for numel in (8, 200_000):
+        expected = torch.full((numel,), 40000.0, dtype=torch.float16)
+        t = expected.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+        plans.append(" ".join(torch_xdev.describe(group)["last_allreduce"]))
+        assert torch.equal(t, expected), (numel, t[:4])
+        out = torch.empty(numel, dtype=torch.float16)
+        full = torch.full((numel * world,), 40000.0, dtype=torch.float16)
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=group)
+        plans.append(" ".join(torch_xdev.describe(group)["last_gather_scatter"]))
+        assert torch.equal(out, expected), (numel, out[:4])
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    return plans
+
+
+def test_float16_average_across_hosts_does_not_overflow() -> None:
+    # Each host divides its partial sums by the group's size before they cross hosts, as the
+    # native kernels of one host, which sum in float32, give the average that fits.
+    for plans in run_ranks(_half_avg, 4, per_rank_env=_hosts_env([2, 2])):
+        assert all("two-level" in plan or "two_level" in plan for plan in plans), plans
+
+
 def _forced_fallback(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(algorithm="fallback")

@@ -40,6 +40,12 @@ c10d::ReduceOp two_level_engine_op(kernels::ReduceOp op) {
   TORCH_CHECK(false, "xdev two-level collective: unknown reduce op");
 }
 
+TwoLevelOps two_level_ops(kernels::ReduceOp op, c10::ScalarType dtype) {
+  if (op != kernels::ReduceOp::kAvg) return {op, op, false};
+  if (dtype == at::kHalf) return {kernels::ReduceOp::kAvg, kernels::ReduceOp::kSum, false};
+  return {kernels::ReduceOp::kSum, kernels::ReduceOp::kAvg, true};
+}
+
 std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline) {
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
@@ -152,7 +158,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
                             transport::OpDescriptor call, transport::Clock::time_point deadline,
                             const SharedPlacement& placement) {
   const int local_rank = group_.local_rank();
-  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  const TwoLevelOps ops = two_level_ops(op, flat.scalar_type());
   const int num_pieces = static_cast<int>(std::clamp<int64_t>(
       pieces_asked, 1, std::max<int64_t>(1, flat.numel() / group_.local_world_size())));
   call.num_packs = num_pieces;  // hosts cutting the payload differently fail the check
@@ -177,8 +183,8 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     start += n;
   }
   const auto reduce_scatter = [&](Piece& p) {
-    run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, host_op, call, deadline,
-                p.placement, kAllreduceName);
+    run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, ops.in_host, call,
+                deadline, p.placement, kAllreduceName);
   };
   const auto start_engine = [&](Piece& p) {
     std::vector<at::Tensor> engine_tensors{p.slice};
@@ -191,7 +197,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     if (p.engine_work) {
       wait_for_engine(p.engine_work, engine_timeout(deadline),
                       "two-level allreduce: the engine's allreduce across hosts");
-      if (op == kernels::ReduceOp::kAvg) divide_for_avg(p.slice, group_.size());
+      if (ops.divide_after) divide_for_avg(p.slice, group_.size());
     }
     run_in_host(plan::GatherScatterKind::kAllGather, p.flat, p.slice, kernels::ReduceOp::kSum, call,
                 deadline, p.placement, kAllreduceName);
@@ -213,7 +219,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
       check_.exchange(call, carried ? first_slice.data_ptr() : nullptr, slice_bytes,
                       /*host_step_follows=*/true, kAllreduceName, deadline);
   if (carried) {
-    check_.reduce_payloads(messages, 0, op, first_slice);
+    check_.reduce_payloads(messages, 0, ops.across, first_slice);
     finish(pieces[0]);
     return;
   }
@@ -233,7 +239,7 @@ void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
                                    transport::Clock::time_point deadline,
                                    const SharedPlacement& placement, const char* what) {
   const bool leader = group_.local_rank() == 0;
-  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  const TwoLevelOps ops = two_level_ops(op, flat.scalar_type());
   // No count of pieces is 0: a host that ran the other form fails the check across hosts.
   call.num_packs = 0;
   const at::Tensor slice =
@@ -242,7 +248,7 @@ void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
                 flat.options());
   bool exchanged = false;
   try {
-    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, host_op, call, deadline,
+    run_in_host(plan::GatherScatterKind::kReduceScatter, flat, slice, ops.in_host, call, deadline,
                 placement, what);
     run_in_host(plan::GatherScatterKind::kAllGather, flat, slice, kernels::ReduceOp::kSum, call,
                 deadline, placement, what);
@@ -254,7 +260,7 @@ void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
       const at::Tensor messages =
           check_.exchange(call, flat.data_ptr(), flat.numel() * flat.element_size(),
                           /*host_step_follows=*/true, what, deadline);
-      check_.reduce_payloads(messages, 0, op, flat);
+      check_.reduce_payloads(messages, 0, ops.across, flat);
     }
     staged_broadcast(group_, broadcast_executor_, group_.local_world_size(), 0, {flat},
                      (std::string(what) + " (broadcast from local rank 0" + where_).c_str(),
@@ -297,6 +303,7 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   req.block_starts = std::move(starts);
   req.dtype = reduce_scatter ? *native_dtype(flat.scalar_type()) : kernels::DType::kUInt8;
   req.op = op;
+  req.avg_divisor = group_.size();  // an AVG inside the host divides by the whole group's size
   transport::OpDescriptor d =
       group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
   d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;

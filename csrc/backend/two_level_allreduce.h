@@ -39,8 +39,24 @@
 namespace xdev::backend {
 
 // Shared by the two-level collectives. The engine's op for a native op: AVG
-// is a SUM across hosts, divided once after.
+// is a SUM across hosts (see TwoLevelOps for where it divides).
 c10d::ReduceOp two_level_engine_op(kernels::ReduceOp op);
+
+// How a two-level collective runs a native op at each level. AVG of float16
+// divides by the group's size in the reduce-scatter inside the host, before
+// anything crosses hosts, and only sums after: a host's partial sum can pass
+// float16's largest value (65504) where every average fits, which the native
+// kernels of one host, accumulating in float32, would not let happen. Every
+// other dtype sums everywhere and divides once at the end (integers
+// truncating as the kernels do), as a sum then a division gives the same bits
+// as on one host; their range leaves the partial sums room.
+struct TwoLevelOps {
+  kernels::ReduceOp in_host;  // the reduce-scatter inside the host; its AVG
+                              // divides by the group's size (avg_divisor)
+  kernels::ReduceOp across;   // of the hosts' partial results (reduce_payloads)
+  bool divide_after = false;  // the engine's SUM still needs the division
+};
+TwoLevelOps two_level_ops(kernels::ReduceOp op, c10::ScalarType dtype);
 // The time an engine's call may take: what is left until `deadline`, at least 1 ms.
 std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
 // "host 'NAME', whose local ranks are group ranks 0, 1": errors of the host's

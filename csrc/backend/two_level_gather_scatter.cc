@@ -335,11 +335,11 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
       offset += block;
     }
   }
-  const kernels::ReduceOp host_op = op == kernels::ReduceOp::kAvg ? kernels::ReduceOp::kSum : op;
+  const TwoLevelOps ops = two_level_ops(op, inputs[0].scalar_type());
   try {
     run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
                 plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
-                host_op, hash, deadline, heap_placement(full));
+                ops.in_host, hash, deadline, heap_placement(full));
   } catch (const transport::MismatchError&) {
     check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
     throw;
@@ -358,7 +358,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
       outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
   if (carried) {
     // Every host's partial sums of this local index, packed host by host: ours is block host_index.
-    check_.reduce_payloads(messages, group_.host_index() * total * elem_size, op, mine);
+    check_.reduce_payloads(messages, group_.host_index() * total * elem_size, ops.across, mine);
   } else if (total > 0) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = two_level_engine_op(op);
@@ -368,7 +368,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     wait_for_engine(engine_->_reduce_scatter_base(out, in, opts), opts.timeout,
                     "two-level reduce_scatter: the engine's reduce-scatter across hosts");
   }
-  if (op == kernels::ReduceOp::kAvg && !carried) divide_for_avg(mine, group_.size());
+  if (ops.divide_after && !carried) divide_for_avg(mine, group_.size());
   if (outputs.size() > 1) unpack_into(mine, outputs);
 }
 
@@ -387,6 +387,7 @@ void TwoLevelGatherScatter::run_in_host(
   req.block = block;
   req.dtype = dtype;
   req.op = op;
+  req.avg_divisor = group_.size();  // an AVG inside the host divides by the whole group's size
   transport::OpDescriptor d =
       group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
   d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;

@@ -14,6 +14,12 @@ namespace {
 // bounce buffers and the output chunk stay in L2 while they are combined.
 constexpr int64_t kReduceChunkBytes = 128 * 1024;
 
+// What an AVG of req divides its results by (0: not an AVG).
+int64_t avg_divisor(const GatherScatterRequest& req, int64_t world) {
+  if (req.op != kernels::ReduceOp::kAvg) return 0;
+  return req.avg_divisor > 0 ? req.avg_divisor : world;
+}
+
 // Where the slot coordinates of one window land in the tensors.
 class WindowMap {
  public:
@@ -144,8 +150,7 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
       // before the first barrier in the heap (alone, a rank stages nothing
       // and copies it here).
       if (all_gather && s.sources[0] == plan::kOwnInput && channel_.world_size() > 1) continue;
-      const int64_t divisor =
-          (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
+      const int64_t divisor = s.finalize ? avg_divisor(req, channel_.world_size()) : 0;
       sources.resize(s.sources.size());
       map.for_each_piece(s.range, [&](int64_t slot_pos, char* input, char* output, int64_t count) {
         for (size_t i = 0; i < s.sources.size(); ++i) {
@@ -199,7 +204,7 @@ void GatherScatterExecutor::run_in_place(const GatherScatterRequest& req,
     } else {
       const int64_t at = block_start(req, t, me);
       for (int r = 0; r < world; ++r) sources[static_cast<size_t>(r)] = peer(r, at);
-      const int64_t divisor = req.op == kernels::ReduceOp::kAvg ? world : 0;
+      const int64_t divisor = avg_divisor(req, world);
       kernels::reduce(req.dtype, req.op, req.block[t], sources.data(), world,
                       block_count(req, t, me), divisor);
     }
@@ -248,8 +253,7 @@ void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {
       });
       continue;
     }
-    const int64_t divisor =
-        (s.finalize && req.op == kernels::ReduceOp::kAvg) ? channel_.world_size() : 0;
+    const int64_t divisor = s.finalize ? avg_divisor(req, channel_.world_size()) : 0;
     if (bounce_.size() < s.sources.size()) bounce_.resize(s.sources.size());
     sources.resize(s.sources.size());
     for (int64_t lo = s.range.begin; lo < s.range.end; lo += chunk) {

@@ -54,6 +54,9 @@ struct GatherScatterRequest {
   // All-gather moves bytes: dtype kUInt8 with byte counts serves every dtype.
   kernels::DType dtype = kernels::DType::kFloat32;
   kernels::ReduceOp op = kernels::ReduceOp::kSum;
+  // AVG divides the results by this; 0: by the channel's world size. (A
+  // reduce-scatter inside one host of a larger group divides by the group's.)
+  int64_t avg_divisor = 0;
   // Peers read this rank's input in place (one tensor, a one-window plan).
   bool single_copy = false;
   // Its descriptor's heap_arena/heap_offset say where the full tensor lies in
