@@ -136,6 +136,14 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
         torch_xdev.shared_empty(10 + rank)
     with pytest.raises(ValueError, match="negative dimension"):
         torch_xdev.shared_empty(-1) if rank == 0 else torch_xdev.shared_empty(0, -2)
+    # Sizes whose bytes overflow, or exceed what memory could hold: ValueError, no tensor.
+    with pytest.raises(ValueError, match="too large"):
+        torch_xdev.shared_empty(1 << 62)
+    with pytest.raises(ValueError, match="too large"):
+        torch_xdev.shared_empty(1 << 40, 1 << 40)
+    backend = torch_xdev._registration.backend_of()
+    with pytest.raises(ValueError, match="too large"):
+        backend.allocate_tensor(1 << 62, dtype=torch.float32, device=torch.device("cpu"))
     t.fill_(1.0)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((1 << 16,), float(world)))

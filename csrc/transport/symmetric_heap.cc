@@ -85,6 +85,10 @@ int SymmetricHeap::add_arena(size_t at_least) {
 }
 
 SymmetricHeap::Block SymmetricHeap::allocate(size_t bytes) {
+  if (bytes > static_cast<size_t>(kMaxBlockBytes)) {
+    throw std::invalid_argument("xdev symmetric heap: " + std::to_string(bytes) +
+                                " bytes is more than a block can hold");
+  }
   const auto need = static_cast<int64_t>(round_up(std::max<size_t>(bytes, 1), kAlignBytes));
   std::lock_guard<std::mutex> lock(mutex_);
   // First fit, lowest arena and offset first: a deterministic function of the

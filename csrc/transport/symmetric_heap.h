@@ -54,6 +54,8 @@ class SymmetricHeap {
   // Every block starts on this boundary, so slices that start on cache-line
   // multiples of the tensor also start on cache lines of memory.
   static constexpr int64_t kAlignBytes = 256;
+  // The largest block allocate hands out: sizes stay far from overflowing.
+  static constexpr int64_t kMaxBlockBytes = int64_t{1} << 56;
 
   // Tells peers of a new arena (the channel's control block carries it).
   using Publish = std::function<void(int arena, const ArenaAddress& address)>;
@@ -69,8 +71,9 @@ class SymmetricHeap {
     char* data = nullptr;  // in this rank's arena
     HeapLocation where;
   };
-  // Zero bytes get a block of kAlignBytes. Throws std::runtime_error when all
-  // kMaxArenas are full or memory cannot be had.
+  // Zero bytes get a block of kAlignBytes. Throws std::invalid_argument above
+  // kMaxBlockBytes, std::runtime_error when all kMaxArenas are full or memory
+  // cannot be had.
   Block allocate(size_t bytes);
   // The block allocate returned at `where`. Thread-safe, like allocate.
   void free(HeapLocation where);
