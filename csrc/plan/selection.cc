@@ -477,14 +477,18 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
                                   std::to_string(in.model->num_devices()) + " devices for " +
                                   std::to_string(in.world_size) + " ranks");
     }
-    if (in.model != nullptr && opts.in_place) {
+    // Single copy is decided by the size and options alone, alike on every
+    // rank; whether this rank's tensor lies in the heap is not, and ranks of
+    // one call must not differ in it (in place only ever replaces the staged
+    // form, once the first barrier shows every rank's block at one place).
+    const bool single_copy = in.single_copy_available && in.num_tensors == 1 &&
+                             in.payload_bytes >= kCpuSingleCopyMinBytes;
+    if (!single_copy && in.model != nullptr && opts.in_place) {
       const GatherScatterChoiceCache::Choice c = model_choice_for(in, opts);
       form = c.form;
       s.predicted_s = c.predicted_s;
       s.reason = c.reason;
     }
-    const bool single_copy = form == GatherScatterForm::kStaged && in.single_copy_available &&
-                             in.num_tensors == 1 && in.payload_bytes >= kCpuSingleCopyMinBytes;
     if (single_copy) {
       form = GatherScatterForm::kSingleCopy;
       s.reason = std::string(describe(form)) + " (Options.single_copy, one tensor of at least " +

@@ -214,19 +214,21 @@ TEST(gather_scatter_selection_is_the_models_choice_at_the_size_class) {
   s = select_gather_scatter(in);
   CHECK(s.in_place && !s.single_copy);
   CHECK(contains(s.reason, "in place: peers read each other's inputs in the symmetric heap"));
-  // Where the model says staged, Options.single_copy turns large tensors single copy, as for
-  // the allreduce; where it says in place, nothing beats that (no staging, no syscall).
+  // Options.single_copy turns one tensor of at least kCpuSingleCopyMinBytes single copy, as for
+  // the allreduce, whether or not this rank's tensor lies in the heap: that may differ between
+  // the ranks of one call, and their forms must not.
   in.single_copy_available = true;
-  CHECK(select_gather_scatter(in).in_place);
-  for (int64_t bytes : {kCpuSingleCopyMinBytes, int64_t{4} << 20}) {
+  for (int64_t bytes : {kCpuSingleCopyMinBytes, int64_t{16} << 20}) {
     in.payload_bytes = bytes;
-    const bool staged = choose_gather_scatter(m, kRS, bytes, {false, true}).best.candidate.form ==
-                        GatherScatterForm::kStaged;
-    s = select_gather_scatter(in);
-    CHECK_EQ(s.single_copy, staged);
-    CHECK_EQ(s.in_place, !staged);
-    CHECK_EQ(contains(s.reason, "(Options.single_copy, one tensor of at least 256 KiB)"), staged);
+    for (bool heap : {true, false}) {
+      in.in_symmetric_heap = heap;
+      s = select_gather_scatter(in);
+      CHECK(s.single_copy && !s.in_place);
+      CHECK(contains(s.reason, "(Options.single_copy, one tensor of at least 256 KiB)"));
+    }
   }
+  in.in_symmetric_heap = true;
+  in.single_copy_available = false;
   // Several tensors: staged, without a prediction.
   in.num_tensors = 2;
   in.payload_bytes = 16 << 20;
