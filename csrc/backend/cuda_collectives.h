@@ -60,6 +60,10 @@ class CudaCollectives {
   // Null until ensure_ready has succeeded.
   virtual const CudaGroupInfo* info() const = 0;
 
+  // Why the native path cannot take a call on device's current stream now
+  // ("" when it can): the stream is capturing a CUDA graph.
+  virtual std::string stream_refusal(int device) const = 0;
+
   // Native allreduce of CUDA tensors (one device, native dtypes; may mix
   // dtypes). Stream semantics as ProcessGroupNCCL.
   virtual c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> tensors,

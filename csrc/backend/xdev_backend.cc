@@ -199,6 +199,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     cuda_->ensure_ready(device.index());
   }
   plan::SelectionInput in = selection_input(payload_bytes(tensors), device.is_cuda());
+  if (device.is_cuda())
+    refuse_during_capture(device.index(), in.transport_available, in.transport_note);
   in.op_supported = native_ok;
   in.num_tensors = static_cast<int64_t>(tensors.size());
   in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;

@@ -184,6 +184,15 @@ class XdevBackend : public c10d::Backend {
   std::string cuda_fallback_name() const { return fallbacks_.cuda_name(); }
 
  private:
+  // A CUDA call on a stream that is capturing a CUDA graph goes to the engine
+  // (CudaCollectives::stream_refusal): turns transport_available off, with why.
+  void refuse_during_capture(int device, bool& transport_available, std::string& note) const {
+    if (!transport_available || cuda_ == nullptr) return;
+    std::string why = cuda_->stream_refusal(device);
+    if (why.empty()) return;
+    transport_available = false;
+    note = std::move(why);
+  }
   // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then
   // run as a SUM: wherever their engine lacks it (Gloo), so that the native
   // paths and Gloo run it alike. NCCL runs its own.

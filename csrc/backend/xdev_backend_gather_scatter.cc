@@ -92,6 +92,8 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     in.transport_note = info != nullptr    ? info->transport_note
                         : cuda_ == nullptr ? "this build has no CUDA path"
                                            : "one rank, or tensors on several devices";
+    if (info != nullptr)
+      refuse_during_capture(info->device, in.transport_available, in.transport_note);
     in.nccl_available = info != nullptr && !info->ranks_share_gpu;
     in.gpu_time_sliced = info != nullptr && info->gpu_time_sliced;
     if (info != nullptr && info->model) {  // what auto's reason weighs: xdev's form and NCCL

@@ -202,13 +202,19 @@ bool use_single_copy(Algorithm algorithm, int64_t payload_bytes, bool single_buf
 }
 
 std::string cuda_transport_refusal(int num_hosts, int world_size, bool all_gpus_reach,
-                                   bool host_channel) {
+                                   bool host_channel, int lowest_compute_capability) {
   if (num_hosts > 1) return "off: ranks span several hosts";
   if (world_size > kMaxDeviceRanks) {
     return "off: more than " + std::to_string(kMaxDeviceRanks) + " ranks";
   }
   if (!all_gpus_reach) return "off: not every GPU can access every other (no peer access)";
   if (!host_channel) return "off: algorithm='fallback' or no shared memory for the host barrier";
+  // The kernels' barrier uses sm_70's scoped acquire/release atomics.
+  if (lowest_compute_capability < 70) {
+    return "off: a GPU of compute capability " + std::to_string(lowest_compute_capability / 10) +
+           "." + std::to_string(lowest_compute_capability % 10) +
+           " (xdev's kernels need 7.0 or later)";
+  }
   return "";
 }
 

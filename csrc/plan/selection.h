@@ -77,11 +77,13 @@ int64_t model_bucket_bytes(int64_t payload_bytes);
 
 // Why the CUDA IPC transport cannot open for a group ("off: ..."), or "" when
 // it can: every rank on one host, at most kMaxDeviceRanks of them, every GPU
-// able to access every other, and the host channel that carries the CUDA
-// collectives' descriptor check. The CUDA rendezvous asks this before opening
-// it; whether it opened reaches select_allreduce as transport_available.
+// able to access every other, the host channel that carries the CUDA
+// collectives' descriptor check, and GPUs of compute capability 7.0 or later
+// (lowest_compute_capability: major x 10 + minor of the group's oldest GPU).
+// The CUDA rendezvous asks this before opening it; whether it opened reaches
+// select_allreduce as transport_available.
 std::string cuda_transport_refusal(int num_hosts, int world_size, bool all_gpus_reach,
-                                   bool host_channel);
+                                   bool host_channel, int lowest_compute_capability);
 
 struct SelectionInput {
   Algorithm requested = Algorithm::kAuto;

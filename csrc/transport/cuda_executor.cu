@@ -65,23 +65,33 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
+__device__ __forceinline__ bool aborted(const GridSync* g) {
+  return *reinterpret_cast<const volatile unsigned int*>(&g->aborted) != 0u;
+}
+
+enum class Wait { kReady, kTimedOut, kAborted };
+
 // Spins (with a growing sleep, so ranks sharing a GPU leave it some issue
-// slots) until ready() or the timeout; false on timeout.
+// slots) until ready(), the timeout, or another block's abort (a kernel of
+// this rank gave up: nothing it waits for may come any more).
 template <typename Ready>
-__device__ bool wait_until(Ready ready, uint64_t timeout_ns) {
-  if (ready()) return true;
+__device__ Wait wait_until(Ready ready, const GridSync* g, uint64_t timeout_ns) {
+  if (ready()) return Wait::kReady;
   const uint64_t start = now_ns();
   unsigned int sleep_ns = 32;
   while (!ready()) {
+    if (aborted(g)) return Wait::kAborted;
     __nanosleep(sleep_ns);
     if (sleep_ns < 1024) sleep_ns *= 2;
-    if (now_ns() - start > timeout_ns) return false;
+    if (now_ns() - start > timeout_ns) return Wait::kTimedOut;
   }
-  return true;
+  return Wait::kReady;
 }
 
+// Stops every block of this and every later kernel of the rank (they return
+// at once: see window_kernel). The first report wins: it names the cause.
 __device__ void abort_kernel(const WindowParams& p, unsigned int code) {
-  atomicExch_system(p.error, code);
+  atomicCAS_system(p.error, 0u, code);
   atomicExch(&p.grid->aborted, 1u);
   store_release_gpu(&p.grid->released, ~0ull);  // frees blocks waiting for block 0
 }
@@ -108,18 +118,26 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
     bool ok = true;
     if (blockIdx.x == 0) {
       const unsigned long long all_blocks = epoch * gridDim.x;
-      ok = wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, p.timeout_ns);
-      if (!ok) abort_kernel(p, 1u);
+      Wait w =
+          wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, g, p.timeout_ns);
+      if (w == Wait::kTimedOut) abort_kernel(p, 1u);
+      ok = w == Wait::kReady;
       for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, epoch);
       for (int r = 0; ok && r < p.world_size; ++r) {
         const uint64_t* word = p.inboxes[p.rank] + r;
-        ok = wait_until([&] { return load_acquire_sys(word) >= epoch; }, p.timeout_ns);
-        if (!ok) abort_kernel(p, 2u + static_cast<unsigned int>(r));  // 2 + the missing rank
+        w = wait_until([&] { return load_acquire_sys(word) >= epoch; }, g, p.timeout_ns);
+        if (w == Wait::kTimedOut) abort_kernel(p, 2u + static_cast<unsigned int>(r));  // 2 + rank
+        ok = w == Wait::kReady;
       }
       if (ok) store_release_gpu(&g->released, epoch);
     } else {
-      ok = wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, p.timeout_ns);
-      if (!ok) abort_kernel(p, 1u);
+      // Block 0 gives up on a peer within the timeout and aborts, which ends
+      // this wait; twice the timeout only catches a block 0 that never ran,
+      // so that the report names the missing peer where there is one.
+      const Wait w =
+          wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, g, 2 * p.timeout_ns);
+      if (w == Wait::kTimedOut) abort_kernel(p, 1u);
+      ok = w == Wait::kReady;
     }
     keep_going = ok && atomicAdd(&g->aborted, 0u) == 0u;
   }
@@ -129,6 +147,9 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
 
 template <typename T, kernels::ReduceOp Op>
 __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
+  // A kernel of this rank gave up (a peer missing): the group is broken, and
+  // the windows queued behind it do nothing rather than each wait out the timeout.
+  if (aborted(p.grid)) return;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const auto source = [&p](int src) -> const char* {
@@ -178,6 +199,12 @@ CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds pe
     *error_host_ = 0;
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_host_, 0),
                "cudaHostGetDevicePointer");
+    // A build without code for this GPU (TORCH_CUDA_ARCH_LIST) fails here, in
+    // the group's vote on the transport, rather than at the first launch.
+    cudaFuncAttributes kernel{};
+    check_cuda(cudaFuncGetAttributes(&kernel, window_kernel<float, kernels::ReduceOp::kSum>),
+               "looking up xdev's kernel for this GPU (is its architecture in "
+               "TORCH_CUDA_ARCH_LIST?)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   } catch (...) {
     if (grid_sync_ != nullptr) cudaFree(grid_sync_);

@@ -152,17 +152,22 @@ TEST(selection_without_transport_falls_back_with_the_note) {
 }
 
 TEST(cuda_transport_opens_only_where_every_condition_holds) {
-  CHECK_EQ(cuda_transport_refusal(1, 8, true, true), std::string());
-  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks, true, true), std::string());
-  CHECK_EQ(cuda_transport_refusal(2, 8, true, true), std::string("off: ranks span several hosts"));
-  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks + 1, true, true),
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, true, 90), std::string());
+  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks, true, true, 90), std::string());
+  CHECK_EQ(cuda_transport_refusal(2, 8, true, true, 90),
+           std::string("off: ranks span several hosts"));
+  CHECK_EQ(cuda_transport_refusal(1, kMaxDeviceRanks + 1, true, true, 90),
            "off: more than " + std::to_string(kMaxDeviceRanks) + " ranks");
-  CHECK_EQ(cuda_transport_refusal(1, 8, false, true),
+  CHECK_EQ(cuda_transport_refusal(1, 8, false, true, 90),
            std::string("off: not every GPU can access every other (no peer access)"));
-  CHECK_EQ(cuda_transport_refusal(1, 8, true, false),
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, false, 90),
            std::string("off: algorithm='fallback' or no shared memory for the host barrier"));
+  // xdev's kernels need sm_70's scoped atomics: a P100 (6.0) takes the engine.
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, true, 60),
+           std::string("off: a GPU of compute capability 6.0 (xdev's kernels need 7.0 or later)"));
+  CHECK_EQ(cuda_transport_refusal(1, 8, true, true, 70), std::string());
   // Several hosts is named first: it is the reason the others follow from.
-  CHECK_EQ(cuda_transport_refusal(2, 8, false, false),
+  CHECK_EQ(cuda_transport_refusal(2, 8, false, false, 90),
            std::string("off: ranks span several hosts"));
 }
 

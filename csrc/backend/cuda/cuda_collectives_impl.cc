@@ -189,6 +189,17 @@ class CudaCollectivesImpl : public CudaCollectives {
                   });
   }
 
+  std::string stream_refusal(int device) const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device).stream(), &status),
+               "cudaStreamIsCapturing");
+    if (status == cudaStreamCaptureStatusNone) return {};
+    // A replay would run the kernels with the barrier epochs and slot sets
+    // of the capture, which the host has moved past since.
+    return "off for this call: the current stream is capturing a CUDA graph, which xdev's GPU "
+           "barriers cannot be replayed in";
+  }
+
   void synchronize() override {
     if (!stream_) return;
     stream_->synchronize();
@@ -200,7 +211,8 @@ class CudaCollectivesImpl : public CudaCollectives {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!stream_) return;
     try {
-      c10::cuda::CUDAGuard guard(info_->device);
+      // The stream's device: info_ is empty when the rendezvous failed after making it.
+      c10::cuda::CUDAGuard guard(stream_->device_index());
       stream_->synchronize();
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
@@ -339,8 +351,8 @@ class CudaCollectivesImpl : public CudaCollectives {
     }
     planner_.emplace(info.nvlink);
 
-    info.transport_note =
-        plan::cuda_transport_refusal(g_.num_hosts(), size, all_reachable, g_.channel() != nullptr);
+    info.transport_note = plan::cuda_transport_refusal(
+        g_.num_hosts(), size, all_reachable, g_.channel() != nullptr, info.compute_capability);
     if (info.transport_note.empty()) open_transport(store, key, device, &info);
     if (config.debug && rank == 0) {
       std::fprintf(
