@@ -142,6 +142,11 @@ def _shapes_and_modes(rank: int, world: int) -> None:
     assert isinstance(value, list) and value[0] is not None
     assert torch.equal(value[0], torch.full((4097,), sum_of_ranks))
     assert torch.equal(t, torch.full((4097,), sum_of_ranks))
+    # Once wait() returns, the future is done too: a caller may read it at once.
+    for _ in range(2000):
+        work = dist.all_reduce(torch.ones(16), async_op=True)
+        work.wait()
+        assert work.get_future().done()
     # Many in flight at once complete in order with the right values.
     ts = [torch.full((257 * (i + 1),), float(rank + i)) for i in range(8)]
     works = [dist.all_reduce(x, async_op=True) for x in ts]

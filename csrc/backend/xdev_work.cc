@@ -9,14 +9,16 @@ XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
                                                        std::move(devices))) {}
 
+// The future first: wait() returns once finish() has run, and a caller may
+// read the future right after (Gloo's work completes in this order too).
 void XdevWork::complete() {
-  finish();
   future_->markCompleted(c10::IValue(outputs_));
+  finish();
 }
 
 void XdevWork::fail(std::exception_ptr error) {
-  finish(error);
   future_->setError(error);
+  finish(error);
 }
 
 }  // namespace xdev::backend
