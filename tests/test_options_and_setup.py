@@ -295,6 +295,26 @@ def _delegated(rank: int, world: int) -> None:
         r = torch.empty(3)
         dist.recv(r, src=0)
         assert torch.equal(r, torch.arange(3.0))
+    # A barrier waits for the collectives handed to Gloo before it, as Gloo's own does.
+    for _ in range(5):
+        big_in = torch.arange(float(world * 50_000)) + rank
+        big_out = torch.zeros(world * 50_000)
+        work = dist.all_to_all_single(big_out, big_in, async_op=True)
+        dist.barrier()
+        assert work.is_completed()
+        work.wait()
+        expected = torch.cat([torch.arange(50_000.0) + rank * 50_000 + r for r in range(world)])
+        assert torch.equal(big_out, expected)
+    # Sparse tensors (a sparse embedding's gradients under DDP) go to Gloo, which sums them.
+    sparse = torch.sparse_coo_tensor([[rank]], [float(rank + 1)], (world,))
+    dist.all_reduce(sparse)
+    assert torch.equal(sparse.to_dense(), torch.arange(1.0, world + 1))
+    # An AVG that Gloo cannot run (its SUM refuses int16) fails that call only.
+    with pytest.raises(dist.DistBackendError, match="SUM before the AVG"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int16), op=dist.ReduceOp.AVG)
+    ok = torch.full((3,), float(rank + 1))
+    dist.all_reduce(ok)
+    assert torch.equal(ok, torch.full((3,), float(sum(range(1, world + 1)))))
     dist.barrier()
     dist.destroy_process_group()
 

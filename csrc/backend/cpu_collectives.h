@@ -50,8 +50,8 @@ class CpuCollectives {
   // Any dtype: broadcast moves bytes.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor> tensors, int root,
                                            std::chrono::milliseconds timeout, bool async_op);
-  // Runs before() on the op thread first (the CUDA side's synchronize), so
-  // that like NCCL's barrier it also waits for this rank's GPU work.
+  // Runs before() on the op thread first (XdevBackend's: waiting for the work
+  // handed to the engines and for this rank's GPU work).
   c10::intrusive_ptr<c10d::Work> barrier(std::chrono::milliseconds timeout, bool async_op,
                                          std::function<void()> before);
 

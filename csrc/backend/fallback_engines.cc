@@ -66,10 +66,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
     }
     return engine->allreduce(tensors, o);
   };
-  if (!avg_as_sum_then_divide) return call(opts);
+  if (!avg_as_sum_then_divide) return track(call(opts));
   c10d::AllreduceOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  return divide_after(group, call(sum), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+  return divide_after(group, track(call(sum)), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
@@ -80,10 +80,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
                            std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
                              return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
                            });
-  if (!integer_avg) return call(*engine, opts);
+  if (!integer_avg) return track(call(*engine, opts));
   c10d::ReduceScatterOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  return divide_after(group, call(*engine, sum), outputs, type, "xdev:reduce_scatter");
+  return divide_after(group, track(call(*engine, sum)), outputs, type, "xdev:reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group,
@@ -93,7 +93,14 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group
                                                              const char* profiling_name) {
   const int world = group.size();
   auto wait_and_divide = [sum, outputs, world]() {
-    sum->wait();
+    try {
+      sum->wait();
+    } catch (const std::exception& e) {
+      // The engine's failure, which the engine reports again on its next call
+      // if it is broken: this call fails, not the group's native path.
+      throw CallError(std::string("the engine's SUM before the AVG's division failed: ") +
+                      e.what());
+    }
     for (const at::Tensor& t : outputs) divide_for_avg(t, world);
   };
   const bool cuda =
@@ -108,6 +115,38 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group
   // On the worker thread, so the returned Work completes only once the
   // division is done.
   return group.enqueue(type, profiling_name, outputs, wait_and_divide, /*async_op=*/true);
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::Work> work) {
+  std::lock_guard<std::mutex> lock(in_flight_mutex_);
+  // Forget the finished ones now and then, so the list stays short.
+  if (in_flight_.size() >= 64) {
+    std::vector<c10::weak_intrusive_ptr<c10d::Work>> live;
+    for (const auto& weak : in_flight_) {
+      const c10::intrusive_ptr<c10d::Work> w = weak.lock();
+      if (w && !w->isCompleted()) live.push_back(weak);
+    }
+    in_flight_ = std::move(live);
+  }
+  in_flight_.emplace_back(work);
+  return work;
+}
+
+void FallbackEngines::wait_for_work_in_flight() {
+  std::vector<c10::weak_intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mutex_);
+    works.swap(in_flight_);
+  }
+  for (const auto& weak : works) {
+    const c10::intrusive_ptr<c10d::Work> w = weak.lock();
+    if (!w) continue;
+    try {
+      w->wait();
+    } catch (const std::exception&) {
+      // Raised to the Work's own caller; the barrier only needs it finished.
+    }
+  }
 }
 
 void FallbackEngines::shutdown() {

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,14 @@ class FallbackEngines {
                                                 const c10d::ReduceScatterOptions& opts,
                                                 c10d::OpType type, const ReduceScatterCall& call);
 
+  // Remembers a Work handed to an engine until it is done, and returns it.
+  // xdev's barrier waits for them (wait_for_work_in_flight), as Gloo's own
+  // barrier waits for its work in progress.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // Waits for every tracked Work still in flight. Their errors are not
+  // raised here: each reaches its own caller through its Work.
+  void wait_for_work_in_flight();
+
   // Shuts the engines down and drops them (without the GIL: their destructors join threads).
   void shutdown();
 
@@ -72,6 +81,9 @@ class FallbackEngines {
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
+  std::mutex in_flight_mutex_;
+  // Weak: a Work its engine and caller have both dropped is done.
+  std::vector<c10::weak_intrusive_ptr<c10d::Work>> in_flight_;
   CudaCollectives* cuda_;
   std::string cpu_name_;
 };

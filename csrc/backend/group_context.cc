@@ -323,6 +323,8 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
       work->complete();
     } catch (const transport::MismatchError& e) {
       work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
+    } catch (const CallError& e) {
+      work->fail(as_dist_error(e.what()));
     } catch (const transport::PeerError& e) {
       poison(e.what());
       work->fail(as_dist_error(e.what()));

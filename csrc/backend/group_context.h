@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,14 @@ void store_barrier(c10d::Store& store, const std::string& prefix, int world_size
 // the same number on every rank, once all have voted. Keys under `prefix`.
 int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
                                     int world_size);
+
+// Fails one call and leaves the group usable (an engine's error on a call xdev
+// only finishes, e.g. the SUM before an emulated AVG's division), where any
+// other error of a native collective makes the group unusable.
+class CallError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 class GroupContext {
  public:

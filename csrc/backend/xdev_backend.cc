@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 
@@ -190,10 +191,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     TORCH_CHECK_VALUE(t.device() == device,
                       "xdev allreduce: all tensors must be on one device; got ", device, " and ",
                       t.device());
-    TORCH_CHECK_VALUE(t.layout() == at::kStrided,
-                      "xdev allreduce: only dense (strided) tensors are supported");
     native_ok = native_ok && native_dtype(t.scalar_type()).has_value();
   }
+  // Sparse tensors (DDP's gradients of a sparse embedding) are the engine's:
+  // Gloo sums them; AVG and the rest it refuses itself.
+  const bool dense = std::all_of(tensors.begin(), tensors.end(),
+                                 [](const at::Tensor& t) { return t.layout() == at::kStrided; });
+  if (!dense) return fallbacks_.allreduce(group_, tensors, opts, coalesced, false);
   if (device.is_cuda() && cuda_ != nullptr && size_ > 1) {
     // Collective on first use: every rank learns the GPUs and the transport.
     cuda_->ensure_ready(device.index());
@@ -288,7 +292,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   }
   if (!refusal.empty()) {
     record("fallback", refusal);
-    return fallbacks_.for_tensors(tensors)->broadcast(tensors, opts);
+    return fallbacks_.track(fallbacks_.for_tensors(tensors)->broadcast(tensors, opts));
   }
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
@@ -301,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     group_.log_once("broadcast:" + c.reason,
                     std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
     record(path, c.reason);
-    if (!c.two_level) return fallbacks_.cpu()->broadcast(tensors, opts);
+    if (!c.two_level) return fallbacks_.track(fallbacks_.cpu()->broadcast(tensors, opts));
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
@@ -311,16 +315,32 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
   ++collectives_called_;
-  // Like NCCL's barrier, it also waits for this rank's GPU collectives.
+  // On the group's queue, so behind this rank's native collectives. Before
+  // its barrier it waits for the work this rank handed to the engines, as
+  // Gloo's barrier waits for its work in progress, and, like NCCL's, for this
+  // rank's GPU collectives.
   CudaCollectives* cuda = cuda_.get();
-  auto wait_for_gpu = [cuda] {
+  FallbackEngines* engines = &fallbacks_;
+  auto before = [cuda, engines] {
+    engines->wait_for_work_in_flight();
     if (cuda && cuda->info()) cuda->synchronize();
   };
-  if (cpu_ != nullptr) return cpu_->barrier(opts.timeout, opts.asyncOp, wait_for_gpu);
+  if (cpu_ != nullptr) return cpu_->barrier(opts.timeout, opts.asyncOp, before);
   if (size_ == 1) {
-    return group_.enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, wait_for_gpu, false);
+    return group_.enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, before, opts.asyncOp);
   }
-  return fallbacks_.cpu()->barrier(opts);
+  // No shared memory over the whole group (ranks on several hosts): Gloo's
+  // barrier, from the queue, after the two-level collectives queued before it.
+  c10d::Backend* gloo = fallbacks_.cpu();
+  return group_.enqueue(
+      c10d::OpType::BARRIER, "xdev:barrier", {},
+      [before, gloo, opts] {
+        before();
+        c10d::BarrierOptions engine_opts = opts;
+        engine_opts.asyncOp = false;
+        gloo->barrier(engine_opts)->wait();
+      },
+      opts.asyncOp);
 }
 
 void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

@@ -157,7 +157,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
     for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);
     return reduce(tensors, with_sum(opts));
   }
-  return delegate(tensors)->reduce(tensors, opts);
+  return fallbacks_.track(delegate(tensors)->reduce(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -167,7 +167,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
   const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr, call.uneven,
                                          outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(inputs)->allgather(outputs, inputs, opts);
+    return fallbacks_.track(delegate(inputs)->allgather(outputs, inputs, opts));
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
     return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
@@ -184,7 +184,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                             const c10d::AllgatherOptions& opts) {
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(input)->_allgather_base(output, input, opts);
+    return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
@@ -226,7 +226,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   }
   const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(inputs)->allgather_coalesced(outputs, inputs, opts);
+    return fallbacks_.track(delegate(inputs)->allgather_coalesced(outputs, inputs, opts));
   }
   // The list form with one list per input (lists[i][r] = outputs[r][i]): one
   // all-gather of every input's bytes, each rank's block the inputs in order.
@@ -249,7 +249,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts);
+    return fallbacks_.track(
+        delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
@@ -266,13 +267,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
-  return delegate(inputs)->gather(outputs, inputs, opts);
+  return fallbacks_.track(delegate(inputs)->gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
-  return delegate(outputs)->scatter(outputs, inputs, opts);
+  return fallbacks_.track(delegate(outputs)->scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
@@ -373,13 +374,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
-  return delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return fallbacks_.track(
+      delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
-  return delegate(inputs)->alltoall(outputs, inputs, opts);
+  return fallbacks_.track(delegate(inputs)->alltoall(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
