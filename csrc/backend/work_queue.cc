@@ -1,5 +1,7 @@
 #include "work_queue.h"
 
+#include <c10/util/ScopeExit.h>
+
 namespace xdev::backend {
 
 WorkQueue::WorkQueue() : thread_([this] { loop(); }) {}
@@ -31,17 +33,21 @@ bool WorkQueue::run_inline_or_submit(std::function<void()> task) {
     }
     busy_ = true;
   }
+  // Tasks report their errors through their Work; should one throw all the
+  // same, the queue must not stay busy (every later task would wait forever).
+  auto done = c10::make_scope_exit([this] {
+    bool worker_has_news = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+      worker_has_news = !tasks_.empty() || stopping_;
+    }
+    // Wake the worker only if it has something to do now: a needless notify
+    // still costs a system call and a wake-up of the worker thread, which on
+    // every synchronous call takes a core from the ranks at their barriers.
+    if (worker_has_news) cv_.notify_one();
+  });
   task();
-  bool worker_has_news = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    busy_ = false;
-    worker_has_news = !tasks_.empty() || stopping_;
-  }
-  // Wake the worker only if it has something to do now: a needless notify
-  // still costs a system call and a wake-up of the worker thread, which on
-  // every synchronous call takes a core from the ranks at their barriers.
-  if (worker_has_news) cv_.notify_one();
   return true;
 }
 
