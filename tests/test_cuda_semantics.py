@@ -13,6 +13,9 @@
   Gloo, and describe() says so.
 - ``test_bad_input``: tensors on two devices in one call, and mismatched calls across
   ranks, fail on every rank; the group stays usable.
+- ``test_peer_dying_mid_collective_stops_every_queued_window``: a peer gone after the host
+  barrier leaves rank 0's kernels waiting on the GPU; the first window gives up at the
+  timeout and the ones queued behind it return at once.
 - ``test_world_of_one``: one rank, CUDA tensors: every allreduce leaves the tensor as it is.
 
 The module skips, with the reason, where torch sees no GPU or torch_xdev was built without
@@ -22,6 +25,7 @@ its CUDA path (cuda_ranks.why_skip).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -447,6 +451,40 @@ def _bad_input(rank: int, world: int) -> dict[str, Any]:
 
 def test_bad_input() -> None:
     run_or_skip(_bad_input, 2, timeout=300)
+
+
+def _peer_dies_mid_collective(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    device = setup_rank(rank)
+    options = torch_xdev.Options(algorithm=SHARED_GPU_PLAN, cuda_slot_bytes=SLOT, timeout=timeout_s)
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    info = first_cuda_collective(device)
+    if not info["transport"]:
+        dist.destroy_process_group()
+        return {"skip": f"no CUDA transport: {info['transport_note']}"}
+    t = torch.ones(16 * SLOT // 4, device=device)  # 16 windows, one kernel each
+    if rank == 1:
+        # Past the host barrier, its kernels wait behind the sleep; the process ends before
+        # they run, so rank 0's kernels wait for a peer that never arrives on the GPU.
+        torch.cuda._sleep(SLEEP_CYCLES)
+        dist.all_reduce(t)
+        os._exit(0)
+    dist.all_reduce(t)
+    start = time.monotonic()
+    torch.cuda.synchronize(device)
+    elapsed = time.monotonic() - start
+    # The first window gives up after the timeout and the 15 queued behind it return at once,
+    # instead of each waiting out a timeout of its own.
+    assert elapsed < 3 * timeout_s, elapsed
+    with pytest.raises(dist.DistBackendError, match="exited|GPU barrier timed out"):
+        dist.all_reduce(torch.ones(4, device=device))
+    return {"elapsed": elapsed}
+
+
+def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
+    timeout_s = 3.0
+    results = run_ranks(_peer_dies_mid_collective, 2, timeout_s, timeout=300, expect_dead=(1,))
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
 
 
 # ---------------------------------------------------------------------------------------

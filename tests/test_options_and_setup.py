@@ -306,7 +306,9 @@ def _delegated(rank: int, world: int) -> None:
         expected = torch.cat([torch.arange(50_000.0) + rank * 50_000 + r for r in range(world)])
         assert torch.equal(big_out, expected)
     # Sparse tensors (a sparse embedding's gradients under DDP) go to Gloo, which sums them.
-    sparse = torch.sparse_coo_tensor([[rank]], [float(rank + 1)], (world,))
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[rank]]), torch.tensor([float(rank + 1)]), (world,)
+    )
     dist.all_reduce(sparse)
     assert torch.equal(sparse.to_dense(), torch.arange(1.0, world + 1))
     # An AVG that Gloo cannot run (its SUM refuses int16) fails that call only.
