@@ -136,13 +136,14 @@ int ShmSegment::remove_orphans() {
   if (dir == nullptr) return 0;
   int removed = 0;
   const uid_t me = ::geteuid();
+  const uint64_t our_namespace = pid_namespace();
   while (dirent* e = ::readdir(dir)) {
     long pid = 0;
     unsigned long long ns = 0;
     char rest[64];
     if (std::sscanf(e->d_name, "xdev-%ld-%llu-%63s", &pid, &ns, rest) != 3 || pid <= 0) continue;
     // Another namespace's pid says nothing about a process here.
-    if (ns != pid_namespace()) continue;
+    if (ns != our_namespace) continue;
     struct stat st{};
     const std::string path = std::string("/dev/shm/") + e->d_name;
     if (::stat(path.c_str(), &st) != 0 || st.st_uid != me) continue;
