@@ -284,6 +284,7 @@ def write_json(cfg: Config, rows: list[dict[str, Any]], deepspeed_skipped: str) 
         "iters": cfg.iters,
         "rounds": cfg.rounds,
         "arrival": cfg.arrival,
+        "hosts": cfg.hosts,  # the header's fake hosts; the file name alone may not say
         "deepspeed": {
             "row": deepspeed_shm.LABEL,
             "version": deepspeed_shm.version(),
@@ -424,13 +425,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if algorithm not in algorithms:
             algorithms.append(algorithm)
     if args.slot_bytes is not None:
-        torch_xdev.Options(shm_slot_bytes=args.slot_bytes)  # validates early
+        try:
+            torch_xdev.Options(shm_slot_bytes=args.slot_bytes)  # validates early
+        except ValueError as e:
+            sys.exit(f"--slot-bytes: {e}")
     if args.hosts != 1:
         if args.device != "cpu" or args.hosts < 1 or args.nproc % args.hosts:
             sys.exit("--hosts needs CPU mode and divides --nproc")
+        if args.nproc == args.hosts:
+            # A rank alone on its host has no symmetric heap: the heap row would fail mid-run.
+            sys.exit("--hosts needs at least 2 ranks per host (the heap row)")
         # The forced native plans need one host; the heap row is a DDP bucket's allreduce.
         algorithms = ["auto", HEAP]
-        algorithms += [f"{PIECES}{int(n)}" for n in args.pieces.split(",") if n.strip()]
+        pieces = [n.strip() for n in args.pieces.split(",") if n.strip()]
+        # 0 pieces would be the model's choice, the auto row again, not a forced count.
+        if not all(n.isdigit() and int(n) >= 1 for n in pieces):
+            sys.exit(f"--pieces takes piece counts >= 1, e.g. 2,4; got {args.pieces!r}")
+        algorithms += [f"{PIECES}{int(n)}" for n in pieces]
         args.no_deepspeed = True
     elif args.pieces:
         sys.exit("--pieces needs --hosts")

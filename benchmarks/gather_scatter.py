@@ -175,8 +175,8 @@ def format_table(rows: list[dict[str, Any]], world: int, baseline: str) -> list[
         f"# {world} ranks, torch_xdev from {Path(torch_xdev.__file__).parent}",
         "# time = median over rounds of the slowest rank's mean per call. size/count: the whole",
         "# tensor (a reduce-scatter's input, an all-gather's output: world x the block);",
-        f"# algbw = size / time, busbw = algbw * (n-1)/n (nccl-tests); {vs} = {baseline}'s time /"
-        " this",
+        f"# algbw = size / time, busbw = algbw * (n-1)/n (broadcast: algbw) as nccl-tests; {vs} ="
+        f" {baseline}'s time / this",
     ]
     columns = (
         f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>25} {'time':>10}"
@@ -494,7 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="cuda: one host, xdev's native CUDA path next to NCCL (Gloo where ranks share a GPU)",
     )
     parser.add_argument("--sizes", default="64KiB,16MiB", help="comma-separated, e.g. 4KiB,1MiB")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="a torch dtype, e.g. bfloat16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -511,8 +511,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         + ", ".join(HOSTS_COLLECTIVES) + " (--hosts); default: all of them",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.nproc < 2 or args.rounds < 1:
+        parser.error("--nproc must be >= 2 and --rounds >= 1")
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        parser.error(f"--dtype: {args.dtype!r} is not a torch dtype")
     if args.hosts < 1 or args.nproc % args.hosts:
         parser.error("--hosts must divide --nproc")
+    if args.hosts > 1 and args.nproc == args.hosts:
+        # A rank alone on its host has no symmetric heap: xdev_2lvl_heap would fail mid-run.
+        parser.error("--hosts needs at least 2 ranks per host (the xdev_2lvl_heap row)")
     if args.device == "cuda" and (args.hosts > 1 or not torch.cuda.is_available()):
         parser.error("--device cuda needs a GPU torch can see, and one host")
     known = HOSTS_COLLECTIVES if args.hosts > 1 else COLLECTIVES
@@ -520,7 +528,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = [c for c in args.collectives if c not in known]
     if unknown:
         parser.error(f"unknown collective(s) {unknown}; choose from {', '.join(known)}")
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except (ValueError, OverflowError):
+        parser.error(f"--sizes: bad size list {args.sizes!r} (use e.g. 4KiB,1MiB,16MiB)")
+    # The rows round each size down to whole blocks: a size below one element per rank is 0.
+    esize = torch.empty((), dtype=dtype).element_size()
+    too_small = [s for s in args.sizes if s // esize < args.nproc]
+    if too_small:
+        parser.error(f"--sizes {too_small}: below one {args.dtype} element per rank")
     import socket
 
     with socket.socket() as s:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
+import sys
 from typing import Any
 
 import torch
@@ -91,7 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--numel", type=int, default=1 << 18)
     parser.add_argument("--port", type=int, default=29517)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nproc < 1 or args.numel < 1:
+        parser.error("--nproc and --numel must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for p in procs:
         p.start()
-    by_rank = dict(results.get(timeout=900) for _ in procs)
+    by_rank: dict[int, dict[str, dict[str, float]]] = {}
+    while len(by_rank) < len(procs):
+        try:
+            rank, rows = results.get(timeout=1.0)
+            by_rank[rank] = rows
+        except queue.Empty:
+            # A rank that died sends nothing, and its peers wait for it in a collective:
+            # without this the run would sit until the queue timed out.
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                    p.join()
+                code = procs[failed[0]].exitcode
+                print(f"error: rank {failed[0]} failed (exit code {code})", file=sys.stderr)
+                return 1
     for p in procs:
         p.join()
     rows = by_rank[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run_benchmark(
-    script: str, *args: str, launcher: tuple[str, ...] = ()
+    script: str, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
@@ -36,7 +37,7 @@ def run_benchmark(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -77,7 +78,8 @@ def test_allreduce_across_fake_hosts_fits_the_network(tmp_path: Path) -> None:
         *("--warmup", "1", "--json", str(out), "--net-model-out", str(model)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _, rows = read_rows(out)
+    meta, rows = read_rows(out)
+    assert meta["hosts"] == 2  # the JSON says how the ranks were split, as the header does
     assert {r["backend"].split("(")[0] for r in rows} == {"gloo", "xdev/auto", "xdev/heap"}
     assert "two-level" in proc.stdout  # the traffic header, from the plans
     # Runs this short may hide the growth with size; then the fit says so and writes nothing.
@@ -138,6 +140,47 @@ def test_allreduce_bad_arguments_say_why() -> None:
     if not torch.cuda.is_available():
         proc = run_benchmark("allreduce.py", "--device", "cuda", "--nproc", "2")
         assert proc.returncode != 0 and "torch sees no CUDA GPU" in proc.stderr
+    # Refused before any rank starts, with a line that says why (not a traceback).
+    for args, why in (
+        (("--nproc", "4", "--hosts", "2", "--pieces", "two"), "--pieces takes piece counts >= 1"),
+        (("--nproc", "4", "--hosts", "2", "--pieces", "0"), "--pieces takes piece counts >= 1"),
+        (("--nproc", "2", "--hosts", "2"), "at least 2 ranks per host"),
+        (("--nproc", "2", "--slot-bytes", "1"), "--slot-bytes: Options.shm_slot_bytes"),
+    ):
+        proc = run_benchmark("allreduce.py", *args, "--sizes", "4KiB", "--no-deepspeed")
+        assert proc.returncode != 0 and why in proc.stderr, (args, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (("--sizes", "4KB"), "bad size list '4KB'"),
+        (("--sizes", "4KiB,"), "bad size list '4KiB,'"),
+        (("--sizes", "4B"), "below one float32 element per rank"),  # would time 0-byte rows
+        (("--rounds", "0"), "--rounds >= 1"),
+        (("--dtype", "floaty"), "'floaty' is not a torch dtype"),
+        (("--nproc", "1"), "--nproc must be >= 2"),
+        (("--hosts", "2"), "at least 2 ranks per host"),
+    ],
+)
+def test_gather_scatter_bad_arguments_say_why(args: tuple[str, ...], why: str) -> None:
+    proc = run_benchmark("gather_scatter.py", "--nproc", "2", "--sizes", "4KiB", *args)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_rounding_stops_when_a_rank_fails() -> None:
+    """A rank that dies (here: rank 0 cannot listen on a port in use) ends the run with an
+    error; its peers, waiting for it, used to keep the script waiting for 15 minutes."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = run_benchmark(
+            "rounding.py", "--nproc", "2", "--numel", "64", "--port", port, timeout=120
+        )
+    assert proc.returncode == 1 and "error: rank 0 failed" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("module", ["allreduce_cuda", "allreduce_common"])
