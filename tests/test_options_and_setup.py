@@ -32,11 +32,25 @@ from harness import run_ranks
         ({"shm_slot_bytes": 100}, "shm_slot_bytes"),
         ({"cuda_slot_bytes": -1}, "cuda_slot_bytes"),
         ({"cuda_slot_bytes": 4097}, "cuda_slot_bytes"),
+        # C++ keeps whole milliseconds: 0.5 ms would be a timeout of 0 (every wait fails).
+        ({"timeout": 0.0005}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"timeout": 1e300}, "timeout"),
+        ({"timeout": timedelta(days=999999999)}, "timeout"),
+        ({"num_packs": 1 << 64}, "num_packs"),  # past int64_t: a TypeError in the binding
+        ({"shm_slot_bytes": 1 << 63}, "shm_slot_bytes"),
+        ({"shared_buckets": None}, "shared_buckets"),  # the binding would read False
+        ({"single_copy": "no"}, "single_copy"),
+        ({"single_copy": 2}, "single_copy"),
+        ({"debug": "yes"}, "debug"),
     ],
 )
 def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         torch_xdev.Options(**kwargs)
+    flags: dict[str, Any] = {"single_copy": 1, "shared_buckets": 0}  # 0 and 1 are fine
+    assert torch_xdev.Options(**flags).single_copy == 1
 
 
 def test_env_overrides_options() -> None:
@@ -63,6 +77,28 @@ def test_env_overrides_options() -> None:
         resolve_options(None, {"XDEV_ALGO": "ring"})
     with pytest.raises(ValueError, match="torch_xdev.Options"):
         resolve_options({"algorithm": "flat"}, {})  # type: ignore[arg-type]
+    # Values the variables' parsers take are checked like the fields (ValueError, not
+    # OverflowError or a TypeError from the binding).
+    for variable, text in [
+        ("XDEV_TIMEOUT", "inf"),
+        ("XDEV_TIMEOUT", "nan"),
+        ("XDEV_TIMEOUT", "1e300"),
+        ("XDEV_TIMEOUT", "0.0001"),
+        ("XDEV_NUM_PACKS", "99999999999999999999"),
+        ("XDEV_DEBUG", "verbose"),  # was read as off
+    ]:
+        with pytest.raises(ValueError, match=variable):
+            resolve_options(None, {variable: text})
+    for text, debug in [
+        ("INFO", True),
+        ("debug", True),
+        ("on", True),
+        ("1", True),
+        ("0", False),
+        ("WARN", False),  # NCCL_DEBUG's quieter levels: nothing extra logged
+        ("version", False),
+    ]:
+        assert resolve_options(None, {"XDEV_DEBUG": text}).debug is debug, text
     # Every knob is documented in the README.
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     for _, variable, _ in torch_xdev.ENV_KNOBS:
@@ -410,3 +446,46 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     expected = "None" if torch.cuda.device_count() > 0 else "0"
     assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize(
+    "params, problem",
+    [
+        # json reads NaN and Infinity; with one in the model choosing a plan never ended, and
+        # every rank hung at its first collective (or describe()).
+        ('{"launch_us": NaN}', "launch_us must be a finite number >= 0"),
+        ('{"memory_gbps": Infinity}', "memory_gbps must be a finite number > 0"),
+        ('{"core_gbps": true}', "core_gbps must be a finite number > 0"),
+        ('{"core_gbps": 1' + "0" * 400 + "}", "core_gbps must be a finite number > 0"),
+        ('{"core_gbps": 0}', "core_gbps must be a finite number > 0"),
+    ],
+)
+def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(f'{{"params": {params}}}')
+    with pytest.raises(ValueError, match="XDEV_CPU_MODEL") as exc:
+        torch_xdev._registration.apply_cpu_model_file(_C.BackendConfig(), str(path))
+    assert problem in str(exc.value), str(exc.value)
+    config = _C.BackendConfig()
+    path.write_text('{"params": {"launch_us": 0, "core_gbps": 3}}')
+    torch_xdev._registration.apply_cpu_model_file(config, str(path))
+    assert (config.cpu_launch_us, config.cpu_core_gbps) == (0.0, 3.0)
+
+
+def _ddp_bucket_in_heap(rank: int, world: int) -> tuple[bool, int]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+    model(torch.randn(2, 16)).sum().backward()
+    info = torch_xdev.describe()
+    dist.destroy_process_group()
+    return info["ddp_shared_buckets"], info["symmetric_heap"]["bytes_in_use"]
+
+
+@pytest.mark.parametrize("switch, shared", [("0", True), ("false", True), ("1", False)])
+def test_describe_reads_ddp_comm_mem_as_pytorch_does(switch: str, shared: bool) -> None:
+    # c10d's Reducer leaves DDP's buckets to the backend unless the variable is "1": describe()
+    # said "off" for "false" while the buckets were in the heap.
+    for in_heap, bytes_in_use in run_ranks(
+        _ddp_bucket_in_heap, 2, env={"DDP_DISABLE_COMM_MEM": switch}
+    ):
+        assert (in_heap, bytes_in_use > 0) == (shared, shared), (switch, in_heap, bytes_in_use)

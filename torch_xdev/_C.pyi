@@ -2,6 +2,7 @@
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypedDict
 
+import torch
 from torch._C._distributed_c10d import Backend, Store
 
 class BackendConfigField(TypedDict):
@@ -66,6 +67,8 @@ class XdevBackend(Backend):
         cross_host_engine: Optional[Callable[[str, int, int], Any]] = None,
     ) -> None: ...
     def describe(self) -> dict[str, Any]: ...
+    # Collective: a CPU tensor in memory every rank of the group maps (torch_xdev.shared_empty).
+    def shared_empty(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor: ...
     @property
     def shm_name(self) -> str: ...
 

@@ -59,12 +59,15 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     """
     info = dict(backend_of(group).describe())
     # DDP asks the backend for bucket memory only under PyTorch's switch (torch_xdev/ddp.py).
+    # c10d's Reducer turns it off for the value "1" (its default, when unset) and for nothing
+    # else: "0", "false" and "" all turn it on.
     switch = os.environ.get(COMM_MEM_VARIABLE, "1")
-    if info["ddp_shared_buckets"] and switch != "0":
+    if info["ddp_shared_buckets"] and switch == "1":
         info["ddp_shared_buckets"] = False
         info["ddp_shared_buckets_note"] = (
-            f"off: {COMM_MEM_VARIABLE}={switch}; DDP allocates its buckets through the backend "
-            f"only when it is 0 (the group's symmetric heap is ready)"
+            f"off: {COMM_MEM_VARIABLE} is 1 or unset; DDP allocates its buckets through the "
+            f"backend only when it is set to something else, e.g. 0 (the group's symmetric heap "
+            f"is ready)"
         )
     return info
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from datetime import timedelta
@@ -14,7 +15,6 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, _ProcessGr
 
 from . import _C
 from .options import Options, backend_config, resolve_options
-from .topology import load_topology_file
 
 BACKEND_NAME = "xdev"
 
@@ -39,6 +39,17 @@ CPU_MODEL_FIELDS = {
 }
 
 
+def _finite_float(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a finite int or float (an int too large for a float is not)."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def apply_cpu_model_file(config: Any, path: str) -> None:
     """Sets the CPU cost-model parameters of `config` from a calibration file (XDEV_CPU_MODEL)."""
     try:
@@ -53,19 +64,23 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
         if key not in params:
             continue
         value = params[key]
-        if (
-            not isinstance(value, (int, float))
-            or value < 0
-            or (key.endswith("gbps") and value == 0)
-        ):
+        # json reads NaN and Infinity (and json.dump writes them): with one in the model the
+        # C++ planner never finishes choosing, and every rank hangs.
+        number = None if isinstance(value, bool) else _finite_float(value)
+        if number is None or number < 0 or (key.endswith("gbps") and number == 0):
+            least = "> 0" if key.endswith("gbps") else ">= 0"
             raise ValueError(
-                f"XDEV_CPU_MODEL={path!r}: {key} must be a positive number; got {value!r}"
+                f"XDEV_CPU_MODEL={path!r}: {key} must be a finite number {least}; got {value!r}"
             )
-        setattr(config, field, float(value))
+        setattr(config, field, number)
 
 
 def apply_topology_file(config: Any, path: str) -> None:
     """Injects the GPU link matrix of a topology file (XDEV_TOPO_FILE) into `config`."""
+    # Imported here: `import torch_xdev` importing torch_xdev.topology made `python -m
+    # torch_xdev.topology` warn (runpy) that the module was imported before it ran.
+    from .topology import load_topology_file
+
     try:
         topo = load_topology_file(path)
     except ValueError as e:
@@ -146,7 +161,7 @@ def register() -> None:
     )
 
 
-def backend_of(group: Optional[dist.ProcessGroup] = None) -> Any:
+def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.XdevBackend:
     """The XdevBackend behind a process group (the default group if None)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))

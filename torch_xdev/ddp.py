@@ -2,15 +2,16 @@
 
 Shared buckets. PyTorch's DDP Reducer allocates each gradient bucket through its process
 group's backend (``Backend::allocateTensor``) when the environment variable
-``DDP_DISABLE_COMM_MEM`` is ``0`` and the backend says it can (``supportsTensorAlloc``). xdev
-can for CPU buckets: it places them in the group's symmetric heap, memory every rank maps, so
-each bucket's allreduce reads the peers' buckets and writes the totals straight into them, with
-nothing staged (on several hosts each host's ranks share a heap, and the two-level allreduce
-reads it inside each host). PyTorch reads the variable process-wide, for every backend, so
-``import torch_xdev`` sets it to ``0`` only where that changes no other backend: when the user
-has not set it and the process sees no CUDA device (NCCL, the one other backend that answers
-``supportsTensorAlloc``, needs one). Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;
-``Options(shared_buckets=False)`` (``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
+``DDP_DISABLE_COMM_MEM`` is anything but ``1``, its default (e.g. ``0``), and the backend says
+it can (``supportsTensorAlloc``). xdev can for CPU buckets: it places them in the group's
+symmetric heap, memory every rank maps, so each bucket's allreduce reads the peers' buckets and
+writes the totals straight into them, with nothing staged (on several hosts each host's ranks
+share a heap, and the two-level allreduce reads it inside each host). PyTorch reads the variable
+process-wide, for every backend, so ``import torch_xdev`` sets it to ``0`` only where that
+changes no other backend: when the user has not set it and the process sees no CUDA device
+(NCCL, the one other backend that answers ``supportsTensorAlloc``, needs one). Elsewhere set
+``DDP_DISABLE_COMM_MEM=0`` yourself; ``Options(shared_buckets=False)``
+(``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
 
 Averaging. Without a comm hook DDP divides every gradient by the world size before its SUM
 allreduce (fused into the copy into the bucket, or a separate pass over the gradient with

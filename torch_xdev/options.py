@@ -10,6 +10,7 @@ fails when the two declarations disagree.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -41,7 +42,18 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_debug(text: str) -> bool:
-    return text.strip().upper() in ("1", "INFO", "DEBUG", "TRUE", "YES")
+    # NCCL_DEBUG's levels: INFO and DEBUG log, VERSION and WARN (NCCL's quieter ones) do not;
+    # else a bool. Anything else is refused rather than read as off, so that a misspelt
+    # XDEV_DEBUG (or "on", which the bool options take) does not go silent.
+    level = text.strip().upper()
+    if level in ("INFO", "DEBUG", "VERSION", "WARN"):
+        return level in ("INFO", "DEBUG")
+    try:
+        return _parse_bool(text)
+    except ValueError:
+        raise ValueError(
+            "expected INFO, DEBUG, WARN, VERSION, 1/0, true/false, yes/no or on/off"
+        ) from None
 
 
 def _check_algorithm(name: str, value: Any) -> None:
@@ -49,9 +61,23 @@ def _check_algorithm(name: str, value: Any) -> None:
         raise ValueError(f"Options.{name} must be one of {', '.join(ALGORITHMS)}; got {value!r}")
 
 
+# The C++ fields are int64_t: a larger value would fail in the binding with a TypeError that
+# names no option.
+_INT64_MAX = (1 << 63) - 1
+
+
 def _check_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"Options.{name} must be an int; got {value!r}")
+    if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise ValueError(f"Options.{name} must fit in 64 bits; got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    # The binding would take None (and any object with __bool__) as False, silently; 0 and 1
+    # say what they mean.
+    if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
+        raise ValueError(f"Options.{name} must be True or False; got {value!r}")
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -69,9 +95,23 @@ def _seconds(timeout: Union[timedelta, float]) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
+# C++ holds the timeout in whole milliseconds (a shorter one would become 0 ms: every wait
+# fails at once), and the binding converts through int64 microseconds (about 106751 days).
+_MIN_TIMEOUT_S = 1e-3
+_MAX_TIMEOUT_S = timedelta(days=100000).total_seconds()
+
+
 def _check_timeout(name: str, value: Any) -> None:
-    if value is not None and _seconds(value) <= 0:
-        raise ValueError(f"Options.{name} must be positive; got {value!r}")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
+        raise ValueError(f"Options.{name} must be seconds or a timedelta; got {value!r}")
+    seconds = _seconds(value)
+    if not (math.isfinite(seconds) and _MIN_TIMEOUT_S <= seconds <= _MAX_TIMEOUT_S):
+        raise ValueError(
+            f"Options.{name} must be between 1 ms and {_MAX_TIMEOUT_S:.0f} s (100000 days); "
+            f"got {value!r}"
+        )
 
 
 def _same(value: Any, group_timeout: timedelta) -> Any:
@@ -163,10 +203,10 @@ class Options:
     )
     shm_slot_bytes: int = _option(256 << 10, "XDEV_SHM_SLOT_BYTES", _parse_int, _check_int)
     cuda_slot_bytes: int = _option(32 << 20, "XDEV_CUDA_SLOT_BYTES", _parse_int, _check_int)
-    single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool)
-    shared_buckets: bool = _option(True, "XDEV_SHARED_BUCKETS", _parse_bool)
+    single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool, _check_bool)
+    shared_buckets: bool = _option(True, "XDEV_SHARED_BUCKETS", _parse_bool, _check_bool)
     two_level_pieces: int = _option(0, "XDEV_TWO_LEVEL_PIECES", _parse_int, _check_count)
-    debug: bool = _option(False, "XDEV_DEBUG", _parse_debug)
+    debug: bool = _option(False, "XDEV_DEBUG", _parse_debug, _check_bool)
 
     def __post_init__(self) -> None:
         self.validate()
