@@ -328,6 +328,11 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
         (["--topology", "hgx-h100", "--hosts", "2", "--collective", "all_gather"], "allreduce"),
         (["--topology", "hgx-h100", "--hosts", "0"], "--hosts must be >= 2"),
         (["--topology", "hgx-h100", "--hosts", "2", "--nics", "0"], "--nics must be >= 1"),
+        # Past a C++ int (ranks = hosts x GPUs), or not finite: were tracebacks.
+        (["--topology", "hgx-h100", "--hosts", str(1 << 31)], "--hosts must be >= 2 and <="),
+        (["--topology", "hgx-h100", "--hosts", str(1 << 28)], "--hosts must be >= 2 and <="),
+        (["--topology", "hgx-h100", "--hosts", "2", "--nics", str(1 << 31)], "--nics must be"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--nic-gbps", "inf"], "--nic-gbps finite"),
     ],
 )
 def test_several_hosts_bad_arguments(
@@ -337,3 +342,24 @@ def test_several_hosts_bad_arguments(
         plan.main([*args, "--sizes", "4KiB"])
     assert exc.value.code == 2
     assert problem in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packs", [str(1 << 63), str(1 << 31)])
+def test_num_packs_out_of_range(capsys: pytest.CaptureFixture[str], packs: str) -> None:
+    # 2**63 was a TypeError from the binding; 2**31 built 17 GB of packs before failing.
+    with pytest.raises(SystemExit) as exc:
+        plan.main(["--topology", "dgx1-v100", "--sizes", "4KiB", "--num-packs", packs])
+    assert exc.value.code == 2
+    assert "--num-packs must be >= 0 and <= 65536" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hosts", ["1", "2"])
+def test_json_to_a_missing_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hosts: str
+) -> None:
+    out = tmp_path / "missing" / "rows.json"
+    argv = ["--topology", "hgx-h100", "--sizes", "4KiB", "--hosts", hosts, "--json", str(out)]
+    assert plan.main(argv) == 1  # not a traceback
+    captured = capsys.readouterr()
+    assert "4096" in captured.out  # the table came first
+    assert f"error: cannot write {out}: No such file or directory" in captured.err

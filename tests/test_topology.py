@@ -276,6 +276,10 @@ def test_cli_without_gpus(tmp_path: Path) -> None:
         ({"nvlink": zeros(2), "nvswitch": [18, -1]}, "'nvswitch' must be a list of 2"),
         ({"nvlink": zeros(2), "nvswitch": [True, 1]}, "'nvswitch' must be a list of 2"),
         ({"nvlink": zeros(2), "compute_capability": 9.0}, "'compute_capability' must be an int"),
+        # Past what the binding converts (int64, int for 'nvswitch'): was a TypeError.
+        ({"nvlink": full(2, 1 << 63)}, "'nvlink'[0][1] is 9223372036854775808; at most 1024"),
+        ({"nvlink": full(2, 1025)}, "'nvlink'[0][1] is 1025; at most 1024 links per pair"),
+        ({"nvlink": zeros(2), "nvswitch": [1 << 31, 1 << 31]}, "'nvswitch' must be a list of 2"),
     ],
 )
 def test_bad_file(
@@ -301,6 +305,14 @@ def test_bad_file_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     proc = run_cli(XDEV_TOPO_FILE=str(bad))
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"error: {bad}: 'nvlink' is not symmetric" in proc.stderr, proc.stderr
+
+
+def test_cli_prints_no_warning(tmp_path: Path) -> None:
+    # `import torch_xdev` used to import torch_xdev.topology, and runpy warned that the module
+    # it was about to run was imported already.
+    path = write(tmp_path, "dgx1", CASES["dgx1"][0])
+    proc = run_cli("--file", str(path))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 def test_plan_rejects_an_empty_machine(tmp_path: Path) -> None:

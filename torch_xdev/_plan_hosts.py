@@ -5,9 +5,13 @@ NCCL's tuning model across nodes against a two-level plan (see ``pydoc torch_xde
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 
 from ._C import plan as _plan
 from .plan import COLUMNS, MachineModel, Row, format_row, write_json
+
+INT_MAX = (1 << 31) - 1
 
 
 def hosts_rows(
@@ -42,15 +46,17 @@ def hosts_rows(
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: MachineModel) -> int:
-    if args.hosts < 2:
-        parser.error("--hosts must be >= 2")
+    # The model counts ranks (hosts x GPUs) and NICs in a C++ int.
+    max_hosts = INT_MAX // max(1, model.num_devices)
+    if not 2 <= args.hosts <= max_hosts:
+        parser.error(f"--hosts must be >= 2 and <= {max_hosts}")
     if args.collective != "allreduce" or not model.has_nccl:
         parser.error("--hosts predicts the allreduce on a GPU machine (one with NCCL)")
     if args.plot is not None:
         parser.error("--plot does not apply with --hosts")
     nics = model.num_devices if args.nics is None else args.nics
-    if nics < 1 or not args.nic_gbps > 0:
-        parser.error("--nics must be >= 1 and --nic-gbps > 0")
+    if not 1 <= nics <= INT_MAX or not (args.nic_gbps > 0 and math.isfinite(args.nic_gbps)):
+        parser.error(f"--nics must be >= 1 and <= {INT_MAX}, and --nic-gbps finite and > 0")
     cpu = "AMD" if args.amd_cpu else "Intel"
     print(
         f"# machine: {args.hosts} hosts x {model.name} ({model.num_devices} GPUs each), "
@@ -68,5 +74,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
         print(("\n" if i > 0 else "") + block + "\n  # " + reason, flush=True)
         table += size_table
     if args.json is not None:
-        write_json(args.json, table)
+        try:
+            write_json(args.json, table)
+        except OSError as e:  # the table is printed already
+            print(f"error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+            return 1
     return 0

@@ -117,6 +117,9 @@ ELEM_BYTES = 4  # float32
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 MAX_SIZES = 256
 MAX_BYTES = 1 << 40
+# The model builds every pack of a plan (16 bytes each), whatever the payload: 2**31 packs took
+# 17 GB before failing. auto's own candidates go up to 48 packs per rank.
+MAX_PACKS = 1 << 16
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
 _UNITS.update({"g": 1 << 30, "gib": 1 << 30})
@@ -521,8 +524,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.num_packs < -1:
-        parser.error("--num-packs must be >= 0 (or -1: try several)")
+    if not -1 <= args.num_packs <= MAX_PACKS:
+        parser.error(f"--num-packs must be >= 0 and <= {MAX_PACKS} (or -1: try several)")
     gather_scatter = args.collective != "allreduce"
     if not gather_scatter and (args.no_single_copy or args.no_in_place):
         parser.error("--no-single-copy and --no-in-place apply to reduce_scatter and all_gather")
@@ -556,10 +559,14 @@ def main(argv: list[str] | None = None) -> int:
         block = "\n".join(format_row(r) for r in table_rows)
         print(("\n" if i > 0 else "") + block, flush=True)
         table += table_rows
-    if args.json is not None:
-        write_json(args.json, table)
-    if pyplot is not None:
-        plot(model, table, args.plot, pyplot, args.collective)
+    try:
+        if args.json is not None:
+            write_json(args.json, table)
+        if pyplot is not None:
+            plot(model, table, args.plot, pyplot, args.collective)
+    except OSError as e:  # e.g. a folder that does not exist: the table is printed already
+        print(f"error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

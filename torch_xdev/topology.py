@@ -104,6 +104,10 @@ __all__ = [
 ENV_TOPO_FILE = "XDEV_TOPO_FILE"
 CLASSES = ("dgx1", "nvswitch", "fully_connected", "partial", "none")
 BANDWIDTH_KEYS = ("nvlink_gbps", "pcie_gbps", "memory_gbps")
+# The most links a pair, or a GPU to its NVSwitches, may have: LinkMatrix::kMaxLinksPerPair
+# (csrc/plan/topology.h). Checked here too because a count past 64 bits (32 for 'nvswitch')
+# fails in the binding with a TypeError instead of the ValueError that names the file.
+MAX_LINKS = 1024
 FILE_KEYS = {
     "name",
     "nvlink",
@@ -191,6 +195,10 @@ def _matrix(value: Any, key: str, where: str, zero_one: bool) -> list[list[int]]
                 raise ValueError(f"{where}: '{key}'[{i}][{j}] is negative ({count})")
             if zero_one and count > 1:
                 raise ValueError(f"{where}: '{key}'[{i}][{j}] must be 0 or 1, got {count}")
+            if count > MAX_LINKS:
+                raise ValueError(
+                    f"{where}: '{key}'[{i}][{j}] is {count}; at most {MAX_LINKS} links per pair"
+                )
         diagonal = 1 if zero_one else 0
         matrix.append([diagonal if j == i else int(c) for j, c in enumerate(row)])
     for i in range(n):
@@ -218,15 +226,17 @@ def classify(
 
 
 def _counts(value: Any, key: str, where: str, n: int) -> list[int]:
-    """A list of n non-negative integers (e.g. each rank's NVLinks to NVSwitches)."""
+    """A list of n integers from 0 to MAX_LINKS (e.g. each rank's NVLinks to NVSwitches)."""
     if (
         not isinstance(value, list)
         or len(value) != n
-        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value)
+        or not all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_LINKS for c in value
+        )
     ):
         raise ValueError(
-            f"{where}: '{key}' must be a list of {n} non-negative integers, one per 'nvlink' "
-            f"row; got {value!r}"
+            f"{where}: '{key}' must be a list of {n} non-negative integers (at most "
+            f"{MAX_LINKS}), one per 'nvlink' row; got {value!r}"
         )
     return list(value)
 
