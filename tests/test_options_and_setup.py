@@ -39,6 +39,7 @@ from harness import run_ranks
         ({"timeout": 1e300}, "timeout"),
         ({"timeout": timedelta(days=999999999)}, "timeout"),
         ({"num_packs": 1 << 64}, "num_packs"),  # past int64_t: a TypeError in the binding
+        ({"num_packs": (1 << 16) + 1}, "num_packs"),  # every pack is built: memory runs out
         ({"shm_slot_bytes": 1 << 63}, "shm_slot_bytes"),
         ({"shared_buckets": None}, "shared_buckets"),  # the binding would read False
         ({"single_copy": "no"}, "single_copy"),

@@ -91,6 +91,17 @@ def _check_optional_count(name: str, value: Any) -> None:
         _check_count(name, value)
 
 
+# The planner builds every pack of a plan (16 bytes each), whatever the payload: 2**31 packs
+# ran out of memory. auto's own candidates go up to 48 packs per rank.
+MAX_PACKS = 1 << 16
+
+
+def _check_packs(name: str, value: Any) -> None:
+    _check_optional_count(name, value)
+    if value is not None and value > MAX_PACKS:
+        raise ValueError(f"Options.{name} must be <= {MAX_PACKS}; got {value}")
+
+
 def _seconds(timeout: Union[timedelta, float]) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
@@ -188,7 +199,7 @@ class Options:
 
     algorithm: str = _option("auto", "XDEV_ALGO", str.strip, _check_algorithm)
     num_packs: Optional[int] = _option(
-        None, "XDEV_NUM_PACKS", _parse_int, _check_optional_count, _packs_to_config
+        None, "XDEV_NUM_PACKS", _parse_int, _check_packs, _packs_to_config
     )
     agg_small_grads_max_bytes: int = _option(
         0, "XDEV_AGG_SMALL_GRADS_MAX_BYTES", _parse_int, _check_count

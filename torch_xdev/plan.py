@@ -95,6 +95,7 @@ import sys
 from typing import Any, Sequence, TypedDict
 
 from . import topology as _topology
+from .options import MAX_PACKS
 from ._C import plan as _plan
 
 MachineModel = _plan.MachineModel
@@ -117,9 +118,6 @@ ELEM_BYTES = 4  # float32
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 MAX_SIZES = 256
 MAX_BYTES = 1 << 40
-# The model builds every pack of a plan (16 bytes each), whatever the payload: 2**31 packs took
-# 17 GB before failing. auto's own candidates go up to 48 packs per rank.
-MAX_PACKS = 1 << 16
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
 _UNITS.update({"g": 1 << 30, "gib": 1 << 30})
