@@ -40,7 +40,13 @@ variant alike. A step's time is the slowest rank's wall time from ``zero_grad`` 
 with ``gradient_as_bucket_view`` they stay views of DDP's buckets and backward accumulates
 straight into them. Only the variants that communicate must keep their parameters equal
 across ranks (the ranks see different data); this is checked after the timed steps, so a
-variant whose allreduce is broken cannot be reported as fast.
+variant whose allreduce is broken cannot be reported as fast. Equal across ranks is not
+enough (a reduction every rank gets alike wrong, such as rank 0's gradients broadcast instead
+of the average, keeps them equal), so every variant that communicates has also run the same
+steps on the same batches as ``gloo`` and must end with Gloo's parameters within a tolerance
+(``FP32_TOLERANCE``; ``FP16_TOLERANCE`` for the fp16 hooks, which ``xdev_fp16_hook`` meets
+against ``gloo_fp16_hook`` where that runs): BROKEN and exit status 1 beyond it. Without
+``gloo`` among ``--variants`` that check cannot run, and the output says so.
 
 Two environment variables matter: ``DDP_DISABLE_COMM_MEM`` must be ``0`` for DDP to ask a
 backend for its buckets at all (``import torch_xdev`` sets it when unset on a host without a
@@ -59,7 +65,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,7 +83,9 @@ from step_common import (
     host_line,
     make_batches,
     make_model,
+    max_over_ranks,
     metadata,
+    parameter_differences,
     parse_variant_list,
     run_rounds,
     text,
@@ -128,9 +136,40 @@ VARIANTS = (
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 GLOO = "gloo"
+GLOO_FP16 = "gloo_fp16_hook"
+
 # The step without communication that a variant is compared with, by its
 # gradient_as_bucket_view.
 NO_COMM_BASELINE = {False: "noop_hook", True: "noop_hook_view"}
+
+
+class Tolerance(NamedTuple):
+    """How far a parameter may be from the reference's: ``atol + rtol * |reference|``."""
+
+    rtol: float
+    atol: float
+
+
+# How far a variant's parameters may end from Gloo's. The whole run moves a parameter very
+# little (SGD at lr 1e-3: by at most 8.2e-6 in the default 30 steps, 5.8e-5 in the tests' 3 of
+# the small model; the parameters themselves are up to 0.022 and 0.125), so the bound must sit
+# well below that to catch a wrong reduction, and well above fp32 rounding. Measured:
+# - fp32 variants: exactly Gloo's with 2 ranks (a + b is the same in any order); 3.7e-9 (2
+#   ulps of the largest parameters) with 4 ranks, hidden 1024, whose sums associate
+#   differently: at most 0.04 of this bound.
+# - avg_comm_hook swapped for a broadcast of rank 0's gradients (all ranks alike wrong, so
+#   equal across ranks): 5.1e-6 at the defaults, 2.1e-5 in the small model: 35 and 100 times
+#   this bound (the largest |diff| / (atol + rtol * |p|) over the elements). A much smaller
+#   --lr, or fewer steps, shrinks that margin with the update.
+# rtol covers the rounding of the larger parameters (ulp = 1.2e-7 relative).
+FP32_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-7)
+# fp16_compress_hook rounds every gradient to fp16 (2^-11 relative, and the many gradients
+# below fp16's normal range 6.1e-5 go subnormal, in absolute steps of 6e-8) before it
+# allreduces, so the fp16 hooks' parameters end further from fp32 Gloo's: measured 4.3e-8 with
+# 2 ranks (defaults), 5.6e-8 with 4 (hidden 1024), 1.5e-8 for xdev_fp16_hook against
+# gloo_fp16_hook with 4 ranks (0 with 2). Ten times fp32's atol leaves them 18 times inside
+# it; the broadcast above would still be 4 times this bound at the defaults.
+FP16_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 
 
 def noop_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -221,6 +260,67 @@ def ranks_agree(runners: list[Runner]) -> list[Optional[bool]]:
     return verdicts
 
 
+def reference_of(variant: Variant, present: Collection[str]) -> Optional[str]:
+    """The Gloo variant whose parameters this one's must match (None: none to compare with).
+
+    ``gloo`` for every variant that communicates, itself included (a difference of 0, as in
+    fsdp_step.py); ``xdev_fp16_hook`` is compared with ``gloo_fp16_hook`` where that runs,
+    which rounds its gradients to fp16 the same way.
+    """
+    if not variant.communicates:
+        return None
+    if variant.comm_hook == "fp16" and variant.name != GLOO_FP16 and GLOO_FP16 in present:
+        return GLOO_FP16
+    return GLOO if GLOO in present else None
+
+
+def tolerance_of(variant: Variant) -> Tolerance:
+    return FP16_TOLERANCE if variant.comm_hook == "fp16" else FP32_TOLERANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class GlooMatch:
+    """How a variant's parameters compare with its reference's (a Gloo variant's)."""
+
+    reference: str
+    max_diff: float  # the largest |parameter - reference's parameter|
+    ratio: float  # the largest such difference over what its tolerance allows there
+
+    @property
+    def matches(self) -> bool:
+        return self.ratio <= 1.0
+
+
+def local_differences(runners: Sequence[Runner]) -> list[Optional[GlooMatch]]:
+    """Per runner: how this rank's parameters compare with the reference's on this rank."""
+    by_name = {r.variant.name: r for r in runners}
+    matches: list[Optional[GlooMatch]] = []
+    for runner in runners:
+        reference = reference_of(runner.variant, by_name)
+        if reference is None:
+            matches.append(None)
+            continue
+        tolerance = tolerance_of(runner.variant)
+        max_diff, ratio = parameter_differences(
+            list(runner.model.parameters()),
+            list(by_name[reference].model.parameters()),
+            tolerance.rtol,
+            tolerance.atol,
+        )
+        matches.append(GlooMatch(reference, max_diff, ratio))
+    return matches
+
+
+def differences_from_gloo(runners: Sequence[Runner]) -> list[Optional[GlooMatch]]:
+    """Per runner: the comparison with its reference on the rank where it is worst (None: not
+    compared). Collective over the default group; every rank compares the same variants (they
+    run on every rank) and gets the same answers."""
+    local = local_differences(runners)
+    compared = [m for m in local if m is not None]
+    worst = iter(max_over_ranks([v for m in compared for v in (m.max_diff, m.ratio)]))
+    return [None if m is None else GlooMatch(m.reference, next(worst), next(worst)) for m in local]
+
+
 def bucket_info(runner: Runner) -> dict[str, Any]:
     """How DDP bucketed the gradients, and whether they live in xdev's shared memory."""
     info: dict[str, Any] = {
@@ -247,7 +347,10 @@ def bucket_info(runner: Runner) -> dict[str, Any]:
 
 
 def summarise(
-    runners: list[Runner], verdicts: list[Optional[bool]], infos: list[dict[str, Any]]
+    runners: list[Runner],
+    verdicts: list[Optional[bool]],
+    infos: list[dict[str, Any]],
+    gloo_matches: list[Optional[GlooMatch]],
 ) -> list[dict[str, Any]]:
     """The table's rows: times in ms, communication per step, ratios against Gloo."""
     medians = {r.variant.name: statistics.median(r.samples) for r in runners}
@@ -255,7 +358,7 @@ def summarise(
     noop = medians.get(NO_COMM_BASELINE[False])
     gloo_comm = None if gloo is None or noop is None else gloo - noop
     rows: list[dict[str, Any]] = []
-    for runner, verdict, info in zip(runners, verdicts, infos):
+    for runner, verdict, info, match in zip(runners, verdicts, infos, gloo_matches):
         v = runner.variant
         median = medians[v.name]
         baseline_name = NO_COMM_BASELINE[v.gradient_as_bucket_view]
@@ -277,6 +380,11 @@ def summarise(
                     gloo_comm / comm if gloo_comm is not None and comm and comm > 0 else None
                 ),
                 "ranks_equal": verdict,
+                # The Gloo variant compared with ("gloo", or "gloo_fp16_hook" for
+                # xdev_fp16_hook) and the largest |parameter - its parameter| on any rank.
+                "compared_with": None if match is None else match.reference,
+                "max_diff_vs_gloo": None if match is None else match.max_diff,
+                "matches_gloo": None if match is None else match.matches,
             }
         )
     return rows
@@ -305,6 +413,47 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def check_lines(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The lines after the table that say how the parameters were checked, and the variants
+    that fail a check (across ranks, or against Gloo)."""
+    lines: list[str] = []
+    compared = [r for r in rows if r["compared_with"] is not None]
+    if compared:
+        lines.append(
+            "# Gloo check: largest |parameter - Gloo's|: "
+            + ", ".join(
+                f"{r['variant']} {r['max_diff_vs_gloo']:.1e}"
+                + ("" if r["compared_with"] == GLOO else f" (vs {r['compared_with']})")
+                for r in compared
+            )
+        )
+    unchecked = [
+        r["variant"] for r in rows if r["ranks_equal"] is not None and r["compared_with"] is None
+    ]
+    if unchecked:
+        lines.append(
+            f"# NOT CHECKED against Gloo (no '{GLOO}' in --variants): {', '.join(unchecked)}"
+        )
+        lines.append(
+            "#   only equal across ranks, as a reduction every rank gets alike wrong also is"
+        )
+    across = [r["variant"] for r in rows if r["ranks_equal"] is False]
+    if across:
+        lines.append(f"# BROKEN: parameters differ across ranks for {', '.join(across)}")
+    against = [r for r in rows if r["matches_gloo"] is False]
+    if against:
+        lines.append(
+            "# BROKEN: parameters differ from Gloo's beyond tolerance for "
+            + ", ".join(
+                f"{r['variant']} (|diff| up to {r['max_diff_vs_gloo']:.1e} vs"
+                f" {r['compared_with']})"
+                for r in against
+            )
+        )
+    broken = [r["variant"] for r in rows if r["ranks_equal"] is False or r["matches_gloo"] is False]
+    return lines, broken
+
+
 LEGEND = [
     "# median/min/max: the slowest rank's step (zero_grad, forward, backward, optimizer.step),",
     "#   over every timed step. comm: median minus the median of noop_hook (noop_hook_view with",
@@ -314,6 +463,10 @@ LEGEND = [
     "#   heap MB: bytes in use in the group's symmetric heap (this model's buckets when shared).",
     "# ranks =: parameters equal on every rank after the run ('-': no communication, so each",
     "#   rank trained on its own data).",
+    "# Gloo check: every variant that communicates ran gloo's steps on gloo's batches: its",
+    f"#   parameters must be Gloo's within rtol {FP32_TOLERANCE.rtol:g}, atol"
+    f" {FP32_TOLERANCE.atol:g} (fp16 hooks: rtol {FP16_TOLERANCE.rtol:g},",
+    f"#   atol {FP16_TOLERANCE.atol:g}, xdev_fp16_hook against {GLOO_FP16} where it runs).",
 ]
 
 
@@ -346,6 +499,10 @@ def save_json(
     meta.update(
         bucket_mb=args.bucket_mb,
         set_to_none=args.set_to_none,
+        match_tolerance={
+            "fp32": FP32_TOLERANCE._asdict(),
+            "fp16_hooks": FP16_TOLERANCE._asdict(),
+        },
         **{COMM_MEM_VARIABLE: os.environ.get(COMM_MEM_VARIABLE)},
     )
     write_results(path, meta, rows)
@@ -430,14 +587,14 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
     infos = [bucket_info(r) for r in runners]
     run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
     verdicts = ranks_agree(runners)
-    rows = summarise(runners, verdicts, infos)
+    rows = summarise(runners, verdicts, infos, differences_from_gloo(runners))
     for line in format_table(rows):
         say(line)
     for line in LEGEND:
         say(line)
-    broken = [row["variant"] for row in rows if row["ranks_equal"] is False]
-    if broken:
-        say(f"# BROKEN: parameters differ across ranks for {', '.join(broken)}")
+    lines, broken = check_lines(rows)
+    for line in lines:
+        say(line)
     if rank == 0:
         default_json = (
             Path(__file__).resolve().parent / "results" / f"ddp_step_{world_size}ranks.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import socket
 import sys
@@ -82,6 +83,34 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [float(v) for v in tensor]
+
+
+def parameter_differences(
+    mine: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], rtol: float, atol: float
+) -> tuple[float, float]:
+    """The largest |mine - reference| over every element, and the largest ratio of such a
+    difference to what ``torch.isclose`` allows there (``atol + rtol * |reference|``; above 1:
+    out of tolerance). For checking a variant's parameters against a reference run's.
+
+    In float64, so the difference of two fp32 values is exact. A non-finite value on either
+    side counts as an infinite difference: Python's max() would drop a NaN, which would pass.
+    """
+    if len(mine) != len(reference):
+        raise ValueError(f"{len(mine)} parameters against {len(reference)}")
+    worst_diff = worst_ratio = 0.0
+    for a, b in zip(mine, reference):
+        if a.shape != b.shape:
+            raise ValueError(f"a parameter of shape {tuple(a.shape)} against {tuple(b.shape)}")
+        if not a.numel():
+            continue
+        a64, b64 = a.detach().double(), b.detach().double()
+        finite = torch.isfinite(a64) & torch.isfinite(b64)
+        diff = torch.where(finite, (a64 - b64).abs(), math.inf)
+        # Where the difference is 0 it is within any bound, atol = 0 and reference 0 included.
+        ratio = torch.where(diff == 0, 0.0, diff / (atol + rtol * b64.abs()))
+        worst_diff = max(worst_diff, float(diff.max()))
+        worst_ratio = max(worst_ratio, float(torch.where(finite, ratio, math.inf).max()))
+    return worst_diff, worst_ratio
 
 
 def run_turn(runner: Stepper, batches: Batches, steps: int, warmup: int) -> None:

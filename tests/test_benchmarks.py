@@ -1,4 +1,5 @@
-"""The benchmarks run: tiny runs of benchmarks/allreduce.py, gather_scatter.py and fsdp_step.py.
+"""The benchmarks run: tiny runs of benchmarks/allreduce.py, gather_scatter.py, fsdp_step.py and
+ddp_step.py, and ddp_step.py's check against Gloo fed parameters that differ.
 
 Not timings (these runs are too short to mean anything), but the scripts themselves: each
 checks xdev's results against Gloo's before timing and exits non-zero on a difference, so a
@@ -8,12 +9,14 @@ checked against what was asked.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -130,6 +133,149 @@ def test_fsdp_step_rows(tmp_path: Path) -> None:
     assert rows["gloo"]["net_vs_gloo"] in (None, 1.0)  # None where Gloo's net was <= 0
     # The variant without communication is the baseline, compared with nothing.
     assert rows["fsdp_no_comm"]["matches_gloo"] is None and rows["fsdp_no_comm"]["net_ms"] is None
+
+
+def test_ddp_step_rows_match_gloo(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    proc = run_benchmark(
+        "ddp_step.py",
+        *("--hidden", "64", "--layers", "2", "--rounds", "1", "--steps", "1", "--warmup", "0"),
+        *("--json", str(out)),
+        launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+    )
+    # 1: parameters differ across ranks, or from Gloo's.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta, row_list = read_rows(out)
+    rows = {r["variant"]: r for r in row_list}
+    assert meta["match_tolerance"]["fp32"]["atol"] < meta["match_tolerance"]["fp16_hooks"]["atol"]
+    for name, row in rows.items():
+        if row["ranks_equal"] is None:  # no communication: nothing to compare with
+            assert row["compared_with"] is None and row["max_diff_vs_gloo"] is None, row
+            continue
+        reference = "gloo_fp16_hook" if name == "xdev_fp16_hook" else "gloo"
+        assert row["compared_with"] == reference and row["matches_gloo"] is True, row
+        assert 0 <= row["max_diff_vs_gloo"] < 1e-6, row
+    assert {n for n, r in rows.items() if r["ranks_equal"] is None} == {
+        "noop_hook",
+        "noop_hook_view",
+        "no_ddp",
+    }
+    assert "# Gloo check: largest |parameter - Gloo's|" in proc.stdout
+    assert "BROKEN" not in proc.stdout and "NOT CHECKED" not in proc.stdout
+
+
+def load_ddp_step() -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:  # ddp_step.py imports its siblings
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("ddp_step", BENCHMARKS / "ddp_step.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ddp_step"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ddp_step() -> ModuleType:
+    return load_ddp_step()
+
+
+def trained_runners(ddp_step: ModuleType, names: tuple[str, ...]) -> list[Any]:
+    """One Runner per variant, every model the same (as after the same steps), no groups: the
+    comparison with Gloo reads the models only."""
+    runners = []
+    for variant in ddp_step.VARIANTS:
+        if variant.name in names:
+            model = ddp_step.make_model(16, 2)
+            with torch.no_grad():  # the weight shift() moves: at 0, atol alone bounds it
+                next(model.parameters())[0, 0] = 0.0
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            runner = ddp_step.Runner(variant, None, model, model, optimizer)
+            runner.samples.append(1e-3)
+            runners.append(runner)
+    return runners
+
+
+def shift(runner: Any, by: float) -> None:
+    """Moves one weight of the runner's model by ``by``, as a wrong reduction would."""
+    with torch.no_grad():
+        next(runner.model.parameters())[0, 0] += by
+
+
+def checked_rows(ddp_step: ModuleType, runners: list[Any]) -> tuple[dict[str, Any], list[str]]:
+    """What the run reports: rows by variant (as in the JSON) and the lines after the table.
+    Every rank is taken to hold the same parameters (``ranks_equal`` True where expected)."""
+    equal = [True if r.variant.communicates else None for r in runners]
+    matches = ddp_step.local_differences(runners)
+    rows = ddp_step.summarise(runners, equal, [{} for _ in runners], matches)
+    lines, broken = ddp_step.check_lines(rows)
+    assert broken == [r["variant"] for r in rows if r["matches_gloo"] is False]
+    return {r["variant"]: r for r in rows}, lines
+
+
+def test_ddp_step_catches_a_reduction_every_rank_gets_alike_wrong(ddp_step: ModuleType) -> None:
+    runners = trained_runners(ddp_step, ddp_step.VARIANT_NAMES)
+    by_name = {r.variant.name: r for r in runners}
+    # 5e-6: what a broadcast of rank 0's gradients instead of their average left at the
+    # benchmark's defaults; equal on every rank, so ranks_agree alone passes it.
+    shift(by_name["xdev_shared_avg"], 5e-6)
+    # Within fp16 rounding of the gradients, so the fp16 hook passes; an fp32 variant does not.
+    shift(by_name["xdev_fp16_hook"], 5e-7)
+    shift(by_name["xdev_staged"], 5e-7)
+    rows, lines = checked_rows(ddp_step, runners)
+    assert rows["xdev_shared_avg"]["matches_gloo"] is False
+    assert rows["xdev_shared_avg"]["max_diff_vs_gloo"] == pytest.approx(5e-6, rel=1e-2)  # in fp32
+    assert rows["xdev_staged"]["matches_gloo"] is False
+    assert rows["xdev_fp16_hook"]["matches_gloo"] is True
+    assert rows["xdev_fp16_hook"]["compared_with"] == "gloo_fp16_hook"
+    for name in ("xdev_shared", "xdev_shared_view", "gloo", "gloo_fp16_hook"):
+        assert rows[name]["matches_gloo"] is True and rows[name]["max_diff_vs_gloo"] == 0.0
+    for name in ("noop_hook", "noop_hook_view", "no_ddp"):  # each rank trains on its own data
+        assert rows[name]["compared_with"] is None and rows[name]["matches_gloo"] is None
+    (broken,) = [line for line in lines if line.startswith("# BROKEN")]
+    assert "from Gloo's" in broken and "xdev_shared_avg" in broken and "xdev_staged" in broken
+    assert "xdev_fp16_hook" not in broken
+
+
+def test_ddp_step_non_finite_parameters_never_match(ddp_step: ModuleType) -> None:
+    runners = trained_runners(ddp_step, ("xdev_shared", "gloo"))
+    shift(runners[0], float("nan"))  # NaN - x compares as within any bound: it must not here
+    rows, _ = checked_rows(ddp_step, runners)
+    assert rows["xdev_shared"]["matches_gloo"] is False
+    assert rows["xdev_shared"]["max_diff_vs_gloo"] == float("inf")
+
+
+def test_ddp_step_says_when_gloo_is_missing(ddp_step: ModuleType) -> None:
+    """Without gloo the check cannot run: the output says so, and nothing is called BROKEN."""
+    names = ("xdev_shared", "xdev_fp16_hook", "gloo_fp16_hook", "noop_hook")
+    runners = trained_runners(ddp_step, names)
+    shift(runners[0], 1.0)  # would fail the check, had it run
+    rows, lines = checked_rows(ddp_step, runners)
+    for name in ("xdev_shared", "gloo_fp16_hook"):
+        assert rows[name]["compared_with"] is None and rows[name]["matches_gloo"] is None
+    # The fp16 hook on xdev still has Gloo's fp16 hook to compare with.
+    assert rows["xdev_fp16_hook"]["compared_with"] == "gloo_fp16_hook"
+    (unchecked,) = [line for line in lines if "NOT CHECKED" in line]
+    assert "xdev_shared" in unchecked and "gloo_fp16_hook" in unchecked
+    assert "noop_hook" not in unchecked and "xdev_fp16_hook" not in unchecked
+    assert not [line for line in lines if "BROKEN" in line]
+
+
+def test_parameter_differences(ddp_step: ModuleType) -> None:
+    parameter_differences = ddp_step.parameter_differences  # step_common's, shared
+    ref = [torch.tensor([0.0, 1.0, -2.0]), torch.zeros(0)]
+    assert parameter_differences(ref, ref, 0.0, 0.0) == (0.0, 0.0)  # 0/0 never a NaN
+    mine = [torch.tensor([1e-6, 1.0, -2.0]), torch.zeros(0)]
+    diff, ratio = parameter_differences(mine, ref, 1e-5, 1e-7)
+    assert diff == pytest.approx(1e-6) and ratio == pytest.approx(10.0)
+    # The bound grows with |reference|: 1e-5 off 2.0 is within rtol 1e-5 (2e-5 allowed).
+    mine = [torch.tensor([0.0, 1.0, -2.00001]), torch.zeros(0)]
+    assert parameter_differences(mine, ref, 1e-5, 1e-7)[1] < 1
+    for bad in (float("inf"), float("nan")):
+        mine = [torch.tensor([0.0, 1.0, bad]), torch.zeros(0)]
+        assert parameter_differences(mine, ref, 1e-5, 1e-7) == (float("inf"), float("inf"))
+    with pytest.raises(ValueError):
+        parameter_differences(ref[:1], ref, 1e-5, 1e-7)
 
 
 def test_allreduce_bad_arguments_say_why() -> None:
