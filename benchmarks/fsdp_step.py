@@ -89,6 +89,7 @@ from step_common import (
     make_model,
     max_over_ranks,
     metadata,
+    parameter_differences,
     parse_variant_list,
     run_rounds,
     text,
@@ -282,12 +283,10 @@ def differences_from_gloo(runners: list[Runner]) -> list[Optional[float]]:
         if gloo is None or not runner.variant.spans_ranks:
             diffs.append(float("nan"))
             continue
-        worst = 0.0
-        for mine, ref in zip(local_shards(runner.model), local_shards(gloo.model)):
-            if mine.numel():
-                # A non-finite parameter counts as an infinite difference.
-                diff = (mine - ref).abs().max().item()
-                worst = max(worst, diff if diff == diff else float("inf"))
+        # A non-finite parameter counts as an infinite difference.
+        worst, _ = parameter_differences(
+            local_shards(runner.model), local_shards(gloo.model), 0.0, MATCH_TOLERANCE
+        )
         diffs.append(worst)
     tensor = torch.tensor(diffs, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
