@@ -33,6 +33,7 @@ TRANSPORT_SOURCES = [
         "gather_scatter_executor.cc",
         "single_copy_executor.cc",
         "shared_buffer.cc",
+        "heap_placement.cc",
         "symmetric_heap.cc",
     )
 ]

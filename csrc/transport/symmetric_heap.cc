@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 
 namespace xdev::transport {
@@ -49,12 +50,13 @@ SymmetricHeap::~SymmetricHeap() {
 
 int SymmetricHeap::add_arena(size_t at_least) {
   if (own_.size() >= static_cast<size_t>(kMaxArenas)) {
-    throw std::runtime_error(
-        "xdev symmetric heap: rank " + std::to_string(rank_) + " has " +
-        std::to_string(kMaxArenas) + " arenas (" + std::to_string(reserved_bytes_locked() >> 20) +
-        " MiB) and none has room for " + std::to_string(at_least) + " more bytes");
+    throw std::runtime_error("xdev symmetric heap: rank " + std::to_string(rank_) + " has " +
+                             std::to_string(kMaxArenas) + " arenas (" +
+                             std::to_string(placement_.bytes_reserved() >> 20) +
+                             " MiB) and none has room for " + std::to_string(at_least) +
+                             " more bytes");
   }
-  const size_t reserved = reserved_bytes_locked();
+  const size_t reserved = placement_.bytes_reserved();
   const size_t bytes = round_up(
       std::max({at_least, reserved, own_.empty() ? first_arena_bytes_ : 0}), kArenaGranule);
   // MFD_CLOEXEC: a child the rank starts gets no handle on the group's memory.
@@ -73,76 +75,32 @@ int SymmetricHeap::add_arena(size_t at_least) {
     ::close(fd);
     throw_errno("mapping an arena of " + std::to_string(bytes) + " bytes", err);
   }
-  Arena arena;
-  arena.fd = fd;
-  arena.data = static_cast<char*>(data);
-  arena.bytes = bytes;
-  arena.free_blocks[0] = static_cast<int64_t>(bytes);
-  own_.push_back(std::move(arena));
-  const int index = static_cast<int>(own_.size()) - 1;
+  own_.push_back(Arena{fd, static_cast<char*>(data), bytes});
+  own_data_.push_back(static_cast<char*>(data));
+  const int index = placement_.add_arena(bytes);
   if (publish_) publish_(index, ArenaAddress{static_cast<int32_t>(::getpid()), fd, bytes});
   return index;
 }
 
 SymmetricHeap::Block SymmetricHeap::allocate(size_t bytes) {
-  if (bytes > static_cast<size_t>(kMaxBlockBytes)) {
-    throw std::invalid_argument("xdev symmetric heap: " + std::to_string(bytes) +
-                                " bytes is more than a block can hold");
-  }
-  const auto need = static_cast<int64_t>(round_up(std::max<size_t>(bytes, 1), kAlignBytes));
+  const int64_t need = HeapPlacement::block_bytes(bytes, "xdev symmetric heap");
   std::lock_guard<std::mutex> lock(mutex_);
-  // First fit, lowest arena and offset first: a deterministic function of the
-  // sequence of calls, which is what keeps ranks' places equal.
-  for (size_t i = 0;; ++i) {
-    if (i == own_.size()) add_arena(static_cast<size_t>(need));
-    Arena& a = own_[i];
-    for (auto it = a.free_blocks.begin(); it != a.free_blocks.end(); ++it) {
-      if (it->second < need) continue;
-      const int64_t offset = it->first;
-      const int64_t rest = it->second - need;
-      a.free_blocks.erase(it);
-      if (rest > 0) a.free_blocks[offset + need] = rest;
-      a.live_blocks[offset] = need;
-      return Block{a.data + offset, HeapLocation{static_cast<int>(i), offset}};
-    }
+  std::optional<HeapLocation> where = placement_.place(need);
+  if (!where) {
+    add_arena(static_cast<size_t>(need));
+    where = placement_.place(need);  // the new arena holds it
   }
+  return Block{own_[static_cast<size_t>(where->arena)].data + where->offset, *where};
 }
 
 void SymmetricHeap::free(HeapLocation where) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (where.arena < 0 || where.arena >= static_cast<int>(own_.size())) return;
-  Arena& a = own_[static_cast<size_t>(where.arena)];
-  const auto live = a.live_blocks.find(where.offset);
-  if (live == a.live_blocks.end()) return;
-  int64_t offset = live->first, bytes = live->second;
-  a.live_blocks.erase(live);
-  // Coalesce with the free neighbours on both sides.
-  auto next = a.free_blocks.lower_bound(offset);
-  if (next != a.free_blocks.end() && next->first == offset + bytes) {
-    bytes += next->second;
-    next = a.free_blocks.erase(next);
-  }
-  if (next != a.free_blocks.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      bytes += prev->second;
-      a.free_blocks.erase(prev);
-    }
-  }
-  a.free_blocks[offset] = bytes;
+  placement_.free(where);
 }
 
 HeapLocation SymmetricHeap::locate(const void* p, size_t n) const {
-  const auto at = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < own_.size(); ++i) {
-    const auto begin = reinterpret_cast<uintptr_t>(own_[i].data);
-    if (at >= begin && at - begin <= own_[i].bytes && n <= own_[i].bytes - (at - begin)) {
-      return HeapLocation{static_cast<int>(i), static_cast<int64_t>(at - begin)};
-    }
-  }
-  return {};
+  return locate_in_arenas(placement_, own_data_, p, n);
 }
 
 void* SymmetricHeap::map_peer_arena(const ArenaAddress& address) {
@@ -197,34 +155,22 @@ ArenaAddress SymmetricHeap::first_arena() {
 
 int SymmetricHeap::arenas() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int>(own_.size());
+  return placement_.arenas();
 }
 
 size_t SymmetricHeap::bytes_in_use() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  size_t total = 0;
-  for (const Arena& a : own_) {
-    for (const auto& [offset, bytes] : a.live_blocks) total += static_cast<size_t>(bytes);
-  }
-  return total;
+  return placement_.bytes_in_use();
 }
 
 size_t SymmetricHeap::bytes_reserved() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return reserved_bytes_locked();
-}
-
-size_t SymmetricHeap::reserved_bytes_locked() const {
-  size_t total = 0;
-  for (const Arena& a : own_) total += a.bytes;
-  return total;
+  return placement_.bytes_reserved();
 }
 
 int64_t SymmetricHeap::live_blocks() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  int64_t n = 0;
-  for (const Arena& a : own_) n += static_cast<int64_t>(a.live_blocks.size());
-  return n;
+  return placement_.live_blocks();
 }
 
 }  // namespace xdev::transport

@@ -26,20 +26,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-namespace xdev::transport {
+#include "heap_placement.h"
 
-// Where a block lies in every rank's heap: arena index and byte offset.
-struct HeapLocation {
-  int arena = -1;  // -1: not in the heap
-  int64_t offset = 0;
-  bool operator==(const HeapLocation& o) const { return arena == o.arena && offset == o.offset; }
-};
+namespace xdev::transport {
 
 // How a peer opens an arena of this process.
 struct ArenaAddress {
@@ -51,11 +45,8 @@ struct ArenaAddress {
 class SymmetricHeap {
  public:
   static constexpr int kMaxArenas = 16;
-  // Every block starts on this boundary, so slices that start on cache-line
-  // multiples of the tensor also start on cache lines of memory.
-  static constexpr int64_t kAlignBytes = 256;
-  // The largest block allocate hands out: sizes stay far from overflowing.
-  static constexpr int64_t kMaxBlockBytes = int64_t{1} << 56;
+  static constexpr int64_t kAlignBytes = HeapPlacement::kAlignBytes;
+  static constexpr int64_t kMaxBlockBytes = HeapPlacement::kMaxBlockBytes;
 
   // Tells peers of a new arena (the channel's control block carries it).
   using Publish = std::function<void(int arena, const ArenaAddress& address)>;
@@ -104,18 +95,17 @@ class SymmetricHeap {
     int fd = -1;
     char* data = nullptr;
     size_t bytes = 0;
-    std::map<int64_t, int64_t> free_blocks;  // offset -> bytes, coalesced
-    std::map<int64_t, int64_t> live_blocks;  // offset -> bytes
   };
   int add_arena(size_t at_least);  // mutex_ held
-  size_t reserved_bytes_locked() const;
 
   const int rank_;
   const int world_size_;
   const size_t first_arena_bytes_;
   Publish publish_;
   mutable std::mutex mutex_;
+  HeapPlacement placement_;  // where blocks lie in own_
   std::vector<Arena> own_;
+  std::vector<char*> own_data_;  // own_[i].data, for locate_in_arenas
   // [rank][arena]: peers' arenas as mapped here (bytes, address); own rank unused.
   std::vector<std::vector<std::pair<size_t, char*>>> peers_;
 };
