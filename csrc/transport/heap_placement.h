@@ -24,6 +24,15 @@ struct HeapLocation {
   bool operator==(const HeapLocation& o) const { return arena == o.arena && offset == o.offset; }
 };
 
+// How a peer opens an arena of device memory (CudaSymmetricHeap): the
+// arena's CUDA IPC handle, opaque here, and its size. Kept apart from CUDA's
+// headers so that the shared-memory channel can carry it.
+struct DeviceArenaAddress {
+  static constexpr size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+  uint64_t bytes = 0;                         // 0: not published
+  unsigned char handle[kHandleBytes] = {};
+};
+
 class HeapPlacement {
  public:
   // Every block starts on this boundary, so slices that start on cache-line

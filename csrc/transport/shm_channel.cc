@@ -21,7 +21,7 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int kPausesPerClockRead = 16;
@@ -71,6 +71,9 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   // This rank's symmetric-heap arenas: bytes is written last (release), 0 until published.
   std::atomic<uint64_t> arena_bytes[SymmetricHeap::kMaxArenas];
   int32_t arena_fd[SymmetricHeap::kMaxArenas];
+  // Its device-memory heap's arenas, the same way (handle first, bytes last).
+  std::atomic<uint64_t> device_arena_bytes[SymmetricHeap::kMaxArenas];
+  unsigned char device_arena_handle[SymmetricHeap::kMaxArenas][DeviceArenaAddress::kHandleBytes];
 };
 
 struct alignas(kCacheLine) ShmChannel::Header {
@@ -117,6 +120,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
     rc->pid.store(0);
     rc->left.store(0);
     for (auto& bytes : rc->arena_bytes) bytes.store(0);
+    for (auto& bytes : rc->device_arena_bytes) bytes.store(0);
   }
   ch.init_local_rank(world_size, rank, slot_bytes);
   return ch;
@@ -312,6 +316,24 @@ ArenaAddress ShmChannel::arena_of(int rank, int index) const {
   a.bytes = rc->arena_bytes[index].load(std::memory_order_acquire);
   a.fd = rc->arena_fd[index];
   a.pid = rc->pid.load();
+  return a;
+}
+
+void ShmChannel::publish_device_arena(int index, const DeviceArenaAddress& address) {
+  if (index < 0 || index >= SymmetricHeap::kMaxArenas) {
+    throw std::out_of_range("ShmChannel::publish_device_arena: index " + std::to_string(index));
+  }
+  RankControl* me = control(rank_);
+  std::memcpy(me->device_arena_handle[index], address.handle, sizeof address.handle);
+  me->device_arena_bytes[index].store(address.bytes, std::memory_order_release);
+}
+
+DeviceArenaAddress ShmChannel::device_arena_of(int rank, int index) const {
+  DeviceArenaAddress a;
+  if (index < 0 || index >= SymmetricHeap::kMaxArenas) return a;
+  const RankControl* rc = control(rank);
+  a.bytes = rc->device_arena_bytes[index].load(std::memory_order_acquire);
+  std::memcpy(a.handle, rc->device_arena_handle[index], sizeof a.handle);
   return a;
 }
 

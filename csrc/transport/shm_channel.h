@@ -153,6 +153,9 @@ class ShmChannel {
   // The arenas of this rank's symmetric heap, for peers to map (SymmetricHeap).
   void publish_arena(int index, const ArenaAddress& address);
   ArenaAddress arena_of(int rank, int index) const;
+  // Likewise for the arenas of this rank's device-memory heap (CUDA tensors).
+  void publish_device_arena(int index, const DeviceArenaAddress& address);
+  DeviceArenaAddress device_arena_of(int rank, int index) const;
 
   uint64_t barriers_passed() const { return epoch_; }
 

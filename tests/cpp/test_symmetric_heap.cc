@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -170,3 +171,27 @@ TEST(heap_block_on_some_ranks_only_stages_on_every_rank) {
 }
 
 }  // namespace
+
+TEST(channel_carries_device_arena_addresses_apart_from_host_arenas) {
+  auto channels = transport::make_group(3, 4096);
+  transport::DeviceArenaAddress a;
+  a.bytes = 64 * kMiB;
+  for (size_t i = 0; i < sizeof a.handle; ++i) a.handle[i] = static_cast<unsigned char>(i * 7 + 1);
+  CHECK_EQ(channels[2].device_arena_of(1, 3).bytes, uint64_t{0});  // not published yet
+  channels[1].publish_device_arena(3, a);
+  for (int reader = 0; reader < 3; ++reader) {
+    const transport::DeviceArenaAddress got = channels[reader].device_arena_of(1, 3);
+    CHECK_EQ(got.bytes, a.bytes);
+    CHECK(std::memcmp(got.handle, a.handle, sizeof a.handle) == 0);
+    CHECK_EQ(channels[reader].arena_of(1, 3).bytes, uint64_t{0});  // the host heap's: untouched
+    CHECK_EQ(channels[reader].device_arena_of(0, 3).bytes, uint64_t{0});
+  }
+  CHECK_EQ(channels[0].device_arena_of(1, SymmetricHeap::kMaxArenas).bytes, uint64_t{0});
+  bool threw = false;
+  try {
+    channels[0].publish_device_arena(SymmetricHeap::kMaxArenas, a);
+  } catch (const std::out_of_range&) {
+    threw = true;
+  }
+  CHECK(threw);
+}

@@ -1,0 +1,197 @@
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_heap.h"
+#include "cuda_ipc_channel.h"
+
+namespace xdev::transport {
+namespace {
+
+constexpr size_t kArenaGranule = size_t{2} << 20;
+
+size_t round_up(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
+static_assert(sizeof(cudaIpcMemHandle_t) == DeviceArenaAddress::kHandleBytes,
+              "DeviceArenaAddress carries a CUDA IPC handle");
+
+}  // namespace
+
+CudaSymmetricHeap::CudaSymmetricHeap(int rank, int world_size, int device, size_t first_arena_bytes,
+                                     cudaStream_t collective_stream, Publish publish)
+    : rank_(rank),
+      world_size_(world_size),
+      device_(device),
+      first_arena_bytes_(round_up(std::max<size_t>(first_arena_bytes, 1), kArenaGranule)),
+      collective_stream_(collective_stream),
+      publish_(std::move(publish)),
+      peers_(static_cast<size_t>(world_size), std::vector<char*>(kMaxArenas, nullptr)) {
+  if (rank < 0 || rank >= world_size) throw std::invalid_argument("CudaSymmetricHeap: bad rank");
+}
+
+CudaSymmetricHeap::~CudaSymmetricHeap() {
+  int previous = -1;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  for (auto& arenas : peers_) {
+    for (char* data : arenas) {
+      if (data != nullptr) cudaIpcCloseMemHandle(data);
+    }
+  }
+  // Work queued on the blocks may still run: the GPU finishes it first.
+  if (!own_.empty()) cudaDeviceSynchronize();
+  for (char* data : own_) cudaFree(data);
+  for (auto& [stream, event] : frees_) cudaEventDestroy(event);
+  for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
+  cudaGetLastError();
+  if (previous >= 0) cudaSetDevice(previous);
+}
+
+int CudaSymmetricHeap::add_arena(size_t at_least) {
+  if (own_.size() >= static_cast<size_t>(kMaxArenas)) {
+    throw CudaError("xdev CUDA heap: rank " + std::to_string(rank_) + " has " +
+                    std::to_string(kMaxArenas) + " arenas (" +
+                    std::to_string(placement_.bytes_reserved() >> 20) +
+                    " MiB) and none has room for " + std::to_string(at_least) + " more bytes");
+  }
+  const size_t bytes = round_up(std::max({at_least, placement_.bytes_reserved(),
+                                          own_.empty() ? first_arena_bytes_ : size_t{0}}),
+                                kArenaGranule);
+  CudaDeviceGuard guard(device_);
+  void* data = nullptr;
+  check_cuda(cudaMalloc(&data, bytes), "cudaMalloc (an arena of xdev's CUDA heap)");
+  DeviceArenaAddress address;
+  address.bytes = bytes;
+  cudaIpcMemHandle_t handle;
+  const cudaError_t status = cudaIpcGetMemHandle(&handle, data);
+  if (status != cudaSuccess) {
+    cudaFree(data);
+    check_cuda(status, "cudaIpcGetMemHandle");
+  }
+  std::memcpy(address.handle, &handle, sizeof handle);
+  own_.push_back(static_cast<char*>(data));
+  const int index = placement_.add_arena(bytes);
+  if (publish_) publish_(index, address);
+  return index;
+}
+
+void CudaSymmetricHeap::wait_for_frees(cudaStream_t stream) {
+  for (auto& [freed_on, event] : frees_) {
+    check_cuda(cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent");
+    spare_events_.push_back(event);
+  }
+  frees_.clear();
+}
+
+void CudaSymmetricHeap::record_free(cudaStream_t stream) noexcept {
+  cudaEvent_t& event = frees_[stream];
+  if (event == nullptr) {
+    if (!spare_events_.empty()) {
+      event = spare_events_.back();
+      spare_events_.pop_back();
+    } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+      event = nullptr;
+    }
+  }
+  if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
+    // No event (CUDA shutting down at exit, or out of resources): wait here
+    // instead, so that no later allocation can reuse memory still in use.
+    cudaStreamSynchronize(stream);
+    if (event != nullptr) spare_events_.push_back(event);
+    frees_.erase(stream);
+    cudaGetLastError();
+  }
+}
+
+CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t stream) {
+  const int64_t need = HeapPlacement::block_bytes(bytes, "xdev CUDA heap");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::optional<HeapLocation> where = placement_.place(need);
+  if (!where) {
+    add_arena(static_cast<size_t>(need));
+    where = placement_.place(need);  // the new arena holds it
+  }
+  if (!frees_.empty()) {
+    CudaDeviceGuard guard(device_);
+    wait_for_frees(stream);
+  }
+  block_stream_[{where->arena, where->offset}] = stream;
+  return Block{own_[static_cast<size_t>(where->arena)] + where->offset, *where};
+}
+
+void CudaSymmetricHeap::free(HeapLocation where) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = block_stream_.find({where.arena, where.offset});
+    if (it == block_stream_.end() || !placement_.free(where)) return;
+    const cudaStream_t stream = it->second;
+    block_stream_.erase(it);
+    int previous = -1;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    record_free(stream);
+    if (collective_stream_ != stream) record_free(collective_stream_);
+    cudaGetLastError();
+    if (previous >= 0) cudaSetDevice(previous);
+  } catch (...) {
+    // A map node that could not be made: the block stays placed, never reused.
+  }
+}
+
+HeapLocation CudaSymmetricHeap::locate(const void* p, size_t n) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return locate_in_arenas(placement_, own_, p, n);
+}
+
+char* CudaSymmetricHeap::arena_of(int r, int arena, const DeviceArenaAddress& address) {
+  if (arena < 0 || arena >= kMaxArenas || r < 0 || r >= world_size_) {
+    throw std::out_of_range("CudaSymmetricHeap::arena_of: no arena " + std::to_string(arena) +
+                            " of rank " + std::to_string(r));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (r == rank_) {
+    if (arena >= static_cast<int>(own_.size())) {
+      throw std::out_of_range("CudaSymmetricHeap::arena_of: this rank has no arena " +
+                              std::to_string(arena));
+    }
+    return own_[static_cast<size_t>(arena)];
+  }
+  char*& slot = peers_[static_cast<size_t>(r)][static_cast<size_t>(arena)];
+  if (slot == nullptr) {
+    if (address.bytes == 0) {
+      throw CudaError("xdev CUDA heap: rank " + std::to_string(r) + " has published no arena " +
+                      std::to_string(arena));
+    }
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, address.handle, sizeof handle);
+    CudaDeviceGuard guard(device_);
+    void* data = nullptr;
+    check_cuda(cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess),
+               ("cudaIpcOpenMemHandle (rank " + std::to_string(r) + "'s heap arena " +
+                std::to_string(arena) + ")")
+                   .c_str());
+    slot = static_cast<char*>(data);
+  }
+  return slot;
+}
+
+size_t CudaSymmetricHeap::bytes_in_use() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return placement_.bytes_in_use();
+}
+
+size_t CudaSymmetricHeap::bytes_reserved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return placement_.bytes_reserved();
+}
+
+int64_t CudaSymmetricHeap::live_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return placement_.live_blocks();
+}
+
+}  // namespace xdev::transport

@@ -1,0 +1,99 @@
+// A symmetric heap of device memory: what SymmetricHeap is for CPU tensors,
+// for CUDA tensors of one host's group whose GPUs reach each other. Each
+// rank's arenas are cudaMalloc'd on its GPU, exported with a CUDA IPC handle
+// (published in the group's shared-memory channel, no Store round trip) and
+// opened by peers once, on first use. The same allocations and frees, made in
+// the same order on every rank, land at the same place on every rank
+// (HeapPlacement), so a collective on such a tensor reads the peers' copies
+// straight from their memory (the executor's in-place program) with no
+// staging copy. PyTorch's DDP allocates its gradient buckets this way
+// (c10d's allocateTensor), once per bucket, reused every step.
+//
+// Streams follow the caching allocator's rule: a block belongs to the stream
+// current when it was allocated. A freed block is placed again at once (so
+// places stay a function of the calls alone, never of timing), but the next
+// allocation's stream first waits, on the GPU, for the work queued before
+// each free on the freed block's stream and on the group's collective stream.
+// No host wait.
+//
+// Torch-free: CUDA runtime only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "heap_placement.h"
+
+namespace xdev::transport {
+
+class CudaSymmetricHeap {
+ public:
+  static constexpr int kMaxArenas = 16;
+  using Publish = std::function<void(int arena, const DeviceArenaAddress& address)>;
+
+  // Arenas are made on first use: the first holds first_arena_bytes (rounded
+  // up to 2 MiB), each later one at least as much as all before it together.
+  // collective_stream is where the group's collectives read and write blocks.
+  CudaSymmetricHeap(int rank, int world_size, int device, size_t first_arena_bytes,
+                    cudaStream_t collective_stream, Publish publish);
+  ~CudaSymmetricHeap();  // frees arenas and events, closes peers' handles; never throws
+  CudaSymmetricHeap(const CudaSymmetricHeap&) = delete;
+  CudaSymmetricHeap& operator=(const CudaSymmetricHeap&) = delete;
+
+  struct Block {
+    char* data = nullptr;  // device memory of this rank
+    HeapLocation where;
+  };
+  // A block of `bytes` for work on `stream` (which first waits for the work
+  // that used blocks freed before). Throws std::invalid_argument for a block
+  // too large, CudaError when no arena can be had. Thread-safe.
+  Block allocate(size_t bytes, cudaStream_t stream);
+  // Returns the block at `where`; never throws (it runs in a tensor's deleter,
+  // possibly after CUDA has shut down at exit).
+  void free(HeapLocation where) noexcept;
+
+  // Where [p, p + n) lies in this rank's arenas, or arena -1.
+  HeapLocation locate(const void* p, size_t n) const;
+
+  // Rank r's arena as mapped in this process, opened from `address` on first
+  // use (this rank's own: no address needed). Throws CudaError naming the
+  // peer when it cannot be opened.
+  char* arena_of(int r, int arena, const DeviceArenaAddress& address);
+
+  int device() const { return device_; }
+  size_t bytes_in_use() const;
+  size_t bytes_reserved() const;
+  int64_t live_blocks() const;
+
+ private:
+  int add_arena(size_t at_least);  // mutex_ held
+  // Makes `stream` wait for every free so far, and forgets them. mutex_ held.
+  void wait_for_frees(cudaStream_t stream);
+  void record_free(cudaStream_t stream) noexcept;  // mutex_ held
+
+  const int rank_;
+  const int world_size_;
+  const int device_;
+  const size_t first_arena_bytes_;
+  const cudaStream_t collective_stream_;
+  Publish publish_;
+  mutable std::mutex mutex_;
+  HeapPlacement placement_;
+  std::vector<char*> own_;                                        // this rank's arenas (cudaMalloc)
+  std::map<std::pair<int, int64_t>, cudaStream_t> block_stream_;  // live blocks' allocation streams
+  // Per stream, an event recorded after the latest free's use of it: a later
+  // record on the same stream covers the earlier frees too.
+  std::map<cudaStream_t, cudaEvent_t> frees_;
+  std::vector<cudaEvent_t> spare_events_;
+  // [rank][arena]: peers' arenas as opened here (IPC); own rank unused.
+  std::vector<std::vector<char*>> peers_;
+};
+
+}  // namespace xdev::transport
