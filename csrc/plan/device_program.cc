@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "shared_buffer_plan.h"
+
 namespace xdev::plan {
 namespace {
 
@@ -207,6 +209,50 @@ DeviceProgram compile_gather_scatter_program(const GatherScatterPlan& plan, int6
   }
   check_program(prog, rank);
   return prog;
+}
+
+DeviceProgram compile_in_place_program(int64_t total, int64_t elem_bytes, int world_size,
+                                       int rank) {
+  constexpr int kPhases = 3;
+  check_limits(world_size, kPhases, rank);
+  const std::vector<Range> slices = shared_buffer_slices(total, elem_bytes, world_size);
+  const auto copy_op = [](int phase, Range slice) {
+    DeviceOp op;
+    op.phase = phase;
+    op.dst_is_output = 1;
+    op.sources_are_copies = 1;
+    op.dst_offset = slice.begin;
+    op.count = slice.size();
+    return op;
+  };
+  DeviceProgram p;
+  p.num_phases = kPhases;
+  p.phase_begin = {0, 0};  // phase 0: nothing to stage
+  const Range mine = slices[static_cast<size_t>(rank)];
+  if (!mine.empty()) {
+    DeviceOp op = copy_op(1, mine);
+    op.is_reduce = 1;
+    op.finalize = 1;
+    op.num_sources = world_size;
+    for (int r = 0; r < world_size; ++r) {
+      op.sources[r] = r;
+      op.src_offsets[r] = mine.begin;
+    }
+    p.ops.push_back(op);
+  }
+  p.phase_begin.push_back(static_cast<int32_t>(p.ops.size()));
+  for (int owner = 0; owner < world_size; ++owner) {
+    const Range theirs = slices[static_cast<size_t>(owner)];
+    if (owner == rank || theirs.empty()) continue;
+    DeviceOp op = copy_op(2, theirs);
+    op.num_sources = 1;
+    op.sources[0] = owner;
+    op.src_offsets[0] = theirs.begin;
+    p.ops.push_back(op);
+  }
+  p.phase_begin.push_back(static_cast<int32_t>(p.ops.size()));
+  p.phase_begin.push_back(static_cast<int32_t>(p.ops.size()));  // phase 3: the last barrier
+  return p;
 }
 
 int device_blocks_per_rank(int multiprocessors, int ranks_on_gpu, int max_blocks) {

@@ -32,6 +32,9 @@ struct DeviceOp {
   int32_t is_reduce = 0;      // 0: copy sources[0]; 1: reduce all sources in order
   int32_t finalize = 0;       // produces a total: AVG divides here
   int32_t dst_is_output = 0;  // 1: the rank's output tensor; 0: the rank's own staging slot
+  // 1: sources name ranks' copies of the tensor (in memory every rank maps),
+  // not their slots; the in-place program's ops read nothing else.
+  int32_t sources_are_copies = 0;
   int32_t num_sources = 0;
   int32_t sources[kMaxDeviceRanks] = {};  // rank whose slot is read, or kOwnInput (its input)
   // Elements from the start of each source: a reduce-scatter reads its own
@@ -70,5 +73,18 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank);
 // GatherScatterPlan::slot_memory_offset. Throws std::invalid_argument as
 // compile_device_program does.
 DeviceProgram compile_gather_scatter_program(const GatherScatterPlan& plan, int64_t k, int rank);
+
+// The ops `rank` runs for an in-place allreduce of `total` elements of
+// elem_bytes whose tensor lies at the same place in every rank's symmetric
+// heap, so that every rank's copy is mapped here: no slot, nothing staged,
+// one window whatever the size. Rank r owns slice r
+// (shared_buffer_slices). Phase 0 does nothing: its barrier says every
+// rank's tensor is ready. Phase 1 reduces the rank's slice from every copy,
+// in rank order, into its own copy (the only rank that computes it, so every
+// rank ends with the same bits); phase 2 copies every other slice from its
+// owner's copy; phase 3 is empty: its barrier keeps each copy as it is until
+// every peer has read it. No op writes anything another op of its phase, of
+// any rank, reads.
+DeviceProgram compile_in_place_program(int64_t total, int64_t elem_bytes, int world_size, int rank);
 
 }  // namespace xdev::plan

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 #include "../kernels/cuda_reduce.cuh"
 
@@ -29,6 +30,7 @@ struct WindowParams {
   int32_t rank;
   int32_t world_size;
   char* slots[plan::kMaxDeviceRanks];        // this window's slot of every rank
+  char* copies[plan::kMaxDeviceRanks];       // every rank's copy of the tensor (in place)
   uint64_t* inboxes[plan::kMaxDeviceRanks];  // every rank's inbox, mapped here
   GridSync* grid;
   const char* input;  // what kOwnInput reads; an allreduce's is its output
@@ -108,6 +110,9 @@ __device__ void abort_kernel(const WindowParams& p, unsigned int code) {
 //     __syncthreads, so every peer thread's later reads of our slot happen
 //     after our writes. Writes are only ever to a rank's own slot and tensor;
 //     reads of peers only follow a barrier, which is what the plans promise.
+//     (The in-place program reads peers' copies of the tensor the same way:
+//     its phase 0 is empty, so its first reads follow a barrier too, and its
+//     last barrier keeps each copy unchanged until every peer has read it.)
 // Returns false when the kernel must stop (a wait timed out).
 __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
   __shared__ int keep_going;
@@ -152,7 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   if (aborted(p.grid)) return;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const auto source = [&p](int src) -> const char* {
+  const auto source = [&p](const plan::DeviceOp& op, int src) -> const char* {
+    if (op.sources_are_copies) return p.copies[src];
     return src == plan::kOwnInput ? p.input : p.slots[src];
   };
   for (int phase = 0; phase <= p.num_phases; ++phase) {
@@ -160,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
       const plan::DeviceOp& op = p.ops[i];
       T* dst = reinterpret_cast<T*>(op.dst_is_output ? p.output : p.slots[p.rank]) + op.dst_offset;
       if (!op.is_reduce) {
-        const T* src = reinterpret_cast<const T*>(source(op.sources[0])) + op.src_offsets[0];
+        const T* src = reinterpret_cast<const T*>(source(op, op.sources[0])) + op.src_offsets[0];
         // An all-gather whose input lies in its output has its own block in place already.
         if (src == dst) continue;
         kernels::cuda::copy_bytes(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src),
@@ -169,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
       }
       const T* srcs[plan::kMaxDeviceRanks];
       for (int s = 0; s < op.num_sources; ++s) {
-        srcs[s] = reinterpret_cast<const T*>(source(op.sources[s])) + op.src_offsets[s];
+        srcs[s] = reinterpret_cast<const T*>(source(op, op.sources[s])) + op.src_offsets[s];
       }
       kernels::cuda::reduce_elements<T, Op>(dst, srcs, op.num_sources, op.count,
                                             op.finalize ? p.avg_divisor : 0, tid, nthreads);
@@ -285,6 +291,25 @@ void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan&
       dtype, op, stream);
 }
 
+void CudaExecutor::allreduce_in_place(const std::vector<char*>& copies, int64_t total,
+                                      kernels::DType dtype, kernels::ReduceOp op,
+                                      cudaStream_t stream) {
+  const int rank = channel_.rank(), world = channel_.world_size();
+  if (static_cast<int>(copies.size()) != world) {
+    throw std::invalid_argument("CudaExecutor::allreduce_in_place: one copy per rank");
+  }
+  const auto elem_bytes = static_cast<int64_t>(kernels::element_size(dtype));
+  CudaPlanKey key;
+  key.collective = CudaPlanKey::kAllreduceInPlace;
+  key.total = total;
+  key.window_elems = elem_bytes;
+  run(
+      key, 1,
+      [&](int64_t) { return plan::compile_in_place_program(total, elem_bytes, world, rank); },
+      copies[static_cast<size_t>(rank)], copies[static_cast<size_t>(rank)], dtype, op, stream,
+      copies);
+}
+
 void CudaExecutor::gather_scatter(const CudaPlanKey& key, const plan::GatherScatterPlan& plan,
                                   const void* input, void* output, kernels::DType dtype,
                                   kernels::ReduceOp op, cudaStream_t stream) {
@@ -298,7 +323,7 @@ void CudaExecutor::gather_scatter(const CudaPlanKey& key, const plan::GatherScat
 void CudaExecutor::run(const CudaPlanKey& key, int64_t num_windows,
                        const std::function<plan::DeviceProgram(int64_t)>& compile,
                        const void* input, void* output, kernels::DType dtype, kernels::ReduceOp op,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const std::vector<char*>& copies) {
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
   CudaDeviceGuard guard(channel_.device());
@@ -307,6 +332,7 @@ void CudaExecutor::run(const CudaPlanKey& key, int64_t num_windows,
   p.rank = channel_.rank();
   p.world_size = channel_.world_size();
   for (int r = 0; r < p.world_size; ++r) p.inboxes[r] = channel_.inbox(r);
+  for (size_t r = 0; r < copies.size(); ++r) p.copies[r] = copies[r];
   p.grid = static_cast<GridSync*>(grid_sync_);
   p.input = static_cast<const char*>(input);
   p.output = static_cast<char*>(output);

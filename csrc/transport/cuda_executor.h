@@ -35,12 +35,12 @@ namespace xdev::transport {
 // are in elements, so the dtype does not matter, only the slot's capacity in
 // its elements).
 struct CudaPlanKey {
-  enum Collective { kAllreduce, kReduceScatter, kAllGather };
+  enum Collective { kAllreduce, kReduceScatter, kAllGather, kAllreduceInPlace };
   int collective = kAllreduce;
   int algorithm = 0;
   int root = 0;
   int64_t total = 0;
-  int64_t window_elems = 0;          // a gather/scatter: the slot's capacity
+  int64_t window_elems = 0;  // a gather/scatter: the slot's capacity; in place: element bytes
   std::vector<int64_t> pack_bounds;  // begin, end of every pack; a gather/scatter: every block
   std::vector<int> tree_ids;         // the balanced plan's trees, flattened; empty otherwise
 
@@ -69,6 +69,12 @@ class CudaExecutor {
   void allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
                  kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
 
+  // The in-place allreduce of a tensor that lies at the same place in every
+  // rank's CudaSymmetricHeap: copies[r] is rank r's copy as mapped here (this
+  // rank's own among them). One kernel, no slot (plan::compile_in_place_program).
+  void allreduce_in_place(const std::vector<char*>& copies, int64_t total, kernels::DType dtype,
+                          kernels::ReduceOp op, cudaStream_t stream);
+
   // The same for a reduce-scatter (input: the full tensor, output: this
   // rank's block) or an all-gather (the other way round); both contiguous.
   // key.collective says which, key.pack_bounds holds every rank's block.
@@ -95,9 +101,11 @@ class CudaExecutor {
       const CudaPlanKey& key, int64_t num_windows,
       const std::function<plan::DeviceProgram(int64_t)>& compile, cudaStream_t stream);
   // Launches key's windows (compiled on first use) on input and output.
+  // copies: every rank's copy of the tensor, for ops whose sources are copies (else empty).
   void run(const CudaPlanKey& key, int64_t num_windows,
            const std::function<plan::DeviceProgram(int64_t)>& compile, const void* input,
-           void* output, kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
+           void* output, kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
+           const std::vector<char*>& copies = {});
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;
