@@ -273,6 +273,15 @@ Selection select_allreduce(const SelectionInput& in) {
           "; in place when every rank's tensor is at the same place of the group's "
           "symmetric heap (e.g. DDP's buckets)";
     }
+  } else if (in.device == DeviceKind::kCuda && in.in_symmetric_heap && in.num_tensors == 1 &&
+             (in.requested == Algorithm::kAuto || s.algorithm == Algorithm::kFlat)) {
+    // The in-place program is flat's reduce-scatter and all-gather reading
+    // the peers' copies: auto's native choice or flat gives way to it, a
+    // plan forced by name keeps its staged schedule.
+    s.in_place_shared = true;
+    s.reason +=
+        "; in place when every rank's tensor is at the same place of the group's CUDA heap "
+        "(e.g. DDP's buckets): one kernel reduces each rank's slice from the peers' copies";
   }
   return s;
 }

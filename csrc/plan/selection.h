@@ -103,10 +103,11 @@ struct SelectionInput {
   // >= 0: the one (CPU) tensor lies at the same offset of shared buffer #id,
   // which every rank maps (torch_xdev.shared_empty).
   int64_t shared_buffer_id = -1;
-  // The one (CPU) tensor lies in the group's symmetric heap on this rank (a DDP
-  // bucket, from c10d's allocateTensor). It changes nothing about the plan, as
-  // peers' tensors need not be there; when the plan is staged flat, it runs
-  // in place once every rank finds all blocks at the same place.
+  // The one tensor lies in the group's symmetric heap on this rank (CPU; CUDA:
+  // its CUDA heap), a DDP bucket from c10d's allocateTensor. It changes
+  // nothing about the plan, as peers' tensors need not be there; when the
+  // plan is staged flat (CUDA: also auto's native choice), it runs in place
+  // once every rank finds all blocks at the same place.
   bool in_symmetric_heap = false;
   // The CPU single-copy transport is open on every rank.
   bool single_copy_available = false;
@@ -144,8 +145,8 @@ struct Selection {
   int64_t num_packs = 0;  // hierarchical plans only; 0 = one pack per tensor
   std::string reason;
   double predicted_s = 0;  // by the model, when it chose; else 0
-  // CPU: reduce in place in the shared buffer or the symmetric heap (flat's
-  // order, nothing staged).
+  // Reduce in place in the shared buffer or the symmetric heap (flat's
+  // order, nothing staged); CUDA: in the CUDA heap.
   bool in_place_shared = false;
   // CPU: run on the single-copy transport (peers read the tensor in place).
   bool single_copy = false;
@@ -169,7 +170,7 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts);
 // exchange); a forced plan; the model's choice (CUDA: with NCCL's candidates
 // where nccl_available; without a model, by topology).
 // A tensor in the symmetric heap gets the plan of any tensor, in place when
-// that is flat (in_place_shared).
+// that is flat (in_place_shared); on CUDA also when auto chose a native plan.
 Selection select_allreduce(const SelectionInput& in);
 
 // ---- Reduce-scatter and all-gather ----

@@ -132,6 +132,27 @@ TEST(selection_symmetric_heap_runs_in_place_only_where_the_plan_is_flat) {
   CHECK_EQ(select_allreduce(in).algorithm, Algorithm::kFallback);
 }
 
+TEST(selection_cuda_heap_runs_in_place_for_auto_and_flat_only) {
+  SelectionInput in = cuda_input(TopologyClass::kFullyConnected, 4);
+  in.in_symmetric_heap = true;
+  Selection s = select_allreduce(in);
+  CHECK_EQ(s.algorithm, Algorithm::kReduceToOne);  // the plan any tensor gets
+  CHECK(s.in_place_shared);
+  CHECK(contains(s.reason, "CUDA heap"));
+  in.requested = Algorithm::kFlat;
+  CHECK(select_allreduce(in).in_place_shared);
+  in.requested = Algorithm::kReduceToOne;  // forced by name: staged
+  CHECK(!select_allreduce(in).in_place_shared);
+  in.requested = Algorithm::kAuto;
+  in.num_tensors = 2;  // a list is packed first: staged
+  CHECK(!select_allreduce(in).in_place_shared);
+  in.num_tensors = 1;
+  in.transport_available = false;  // the engine: nothing in place
+  s = select_allreduce(in);
+  CHECK_EQ(s.algorithm, Algorithm::kFallback);
+  CHECK(!s.in_place_shared);
+}
+
 TEST(selection_without_transport_falls_back_with_the_note) {
   SelectionInput in = cuda_input(TopologyClass::kDgx1, 8);
   in.transport_available = false;
