@@ -144,6 +144,12 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     backend = torch_xdev._registration.backend_of()
     with pytest.raises(ValueError, match="too large"):
         backend.allocate_tensor(1 << 62, dtype=torch.float32, device=torch.device("cpu"))
+    # No CUDA collective has run on this group (here: no CUDA at all), so no CUDA heap:
+    # DDP's Reducer then makes ordinary buckets, and a direct call says why not.
+    cuda0 = torch.device("cuda", 0)
+    assert not backend.supports_tensor_alloc(cuda0)
+    with pytest.raises(ValueError, match="no CUDA heap for cuda:0"):
+        backend.allocate_tensor(16, dtype=torch.float32, device=cuda0)
     t.fill_(1.0)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((1 << 16,), float(world)))

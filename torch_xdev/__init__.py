@@ -55,20 +55,23 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive),
     ``ddp_shared_buckets`` (whether DDP's buckets on this group will live in its symmetric
     heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas
-    and bytes in use, or None).
+    and bytes in use, or None); ``cuda`` has the same two for CUDA buckets and ``heap``, the
+    CUDA heap's bytes, blocks and in-place allreduces (None without one).
     """
     info = dict(backend_of(group).describe())
     # DDP asks the backend for bucket memory only under PyTorch's switch (torch_xdev/ddp.py).
     # c10d's Reducer turns it off for the value "1" (its default, when unset) and for nothing
     # else: "0", "false" and "" all turn it on.
     switch = os.environ.get(COMM_MEM_VARIABLE, "1")
-    if info["ddp_shared_buckets"] and switch == "1":
-        info["ddp_shared_buckets"] = False
-        info["ddp_shared_buckets_note"] = (
-            f"off: {COMM_MEM_VARIABLE} is 1 or unset; DDP allocates its buckets through the "
-            f"backend only when it is set to something else, e.g. 0 (the group's symmetric heap "
-            f"is ready)"
-        )
+    cuda = info["cuda"] = dict(info["cuda"])
+    for part, heap in ((info, "symmetric heap"), (cuda, "CUDA heap")):
+        if part.get("ddp_shared_buckets") and switch == "1":
+            part["ddp_shared_buckets"] = False
+            part["ddp_shared_buckets_note"] = (
+                f"off: {COMM_MEM_VARIABLE} is 1 or unset; DDP allocates its buckets through the "
+                f"backend only when it is set to something else, e.g. 0 (the group's {heap} is "
+                f"ready)"
+            )
     return info
 
 

@@ -6,12 +6,13 @@ group's backend (``Backend::allocateTensor``) when the environment variable
 it can (``supportsTensorAlloc``). xdev can for CPU buckets: it places them in the group's
 symmetric heap, memory every rank maps, so each bucket's allreduce reads the peers' buckets and
 writes the totals straight into them, with nothing staged (on several hosts each host's ranks
-share a heap, and the two-level allreduce reads it inside each host). PyTorch reads the variable
-process-wide, for every backend, so ``import torch_xdev`` sets it to ``0`` only where that
-changes no other backend: when the user has not set it and the process sees no CUDA device
-(NCCL, the one other backend that answers ``supportsTensorAlloc``, needs one). Elsewhere set
-``DDP_DISABLE_COMM_MEM=0`` yourself; ``Options(shared_buckets=False)``
-(``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
+share a heap, and the two-level allreduce reads it inside each host). It can for CUDA buckets
+once the group's CUDA IPC transport is open: they come from its CUDA heap, device memory every
+rank maps through CUDA IPC. PyTorch reads the variable process-wide, for every backend, so
+``import torch_xdev`` sets it to ``0`` only where that changes no other backend: when the user
+has not set it and the process sees no CUDA device (NCCL, the one other backend that answers
+``supportsTensorAlloc``, needs one). Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;
+``Options(shared_buckets=False)`` (``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
 
 Averaging. Without a comm hook DDP divides every gradient by the world size before its SUM
 allreduce (fused into the copy into the bucket, or a separate pass over the gradient with

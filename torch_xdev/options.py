@@ -188,8 +188,9 @@ class Options:
             (process_vm_readv) for large CPU allreduces, when the host allows it.
         shared_buckets: let DDP allocate its gradient buckets (and other callers of c10d's
             ``allocateTensor``) in this group's symmetric heap, memory every rank maps, so
-            their allreduce runs in place (on several hosts, in place inside each host). CPU
-            tensors; see the README.
+            their allreduce runs in place (on several hosts, in place inside each host); CUDA
+            tensors from the group's CUDA heap (CUDA IPC) where its CUDA transport is on. See
+            the README.
         two_level_pieces: on several hosts, pipeline a two-level allreduce in this many
             pieces, so that the steps inside each host overlap the engine's across hosts
             (a payload whose slices ride in the check across hosts, 64 KiB each, stays

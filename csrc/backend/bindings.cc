@@ -82,6 +82,18 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["gpu_time_sliced"] = info->gpu_time_sliced;
   d["transport"] = info->transport;
   d["transport_note"] = info->transport_note;
+  d["ddp_shared_buckets"] = info->heap;
+  d["ddp_shared_buckets_note"] = info->heap_note;
+  if (const std::optional<CudaHeapUsage> usage = cuda->heap_usage()) {
+    py::dict h;
+    h["bytes_reserved"] = usage->bytes_reserved;
+    h["bytes_in_use"] = usage->bytes_in_use;
+    h["live_blocks"] = usage->live_blocks;
+    h["in_place_allreduces"] = usage->in_place_allreduces;
+    d["heap"] = h;
+  } else {
+    d["heap"] = py::none();
+  }
   return d;
 }
 

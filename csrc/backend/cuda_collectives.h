@@ -45,6 +45,18 @@ struct CudaGroupInfo {
   std::optional<plan::MachineModel> model;
   bool transport = false;      // the CUDA IPC channel is open on every rank
   std::string transport_note;  // why it is on or off
+  // allocateTensor gives tensors of `device` from the group's CUDA heap
+  // (memory every rank maps), whose allreduce runs in place: needs the transport.
+  bool heap = false;
+  std::string heap_note;  // why it is on or off
+};
+
+// What the group's CUDA heap holds (describe()).
+struct CudaHeapUsage {
+  int64_t bytes_reserved = 0;
+  int64_t bytes_in_use = 0;
+  int64_t live_blocks = 0;
+  int64_t in_place_allreduces = 0;  // allreduces that read the peers' copies in place
 };
 
 class CudaCollectives {
@@ -83,6 +95,14 @@ class CudaCollectives {
                                                         at::Tensor block, kernels::ReduceOp op,
                                                         c10d::OpType type,
                                                         std::chrono::milliseconds timeout) = 0;
+
+  // c10d's allocateTensor for CUDA tensors on the group's device: numel
+  // elements from the group's CUDA heap (info()->heap must be true), for work
+  // on the current stream. Throws std::invalid_argument on a bad size.
+  virtual at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) = 0;
+  virtual std::optional<CudaHeapUsage> heap_usage() const = 0;  // nullopt without a heap
+  // Whether t is a contiguous tensor lying in this rank's CUDA heap.
+  virtual bool in_heap(const at::Tensor& t) const = 0;
 
   // Blocks the host until every GPU collective launched so far has finished,
   // and throws if a GPU barrier gave up on a peer.

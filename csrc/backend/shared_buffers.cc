@@ -6,22 +6,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "tensor_helpers.h"
+
 namespace xdev::backend {
 namespace {
-
-// numel elements of dtype in bytes; throws std::invalid_argument when that
-// overflows or exceeds what the heap hands out (at::empty refuses such sizes too).
-size_t bytes_of(const char* what, int64_t numel, at::ScalarType dtype) {
-  int64_t bytes = 0;
-  if (numel < 0 ||
-      __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes) ||
-      bytes > transport::SymmetricHeap::kMaxBlockBytes) {
-    throw std::invalid_argument(std::string("xdev ") + what + ": a tensor of " +
-                                (numel < 0 ? "this many" : std::to_string(numel)) + " " +
-                                c10::toString(dtype) + " elements is too large");
-  }
-  return static_cast<size_t>(bytes);
-}
 
 // The first arena of each rank: DDP's default buckets (25 MiB, and 1 MiB for the
 // first) fit; it is only address space until pages are touched.
@@ -101,7 +89,7 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   if (numel < 0) {
     throw std::invalid_argument("xdev allocateTensor: negative size " + std::to_string(numel));
   }
-  const size_t bytes = bytes_of("allocateTensor", numel, dtype);
+  const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   const transport::SymmetricHeap::Block block = heap_->allocate(bytes);
   if (group_.config().debug) {
     std::fprintf(stderr,
@@ -142,7 +130,8 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
       throw std::invalid_argument("torch_xdev.shared_empty: negative dimension " +
                                   std::to_string(d) + " in size [" + shape + "]");
     }
-    if (__builtin_mul_overflow(numel, d, &numel)) numel = -1;  // too large: bytes_of says so
+    if (__builtin_mul_overflow(numel, d, &numel))
+      numel = -1;  // too large: heap_block_bytes says so
   }
   // A world of one has no one to share with: an ordinary tensor does the same.
   if (size == 1) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
@@ -152,7 +141,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
         std::to_string(size) + " ranks are on " + std::to_string(group_.num_hosts()) +
         " hosts); use an ordinary tensor");
   }
-  const size_t bytes = bytes_of("torch_xdev.shared_empty", numel, dtype);
+  const size_t bytes = heap_block_bytes("torch_xdev.shared_empty", numel, dtype);
   constexpr size_t kPage = 4096;
   const size_t segment_bytes = (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
   int64_t id = 0;

@@ -2,6 +2,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+
+#include "../transport/heap_placement.h"
+
 namespace xdev::backend {
 
 std::optional<kernels::DType> native_dtype(at::ScalarType t) {
@@ -58,6 +63,18 @@ uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
     for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
   }
   return h;
+}
+
+size_t heap_block_bytes(const char* what, int64_t numel, at::ScalarType dtype) {
+  int64_t bytes = 0;
+  if (numel < 0 ||
+      __builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes) ||
+      bytes > transport::HeapPlacement::kMaxBlockBytes) {
+    throw std::invalid_argument(std::string("xdev ") + what + ": a tensor of " +
+                                (numel < 0 ? "this many" : std::to_string(numel)) + " " +
+                                c10::toString(dtype) + " elements is too large");
+  }
+  return static_cast<size_t>(bytes);
 }
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {

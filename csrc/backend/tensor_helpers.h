@@ -24,6 +24,11 @@ uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 
+// numel elements of dtype in bytes, for a symmetric heap's block (CPU or
+// CUDA); throws std::invalid_argument, naming `what`, when that overflows or
+// exceeds what a heap hands out (at::empty refuses such sizes too).
+size_t heap_block_bytes(const char* what, int64_t numel, at::ScalarType dtype);
+
 // Each tensor itself when contiguous, else a contiguous copy: executors work on
 // contiguous memory, and copy_back writes the copies' results into the originals.
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);

@@ -215,6 +215,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
     shared = shared_.find(tensors[0]);
     if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
     in.in_symmetric_heap = shared.heap != nullptr;
+  } else if (cuda_ != nullptr && tensors.size() == 1) {
+    in.in_symmetric_heap = cuda_->in_heap(tensors[0]);
   }
   if (in.two_level_available) {
     // One flat payload of one dtype, cut into the same slices on every host.
@@ -246,15 +248,35 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                          std::move(shared));
 }
 
+bool XdevBackend::supportsTensorAlloc(c10::DeviceIndex device) {
+  if (device < 0) return shared_.heap_available();
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  return info != nullptr && info->heap && info->device == device;
+}
+
 at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
-  TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu(),
-                    "xdev allocateTensor: only CPU tensors (supportsTensorAlloc is false for ",
-                    options.device(), ")");
+  const bool cuda = options.has_device() && options.device().is_cuda();
+  TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu() || cuda,
+                    "xdev allocateTensor: only CPU and CUDA tensors; got ", options.device());
   const at::ScalarType dtype = options.has_dtype()
                                    ? c10::typeMetaToScalarType(options.dtype())
                                    : c10::typeMetaToScalarType(at::get_default_dtype());
+  if (cuda) {
+    const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+    // "cuda" without an index: the group's GPU.
+    const int wanted = options.device().has_index() ? options.device().index()
+                                                    : (info != nullptr ? info->device : -1);
+    TORCH_CHECK_VALUE(info != nullptr && info->heap && info->device == wanted,
+                      "xdev allocateTensor: this group has no CUDA heap for ", options.device(),
+                      " (",
+                      cuda_ == nullptr         ? "this build of torch_xdev has no CUDA path"
+                      : info == nullptr        ? "no CUDA collective has run on it yet"
+                      : info->device != wanted ? "its GPU is cuda:" + std::to_string(info->device)
+                                               : info->heap_note,
+                      ")");
+  }
   try {
-    return shared_.allocate(size, dtype);
+    return cuda ? cuda_->allocate_tensor(size, dtype) : shared_.allocate(size, dtype);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }

@@ -132,11 +132,10 @@ class XdevBackend : public c10d::Backend {
 
   // c10d's communication-memory allocator, which DDP uses for its gradient
   // buckets under DDP_DISABLE_COMM_MEM=0 (and FSDP2 for its buffers when asked):
-  // CPU tensors from the group's symmetric heap, so that their allreduce runs in
-  // place. Not for CUDA tensors (device >= 0) yet.
-  bool supportsTensorAlloc(c10::DeviceIndex device) override {
-    return device < 0 && shared_.heap_available();
-  }
+  // tensors from the group's symmetric heap (CPU) or CUDA heap (the group's
+  // GPU, once a CUDA collective has opened the transport: DDP's own checks
+  // and broadcast at construction do), so that their allreduce runs in place.
+  bool supportsTensorAlloc(c10::DeviceIndex device) override;
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   bool heap_available() const { return shared_.heap_available(); }
   const std::string& heap_note() const { return shared_.heap_note(); }

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <functional>
@@ -24,10 +25,13 @@
 #include "../../transport/cuda_executor.h"
 #include "../../transport/cuda_ipc_channel.h"
 #include "../../transport/nvml_links.h"
+#include "../../transport/shared_buffer.h"
 #include "../allreduce_call.h"
 #include "../cuda_collectives.h"
 #include "../group_context.h"
 #include "../tensor_helpers.h"
+#include "cuda_heap_tensors.h"
+#include "cuda_work.h"
 
 namespace xdev::backend {
 namespace {
@@ -67,76 +71,6 @@ bool mps_daemon_visible() {
 namespace {
 
 using transport::check_cuda;
-
-// A CUDA event without timing (c10's and ATen's event classes differ across
-// the torch versions we build against, and ATen's pulls in cuBLAS headers).
-class StreamEvent {
- public:
-  StreamEvent() = default;
-  ~StreamEvent() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
-  }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-
-  void record(const c10::cuda::CUDAStream& stream) {
-    if (event_ == nullptr) {
-      c10::cuda::CUDAGuard guard(stream.device_index());
-      check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
-    }
-    check_cuda(cudaEventRecord(event_, stream.stream()), "cudaEventRecord");
-  }
-  // Work queued on stream after this call starts once the event has passed.
-  void block(const c10::cuda::CUDAStream& stream) const {
-    if (event_ == nullptr) return;  // never recorded: nothing to wait for
-    check_cuda(cudaStreamWaitEvent(stream.stream(), event_, 0), "cudaStreamWaitEvent");
-  }
-  bool query() const {
-    if (event_ == nullptr) return true;
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) {
-      cudaGetLastError();
-      return false;
-    }
-    check_cuda(status, "cudaEventQuery");
-    return true;
-  }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-// The Work of a native CUDA collective. The host part (the barrier that checks
-// every rank runs the same collective, and the launches) completes it; the GPU
-// part is done when done_ has passed on the internal stream.
-class CudaWork : public XdevWork {
- public:
-  CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-           c10::cuda::CUDAStream stream)
-      : XdevWork(rank, type, title, outputs, {c10::Device(c10::kCUDA, stream.device_index())}),
-        stream_(stream) {}
-
-  // The future records its CUDA events on the current stream: make it ours.
-  void complete() override {
-    c10::cuda::CUDAStreamGuard guard(stream_);
-    XdevWork::complete();
-  }
-
-  void record_done() { done_.record(stream_); }
-
-  // wait() calls this once the host part is done: like ProcessGroupNCCL, the
-  // caller's current stream waits for the GPU work; the host does not.
-  void synchronize() override {
-    XdevWork::synchronize();
-    done_.block(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
-  }
-
-  bool isCompleted() override { return XdevWork::isCompleted() && done_.query(); }
-
- private:
-  c10::cuda::CUDAStream stream_;
-  StreamEvent done_;
-};
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -200,6 +134,27 @@ class CudaCollectivesImpl : public CudaCollectives {
            "barriers cannot be replayed in";
   }
 
+  at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) override {
+    if (!heap_) {
+      const CudaGroupInfo* i = info();
+      throw std::invalid_argument("xdev allocateTensor: this group has no CUDA heap (" +
+                                  (i ? i->heap_note : std::string("no CUDA collective yet")) + ")");
+    }
+    return heap_->allocate(numel, dtype);
+  }
+
+  std::optional<CudaHeapUsage> heap_usage() const override {
+    if (!heap_) return std::nullopt;
+    const transport::CudaSymmetricHeap& h = heap_->heap();
+    return CudaHeapUsage{static_cast<int64_t>(h.bytes_reserved()),
+                         static_cast<int64_t>(h.bytes_in_use()), h.live_blocks(),
+                         in_place_allreduces_.load()};
+  }
+
+  bool in_heap(const at::Tensor& t) const override {
+    return heap_ != nullptr && heap_->locate(t).arena >= 0;
+  }
+
   void synchronize() override {
     if (!stream_) return;
     stream_->synchronize();
@@ -225,6 +180,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
     }
+    heap_.reset();  // tensors from it keep its memory until they go
     executor_.reset();
     channel_.reset();
     stream_.reset();
@@ -354,6 +310,8 @@ class CudaCollectivesImpl : public CudaCollectives {
     info.transport_note = plan::cuda_transport_refusal(
         g_.num_hosts(), size, all_reachable, g_.channel() != nullptr, info.compute_capability);
     if (info.transport_note.empty()) open_transport(store, key, device, &info);
+    if (!info.transport)
+      info.heap_note = "off: needs the CUDA IPC transport (" + info.transport_note + ")";
     if (config.debug && rank == 0) {
       std::fprintf(
           stderr, "[xdev] group '%s': CUDA topology %s (%s), ranks %s a GPU, transport %s\n",
@@ -384,6 +342,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
                              std::to_string(g_.config().cuda_slot_bytes) + " bytes per slot";
+      open_heap(device, info);
       return;
     }
     executor_.reset();
@@ -395,6 +354,21 @@ class CudaCollectivesImpl : public CudaCollectives {
       std::fprintf(stderr, "[xdev] group '%s' rank %d: CUDA IPC unavailable: %s\n",
                    g_.config().group_name.c_str(), g_.rank(), why.c_str());
     }
+  }
+
+  // The CUDA heap needs nothing from peers until its first in-place
+  // collective: arenas are made and published on first allocation, and the
+  // IPC transport just proved that every rank can open every other's memory.
+  void open_heap(int device, CudaGroupInfo* info) {
+    if (!g_.config().shared_buckets) {
+      info->heap_note = "off: Options.shared_buckets / XDEV_SHARED_BUCKETS is off";
+      return;
+    }
+    heap_ = std::make_unique<CudaHeapTensors>(g_, device, stream_->stream());
+    info->heap = true;
+    info->heap_note =
+        "on: CUDA tensors from allocateTensor (DDP's buckets) lie in device memory every rank "
+        "maps (CUDA IPC); their allreduce reads the peers' copies in place";
   }
 
   // Queues `run` on the group's op thread with our stream current; the stream
@@ -517,10 +491,29 @@ class CudaCollectivesImpl : public CudaCollectives {
 
       g_.number(call.descriptor);
       call.descriptor.device = 1;
+      // One contiguous tensor in the heap: every rank reads its peers' copies
+      // in place if all lie at one place (compared after the first barrier).
+      const transport::HeapLocation where = sel.in_place_shared && in_place && heap_
+                                                ? heap_->locate(flat)
+                                                : transport::HeapLocation{};
+      call.descriptor.heap_arena = where.arena;
+      call.descriptor.heap_offset = where.offset;
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
       g_.channel()->open_collective(g_.make_context(call.descriptor, "allreduce", deadline));
       if (total == 0) continue;
+      if (where.arena >= 0 &&
+          transport::same_heap_place_on_every_rank(*g_.channel(), call.descriptor)) {
+        executor_->allreduce_in_place(heap_->copies(where), total, call.dtype, op,
+                                      stream_->stream());
+        ++in_place_allreduces_;
+        continue;
+      }
+      if (where.arena >= 0) {
+        g_.log_once("cuda-heap-places-differ",
+                    "a tensor of the CUDA heap is not at the same place on every rank (ranks "
+                    "allocated in different orders): its allreduce stages instead");
+      }
 
       transport::CudaPlanKey key;
       key.algorithm = static_cast<int>(sel.algorithm);
@@ -554,6 +547,8 @@ class CudaCollectivesImpl : public CudaCollectives {
   std::optional<AllreducePlanner> planner_;
   std::unique_ptr<transport::CudaIpcChannel> channel_;
   std::unique_ptr<transport::CudaExecutor> executor_;
+  std::unique_ptr<CudaHeapTensors> heap_;  // null without the transport or shared_buckets
+  std::atomic<int64_t> in_place_allreduces_{0};
 };
 
 std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext& group) {

@@ -1,0 +1,69 @@
+#include "cuda_heap_tensors.h"
+
+#include <ATen/ops/from_blob.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "../tensor_helpers.h"
+
+namespace xdev::backend {
+namespace {
+
+// The first arena of each rank: DDP's default buckets (25 MiB, and 1 MiB for
+// the first) fit. Made at the first allocation, not before.
+constexpr size_t kFirstArenaBytes = size_t{32} << 20;
+
+}  // namespace
+
+CudaHeapTensors::CudaHeapTensors(GroupContext& group, int device, cudaStream_t collective_stream)
+    : g_(group) {
+  transport::ShmChannel* channel = group.channel();
+  if (channel == nullptr) throw std::logic_error("CudaHeapTensors: the group has no channel");
+  heap_ = std::make_shared<transport::CudaSymmetricHeap>(
+      group.rank(), group.size(), device, kFirstArenaBytes, collective_stream,
+      [channel](int arena, const transport::DeviceArenaAddress& address) {
+        channel->publish_device_arena(arena, address);
+      });
+}
+
+at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
+  const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
+  const int device = heap_->device();
+  const cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  const transport::CudaSymmetricHeap::Block block = heap_->allocate(bytes, stream);
+  if (g_.config().debug) {
+    std::fprintf(stderr,
+                 "[xdev] group '%s' rank %d: allocateTensor %" PRId64
+                 " x %s (%zu bytes) on cuda:%d at CUDA heap arena %d offset %" PRId64
+                 " (%zu bytes in use)\n",
+                 g_.config().group_name.c_str(), g_.rank(), numel, c10::toString(dtype), bytes,
+                 device, block.where.arena, block.where.offset, heap_->bytes_in_use());
+  }
+  // The tensor's storage returns the block; it holds the heap, which may so outlive the group.
+  return at::from_blob(
+      block.data, {numel}, [heap = heap_, where = block.where](void*) { heap->free(where); },
+      at::TensorOptions().dtype(dtype).device(
+          at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+}
+
+transport::HeapLocation CudaHeapTensors::locate(const at::Tensor& t) const {
+  if (!t.is_cuda() || t.get_device() != heap_->device() || !t.is_contiguous()) return {};
+  return heap_->locate(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+}
+
+std::vector<char*> CudaHeapTensors::copies(transport::HeapLocation where) {
+  std::vector<char*> out;
+  const transport::ShmChannel& channel = *g_.channel();
+  for (int r = 0; r < g_.size(); ++r) {
+    out.push_back(heap_->arena_of(r, where.arena, channel.device_arena_of(r, where.arena)) +
+                  where.offset);
+  }
+  return out;
+}
+
+}  // namespace xdev::backend

@@ -1,0 +1,44 @@
+// CUDA tensors from the group's device-memory symmetric heap
+// (transport/cuda_heap.h): c10d's allocateTensor for CUDA, which PyTorch's DDP
+// calls for its gradient buckets, and the lookups the in-place allreduce needs.
+// Built only when torch has CUDA.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "../../transport/cuda_heap.h"
+#include "../group_context.h"
+
+namespace xdev::backend {
+
+class CudaHeapTensors {
+ public:
+  // The heap of this rank's GPU; arenas are published in the group's
+  // shared-memory channel, which must be there.
+  CudaHeapTensors(GroupContext& group, int device, cudaStream_t collective_stream);
+
+  // A tensor of numel elements in the heap, for work on the device's current
+  // stream. Not collective; every rank should allocate the same sizes in the
+  // same order (DDP does). Throws std::invalid_argument on a bad size.
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+
+  // Where a contiguous tensor's bytes lie in this rank's heap (arena -1: not there).
+  transport::HeapLocation locate(const at::Tensor& t) const;
+
+  // Every rank's copy of the bytes at `where`, as mapped here, by rank
+  // (peers' arenas opened on first use).
+  std::vector<char*> copies(transport::HeapLocation where);
+
+  const transport::CudaSymmetricHeap& heap() const { return *heap_; }
+
+ private:
+  GroupContext& g_;
+  std::shared_ptr<transport::CudaSymmetricHeap>
+      heap_;  // tensors share it: it may outlive the group
+};
+
+}  // namespace xdev::backend
