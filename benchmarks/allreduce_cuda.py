@@ -155,6 +155,12 @@ def host_overhead(group: Any, device: torch.device, calls: int) -> dict[str, flo
     }
 
 
+def heap_in_place(group: Any) -> int:
+    """How many allreduces of ``group`` read the peers' copies in its CUDA heap (0 without)."""
+    heap = torch_xdev.describe(group)["cuda"].get("heap")
+    return 0 if heap is None else int(heap["in_place_allreduces"])
+
+
 def run_rank_cuda(rank: int, cfg: Config) -> None:
     if cfg.topo_file is not None:
         os.environ["XDEV_TOPO_FILE"] = cfg.topo_file
@@ -176,11 +182,15 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
 
     # Every group's first CUDA collective (xdev: its GPU rendezvous) before anything is timed.
     cuda_info: Optional[dict[str, Any]] = None
+    heap_groups: set[str] = set()  # xdev groups with a CUDA heap: a "/heap" row each
     for name, group in groups:
         warm = torch.ones(4, device=device)
         dist.all_reduce(warm, group=group)
-        if cuda_info is None and name != cfg.reference:
-            cuda_info = dict(torch_xdev.describe(group)["cuda"])
+        if name != cfg.reference:
+            info = dict(torch_xdev.describe(group)["cuda"])
+            cuda_info = cuda_info or info
+            if info.get("heap") is not None:
+                heap_groups.add(name)
     if rank == 0:
         if cuda_info is not None:
             print(describe_cuda_line(cuda_info))
@@ -194,15 +204,32 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
         data = random_input(count, dtype, rank, size_index).to(device)
         expected = data.clone()
         dist.all_reduce(expected, group=reference_group)
-        tensor = torch.zeros(count, dtype=dtype, device=device)  # stays zero
+        zeros = torch.zeros(count, dtype=dtype, device=device)  # stays zero
         reference_time: Optional[float] = None
-        for name, group in groups:
+        # Each xdev group with a CUDA heap runs twice: on an ordinary tensor and on one from
+        # its heap (as DDP's buckets are under DDP_DISABLE_COMM_MEM=0), which runs in place.
+        variants = [(name, group, False) for name, group in groups]
+        variants += [(f"{name}/heap", group, True) for name, group in groups if name in heap_groups]
+        for name, group, heap in variants:
             ran: Optional[str] = None
             label = name
+            tensor = zeros
+            if heap:
+                tensor = group._get_backend(device).allocate_tensor(
+                    count, dtype=dtype, device=device
+                )
+                tensor.zero_()
             if name != cfg.reference:
-                check_result(cfg, name, group_allreduce(group), data, expected, cfg.reference)
+                in_place_before = heap_in_place(group)
+                check_result(
+                    cfg, name, group_allreduce(group), data, expected, cfg.reference, tensor
+                )
+                tensor.zero_()
                 last = torch_xdev.describe(group)["last_allreduce"]
                 ran = None if last is None else str(last[0])
+                if heap:
+                    # The in-place program ran (or the places differed and it staged).
+                    ran = f"{ran}, in place" if heap_in_place(group) > in_place_before else ran
                 if ran != name.split("/")[1]:
                     label = f"{name}({ran})"  # auto's pick, or a forced plan not honoured
             for _ in range(cfg.warmup):
@@ -214,6 +241,7 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
             row = {"device": "cuda"} | timing_row(cfg, size, count, name, label, iters, seconds)
             row |= {
                 "ran": ran,
+                "heap": heap,  # a tensor from the group's CUDA heap
                 "auto_picked": ran if name == "xdev/auto" else None,
                 "reference": cfg.reference,
                 "vs_reference": reference_time / seconds,
@@ -223,7 +251,8 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
             rows.append(row)
             if rank == 0:
                 print(format_cuda_row(row), flush=True)
-        del data, expected, tensor
+            del tensor
+        del data, expected, zeros
 
     overheads: list[dict[str, Any]] = []
     for name, group in groups:

@@ -265,8 +265,8 @@ def load_results(
         sources.append(str(path))
         for row in data["rows"]:
             algorithm = row.get("algorithm")
-            if row.get("backend_base") != "xdev" or algorithm not in ALGORITHMS:
-                continue  # Gloo, NCCL, "auto"
+            if row.get("backend_base") != "xdev" or algorithm not in ALGORITHMS or row.get("heap"):
+                continue  # Gloo, NCCL, "auto", and the in-place program on heap tensors
             size = int(row["size_bytes"])
             measurements.append(
                 Measurement(
