@@ -2,8 +2,9 @@
 allreduce reads the peers' copies in place, and DDP's buckets land there under
 ``DDP_DISABLE_COMM_MEM=0``.
 
-Ranks share the GPU(s) (cuda_ranks); the native path is forced, as ranks sharing a GPU
-without CUDA MPS would otherwise leave their collectives to Gloo. Skips without a GPU.
+Ranks share the GPU(s) (cuda_ranks). The groups force ``flat``: auto would leave ranks that
+share a GPU without CUDA MPS to Gloo, and a plan forced by any other name keeps its staged
+schedule on heap tensors. Skips without a GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import cuda_ranks
 import torch_xdev
 from collective_cases import check_close, digest, make_input, reference
-from cuda_ranks import SHARED_GPU_PLAN, close_group, first_cuda_collective, run_or_skip, setup_rank
+from cuda_ranks import close_group, first_cuda_collective, run_or_skip, setup_rank
 
 cuda_ranks.skip_module_without_cuda()
 
@@ -49,7 +50,7 @@ def _allocate(group: Any, device: torch.device, numel: int, dtype: torch.dtype) 
 def _in_place(rank: int, world: int) -> dict[str, Any]:
     device = setup_rank(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=cuda_ranks.GROUP_TIMEOUT)
-    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm=SHARED_GPU_PLAN))
+    group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="flat"))
     info = first_cuda_collective(device, group)
     if not info["transport"]:
         return {"skip": f"no CUDA transport: {info['transport_note']}"}
@@ -98,7 +99,9 @@ def test_cuda_heap_tensors_allreduce_in_place(world: int) -> None:
     assert results[0]["cases"] == len(CASES)
 
 
-def _train(group: Any, device: torch.device, rank: int, steps: int) -> torch.Tensor:
+def _train(group: Any, device: torch.device, rank: int, steps: int) -> tuple[torch.Tensor, int]:
+    """The parameters after ``steps`` DDP steps, and how many blocks of the group's CUDA heap
+    were live at the end (DDP's buckets, while its Reducer holds them; 0 without a heap)."""
     torch.manual_seed(5)
     net = torch.nn.Sequential(
         torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)
@@ -113,7 +116,13 @@ def _train(group: Any, device: torch.device, rank: int, steps: int) -> torch.Ten
         model(x).square().mean().backward()
         opt.step()
     torch.cuda.synchronize()
-    return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()])
+    heap = torch_xdev.describe(group)["cuda"].get("heap") if _is_xdev(group) else None
+    live = 0 if heap is None else int(heap["live_blocks"])
+    return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]), live
+
+
+def _is_xdev(group: Any) -> bool:
+    return dist.get_backend(group) == "xdev"
 
 
 def _ddp(rank: int, world: int) -> dict[str, Any]:
@@ -121,21 +130,22 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
     os.environ["DDP_DISABLE_COMM_MEM"] = "0"  # PyTorch's Reducer asks the backend for buckets
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=cuda_ranks.GROUP_TIMEOUT)
-    xdev = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm=SHARED_GPU_PLAN))
+    xdev = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="flat"))
     info = first_cuda_collective(device, xdev)
     if not info["transport"]:
         return {"skip": f"no CUDA transport: {info['transport_note']}"}
-    ours = _train(xdev, device, rank, steps=6)
-    heap = _heap(xdev)
-    assert heap["live_blocks"] >= 2, heap  # DDP's buckets, still held by its Reducer
-    assert heap["in_place_allreduces"] >= 6, heap
+    assert info["ddp_shared_buckets"], info["ddp_shared_buckets_note"]
+    ours, live = _train(xdev, device, rank, steps=6)
+    assert live >= 2, live  # DDP's buckets after its rebuild (about 100 KB each)
+    in_place = _heap(xdev)["in_place_allreduces"]
+    assert in_place >= 6, in_place
     gloo = dist.new_group(backend="gloo")
-    theirs = _train(gloo, device, rank, steps=6)
+    theirs, _ = _train(gloo, device, rank, steps=6)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     cuda_ranks.assert_same_on_all_ranks([digest(ours)], ["parameters"], world)
     close_group(xdev)
     dist.destroy_process_group()
-    return {"in_place": heap["in_place_allreduces"]}
+    return {"in_place": in_place}
 
 
 def test_ddp_buckets_on_cuda_come_from_the_heap_and_match_gloo() -> None:

@@ -37,13 +37,15 @@ CudaSymmetricHeap::~CudaSymmetricHeap() {
   int previous = -1;
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
+  // Work queued on the blocks, ours or peers', may still run: the GPU
+  // finishes it first. (This may run in the deleter of the last tensor from
+  // the heap, in the middle of training: a device-wide wait, once.)
+  if (!own_.empty()) cudaDeviceSynchronize();
   for (auto& arenas : peers_) {
     for (char* data : arenas) {
       if (data != nullptr) cudaIpcCloseMemHandle(data);
     }
   }
-  // Work queued on the blocks may still run: the GPU finishes it first.
-  if (!own_.empty()) cudaDeviceSynchronize();
   for (char* data : own_) cudaFree(data);
   for (auto& [stream, event] : frees_) cudaEventDestroy(event);
   for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
@@ -80,31 +82,40 @@ int CudaSymmetricHeap::add_arena(size_t at_least) {
 }
 
 void CudaSymmetricHeap::wait_for_frees(cudaStream_t stream) {
-  for (auto& [freed_on, event] : frees_) {
-    check_cuda(cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent");
-    spare_events_.push_back(event);
+  for (auto it = frees_.begin(); it != frees_.end();) {
+    check_cuda(cudaStreamWaitEvent(stream, it->second, 0), "cudaStreamWaitEvent");
+    // Kept until it has passed: a later allocation on another stream may
+    // land on the same freed bytes, and must wait too.
+    if (cudaEventQuery(it->second) == cudaSuccess) {
+      spare_events_.push_back(it->second);
+      it = frees_.erase(it);
+    } else {
+      cudaGetLastError();  // cudaErrorNotReady
+      ++it;
+    }
   }
-  frees_.clear();
 }
 
-void CudaSymmetricHeap::record_free(cudaStream_t stream) noexcept {
-  cudaEvent_t& event = frees_[stream];
-  if (event == nullptr) {
-    if (!spare_events_.empty()) {
-      event = spare_events_.back();
-      spare_events_.pop_back();
-    } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
-      event = nullptr;
-    }
+void CudaSymmetricHeap::record_free(cudaStream_t stream) {
+  const auto pending = frees_.find(stream);
+  cudaEvent_t event = pending != frees_.end() ? pending->second : nullptr;
+  if (event == nullptr && !spare_events_.empty()) {
+    event = spare_events_.back();
+    spare_events_.pop_back();
+  } else if (event == nullptr &&
+             cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+    event = nullptr;
   }
   if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
     // No event (CUDA shutting down at exit, or out of resources): wait here
     // instead, so that no later allocation can reuse memory still in use.
     cudaStreamSynchronize(stream);
-    if (event != nullptr) spare_events_.push_back(event);
-    frees_.erase(stream);
     cudaGetLastError();
+    if (event != nullptr && pending == frees_.end()) cudaEventDestroy(event);
+    return;
   }
+  // A later record on the same stream covers the earlier frees too.
+  if (pending == frees_.end()) frees_.emplace(stream, event);
 }
 
 CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t stream) {
@@ -115,11 +126,16 @@ CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t 
     add_arena(static_cast<size_t>(need));
     where = placement_.place(need);  // the new arena holds it
   }
-  if (!frees_.empty()) {
-    CudaDeviceGuard guard(device_);
-    wait_for_frees(stream);
+  try {
+    if (!frees_.empty()) {
+      CudaDeviceGuard guard(device_);
+      wait_for_frees(stream);
+    }
+    block_stream_[{where->arena, where->offset}] = stream;
+  } catch (...) {
+    placement_.free(*where);  // as if never placed, so that later places stay the peers'
+    throw;
   }
-  block_stream_[{where->arena, where->offset}] = stream;
   return Block{own_[static_cast<size_t>(where->arena)] + where->offset, *where};
 }
 
@@ -127,9 +143,8 @@ void CudaSymmetricHeap::free(HeapLocation where) noexcept {
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = block_stream_.find({where.arena, where.offset});
-    if (it == block_stream_.end() || !placement_.free(where)) return;
+    if (it == block_stream_.end()) return;
     const cudaStream_t stream = it->second;
-    block_stream_.erase(it);
     int previous = -1;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
@@ -137,9 +152,28 @@ void CudaSymmetricHeap::free(HeapLocation where) noexcept {
     if (collective_stream_ != stream) record_free(collective_stream_);
     cudaGetLastError();
     if (previous >= 0) cudaSetDevice(previous);
+    // Only once the events are recorded: a block whose free could not be
+    // noted stays placed, never reused.
+    block_stream_.erase(it);
+    placement_.free(where);
   } catch (...) {
-    // A map node that could not be made: the block stays placed, never reused.
+    // Out of memory for the bookkeeping: the block is lost to the heap, not reused early.
   }
+}
+
+void CudaSymmetricHeap::close_peers() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int previous = -1;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  for (auto& arenas : peers_) {
+    for (char*& data : arenas) {
+      if (data != nullptr) cudaIpcCloseMemHandle(data);
+      data = nullptr;
+    }
+  }
+  cudaGetLastError();
+  if (previous >= 0) cudaSetDevice(previous);
 }
 
 HeapLocation CudaSymmetricHeap::locate(const void* p, size_t n) const {

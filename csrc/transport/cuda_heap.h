@@ -11,10 +11,12 @@
 //
 // Streams follow the caching allocator's rule: a block belongs to the stream
 // current when it was allocated. A freed block is placed again at once (so
-// places stay a function of the calls alone, never of timing), but the next
-// allocation's stream first waits, on the GPU, for the work queued before
-// each free on the freed block's stream and on the group's collective stream.
-// No host wait.
+// places stay a function of the calls alone, never of timing), but every
+// later allocation's stream first waits, on the GPU, for the work queued
+// before each free on the freed block's stream and on the group's collective
+// stream, until that work has passed. No host wait. Other streams are the
+// caller's to order: record_stream does nothing for memory the caching
+// allocator does not own.
 //
 // Torch-free: CUDA runtime only.
 #pragma once
@@ -59,6 +61,10 @@ class CudaSymmetricHeap {
   // possibly after CUDA has shut down at exit).
   void free(HeapLocation where) noexcept;
 
+  // Unmaps every peer's arena (the group is done with them: its last
+  // collective has passed its closing barrier). Later arena_of calls reopen.
+  void close_peers() noexcept;
+
   // Where [p, p + n) lies in this rank's arenas, or arena -1.
   HeapLocation locate(const void* p, size_t n) const;
 
@@ -74,9 +80,10 @@ class CudaSymmetricHeap {
 
  private:
   int add_arena(size_t at_least);  // mutex_ held
-  // Makes `stream` wait for every free so far, and forgets them. mutex_ held.
+  // Makes `stream` wait for every free whose event has not yet passed (and
+  // forgets those that have). mutex_ held.
   void wait_for_frees(cudaStream_t stream);
-  void record_free(cudaStream_t stream) noexcept;  // mutex_ held
+  void record_free(cudaStream_t stream);  // mutex_ held
 
   const int rank_;
   const int world_size_;

@@ -181,6 +181,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
     }
     heap_.reset();  // tensors from it keep its memory until they go
+    if (info_) {
+      info_->heap = false;
+      info_->heap_note = "off: the group has shut down";
+    }
     executor_.reset();
     channel_.reset();
     stream_.reset();
@@ -383,7 +387,10 @@ class CudaCollectivesImpl : public CudaCollectives {
     ready->record(c10::cuda::getCurrentCUDAStream(device));
     for (const at::Tensor& t : used) {
       // The caller may free these once its stream moves on; the allocator must
-      // not hand their memory out before our stream is done with them.
+      // not hand their memory out before our stream is done with them. The
+      // CUDA heap's tensors are not the allocator's (its cudaMallocAsync
+      // backend refuses them): the heap orders their reuse itself.
+      if (heap_ && heap_->owns_storage(t)) continue;
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     }
     auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_);
@@ -493,9 +500,13 @@ class CudaCollectivesImpl : public CudaCollectives {
       call.descriptor.device = 1;
       // One contiguous tensor in the heap: every rank reads its peers' copies
       // in place if all lie at one place (compared after the first barrier).
-      const transport::HeapLocation where = sel.in_place_shared && in_place && heap_
-                                                ? heap_->locate(flat)
-                                                : transport::HeapLocation{};
+      transport::HeapLocation where = sel.in_place_shared && in_place && heap_
+                                          ? heap_->locate(flat)
+                                          : transport::HeapLocation{};
+      // A peer's arena this rank cannot open: say the tensor is elsewhere, so
+      // that every rank stages (deciding after the barrier would leave the
+      // peers waiting in the GPU barrier).
+      if (where.arena >= 0 && !heap_->open_published_peers(where)) where = {};
       call.descriptor.heap_arena = where.arena;
       call.descriptor.heap_offset = where.offset;
       // The host barrier checks that every rank runs this very collective

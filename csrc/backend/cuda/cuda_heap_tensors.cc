@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../transport/cuda_ipc_channel.h"
 #include "../tensor_helpers.h"
 
 namespace xdev::backend {
@@ -30,12 +31,23 @@ CudaHeapTensors::CudaHeapTensors(GroupContext& group, int device, cudaStream_t c
       });
 }
 
+CudaHeapTensors::~CudaHeapTensors() {
+  heap_->close_peers();
+}
+
 at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   const int device = heap_->device();
-  const cudaStream_t stream =
-      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  const transport::CudaSymmetricHeap::Block block = heap_->allocate(bytes, stream);
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  transport::CudaSymmetricHeap::Block block;
+  try {
+    block = heap_->allocate(bytes, stream);
+  } catch (const transport::CudaError& e) {
+    g_.log_once("cuda-heap-full", std::string("CUDA heap: ") + e.what() +
+                                      "; allocateTensor gives ordinary tensors, which stage");
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+  }
   if (g_.config().debug) {
     std::fprintf(stderr,
                  "[xdev] group '%s' rank %d: allocateTensor %" PRId64
@@ -51,9 +63,30 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
           at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
 }
 
+bool CudaHeapTensors::owns_storage(const at::Tensor& t) const {
+  const void* data = t.is_cuda() ? t.storage().data_ptr().get() : nullptr;
+  return data != nullptr && heap_->locate(data, 1).arena >= 0;
+}
+
 transport::HeapLocation CudaHeapTensors::locate(const at::Tensor& t) const {
   if (!t.is_cuda() || t.get_device() != heap_->device() || !t.is_contiguous()) return {};
   return heap_->locate(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+}
+
+bool CudaHeapTensors::open_published_peers(transport::HeapLocation where) {
+  const transport::ShmChannel& channel = *g_.channel();
+  for (int r = 0; r < g_.size(); ++r) {
+    const transport::DeviceArenaAddress address = channel.device_arena_of(r, where.arena);
+    if (r == g_.rank() || address.bytes == 0) continue;
+    try {
+      heap_->arena_of(r, where.arena, address);
+    } catch (const std::exception& e) {
+      g_.log_once("cuda-heap-open-" + std::to_string(r),
+                  std::string("CUDA heap: ") + e.what() + "; its tensors' allreduces stage");
+      return false;
+    }
+  }
+  return true;
 }
 
 std::vector<char*> CudaHeapTensors::copies(transport::HeapLocation where) {

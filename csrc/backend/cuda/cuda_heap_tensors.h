@@ -20,14 +20,31 @@ class CudaHeapTensors {
   // The heap of this rank's GPU; arenas are published in the group's
   // shared-memory channel, which must be there.
   CudaHeapTensors(GroupContext& group, int device, cudaStream_t collective_stream);
+  // Unmaps the peers' arenas; the heap itself lives on in its tensors.
+  ~CudaHeapTensors();
+  CudaHeapTensors(const CudaHeapTensors&) = delete;
+  CudaHeapTensors& operator=(const CudaHeapTensors&) = delete;
 
   // A tensor of numel elements in the heap, for work on the device's current
   // stream. Not collective; every rank should allocate the same sizes in the
-  // same order (DDP does). Throws std::invalid_argument on a bad size.
+  // same order (DDP does). Throws std::invalid_argument on a bad size. When
+  // the heap cannot grow (device memory, or its arena limit), an ordinary
+  // tensor instead, logged once: a failure on one rank alone would leave its
+  // peers waiting, and collectives on such tensors stage on every rank.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+
+  // Whether t's storage is a block of this heap (any layout).
+  bool owns_storage(const at::Tensor& t) const;
 
   // Where a contiguous tensor's bytes lie in this rank's heap (arena -1: not there).
   transport::HeapLocation locate(const at::Tensor& t) const;
+
+  // Before a collective's host barrier: opens every peer arena of `where`
+  // that its rank has published. False (logged) when one cannot be opened:
+  // the caller then says its tensor is not in the heap, so that every rank
+  // stages. An arena not yet published is opened by copies(), after the
+  // barrier (a peer that allocated there has published it by then).
+  bool open_published_peers(transport::HeapLocation where);
 
   // Every rank's copy of the bytes at `where`, as mapped here, by rank
   // (peers' arenas opened on first use).
