@@ -353,6 +353,33 @@ def _delegated(rank: int, world: int) -> None:
     ok = torch.full((3,), float(rank + 1))
     dist.all_reduce(ok)
     assert torch.equal(ok, torch.full((3,), float(sum(range(1, world + 1)))))
+    # So does one whose division has no place to go (the mean of bools is no bool).
+    with pytest.raises(dist.DistBackendError, match="after the engine's SUM"):
+        dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG)
+    dist.all_reduce(ok)
+    assert torch.equal(ok, torch.full((3,), float(world * sum(range(1, world + 1)))))
+    # Gloo reads and writes a strided tensor as if it were contiguous (its allreduce, reduce
+    # and broadcast corrupt the elements between): what xdev hands it is made contiguous.
+    sums = torch.arange(30.0) * world + 100.0 * sum(range(world))
+    engine_only = dist.new_group(
+        backend="xdev", pg_options=torch_xdev.Options(algorithm="fallback")
+    )
+    for name, call, root in [
+        ("all_reduce", lambda v: dist.all_reduce(v, group=engine_only), None),
+        ("reduce", lambda v: dist.reduce(v, dst=1), 1),
+        ("broadcast", lambda v: dist.broadcast(v, src=1, group=engine_only), 1),
+    ]:
+        base = torch.arange(30.0) + 100.0 * rank
+        want = base.clone()
+        if name == "broadcast":
+            want[1::3] = (torch.arange(30.0) + 100.0)[1::3]
+        elif root is None or rank == root:
+            want[1::3] = sums[1::3]
+        call(base[1::3])
+        if name == "reduce" and rank != root:  # a reduce leaves a non-root's view undefined
+            base[1::3] = want[1::3]  # but never touches the elements around it
+        assert torch.equal(base, want), (name, base, want)
+    dist.destroy_process_group(engine_only)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -57,19 +57,35 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
                                                           bool coalesced,
                                                           bool avg_as_sum_then_divide) {
   c10d::Backend* engine = for_tensors(tensors);
-  auto call = [&](const c10d::AllreduceOptions& o) {
-    if (coalesced) {
-      c10d::AllreduceCoalescedOptions co;
-      co.reduceOp = o.reduceOp;
-      co.timeout = o.timeout;
-      return engine->allreduce_coalesced(tensors, co);
-    }
-    return engine->allreduce(tensors, o);
-  };
-  if (!avg_as_sum_then_divide) return track(call(opts));
-  c10d::AllreduceOptions sum = opts;
-  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  return divide_after(group, track(call(sum)), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+  c10d::AllreduceOptions o = opts;
+  if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  c10::intrusive_ptr<c10d::Work> work =
+      on_contiguous(group, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
+                    [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
+                      if (!coalesced) return engine->allreduce(ts, o);
+                      c10d::AllreduceCoalescedOptions co;
+                      co.reduceOp = o.reduceOp;
+                      co.timeout = o.timeout;
+                      return engine->allreduce_coalesced(ts, co);
+                    });
+  if (!avg_as_sum_then_divide) return work;
+  return divide_after(group, work, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(GroupContext& group,
+                                                              std::vector<at::Tensor>& tensors,
+                                                              c10d::OpType type,
+                                                              const char* profiling_name,
+                                                              const TensorsCall& call) {
+  // Sparse tensors (DDP's sparse gradients) are the engine's own business.
+  const bool all_contiguous = std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.layout() != at::kStrided || t.is_contiguous();
+  });
+  if (all_contiguous) return track(call(tensors));
+  std::vector<at::Tensor> flat = contiguous(tensors);
+  c10::intrusive_ptr<c10d::Work> work = track(call(flat));
+  return then(group, work, tensors, type, profiling_name, "collective",
+              [flat, tensors] { copy_back(flat, tensors); });
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
@@ -92,29 +108,43 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group
                                                              c10d::OpType type,
                                                              const char* profiling_name) {
   const int world = group.size();
-  auto wait_and_divide = [sum, outputs, world]() {
+  return then(group, std::move(sum), outputs, type, profiling_name, "SUM before the AVG's division",
+              [outputs, world] {
+                for (const at::Tensor& t : outputs) divide_for_avg(t, world);
+              });
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
+                                                     c10::intrusive_ptr<c10d::Work> work,
+                                                     const std::vector<at::Tensor>& outputs,
+                                                     c10d::OpType type, const char* profiling_name,
+                                                     const std::string& what,
+                                                     std::function<void()> finish) {
+  auto wait_and_finish = [work, what, finish = std::move(finish)]() {
     try {
-      sum->wait();
+      work->wait();
     } catch (const std::exception& e) {
       // The engine's failure, which the engine reports again on its next call
       // if it is broken: this call fails, not the group's native path.
-      throw CallError(std::string("the engine's SUM before the AVG's division failed: ") +
-                      e.what());
+      throw CallError("the engine's " + what + " failed: " + e.what());
     }
-    for (const at::Tensor& t : outputs) divide_for_avg(t, world);
+    try {
+      finish();
+    } catch (const std::exception& e) {
+      // E.g. an AVG of bool tensors, whose quotient has no bool to go in.
+      throw CallError(std::string("after the engine's ") + what + ": " + e.what());
+    }
   };
   const bool cuda =
       std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_cuda(); });
   if (cuda) {
-    // On CUDA tensors, wait() orders the caller's current stream after the
-    // SUM, so dividing right here on that stream is ordered too. Synchronous,
-    // but rare (ranks sharing a GPU without a native path).
-    wait_and_divide();
-    return sum;
+    // Synchronous, but rare (ranks sharing a GPU without a native path, or a
+    // non-contiguous CUDA tensor).
+    wait_and_finish();
+    return work;
   }
-  // On the worker thread, so the returned Work completes only once the
-  // division is done.
-  return group.enqueue(type, profiling_name, outputs, wait_and_divide, /*async_op=*/true);
+  // On the worker thread, so the returned Work completes only once `finish` is done.
+  return group.enqueue(type, profiling_name, outputs, wait_and_finish, /*async_op=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::Work> work) {

@@ -60,6 +60,18 @@ class FallbackEngines {
                                                 const c10d::ReduceScatterOptions& opts,
                                                 c10d::OpType type, const ReduceScatterCall& call);
 
+  // `call` (an engine's collective over these tensors, which it writes) on
+  // contiguous tensors: Gloo's allreduce, reduce and broadcast read and write
+  // a non-contiguous tensor as if it were contiguous, corrupting the elements
+  // around it, and NCCL refuses one. Non-contiguous tensors are replaced by
+  // contiguous copies for the engine, and the results are copied back once it
+  // is done (the returned Work covers the copy).
+  using TensorsCall =
+      std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>& tensors)>;
+  c10::intrusive_ptr<c10d::Work> on_contiguous(GroupContext& group,
+                                               std::vector<at::Tensor>& tensors, c10d::OpType type,
+                                               const char* profiling_name, const TensorsCall& call);
+
   // Remembers a Work handed to an engine until it is done, and returns it.
   // xdev's barrier waits for them (wait_for_work_in_flight), as Gloo's own
   // barrier waits for its work in progress.
@@ -78,6 +90,15 @@ class FallbackEngines {
                                               c10::intrusive_ptr<c10d::Work> sum,
                                               const std::vector<at::Tensor>& outputs,
                                               c10d::OpType type, const char* profiling_name);
+  // Completes `work` (an engine's, named `what` in errors), then runs
+  // `finish`; the returned Work covers both. A failure of either fails this
+  // call alone (CallError), not the group's native path: on CPU tensors on
+  // the group's queue, on CUDA tensors here (wait() orders the caller's
+  // current stream after the engine's work, so `finish` runs in order there).
+  c10::intrusive_ptr<c10d::Work> then(GroupContext& group, c10::intrusive_ptr<c10d::Work> work,
+                                      const std::vector<at::Tensor>& outputs, c10d::OpType type,
+                                      const char* profiling_name, const std::string& what,
+                                      std::function<void()> finish);
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;

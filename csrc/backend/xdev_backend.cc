@@ -314,7 +314,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   }
   if (!refusal.empty()) {
     record("fallback", refusal);
-    return fallbacks_.track(fallbacks_.for_tensors(tensors)->broadcast(tensors, opts));
+    c10d::Backend* engine = fallbacks_.for_tensors(tensors);
+    return fallbacks_.on_contiguous(
+        group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
+        [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
   }
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
@@ -327,7 +330,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     group_.log_once("broadcast:" + c.reason,
                     std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
     record(path, c.reason);
-    if (!c.two_level) return fallbacks_.track(fallbacks_.cpu()->broadcast(tensors, opts));
+    if (!c.two_level) {
+      c10d::Backend* engine = fallbacks_.cpu();
+      return fallbacks_.on_contiguous(
+          group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
+          [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
+    }
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
