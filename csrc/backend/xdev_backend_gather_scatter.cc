@@ -293,6 +293,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
                                          call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
         [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
@@ -321,6 +322,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(
         group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
         [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
@@ -352,6 +354,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, reduce_scatter_coalesced_op_type(),
         [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
