@@ -191,6 +191,28 @@ def _forms_and_failures(rank: int, world: int) -> None:
     after = torch.empty(100)
     dist.reduce_scatter_tensor(after, torch.ones(world * 100))
     assert torch.equal(after, torch.full((100,), float(world)))
+    # Arguments only the last rank gets wrong: it raises ValueError, the others a mismatch
+    # that names its refusal, and the calls after it stay paired (they used to pair each
+    # rank's next call with its peers' one after).
+    last = rank == world - 1
+    wrong = world * 4 + last  # one element too many on the last rank
+    ones4 = torch.ones(4)
+    for name, bad_call in [
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(wrong), ones4)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(ones4, torch.ones(wrong))),
+        ("all_gather", lambda: dist.all_gather([torch.empty(4)] * (world + last), ones4)),
+    ]:
+        if last:
+            with pytest.raises(ValueError):
+                bad_call()
+        else:
+            with pytest.raises(dist.DistBackendError, match="refused its own arguments"):
+                bad_call()
+        for i in range(3):
+            got = torch.empty(world * 2)
+            dist.all_gather_into_tensor(got, torch.full((2,), float(10 * i + rank)))
+            want = torch.tensor([float(10 * i + r) for r in range(world) for _ in range(2)])
+            assert torch.equal(got, want), (name, i, got)
     dist.destroy_process_group()
 
 
@@ -366,6 +388,22 @@ def _single_copy(rank: int, world: int) -> bool:
         out[rank * 100003 : (rank + 1) * 100003] = parts[rank]
         dist.all_gather_into_tensor(out, out[rank * 100003 : (rank + 1) * 100003], group=single)
         assert torch.equal(out, torch.cat(parts)), f"in-place all_gather {dtype}"
+    # Overlaps at another rank's block: the input of an all-gather (or the output of a
+    # reduce-scatter) is a view of another block of the other side. Peers read what this
+    # rank lends while it writes: it must lend a copy, or write elsewhere first.
+    n = 100003
+    other = slice(((rank + 1) % world) * n, ((rank + 1) % world + 1) * n)
+    parts = [make_input(5, r, n, torch.float32, dist.ReduceOp.SUM) for r in range(world)]
+    out = torch.zeros(world * n)
+    out[other] = parts[rank]
+    dist.all_gather_into_tensor(out, out[other], group=single)
+    assert torch.equal(out, torch.cat(parts)), "all_gather from another rank's block"
+    inputs = [make_input(6, r, world * n, torch.float32, dist.ReduceOp.SUM) for r in range(world)]
+    full = inputs[rank].clone()
+    dist.reduce_scatter_tensor(full[other], full, group=single)
+    mine = slice(rank * n, (rank + 1) * n)
+    sum_op = dist.ReduceOp.SUM
+    check_close(full[other], reference(inputs, sum_op)[mine], sum_op, world, "overlap")
     dist.destroy_process_group()
     return used
 

@@ -1,6 +1,7 @@
 #include "cpu_gather_scatter.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -32,6 +33,46 @@ bool is_even(const std::vector<std::vector<int64_t>>& sizes) {
   return true;
 }
 
+// Runs `check` (this rank's own checks of its arguments). When it throws,
+// this rank still meets its peers at the collective's descriptor check before
+// the error goes up: a refused call takes its sequence number like any other,
+// so peers that called validly fail at this same call (a mismatch that names
+// this rank's refusal) and the calls after it stay paired; ranks that all
+// refused pass the check alike and each raises its own error.
+template <typename Check>
+void check_with_peers(GroupContext& group, Collective collective, const char* name,
+                      std::chrono::milliseconds timeout, Check&& check) {
+  try {
+    check();
+  } catch (const std::exception&) {
+    if (group.channel() != nullptr) {
+      auto meet = [&group, collective, name, timeout] {
+        transport::OpDescriptor d = group.next_descriptor(collective);
+        d.num_tensors = kRefusedCall;
+        group.channel()->open_collective(group.make_context(d, name, group.deadline_for(timeout)));
+      };
+      try {
+        group.enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
+      } catch (const std::exception&) {
+        // The peers' mismatch: this rank's own error says more.
+      }
+    }
+    throw;
+  }
+}
+
+// Whether `block` overlaps `full` anywhere but exactly at rank's block of it
+// (FSDP's all-gather input is its output's own block, which every path
+// handles). Peers read what this rank lends (its all-gather input, its
+// reduce-scatter input) while it writes its output: another overlap would
+// let them read bytes it has already overwritten.
+bool overlaps_elsewhere(const at::Tensor& full, const at::Tensor& block, int rank) {
+  if (at::get_overlap_status(full, block) == at::MemOverlapStatus::No) return false;
+  const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
+  const char* own = static_cast<const char*>(full.data_ptr()) + rank * bytes;
+  return !(full.is_contiguous() && block.is_contiguous() && block.data_ptr() == own);
+}
+
 std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
   std::vector<char*> ptrs;
   for (const at::Tensor& t : tensors) ptrs.push_back(static_cast<char*>(t.data_ptr()));
@@ -51,11 +92,15 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
     c10d::OpType type, std::chrono::milliseconds timeout, bool async_op,
     const plan::GatherScatterSelection& how) {
-  check_pairs("reduce_scatter", inputs, outputs, group_.size());
+  check_with_peers(group_, Collective::kReduceScatter, "reduce_scatter", timeout,
+                   [&] { check_pairs("reduce_scatter", inputs, outputs, group_.size()); });
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, timeout, how] {
-        const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> out = contiguous(outputs);
+        for (size_t i = 0; i < out.size(); ++i) {
+          if (overlaps_elsewhere(inputs[i], out[i], group_.rank())) out[i] = at::empty_like(out[i]);
+        }
         run_reduce_scatter(out, contiguous(inputs), op, timeout, how);
         copy_back(out, outputs);
       },
@@ -65,12 +110,17 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
     std::chrono::milliseconds timeout, bool async_op, const plan::GatherScatterSelection& how) {
-  check_pairs("all_gather", outputs, inputs, group_.size());
+  check_with_peers(group_, Collective::kAllGather, "all_gather", timeout,
+                   [&] { check_pairs("all_gather", outputs, inputs, group_.size()); });
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, timeout, how] {
+        std::vector<at::Tensor> in = contiguous(inputs);
+        for (size_t i = 0; i < in.size(); ++i) {
+          if (overlaps_elsewhere(outputs[i], in[i], group_.rank())) in[i] = in[i].clone();
+        }
         const std::vector<at::Tensor> out = contiguous(outputs);
-        run_all_gather(out, contiguous(inputs), timeout, how);
+        run_all_gather(out, in, timeout, how);
         copy_back(out, outputs);
       },
       async_op);
@@ -79,18 +129,21 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
     std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
     kernels::ReduceOp op, std::chrono::milliseconds timeout, bool async_op) {
-  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
-                    " input list(s) for ", outputs.size(), " output(s)");
   std::vector<at::Tensor> full;
   std::vector<std::vector<int64_t>> sizes;  // per list: each rank's block
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    sizes.push_back(
-        list_sizes("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
-    full.push_back(at::empty({sum(sizes.back())}, outputs[i].options()));
-  }
-  const bool uneven = !is_even(sizes);
-  TORCH_CHECK_VALUE(!uneven || outputs.size() == 1,
-                    "xdev reduce_scatter: uneven sizes need a single output");
+  bool uneven = false;
+  check_with_peers(group_, Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
+    TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
+                      " input list(s) for ", outputs.size(), " output(s)");
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      sizes.push_back(
+          list_sizes("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
+      full.push_back(at::empty({sum(sizes.back())}, outputs[i].options()));
+    }
+    uneven = !is_even(sizes);
+    TORCH_CHECK_VALUE(!uneven || outputs.size() == 1,
+                      "xdev reduce_scatter: uneven sizes need a single output");
+  });
   return group_.enqueue(
       c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, full, sizes, uneven, op, timeout] {
@@ -115,19 +168,23 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
     std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
     std::chrono::milliseconds timeout, bool async_op) {
-  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
-                    " output list(s) for ", inputs.size(), " input(s)");
   std::vector<at::Tensor> full;
   std::vector<std::vector<int64_t>> sizes;
   std::vector<at::Tensor> work_outputs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    sizes.push_back(list_sizes("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
-    full.push_back(at::empty({sum(sizes.back())}, inputs[i].options()));
-    work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
-  }
-  const bool uneven = !is_even(sizes);
-  TORCH_CHECK_VALUE(!uneven || inputs.size() == 1,
-                    "xdev all_gather: uneven sizes need a single input");
+  bool uneven = false;
+  check_with_peers(group_, Collective::kAllGather, "all_gather", timeout, [&] {
+    TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
+                      " output list(s) for ", inputs.size(), " input(s)");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      sizes.push_back(
+          list_sizes("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
+      full.push_back(at::empty({sum(sizes.back())}, inputs[i].options()));
+      work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
+    }
+    uneven = !is_even(sizes);
+    TORCH_CHECK_VALUE(!uneven || inputs.size() == 1,
+                      "xdev all_gather: uneven sizes need a single input");
+  });
   return group_.enqueue(
       c10d::OpType::ALLGATHER, "xdev:all_gather", work_outputs,
       [this, outputs, inputs, full, sizes, uneven, timeout] {

@@ -235,6 +235,10 @@ transport::Clock::time_point GroupContext::deadline_for(std::chrono::millisecond
 }
 
 std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
+  if (d.num_tensors == kRefusedCall) {
+    return "nothing: it refused its own arguments (see its error) (op #" + std::to_string(d.seq) +
+           ")";
+  }
   if (d.num_tensors < 0) {  // CrossHostCheck's refusal
     return "nothing: its call differs from a rank's on another host (op #" + std::to_string(d.seq) +
            ")";

@@ -42,6 +42,11 @@ enum class Collective : int32_t {
   kAllGather = 5,
 };
 
+// OpDescriptor::num_tensors of a call its rank refused for its own arguments
+// (it still meets its peers at the descriptor check, which then fails on
+// every rank that called validly). CrossHostCheck's refusal is -1.
+constexpr int64_t kRefusedCall = -2;
+
 // Returns once all world_size ranks have called it with this key prefix (once
 // each). Without a timeout the store's own applies.
 void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
