@@ -254,3 +254,33 @@ def _async_then_sync(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_async_then_sync_keeps_order(world: int) -> None:
     run_ranks(_async_then_sync, world)
+
+
+def _nan_wins(rank: int, world: int) -> None:
+    """MIN and MAX: a NaN on any rank comes out on every rank, whatever the plan and dtype."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    algorithms = ["auto", "flat", "direct", "reduce_to_one"]
+    if world % 2 == 0:
+        algorithms += ["hierarchical_copy", "hierarchical_balanced"]
+    for algorithm in algorithms:
+        group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm=algorithm))
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for holder in range(world):
+                for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+                    # 40 elements: vector lanes and a tail; a NaN in every third one.
+                    t = torch.full((40,), float(rank + 1), dtype=dtype)
+                    if rank == holder:
+                        t[::3] = float("nan")
+                    dist.all_reduce(t, op=op, group=group)
+                    want = torch.full((40,), 1.0 if op == dist.ReduceOp.MIN else float(world))
+                    want[::3] = float("nan")
+                    what = (algorithm, dtype, holder, op)
+                    assert torch.equal(t.isnan(), want.isnan()), what
+                    assert torch.equal(t.float()[~want.isnan()], want[~want.isnan()]), what
+        dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_min_max_keep_a_nan_from_any_rank(world: int) -> None:
+    run_ranks(_nan_wins, world)

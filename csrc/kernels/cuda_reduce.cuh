@@ -221,13 +221,13 @@ __device__ __forceinline__ A mul(A a, A b) {
 }
 
 // acc = op(acc, x); MIN/MAX are the CPU's comparisons verbatim (not fminf,
-// which treats NaN and signed zeros differently).
+// which treats NaN and signed zeros differently): a NaN from any rank wins.
 template <ReduceOp Op, typename A>
 __device__ __forceinline__ A combine(A acc, A x) {
   if constexpr (Op == ReduceOp::kMin) {
-    return x < acc ? x : acc;
+    return x != x ? x : (x < acc ? x : acc);
   } else if constexpr (Op == ReduceOp::kMax) {
-    return acc < x ? x : acc;
+    return x != x ? x : (acc < x ? x : acc);
   } else if constexpr (Op == ReduceOp::kProduct) {
     return mul(acc, x);
   } else {

@@ -375,9 +375,10 @@ TEST(cpu_reduce_avg_of_int32_extremes_is_the_integer_division) {
   }
 }
 
-// MIN and MAX fold `b < a ? b : a` and `a < b ? b : a` left to right, whatever the vector
-// instructions: with a NaN, or zeros of both signs, which of the two comes out depends on the
-// order, and every lane must give what the scalar fold gives.
+// MIN and MAX fold `b < a ? b : a` and `a < b ? b : a` left to right, a NaN b winning, whatever
+// the vector instructions: with zeros of both signs (or NaNs of both signs), which comes out
+// depends on the order, every lane must give what the scalar fold gives, and a NaN anywhere
+// must come out as a NaN.
 template <typename T>
 void check_selects_match_the_scalar_fold(DType dtype) {
   const T nan = std::numeric_limits<T>::quiet_NaN();
@@ -399,9 +400,11 @@ void check_selects_match_the_scalar_fold(DType dtype) {
     for (size_t e = 0; e < a.size(); ++e) {
       T v = a[e];
       for (const T x : {b[e], c[e]}) {
-        v = op == ReduceOp::kMin ? (x < v ? x : v) : (v < x ? x : v);
+        v = x != x ? x : op == ReduceOp::kMin ? (x < v ? x : v) : (v < x ? x : v);
       }
       CHECK(std::memcmp(&out[e], &v, sizeof(T)) == 0);
+      const bool any_nan = a[e] != a[e] || b[e] != b[e] || c[e] != c[e];
+      CHECK_EQ(out[e] != out[e], any_nan);
     }
   }
 }
@@ -409,6 +412,23 @@ void check_selects_match_the_scalar_fold(DType dtype) {
 TEST(cpu_reduce_min_max_keep_nan_and_zero_signs_as_the_scalar_fold) {
   check_selects_match_the_scalar_fold<float>(DType::kFloat32);
   check_selects_match_the_scalar_fold<double>(DType::kFloat64);
+}
+
+TEST(cpu_reduce_min_max_of_16bit_floats_keep_a_nan_from_any_source) {
+  // 19 elements: two vectors of eight and a tail; the NaN sits in source 1 or 2.
+  for (const DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    const uint16_t one = dtype == DType::kFloat16 ? 0x3c00 : 0x3f80;
+    const uint16_t nan = dtype == DType::kFloat16 ? 0x7e00 : 0x7fc0;
+    for (int holder = 1; holder <= 2; ++holder) {
+      std::vector<uint16_t> s0(19, one), s1(19, one), s2(19, one), out(19);
+      for (size_t e = 0; e < 19; e += 3) (holder == 1 ? s1 : s2)[e] = nan;
+      const void* src[] = {s0.data(), s1.data(), s2.data()};
+      for (const ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax}) {
+        xdev::kernels::reduce(dtype, op, out.data(), src, 3, 19, 0);
+        for (size_t e = 0; e < 19; ++e) CHECK_EQ(out[e], e % 3 == 0 ? nan : one);
+      }
+    }
+  }
 }
 
 TEST(cpu_reduce_rounds_16bit_floats_once) {
