@@ -379,6 +379,11 @@ def _delegated(rank: int, world: int) -> None:
         if name == "reduce" and rank != root:  # a reduce leaves a non-root's view undefined
             base[1::3] = want[1::3]  # but never touches the elements around it
         assert torch.equal(base, want), (name, base, want)
+    # What the engine runs counts in the group's sequence number, as Gloo counts it.
+    backend = torch_xdev._registration.backend_of(engine_only)
+    before = backend._get_sequence_number_for_group()
+    dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world), group=engine_only)
+    assert backend._get_sequence_number_for_group() == before + 1
     dist.destroy_process_group(engine_only)
     dist.barrier()
     dist.destroy_process_group()
