@@ -137,9 +137,17 @@ void GroupContext::rendezvous_hosts() {
     entries.push_back({lines[0], std::max(1, std::atoi(lines[1].c_str())), lines[2],
                        std::vector<std::string>(lines.begin() + 3, lines.end())});
   }
-  check_same_settings(size_, [&](int r) -> const std::vector<std::string>& {
-    return entries[static_cast<size_t>(r)].settings;
-  });
+  try {
+    check_same_settings(size_, [&](int r) -> const std::vector<std::string>& {
+      return entries[static_cast<size_t>(r)].settings;
+    });
+  } catch (const std::invalid_argument&) {
+    // Every rank finds the same difference: none leaves (rank 0's process
+    // holds the Store) before all have read every entry, so each raises this
+    // error rather than a peer's broken connection.
+    store_barrier(*store_, "xdev/host/read/", size_, config_.timeout);
+    throw;
+  }
 
   std::vector<std::string> hosts;  // by lowest rank
   std::vector<int> ranks_on_host;
