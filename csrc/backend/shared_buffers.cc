@@ -9,13 +9,6 @@
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
-namespace {
-
-// The first arena of each rank: DDP's default buckets (25 MiB, and 1 MiB for the
-// first) fit; it is only address space until pages are touched.
-constexpr size_t kFirstArenaBytes = size_t{32} << 20;
-
-}  // namespace
 
 SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   if (group.size() == 1) {
@@ -42,7 +35,7 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   std::shared_ptr<transport::SymmetricHeap> heap;
   if (channel != nullptr) {
     heap = std::make_shared<transport::SymmetricHeap>(
-        channel->rank(), channel->world_size(), kFirstArenaBytes,
+        channel->rank(), channel->world_size(), transport::HeapPlacement::kFirstArenaBytes,
         [this](int arena, const transport::ArenaAddress& address) {
           heap_channel()->publish_arena(arena, address);
         });

@@ -1,4 +1,3 @@
-#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -10,12 +9,6 @@
 namespace xdev::transport {
 namespace {
 
-constexpr size_t kArenaGranule = size_t{2} << 20;
-
-size_t round_up(size_t v, size_t to) {
-  return (v + to - 1) / to * to;
-}
-
 static_assert(sizeof(cudaIpcMemHandle_t) == DeviceArenaAddress::kHandleBytes,
               "DeviceArenaAddress carries a CUDA IPC handle");
 
@@ -26,7 +19,7 @@ CudaSymmetricHeap::CudaSymmetricHeap(int rank, int world_size, int device, size_
     : rank_(rank),
       world_size_(world_size),
       device_(device),
-      first_arena_bytes_(round_up(std::max<size_t>(first_arena_bytes, 1), kArenaGranule)),
+      first_arena_bytes_(first_arena_bytes),
       collective_stream_(collective_stream),
       publish_(std::move(publish)),
       peers_(static_cast<size_t>(world_size), std::vector<char*>(kMaxArenas, nullptr)) {
@@ -54,15 +47,8 @@ CudaSymmetricHeap::~CudaSymmetricHeap() {
 }
 
 int CudaSymmetricHeap::add_arena(size_t at_least) {
-  if (own_.size() >= static_cast<size_t>(kMaxArenas)) {
-    throw CudaError("xdev CUDA heap: rank " + std::to_string(rank_) + " has " +
-                    std::to_string(kMaxArenas) + " arenas (" +
-                    std::to_string(placement_.bytes_reserved() >> 20) +
-                    " MiB) and none has room for " + std::to_string(at_least) + " more bytes");
-  }
-  const size_t bytes = round_up(std::max({at_least, placement_.bytes_reserved(),
-                                          own_.empty() ? first_arena_bytes_ : size_t{0}}),
-                                kArenaGranule);
+  const size_t bytes =
+      placement_.next_arena_bytes(at_least, first_arena_bytes_, "xdev CUDA heap", rank_);
   CudaDeviceGuard guard(device_);
   void* data = nullptr;
   check_cuda(cudaMalloc(&data, bytes), "cudaMalloc (an arena of xdev's CUDA heap)");

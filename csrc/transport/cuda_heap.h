@@ -37,11 +37,12 @@ namespace xdev::transport {
 
 class CudaSymmetricHeap {
  public:
-  static constexpr int kMaxArenas = 16;
+  static constexpr int kMaxArenas = HeapPlacement::kMaxArenas;
   using Publish = std::function<void(int arena, const DeviceArenaAddress& address)>;
 
-  // Arenas are made on first use: the first holds first_arena_bytes (rounded
-  // up to 2 MiB), each later one at least as much as all before it together.
+  // Arenas are made on first use: the first holds first_arena_bytes, each
+  // later one at least as much as all before it together
+  // (HeapPlacement::next_arena_bytes).
   // collective_stream is where the group's collectives read and write blocks.
   CudaSymmetricHeap(int rank, int world_size, int device, size_t first_arena_bytes,
                     cudaStream_t collective_stream, Publish publish);
@@ -55,7 +56,8 @@ class CudaSymmetricHeap {
   };
   // A block of `bytes` for work on `stream` (which first waits for the work
   // that used blocks freed before). Throws std::invalid_argument for a block
-  // too large, CudaError when no arena can be had. Thread-safe.
+  // too large, std::runtime_error (CudaError from CUDA) when no arena can be
+  // had. Thread-safe.
   Block allocate(size_t bytes, cudaStream_t stream);
   // Returns the block at `where`; never throws (it runs in a tensor's deleter,
   // possibly after CUDA has shut down at exit).

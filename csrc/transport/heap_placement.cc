@@ -1,5 +1,6 @@
 #include "heap_placement.h"
 
+#include <algorithm>
 #include <iterator>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,20 @@ int64_t HeapPlacement::block_bytes(size_t bytes, const char* owner) {
   }
   const auto b = static_cast<int64_t>(bytes == 0 ? 1 : bytes);
   return (b + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+}
+
+size_t HeapPlacement::next_arena_bytes(size_t need, size_t first_arena_bytes, const char* owner,
+                                       int rank) const {
+  if (arenas_.size() >= static_cast<size_t>(kMaxArenas)) {
+    throw std::runtime_error(std::string(owner) + ": rank " + std::to_string(rank) + " has " +
+                             std::to_string(kMaxArenas) + " arenas (" +
+                             std::to_string(bytes_reserved() >> 20) +
+                             " MiB) and none has room for " + std::to_string(need) + " more bytes");
+  }
+  constexpr size_t kGranule = size_t{2} << 20;
+  const size_t bytes = std::max(
+      {need, bytes_reserved(), arenas_.empty() ? first_arena_bytes : size_t{0}, size_t{1}});
+  return (bytes + kGranule - 1) / kGranule * kGranule;
 }
 
 int HeapPlacement::add_arena(size_t bytes) {

@@ -40,11 +40,22 @@ class HeapPlacement {
   static constexpr int64_t kAlignBytes = 256;
   // The largest block place() hands out: sizes stay far from overflowing.
   static constexpr int64_t kMaxBlockBytes = int64_t{1} << 56;
+  // Arenas one rank's heap may have (the shared-memory channel publishes this many).
+  static constexpr int kMaxArenas = 16;
+  // The first arena the backends ask for: DDP's default buckets (25 MiB, and
+  // 1 MiB for the first) fit.
+  static constexpr size_t kFirstArenaBytes = size_t{32} << 20;
 
   // The bytes a block of `bytes` takes (zero takes kAlignBytes). Throws
   // std::invalid_argument above kMaxBlockBytes, naming `owner`.
   static int64_t block_bytes(size_t bytes, const char* owner);
 
+  // The size of the next arena, for when no free range holds `need` bytes:
+  // at least `need` and at least all arenas so far together (the first: at
+  // least first_arena_bytes), in whole 2 MiB granules (a huge page, so THP can
+  // back host arenas). Throws std::runtime_error, naming `owner` and `rank`,
+  // when the heap has all kMaxArenas.
+  size_t next_arena_bytes(size_t need, size_t first_arena_bytes, const char* owner, int rank) const;
   // A new, empty arena of `bytes`; returns its index.
   int add_arena(size_t bytes);
   // The first free range of the arenas that holds `need` bytes (from

@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <optional>
@@ -13,12 +12,6 @@
 
 namespace xdev::transport {
 namespace {
-
-constexpr size_t kArenaGranule = size_t{2} << 20;  // a huge page, so THP can back arenas
-
-size_t round_up(size_t v, size_t to) {
-  return (v + to - 1) / to * to;
-}
 
 [[noreturn]] void throw_errno(const std::string& what, int err) {
   throw std::runtime_error("xdev symmetric heap: " + what + ": " + std::strerror(err));
@@ -29,7 +22,7 @@ size_t round_up(size_t v, size_t to) {
 SymmetricHeap::SymmetricHeap(int rank, int world_size, size_t first_arena_bytes, Publish publish)
     : rank_(rank),
       world_size_(world_size),
-      first_arena_bytes_(round_up(std::max<size_t>(first_arena_bytes, 1), kArenaGranule)),
+      first_arena_bytes_(first_arena_bytes),
       publish_(std::move(publish)),
       peers_(static_cast<size_t>(world_size),
              std::vector<std::pair<size_t, char*>>(kMaxArenas, {0, nullptr})) {
@@ -49,16 +42,8 @@ SymmetricHeap::~SymmetricHeap() {
 }
 
 int SymmetricHeap::add_arena(size_t at_least) {
-  if (own_.size() >= static_cast<size_t>(kMaxArenas)) {
-    throw std::runtime_error("xdev symmetric heap: rank " + std::to_string(rank_) + " has " +
-                             std::to_string(kMaxArenas) + " arenas (" +
-                             std::to_string(placement_.bytes_reserved() >> 20) +
-                             " MiB) and none has room for " + std::to_string(at_least) +
-                             " more bytes");
-  }
-  const size_t reserved = placement_.bytes_reserved();
-  const size_t bytes = round_up(
-      std::max({at_least, reserved, own_.empty() ? first_arena_bytes_ : 0}), kArenaGranule);
+  const size_t bytes =
+      placement_.next_arena_bytes(at_least, first_arena_bytes_, "xdev symmetric heap", rank_);
   // MFD_CLOEXEC: a child the rank starts gets no handle on the group's memory.
   const int fd = ::memfd_create("xdev-heap", MFD_CLOEXEC);
   if (fd < 0) throw_errno("memfd_create", errno);

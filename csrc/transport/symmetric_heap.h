@@ -44,15 +44,15 @@ struct ArenaAddress {
 
 class SymmetricHeap {
  public:
-  static constexpr int kMaxArenas = 16;
+  static constexpr int kMaxArenas = HeapPlacement::kMaxArenas;
   static constexpr int64_t kAlignBytes = HeapPlacement::kAlignBytes;
   static constexpr int64_t kMaxBlockBytes = HeapPlacement::kMaxBlockBytes;
 
   // Tells peers of a new arena (the channel's control block carries it).
   using Publish = std::function<void(int arena, const ArenaAddress& address)>;
 
-  // The first arena holds first_arena_bytes (rounded up to 2 MiB); each later
-  // one at least as much as all before it together.
+  // The first arena holds first_arena_bytes; each later one at least as much
+  // as all before it together (HeapPlacement::next_arena_bytes).
   SymmetricHeap(int rank, int world_size, size_t first_arena_bytes, Publish publish);
   ~SymmetricHeap();
   SymmetricHeap(const SymmetricHeap&) = delete;

@@ -12,21 +12,14 @@
 #include "../tensor_helpers.h"
 
 namespace xdev::backend {
-namespace {
-
-// The first arena of each rank: DDP's default buckets (25 MiB, and 1 MiB for
-// the first) fit. Made at the first allocation, not before.
-constexpr size_t kFirstArenaBytes = size_t{32} << 20;
-
-}  // namespace
 
 CudaHeapTensors::CudaHeapTensors(GroupContext& group, int device, cudaStream_t collective_stream)
     : g_(group) {
   transport::ShmChannel* channel = group.channel();
   if (channel == nullptr) throw std::logic_error("CudaHeapTensors: the group has no channel");
   heap_ = std::make_shared<transport::CudaSymmetricHeap>(
-      group.rank(), group.size(), device, kFirstArenaBytes, collective_stream,
-      [channel](int arena, const transport::DeviceArenaAddress& address) {
+      group.rank(), group.size(), device, transport::HeapPlacement::kFirstArenaBytes,
+      collective_stream, [channel](int arena, const transport::DeviceArenaAddress& address) {
         channel->publish_device_arena(arena, address);
       });
 }
@@ -43,7 +36,7 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   transport::CudaSymmetricHeap::Block block;
   try {
     block = heap_->allocate(bytes, stream);
-  } catch (const transport::CudaError& e) {
+  } catch (const std::runtime_error& e) {  // cudaMalloc failed, or all arenas exist
     g_.log_once("cuda-heap-full", std::string("CUDA heap: ") + e.what() +
                                       "; allocateTensor gives ordinary tensors, which stage");
     return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
