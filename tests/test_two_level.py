@@ -409,6 +409,7 @@ def test_killed_rank_fails_every_rank_of_every_host(leader: bool, tmp_path: Path
     assert all(m for m in messages[:3]), messages
     # Its host's other rank sees it exit in the host's shared-memory barrier.
     assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
+    assert "rank 3 (pid" in messages[2], messages[2]  # the group's rank, not the host's index
     # Host 0's local rank 0 loses its partner across hosts in the engine's exchange of calls:
     # the engine's reason, and what keeps a rank on another host away.
     assert "exchange of calls across hosts failed (" in messages[0], messages[0]

@@ -104,6 +104,7 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     } else if (num_hosts_ > 1 && hosts_even_ && local_world_size_ > 1) {
       host_channel_ = open_shared_memory("xdev/host_shm/" + std::to_string(host_index_) + "/",
                                          local_world_size_, local_rank_);
+      host_channel_->name_ranks(host_ranks_);
     }
   }
   choose_spin_budgets();

@@ -178,10 +178,20 @@ bool ShmChannel::all_arrived(uint64_t epoch) const {
   return true;
 }
 
+int ShmChannel::group_rank(int r) const {
+  const bool named = r >= 0 && static_cast<size_t>(r) < group_ranks_.size();
+  return named ? group_ranks_[static_cast<size_t>(r)] : r;
+}
+
+std::string ShmChannel::rank_name(int r) const {
+  return "rank " + std::to_string(group_rank(r));
+}
+
 std::string ShmChannel::missing_ranks(uint64_t epoch) const {
   std::string out;
   for (int r = 0; r < world_size_; ++r) {
-    if (control(r)->arrived.load() < epoch) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    if (control(r)->arrived.load() < epoch)
+      out += (out.empty() ? "" : ", ") + std::to_string(group_rank(r));
   }
   return out;
 }
@@ -190,7 +200,7 @@ std::string ShmChannel::gone_rank(uint64_t epoch) const {
   for (int r = 0; r < world_size_; ++r) {
     if (control(r)->arrived.load() >= epoch) continue;
     const pid_t pid = control(r)->pid.load();
-    const std::string who = "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
+    const std::string who = rank_name(r) + " (pid " + std::to_string(pid) + ")";
     if (control(r)->left.load() != 0) {
       return who + " has left the group (destroy_process_group, or an error there)";
     }
@@ -286,7 +296,7 @@ void ShmChannel::check_same_descriptor(
   if (same) return;
   std::string msg = "xdev: ranks called mismatched collectives at " + what + ":";
   for (int r = 0; r < world_size_; ++r) {
-    msg += "\n  rank " + std::to_string(r) + ": " + describe(descriptor_of(r, mine.seq));
+    msg += "\n  " + rank_name(r) + ": " + describe(descriptor_of(r, mine.seq));
   }
   msg +=
       "\nEvery rank must pass tensors of the same shapes and dtypes, in the same order, "
@@ -352,7 +362,7 @@ bool ShmChannel::can_read_peers(std::string* why) const {
     const ssize_t n = ::process_vm_readv(rc->pid.load(), &local, 1, &remote, 1, 0);
     if (n != static_cast<ssize_t>(sizeof got) || got != rc->probe_token) {
       const int err = errno;
-      *why = "process_vm_readv of rank " + std::to_string(r) +
+      *why = "process_vm_readv of " + rank_name(r) +
              " failed: " + (n < 0 ? std::string(std::strerror(err)) : std::string("wrong data"));
       return false;
     }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "deadline.h"
 #include "shm_segment.h"
@@ -92,6 +93,14 @@ class ShmChannel {
   size_t slot_bytes() const { return slot_bytes_; }
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }
+
+  // How errors name this channel's ranks. A channel over part of a process
+  // group (one host's ranks) numbers them from 0; given the group ranks they
+  // stand for (group_ranks[r] for channel rank r), messages name those.
+  void name_ranks(std::vector<int> group_ranks) { group_ranks_ = std::move(group_ranks); }
+  // Rank r of this channel as the group numbers it, and "rank N" for messages.
+  int group_rank(int r) const;
+  std::string rank_name(int r) const;
 
   char* slot(int64_t window_parity, int rank) const;
 
@@ -198,6 +207,7 @@ class ShmChannel {
   uint64_t epoch_ = 0;
   int64_t slot_sets_taken_ = 0;
   Clock::duration spin_budget_{0};
+  std::vector<int> group_ranks_;  // empty: channel ranks are the group's
   // Peers read this through process_vm_readv to test access; on the heap so
   // its address survives moves of the channel.
   std::unique_ptr<uint64_t> probe_token_;

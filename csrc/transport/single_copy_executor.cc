@@ -20,7 +20,7 @@ void read_peer(const ShmChannel& channel, int rank, uint64_t seq, uint64_t offse
                uint64_t bytes) {
   const ShmChannel::PeerBuffer peer = channel.buffer_of(rank, seq);
   if (offset + bytes > peer.bytes) {
-    throw std::runtime_error("xdev single-copy: read past rank " + std::to_string(rank) +
+    throw std::runtime_error("xdev single-copy: read past " + channel.rank_name(rank) +
                              "'s buffer");
   }
   auto* out = static_cast<char*>(dst);
@@ -35,12 +35,11 @@ void read_peer(const ShmChannel& channel, int rank, uint64_t seq, uint64_t offse
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == ESRCH) {
-      throw PeerError("xdev: rank " + std::to_string(rank) + " (pid " + std::to_string(peer.pid) +
+      throw PeerError("xdev: " + channel.rank_name(rank) + " (pid " + std::to_string(peer.pid) +
                       ") exited while its tensor was being read");
     }
-    throw std::runtime_error("xdev single-copy: process_vm_readv from rank " +
-                             std::to_string(rank) + ": " +
-                             (n < 0 ? std::strerror(errno) : "no progress"));
+    throw std::runtime_error("xdev single-copy: process_vm_readv from " + channel.rank_name(rank) +
+                             ": " + (n < 0 ? std::strerror(errno) : "no progress"));
   }
 }
 

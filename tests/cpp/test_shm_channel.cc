@@ -265,6 +265,29 @@ TEST(shm_barrier_times_out_naming_the_ranks_that_never_arrive) {
   CHECK_EQ(errors[3], "");
 }
 
+TEST(shm_channel_over_part_of_a_group_names_the_group_ranks) {
+  // One host's channel of a two-level group: channel ranks 0..2 are group ranks 4, 6 and 9.
+  // A timeout and a mismatch must name those, the ranks the user knows.
+  auto ranks = make_group(3);
+  for (ShmChannel& ch : ranks) ch.name_ranks({4, 6, 9});
+  CHECK_EQ(ranks[1].group_rank(1), 6);
+  CHECK_EQ(ranks[1].rank_name(2), std::string("rank 9"));
+  const auto timeouts = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me != 2) ch.open_collective(make_ctx(7, std::chrono::milliseconds(100)));
+  });
+  CHECK(contains(timeouts[0], "waiting for rank(s) 9 of"));
+  auto fresh = make_group(3);
+  for (ShmChannel& ch : fresh) ch.name_ranks({4, 6, 9});
+  const auto mismatches = on_ranks(fresh, [&](int me, ShmChannel& ch) {
+    OpContext ctx = make_ctx(0);
+    ctx.descriptor.total_elems = me == 1 ? 5 : 1000;
+    ch.open_collective(ctx);
+  });
+  for (const std::string& e : mismatches) {
+    CHECK(contains(e, "rank 4: seq 0 elems 1000\n  rank 6: seq 0 elems 5\n  rank 9: seq 0"));
+  }
+}
+
 TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
   // A real process as rank 1: it attaches and exits without ever reaching the barrier. Rank 0
   // must notice the exit (not wait out its 20 s deadline) and name the rank and its pid.
