@@ -201,6 +201,10 @@ def _forms_and_failures(rank: int, world: int) -> None:
         ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(wrong), ones4)),
         ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(ones4, torch.ones(wrong))),
         ("all_gather", lambda: dist.all_gather([torch.empty(4)] * (world + last), ones4)),
+        (
+            "all_gather_coalesced",
+            lambda: dist.all_gather_coalesced([[torch.empty(4 + last)]] * world, [ones4]),
+        ),
     ]:
         if last:
             with pytest.raises(ValueError):

@@ -33,34 +33,6 @@ bool is_even(const std::vector<std::vector<int64_t>>& sizes) {
   return true;
 }
 
-// Runs `check` (this rank's own checks of its arguments). When it throws,
-// this rank still meets its peers at the collective's descriptor check before
-// the error goes up: a refused call takes its sequence number like any other,
-// so peers that called validly fail at this same call (a mismatch that names
-// this rank's refusal) and the calls after it stay paired; ranks that all
-// refused pass the check alike and each raises its own error.
-template <typename Check>
-void check_with_peers(GroupContext& group, Collective collective, const char* name,
-                      std::chrono::milliseconds timeout, Check&& check) {
-  try {
-    check();
-  } catch (const std::exception&) {
-    if (group.channel() != nullptr) {
-      auto meet = [&group, collective, name, timeout] {
-        transport::OpDescriptor d = group.next_descriptor(collective);
-        d.num_tensors = kRefusedCall;
-        group.channel()->open_collective(group.make_context(d, name, group.deadline_for(timeout)));
-      };
-      try {
-        group.enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
-      } catch (const std::exception&) {
-        // The peers' mismatch: this rank's own error says more.
-      }
-    }
-    throw;
-  }
-}
-
 // Whether `block` overlaps `full` anywhere but exactly at rank's block of it
 // (FSDP's all-gather input is its output's own block, which every path
 // handles). Peers read what this rank lends (its all-gather input, its
@@ -92,8 +64,8 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
     c10d::OpType type, std::chrono::milliseconds timeout, bool async_op,
     const plan::GatherScatterSelection& how) {
-  check_with_peers(group_, Collective::kReduceScatter, "reduce_scatter", timeout,
-                   [&] { check_pairs("reduce_scatter", inputs, outputs, group_.size()); });
+  group_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout,
+                          [&] { check_pairs("reduce_scatter", inputs, outputs, group_.size()); });
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, timeout, how] {
@@ -110,8 +82,8 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
     std::chrono::milliseconds timeout, bool async_op, const plan::GatherScatterSelection& how) {
-  check_with_peers(group_, Collective::kAllGather, "all_gather", timeout,
-                   [&] { check_pairs("all_gather", outputs, inputs, group_.size()); });
+  group_.check_with_peers(Collective::kAllGather, "all_gather", timeout,
+                          [&] { check_pairs("all_gather", outputs, inputs, group_.size()); });
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, timeout, how] {
@@ -132,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
   std::vector<at::Tensor> full;
   std::vector<std::vector<int64_t>> sizes;  // per list: each rank's block
   bool uneven = false;
-  check_with_peers(group_, Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
+  group_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
     TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
                       " input list(s) for ", outputs.size(), " output(s)");
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -172,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
   std::vector<std::vector<int64_t>> sizes;
   std::vector<at::Tensor> work_outputs;
   bool uneven = false;
-  check_with_peers(group_, Collective::kAllGather, "all_gather", timeout, [&] {
+  group_.check_with_peers(Collective::kAllGather, "all_gather", timeout, [&] {
     TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
                       " output list(s) for ", inputs.size(), " input(s)");
     for (size_t i = 0; i < inputs.size(); ++i) {

@@ -231,6 +231,28 @@ void GroupContext::choose_spin_budgets() {
   spin_while_caller_runs_ = 2 * local_world_size_ <= host_cores_ ? kBarrierSpin : none;
 }
 
+void GroupContext::check_with_peers(Collective collective, const char* name,
+                                    std::chrono::milliseconds timeout,
+                                    const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const std::exception&) {
+    if (channel_ != nullptr) {
+      auto meet = [this, collective, name, timeout] {
+        transport::OpDescriptor d = next_descriptor(collective);
+        d.num_tensors = kRefusedCall;
+        channel_->open_collective(make_context(d, name, deadline_for(timeout)));
+      };
+      try {
+        enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
+      } catch (const std::exception&) {
+        // The peers' mismatch: this rank's own error says more.
+      }
+    }
+    throw;
+  }
+}
+
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
   transport::OpDescriptor desc;
   number(desc);

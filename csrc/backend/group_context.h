@@ -134,6 +134,15 @@ class GroupContext {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs, std::function<void()> fn,
                                          bool async_op);
+  // Runs `check` (this rank's own checks of its arguments). When it throws,
+  // this rank still meets its peers at the collective's descriptor check
+  // (single-host groups) before the error goes up: a refused call takes its
+  // sequence number like any other, so peers that called validly fail at this
+  // same call (a mismatch that names this rank's refusal) and the calls after
+  // it stay paired; ranks that all refused pass the check alike and each
+  // raises its own error. Only for a call its peers run natively.
+  void check_with_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
+                        const std::function<void()>& check);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                     bool async_op);

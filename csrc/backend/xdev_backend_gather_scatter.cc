@@ -204,33 +204,40 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  // outputs[r][i] receives rank r's inputs[i]. Checked here, as Gloo checks it,
-  // so a wrong call is a ValueError on the rank that made it; a call that
-  // differs between ranks is caught by the native path's descriptor check.
-  TORCH_CHECK_VALUE(!inputs.empty(), "xdev all_gather_coalesced: no input tensors given");
-  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_,
-                    "xdev all_gather_coalesced: needs one output list per rank (", size_, "); got ",
-                    outputs.size());
+  // outputs[r][i] receives rank r's inputs[i]. Checked as Gloo checks it, so a
+  // wrong call is a ValueError on the rank that made it; on the native path
+  // that rank still meets its peers, which fail at this same call.
+  const auto check = [&] {
+    TORCH_CHECK_VALUE(!inputs.empty(), "xdev all_gather_coalesced: no input tensors given");
+    TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_,
+                      "xdev all_gather_coalesced: needs one output list per rank (", size_,
+                      "); got ", outputs.size());
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(),
+                        "xdev all_gather_coalesced: output list ", r, " has ", outputs[r].size(),
+                        " tensor(s) for ", inputs.size(), " input(s)");
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const at::Tensor& out = outputs[r][i];
+        TORCH_CHECK_VALUE(
+            out.sizes() == inputs[i].sizes() && out.scalar_type() == inputs[i].scalar_type(),
+            "xdev all_gather_coalesced: output ", r, "/", i, " (", out.scalar_type(), " ",
+            out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
+            inputs[i].sizes(), ")");
+      }
+    }
+  };
   std::vector<at::Tensor> all = inputs;
   std::vector<at::Tensor> full;  // every output: what the call moves
-  for (size_t r = 0; r < outputs.size(); ++r) {
-    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "xdev all_gather_coalesced: output list ",
-                      r, " has ", outputs[r].size(), " tensor(s) for ", inputs.size(), " input(s)");
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const at::Tensor& out = outputs[r][i];
-      TORCH_CHECK_VALUE(
-          out.sizes() == inputs[i].sizes() && out.scalar_type() == inputs[i].scalar_type(),
-          "xdev all_gather_coalesced: output ", r, "/", i, " (", out.scalar_type(), " ",
-          out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
-          inputs[i].sizes(), ")");
-      all.push_back(out);
-      full.push_back(out);
-    }
+  for (const std::vector<at::Tensor>& per_rank : outputs) {
+    all.insert(all.end(), per_rank.begin(), per_rank.end());
+    full.insert(full.end(), per_rank.begin(), per_rank.end());
   }
   const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    check();
     return fallbacks_.track(delegate(inputs)->allgather_coalesced(outputs, inputs, opts));
   }
+  group_.check_with_peers(Collective::kAllGather, "all_gather_coalesced", opts.timeout, check);
   // The list form with one list per input (lists[i][r] = outputs[r][i]): one
   // all-gather of every input's bytes, each rank's block the inputs in order.
   std::vector<std::vector<at::Tensor>> lists(inputs.size());
