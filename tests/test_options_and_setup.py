@@ -310,6 +310,18 @@ def _delegated(rank: int, world: int) -> None:
     dist.reduce(red, dst=1)
     if rank == 1:
         assert torch.equal(red, torch.full((3,), float(sum(range(1, world + 1)))))
+    # AVG: Gloo averages floats itself; integers it cannot write back, so xdev runs a SUM,
+    # then the root truncates toward zero, as xdev's allreduce does (-11 / 3 -> -3, not -4).
+    values = [-2 - r * r for r in range(world)]
+    for dtype in (torch.float32, torch.int32, torch.int64):
+        avg = torch.full((5,), values[rank], dtype=dtype)
+        dist.reduce(avg, dst=world - 1, op=dist.ReduceOp.AVG)
+        same = torch.full((5,), values[rank], dtype=dtype)
+        dist.all_reduce(same, op=dist.ReduceOp.AVG)
+        if rank == world - 1:
+            mean = sum(values) / world
+            want = torch.full((5,), mean if dtype.is_floating_point else int(mean), dtype=dtype)
+            assert torch.allclose(avg, want) and torch.allclose(same, want), (dtype, avg, same)
     rs = torch.empty(2)
     dist.reduce_scatter_tensor(rs, torch.arange(2.0 * world) + rank)
     assert torch.equal(rs, torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)))

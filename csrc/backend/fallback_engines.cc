@@ -88,15 +88,36 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(GroupContext& grou
               [flat, tensors] { copy_back(flat, tensors); });
 }
 
+bool FallbackEngines::integer_avg_without_engine(const c10d::ReduceOp& op,
+                                                 const c10d::Backend& engine,
+                                                 const std::vector<at::Tensor>& tensors) const {
+  return op.op_ == c10d::ReduceOp::AVG && !has_native_avg(engine) &&
+         std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+           return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
+         });
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce(GroupContext& group,
+                                                       std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  c10d::Backend* engine = for_tensors(tensors);
+  const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, tensors);
+  c10d::ReduceOptions o = opts;
+  if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  c10::intrusive_ptr<c10d::Work> work =
+      on_contiguous(group, tensors, c10d::OpType::REDUCE, "xdev:reduce",
+                    [engine, &o](std::vector<at::Tensor>& ts) { return engine->reduce(ts, o); });
+  // Only the root's tensors hold the sum (the others', as the engine left them).
+  if (!integer_avg || group.rank() != opts.rootRank) return work;
+  return divide_after(group, work, tensors, c10d::OpType::REDUCE, "xdev:reduce");
+}
+
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
-  const bool integer_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG && !has_native_avg(*engine) &&
-                           std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) {
-                             return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
-                           });
-  if (!integer_avg) return track(call(*engine, opts));
+  if (!integer_avg_without_engine(opts.reduceOp, *engine, outputs))
+    return track(call(*engine, opts));
   c10d::ReduceScatterOptions sum = opts;
   sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   return divide_after(group, track(call(*engine, sum)), outputs, type, "xdev:reduce_scatter");

@@ -50,15 +50,20 @@ class FallbackEngines {
                                            bool avg_as_sum_then_divide);
 
   // A reduce-scatter through the engine for `outputs`, which `call` runs with
-  // the options it is given. Gloo averages in floating point and cannot write
-  // the quotient into integer outputs, so an integer AVG there runs as SUM,
-  // then a truncating divide (the native path's result), like the allreduce.
+  // the options it is given. An integer AVG on Gloo runs as SUM, then a
+  // truncating divide (the native path's result), like the allreduce.
   using ReduceScatterCall = std::function<c10::intrusive_ptr<c10d::Work>(
       c10d::Backend&, const c10d::ReduceScatterOptions&)>;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(GroupContext& group,
                                                 const std::vector<at::Tensor>& outputs,
                                                 const c10d::ReduceScatterOptions& opts,
                                                 c10d::OpType type, const ReduceScatterCall& call);
+
+  // A reduce to opts.rootRank through the engine for these tensors (on
+  // contiguous copies where they are not). An integer AVG on Gloo runs as SUM,
+  // then a truncating divide of the root's result, like the reduce-scatter.
+  c10::intrusive_ptr<c10d::Work> reduce(GroupContext& group, std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts);
 
   // `call` (an engine's collective over these tensors, which it writes) on
   // contiguous tensors: Gloo's allreduce, reduce and broadcast read and write
@@ -84,6 +89,10 @@ class FallbackEngines {
   void shutdown();
 
  private:
+  // An AVG of integer tensors on an engine without AVG (Gloo averages in
+  // floating point and cannot write the quotient into integer tensors).
+  bool integer_avg_without_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,
+                                  const std::vector<at::Tensor>& tensors) const;
   // Completes `sum` (an engine's SUM into outputs), then divides outputs by
   // the group's size; the returned Work covers the division.
   c10::intrusive_ptr<c10d::Work> divide_after(GroupContext& group,

@@ -157,10 +157,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
     for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);
     return reduce(tensors, with_sum(opts));
   }
-  c10d::Backend* engine = delegate(tensors);
-  return fallbacks_.on_contiguous(
-      group_, tensors, c10d::OpType::REDUCE, "xdev:reduce",
-      [engine, &opts](std::vector<at::Tensor>& ts) { return engine->reduce(ts, opts); });
+  ++collectives_called_;
+  return fallbacks_.reduce(group_, tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
