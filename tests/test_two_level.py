@@ -383,6 +383,46 @@ def test_leader_form_against_slices_fails_every_rank(tmp_path: Path) -> None:
             assert "timed out" not in message, (rank, message)
 
 
+def _broadcast_mismatch_then_allreduces(rank: int, world: int) -> list[str]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    # Tensors of one element or none are contiguous whatever their stride; their bytes used
+    # to be taken with view(), which refuses a stride other than 1, and the group was lost.
+    for n in (1, 0):
+        strided = torch.full((n, 2), float(rank + 1))[:, 1]
+        gathered = torch.empty(world * n)
+        dist.all_gather_into_tensor(gathered, strided)
+        assert torch.equal(gathered, torch.arange(1.0, world + 1).repeat_interleave(n)), n
+        dist.broadcast(strided, src=1)
+        assert torch.equal(strided, torch.full((n,), 2.0)), n
+    # Host 0 allreduces while host 1 broadcasts, where only one local index crosses hosts: the
+    # other one's rank used to skip the exchange, leaving its partner on host 0 one exchange
+    # ahead, so that later allreduces paired calls of different steps and gave wrong sums.
+    messages = []
+    with pytest.raises(dist.DistBackendError) as info:
+        if rank < 2:
+            dist.all_reduce(torch.ones(1000))
+        else:
+            dist.broadcast(torch.ones(1000), src=0)
+    messages.append(str(info.value))
+    for i in range(3):
+        t = torch.full((1000,), float(rank + 1 + 10 * i))
+        dist.all_reduce(t)
+        want = float(sum(r + 1 + 10 * i for r in range(world)))
+        assert torch.equal(t, torch.full((1000,), want)), (i, t[:2], want)
+    dist.destroy_process_group()
+    return messages
+
+
+def test_broadcast_against_allreduce_across_hosts_keeps_the_group(tmp_path: Path) -> None:
+    params = {"net_latency_us": 5000.0, "net_host_cores": 64}  # two levels at every size
+    env = _with_model(_hosts_env([2, 2]), params, tmp_path)
+    results = run_ranks(_broadcast_mismatch_then_allreduces, 4, per_rank_env=env, timeout=180)
+    for rank, messages in enumerate(results):
+        assert all("mismatched collectives" in m for m in messages), (rank, messages)
+
+
 def _killed_on_one_host(rank: int, world: int, victim: int, numel: int) -> str:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)

@@ -83,6 +83,11 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+at::Tensor contiguous_bytes(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), "xdev: contiguous_bytes of a non-contiguous tensor");
+  return t.as_strided({t.numel()}, {1}).view(at::kByte);
+}
+
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
   for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());

@@ -29,6 +29,11 @@ int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 // exceeds what a heap hands out (at::empty refuses such sizes too).
 size_t heap_block_bytes(const char* what, int64_t numel, at::ScalarType dtype);
 
+// A contiguous tensor's bytes, as a flat uint8 tensor over the same memory.
+// (A tensor of one element or none is contiguous whatever its strides, and
+// view() refuses a stride other than 1: it is read as the 1-D tensor it is.)
+at::Tensor contiguous_bytes(const at::Tensor& t);
+
 // Each tensor itself when contiguous, else a contiguous copy: executors work on
 // contiguous memory, and copy_back writes the copies' results into the originals.
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);

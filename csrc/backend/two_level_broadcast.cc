@@ -41,7 +41,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
         std::vector<at::Tensor> bytes;
         for (const at::Tensor& t : flat) {
           byte_counts.push_back(t.numel() * t.element_size());
-          bytes.push_back(t.view({-1}).view(at::kByte));
+          bytes.push_back(contiguous_bytes(t));
         }
         const plan::FlatLayout layout(byte_counts);
         transport::OpDescriptor call;
@@ -52,8 +52,14 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
         call.shape_hash = shape_hash(tensors);
         const bool crosses = group_.local_rank() == root_local;
         // The host's ranks agree on the call first, so that only the rank
-        // that crosses hosts need check it with the other hosts: where they
-        // disagree, it sends a refusal instead (cross_host_check.h).
+        // that crosses hosts need check it with the other hosts. Like a
+        // leader form, every rank a mismatch stops crosses hosts once: the
+        // crossing rank in its exchange, any other with a refusal (where it
+        // never crossed, a rank of its local index on another host that did,
+        // in a different call, would wait for it and pair with its next
+        // call). When the calls differ, the check fails this host's broadcast
+        // below on purpose, so that the host's other ranks stop there.
+        bool exchanged = false;
         try {
           transport::OpDescriptor here = group_.next_descriptor(Collective::kBroadcast);
           here.root = call.root;
@@ -62,38 +68,38 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           here.shape_hash = call.shape_hash;
           group_.host_channel()->open_collective(
               group_.make_context(here, what_.c_str(), deadline));
+          if (crosses) {
+            // One tensor of bytes, whatever the call's tensors and dtypes. A
+            // payload that fits rides in the check from the root's host; a
+            // larger one follows it by the engine's broadcast.
+            at::Tensor payload = bytes.size() == 1 ? bytes[0] : at::cat(bytes);
+            const int64_t total = layout.total();
+            const bool carried = plan::carried_across_hosts(total);
+            const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
+            exchanged = true;
+            const at::Tensor messages =
+                check_.exchange(call, carried ? payload.data_ptr() : nullptr, total,
+                                /*host_step_follows=*/true, "two-level broadcast", deadline);
+            if (carried && group_.host_index() != root_host && total > 0) {
+              std::memcpy(payload.data_ptr(), CrossHostCheck::payload_of(messages, root_host),
+                          static_cast<size_t>(total));
+            } else if (!carried) {
+              std::vector<at::Tensor> engine_tensors{payload};
+              c10d::BroadcastOptions opts;
+              opts.rootRank = root_host;
+              opts.timeout = engine_timeout(deadline);
+              wait_for_engine(engine_->broadcast(engine_tensors, opts), opts.timeout,
+                              "two-level broadcast: the engine's broadcast across hosts");
+            }
+            if (bytes.size() > 1) unpack_into(payload, bytes);
+          }
+          // `flat` holds the root's data on the root's local index: broadcast it as it is.
+          staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
+                           what_.c_str(), deadline);
         } catch (const transport::MismatchError&) {
-          if (crosses) check_.refuse(deadline);
+          if (!exchanged) check_.refuse(deadline);
           throw;
         }
-        if (crosses) {
-          // One tensor of bytes, whatever the call's tensors and dtypes. A
-          // payload that fits rides in the check from the root's host; a
-          // larger one follows it by the engine's broadcast. When the calls
-          // differ, the check fails this host's broadcast below on purpose.
-          at::Tensor payload = bytes.size() == 1 ? bytes[0] : at::cat(bytes);
-          const int64_t total = layout.total();
-          const bool carried = plan::carried_across_hosts(total);
-          const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
-          const at::Tensor messages =
-              check_.exchange(call, carried ? payload.data_ptr() : nullptr, total,
-                              /*host_step_follows=*/true, "two-level broadcast", deadline);
-          if (carried && group_.host_index() != root_host && total > 0) {
-            std::memcpy(payload.data_ptr(), CrossHostCheck::payload_of(messages, root_host),
-                        static_cast<size_t>(total));
-          } else if (!carried) {
-            std::vector<at::Tensor> engine_tensors{payload};
-            c10d::BroadcastOptions opts;
-            opts.rootRank = root_host;
-            opts.timeout = engine_timeout(deadline);
-            wait_for_engine(engine_->broadcast(engine_tensors, opts), opts.timeout,
-                            "two-level broadcast: the engine's broadcast across hosts");
-          }
-          if (bytes.size() > 1) unpack_into(payload, bytes);
-        }
-        // `flat` holds the root's data on the root's local index: broadcast it as it is.
-        staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
-                         what_.c_str(), deadline);
         copy_back(flat, tensors);
       },
       async_op);

@@ -13,11 +13,6 @@
 namespace xdev::backend {
 namespace {
 
-// A contiguous tensor's bytes, as a flat uint8 tensor over the same memory.
-at::Tensor bytes_of(const at::Tensor& t) {
-  return t.view({-1}).view(at::kByte);
-}
-
 char* ptr(const at::Tensor& t) {
   return static_cast<char*>(t.data_ptr());
 }
@@ -176,7 +171,7 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   std::vector<at::Tensor> pieces;
   for (const at::Tensor& t : inputs) {
     block_bytes.push_back(t.numel() * t.element_size());
-    pieces.push_back(bytes_of(t));
+    pieces.push_back(contiguous_bytes(t));
   }
   const at::Tensor mine = pieces.size() == 1 ? pieces[0] : at::cat(pieces);
   const int64_t total = mine.numel();
@@ -231,7 +226,7 @@ void TwoLevelGatherScatter::run_all_gather_leader(const std::vector<at::Tensor>&
   // Host h's L blocks of tensor i, as bytes of the host-major full tensor.
   const auto region = [&](size_t i, int h) {
     const int64_t bytes = local * inputs[i].numel() * inputs[i].element_size();
-    return bytes_of(full[i]).narrow(0, h * bytes, bytes);
+    return contiguous_bytes(full[i]).narrow(0, h * bytes, bytes);
   };
   std::vector<char*> full_ptrs;
   std::vector<char*> block_ptrs;
@@ -419,7 +414,7 @@ void TwoLevelGatherScatter::from_host_major(const at::Tensor& host_major,
 
 at::Tensor TwoLevelGatherScatter::blocks_of(const at::Tensor& full) const {
   const int64_t world = group_.size();
-  return bytes_of(full).view({world, full.numel() * full.element_size() / world});
+  return contiguous_bytes(full).view({world, full.numel() * full.element_size() / world});
 }
 
 }  // namespace xdev::backend
