@@ -391,6 +391,13 @@ def _delegated(rank: int, world: int) -> None:
         if name == "reduce" and rank != root:  # a reduce leaves a non-root's view undefined
             base[1::3] = want[1::3]  # but never touches the elements around it
         assert torch.equal(base, want), (name, base, want)
+    # Its list reduce-scatter writes a strided output as if it were contiguous too.
+    columns = torch.full((4, 2), -1.0)
+    pieces = [torch.arange(4.0) + 10 * r + rank for r in range(world)]
+    dist.reduce_scatter(columns[:, 1], pieces, group=engine_only)
+    want_column = torch.arange(4.0) * world + 10 * rank * world + sum(range(world))
+    assert torch.equal(columns[:, 1], want_column), columns
+    assert torch.equal(columns[:, 0], torch.full((4,), -1.0)), columns
     # What the engine runs counts in the group's sequence number, as Gloo counts it.
     backend = torch_xdev._registration.backend_of(engine_only)
     before = backend._get_sequence_number_for_group()

@@ -116,11 +116,18 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
-  if (!integer_avg_without_engine(opts.reduceOp, *engine, outputs))
-    return track(call(*engine, opts));
-  c10d::ReduceScatterOptions sum = opts;
-  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  return divide_after(group, track(call(*engine, sum)), outputs, type, "xdev:reduce_scatter");
+  // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
+  std::vector<at::Tensor> staged = contiguous(outputs);
+  const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, outputs);
+  c10d::ReduceScatterOptions o = opts;
+  if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  c10::intrusive_ptr<c10d::Work> work = track(call(*engine, o, staged));
+  if (integer_avg) work = divide_after(group, work, staged, type, "xdev:reduce_scatter");
+  bool all_in_place = true;
+  for (size_t i = 0; i < outputs.size(); ++i) all_in_place &= staged[i].is_same(outputs[i]);
+  if (all_in_place) return work;
+  return then(group, work, outputs, type, "xdev:reduce_scatter", "collective",
+              [staged, outputs] { copy_back(staged, outputs); });
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group,

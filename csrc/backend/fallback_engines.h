@@ -49,11 +49,13 @@ class FallbackEngines {
                                            const c10d::AllreduceOptions& opts, bool coalesced,
                                            bool avg_as_sum_then_divide);
 
-  // A reduce-scatter through the engine for `outputs`, which `call` runs with
-  // the options it is given. An integer AVG on Gloo runs as SUM, then a
-  // truncating divide (the native path's result), like the allreduce.
+  // A reduce-scatter through the engine for `outputs`: `call` runs it with
+  // the options and the outputs it is given (contiguous copies of strided
+  // ones, which Gloo would write as if they were contiguous; the returned
+  // Work covers copying them back). An integer AVG on Gloo runs as SUM, then
+  // a truncating divide (the native path's result), like the allreduce.
   using ReduceScatterCall = std::function<c10::intrusive_ptr<c10d::Work>(
-      c10d::Backend&, const c10d::ReduceScatterOptions&)>;
+      c10d::Backend&, const c10d::ReduceScatterOptions&, std::vector<at::Tensor>& outputs)>;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(GroupContext& group,
                                                 const std::vector<at::Tensor>& outputs,
                                                 const c10d::ReduceScatterOptions& opts,

@@ -301,9 +301,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
-        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
-          return engine.reduce_scatter(outputs, inputs, o);
-        });
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+            std::vector<at::Tensor>& outs) { return engine.reduce_scatter(outs, inputs, o); });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter_list(
@@ -328,11 +327,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
       select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(
-        group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
-        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
-          return engine._reduce_scatter_base(output, input, o);
-        });
+    return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
+                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+                                         std::vector<at::Tensor>& outs) {
+                                       return engine._reduce_scatter_base(outs[0], input, o);
+                                     });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
@@ -360,11 +359,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(
-        group_, outputs, opts, reduce_scatter_coalesced_op_type(),
-        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o) {
-          return engine.reduce_scatter_tensor_coalesced(outputs, inputs, o);
-        });
+    return fallbacks_.reduce_scatter(group_, outputs, opts, reduce_scatter_coalesced_op_type(),
+                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+                                         std::vector<at::Tensor>& outs) {
+                                       return engine.reduce_scatter_tensor_coalesced(outs, inputs,
+                                                                                     o);
+                                     });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
