@@ -509,6 +509,8 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
         ('{"core_gbps": true}', "core_gbps must be a finite number > 0"),
         ('{"core_gbps": 1' + "0" * 400 + "}", "core_gbps must be a finite number > 0"),
         ('{"core_gbps": 0}', "core_gbps must be a finite number > 0"),
+        # A fraction used to be cut to a whole number: 0.5 became 0, "no limit on cores".
+        ('{"net_host_cores": 0.5}', "net_host_cores must be a whole number of cores"),
     ],
 )
 def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:

@@ -72,6 +72,11 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
             raise ValueError(
                 f"XDEV_CPU_MODEL={path!r}: {key} must be a finite number {least}; got {value!r}"
             )
+        if key == "net_host_cores" and not number.is_integer():
+            raise ValueError(
+                f"XDEV_CPU_MODEL={path!r}: net_host_cores must be a whole number of cores "
+                f"(0: the host's share of this machine); got {value!r}"
+            )
         setattr(config, field, number)
 
 
