@@ -136,6 +136,19 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
         torch_xdev.shared_empty(10 + rank)
     with pytest.raises(ValueError, match="negative dimension"):
         torch_xdev.shared_empty(-1) if rank == 0 else torch_xdev.shared_empty(0, -2)
+    # One rank alone refuses its size: the others learn it at the same call (they used to
+    # go on, pairing their next call with its next one, or to wait out the timeout).
+    if rank == world - 1:
+        with pytest.raises(ValueError, match="negative dimension"):
+            torch_xdev.shared_empty(-1)
+    else:
+        with pytest.raises(RuntimeError, match=f"rank {world - 1}: torch_xdev.shared_empty: neg"):
+            torch_xdev.shared_empty(4)
+    paired = torch_xdev.shared_empty(8)
+    paired.fill_(float(rank))
+    dist.all_reduce(paired)
+    assert torch.equal(paired, torch.full((8,), float(sum(range(world)))))
+    del paired
     # Sizes whose bytes overflow, or exceed what memory could hold: ValueError, no tensor.
     with pytest.raises(ValueError, match="too large"):
         torch_xdev.shared_empty(1 << 62)
@@ -162,6 +175,9 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     kept.fill_(3.0)
     dist.destroy_process_group()
     assert torch.equal(kept, torch.full((100,), 3.0))
+    # The destroyed group's backend says so (it used to say it had no heap).
+    with pytest.raises(ValueError, match="has been destroyed"):
+        backend.allocate_tensor(16, dtype=torch.float32, device=torch.device("cpu"))
     return {"before": before, "mapped": mapped, "modes": modes, "after_free": after_free}
 
 

@@ -3,12 +3,22 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
+namespace {
+
+// A shared_empty segment's size: its bytes (at least one) in whole pages.
+size_t page_round(size_t bytes) {
+  constexpr size_t kPage = 4096;
+  return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+}
+
+}  // namespace
 
 SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   if (group.size() == 1) {
@@ -75,6 +85,9 @@ transport::ShmChannel* SharedBuffers::heap_channel() const {
 }
 
 at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
+  if (heap_ != nullptr && heap_channel() == nullptr) {
+    throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
+  }
   if (!heap_available()) {
     throw std::invalid_argument("xdev allocateTensor: this group has no symmetric heap (" +
                                 heap_note_ + ")");
@@ -114,18 +127,6 @@ std::vector<char*> copies_of(const SharedPlacement& placement,
 
 at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
   const int rank = group_.rank(), size = group_.size();
-  int64_t numel = 1;
-  for (int64_t d : sizes) {
-    if (d < 0) {
-      // Formatted here: c10::str of an int64 array crashed with torch 2.11 (C++17).
-      std::string shape;
-      for (int64_t e : sizes) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
-      throw std::invalid_argument("torch_xdev.shared_empty: negative dimension " +
-                                  std::to_string(d) + " in size [" + shape + "]");
-    }
-    if (__builtin_mul_overflow(numel, d, &numel))
-      numel = -1;  // too large: heap_block_bytes says so
-  }
   // A world of one has no one to share with: an ordinary tensor does the same.
   if (size == 1) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
   if (group_.channel() == nullptr) {
@@ -134,28 +135,55 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
         std::to_string(size) + " ranks are on " + std::to_string(group_.num_hosts()) +
         " hosts); use an ordinary tensor");
   }
-  const size_t bytes = heap_block_bytes("torch_xdev.shared_empty", numel, dtype);
-  constexpr size_t kPage = 4096;
-  const size_t segment_bytes = (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+  // The call takes its number first, and what this rank could not do (its
+  // arguments, its segment) goes to the peers in its Store entry: every rank
+  // then refuses the same call, and the calls after it stay paired.
   int64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     id = next_id_++;
   }
+  size_t bytes = 0;
+  transport::ShmSegment mine;
+  std::exception_ptr my_failure;
+  std::string my_reason;
+  try {
+    int64_t numel = 1;
+    for (int64_t d : sizes) {
+      if (d < 0) {
+        // Formatted here: c10::str of an int64 array crashed with torch 2.11 (C++17).
+        std::string shape;
+        for (int64_t e : sizes) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+        throw std::invalid_argument("torch_xdev.shared_empty: negative dimension " +
+                                    std::to_string(d) + " in size [" + shape + "]");
+      }
+      if (__builtin_mul_overflow(numel, d, &numel))
+        numel = -1;  // too large: heap_block_bytes says so
+    }
+    bytes = heap_block_bytes("torch_xdev.shared_empty", numel, dtype);
+    mine = transport::ShmSegment::create(transport::ShmSegment::make_name(), page_round(bytes));
+  } catch (const std::exception& e) {
+    my_failure = std::current_exception();
+    my_reason = e.what();
+  }
   c10d::Store& store = group_.store();
   const auto timeout = group_.config().timeout;
   const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
-  transport::ShmSegment mine =
-      transport::ShmSegment::create(transport::ShmSegment::make_name(), segment_bytes);
-  store.set(prefix + std::to_string(rank), mine.name() + " " + std::to_string(bytes));
+  store.set(prefix + std::to_string(rank),
+            my_failure ? "!" + my_reason : mine.name() + " " + std::to_string(bytes));
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
   store.wait(keys, timeout);  // a rank that never calls it: the group's timeout
   std::vector<std::string> names(static_cast<size_t>(size));
   std::string asked;
+  std::string failed;
   bool same = true;
   for (int r = 0; r < size; ++r) {
     const std::string entry = store.get_to_str(keys[static_cast<size_t>(r)]);
+    if (!entry.empty() && entry[0] == '!') {
+      failed += "\n  rank " + std::to_string(r) + ": " + entry.substr(1);
+      continue;
+    }
     const size_t space = entry.rfind(' ');
     names[static_cast<size_t>(r)] = entry.substr(0, space);
     const std::string their_bytes = entry.substr(space + 1);
@@ -163,20 +191,42 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + their_bytes + " bytes";
   }
   // Every rank read the same entries, so every rank refuses together.
+  if (my_failure) std::rethrow_exception(my_failure);
+  if (!failed.empty()) {
+    throw std::runtime_error("torch_xdev.shared_empty #" + std::to_string(id) +
+                             ": another rank could not make its part, so no rank's tensor was "
+                             "made:" +
+                             failed);
+  }
   if (!same) {
     throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
                                 ": ranks asked for different sizes (" + asked +
                                 "); every rank must call it with the same size and dtype");
   }
+  const size_t segment_bytes = page_round(bytes);
   std::vector<transport::ShmSegment> segments(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) {
-      segments[static_cast<size_t>(r)] =
-          transport::ShmSegment::open(names[static_cast<size_t>(r)], segment_bytes);
+  std::string open_failure;
+  try {
+    for (int r = 0; r < size; ++r) {
+      if (r != rank) {
+        segments[static_cast<size_t>(r)] =
+            transport::ShmSegment::open(names[static_cast<size_t>(r)], segment_bytes);
+      }
     }
+  } catch (const std::exception& e) {
+    open_failure = e.what();
   }
-  store_barrier(store, prefix + "mapped/", size, timeout);
+  // Every rank has opened its peers' segments (or failed to) before any name goes.
+  const int64_t failures =
+      count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size);
   mine.unlink();
+  if (!open_failure.empty()) throw std::runtime_error(open_failure);
+  if (failures > 0) {
+    throw std::runtime_error("torch_xdev.shared_empty #" + std::to_string(id) + ": " +
+                             std::to_string(failures) +
+                             " rank(s) could not map their peers' memory (see their errors), "
+                             "so no rank's tensor was made");
+  }
   segments[static_cast<size_t>(rank)] = std::move(mine);
   auto buffer = std::make_shared<transport::SharedBuffer>(id, rank, std::move(segments));
   {
