@@ -204,7 +204,7 @@ std::string ShmChannel::gone_rank(uint64_t epoch) const {
     if (control(r)->left.load() != 0) {
       return who + " has left the group (destroy_process_group, or an error there)";
     }
-    if (pid > 0 && shares_pid_namespace(r) && ::kill(pid, 0) != 0 && errno == ESRCH) {
+    if (pid > 0 && shares_pid_namespace(r) && process_exited(pid)) {
       return who + " exited";
     }
   }

@@ -131,6 +131,20 @@ void ShmSegment::unlink() {
   owner_linked_ = false;
 }
 
+bool process_exited(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  // /proc/<pid>/stat: "pid (comm) state ...", where comm may hold spaces and parentheses.
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return errno == ENOENT;
+  char line[512];
+  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  std::fclose(f);
+  if (!read) return false;
+  const char* close = std::strrchr(line, ')');
+  if (close == nullptr || close[1] != ' ') return false;
+  return close[2] == 'Z' || close[2] == 'X';
+}
+
 int ShmSegment::remove_orphans() {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return 0;
@@ -147,7 +161,7 @@ int ShmSegment::remove_orphans() {
     struct stat st{};
     const std::string path = std::string("/dev/shm/") + e->d_name;
     if (::stat(path.c_str(), &st) != 0 || st.st_uid != me) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    if (!process_exited(static_cast<pid_t>(pid))) continue;
     if (::shm_unlink((std::string("/") + e->d_name).c_str()) == 0) ++removed;
   }
   ::closedir(dir);

@@ -12,11 +12,19 @@
 // /dev/shm but not their pids).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
 namespace xdev::transport {
+
+// Whether process `pid` of this pid namespace has exited: it no longer
+// exists, or it is a zombie its parent has not reaped yet (kill(pid, 0) alone
+// still succeeds on one, and a launcher that joins its ranks in order reaps a
+// dead rank only after the live ones it waits for first).
+bool process_exited(pid_t pid);
 
 // The inode of this process's pid namespace (/proc/self/ns/pid), or 0 when it
 // cannot be read. A pid means the same process only within one namespace.

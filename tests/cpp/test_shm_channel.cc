@@ -34,6 +34,7 @@ using xdev::transport::MismatchError;
 using xdev::transport::OpContext;
 using xdev::transport::OpDescriptor;
 using xdev::transport::PeerError;
+using xdev::transport::process_exited;
 using xdev::transport::ShmChannel;
 using xdev::transport::ShmSegment;
 
@@ -312,6 +313,36 @@ TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
   CHECK_THROWS(me.barrier(start + std::chrono::seconds(20), "allreduce (op #3)"), PeerError,
                "xdev: rank 1 (pid " + std::to_string(child) + ") exited during allreduce (op #3)");
   CHECK(Clock::now() - start < std::chrono::seconds(5));
+}
+
+TEST(shm_barrier_sees_an_exited_peer_that_is_not_yet_reaped) {
+  // The same, but rank 1's parent has not reaped it yet (a launcher joining its ranks in
+  // order): a zombie, which kill(pid, 0) still finds. Rank 0 must still fail within seconds.
+  const std::string name = ShmSegment::make_name();
+  ShmChannel me = ShmChannel::create(name, 2, 0, 4096);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    try {
+      ShmChannel peer = ShmChannel::attach(name, 2, 1, 4096);
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);
+  }
+  CHECK(child > 0);
+  if (child <= 0) return;
+  siginfo_t info{};
+  ::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT);  // exited, not reaped
+  me.unlink_name();
+  CHECK(!process_exited(::getpid()));
+  CHECK(process_exited(child));
+  const auto start = Clock::now();
+  CHECK_THROWS(me.barrier(start + std::chrono::seconds(20), "allreduce (op #4)"), PeerError,
+               "xdev: rank 1 (pid " + std::to_string(child) + ") exited during allreduce (op #4)");
+  CHECK(Clock::now() - start < std::chrono::seconds(5));
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  CHECK(process_exited(child));
 }
 
 TEST(shm_barrier_fails_soon_when_a_peer_leaves_the_group) {
