@@ -327,14 +327,14 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "on different hosts" in messages[3], messages[3]
         else:
             assert "differs from a rank's on another host" in messages[3], messages[3]
-        # The broadcasts cross hosts from the root's local index alone (0, then 1).
+        # The broadcasts cross hosts from local rank 0 of each host alone, whatever the root.
         if rank in (0, 2):
             assert "on different hosts" in messages[4], messages[4]
         else:
             assert "differs from a rank's on another host" in messages[4], messages[4]
         if rank >= 2:
             assert "284 element(s)" in messages[5], messages[5]  # bytes: 71 floats
-        elif rank == 1:
+        elif rank == 0:
             assert "on different hosts" in messages[5] and "among themselves" in messages[5]
         else:
             assert "differs from a rank's on another host" in messages[5], messages[5]
@@ -406,6 +406,16 @@ def _broadcast_mismatch_then_allreduces(rank: int, world: int) -> list[str]:
         else:
             dist.broadcast(torch.ones(1000), src=0)
     messages.append(str(info.value))
+    # Hosts naming different roots: each used to cross from its root's local index, so the
+    # crossing ranks waited for partners that never came until the timeout, and the group
+    # was lost. Local rank 0 of every host now crosses, whatever the root.
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.broadcast(torch.ones(1000), src=0 if rank < 2 else 3)
+    messages.append(str(info.value))
+    for src in (3, 1):  # roots that are not their host's local rank 0
+        got = torch.full((1000,), float(rank))
+        dist.broadcast(got, src=src)
+        assert torch.equal(got, torch.full((1000,), float(src))), src
     for i in range(3):
         t = torch.full((1000,), float(rank + 1 + 10 * i))
         dist.all_reduce(t)

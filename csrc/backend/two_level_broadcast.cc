@@ -29,7 +29,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
       [this, tensors, root, timeout] {
         const auto deadline = group_.deadline_for(timeout);
         const std::vector<at::Tensor> flat = contiguous(tensors);
-        // The root's local index: the local rank that holds the data on every host after step 1.
+        // The root's local index on its host.
         int root_local = 0;
         for (int r = 0; r < root; ++r) {
           root_local += group_.rank_hosts()[static_cast<size_t>(r)] ==
@@ -50,7 +50,11 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
         call.num_tensors = static_cast<int64_t>(flat.size());
         call.total_elems = layout.total();
         call.shape_hash = shape_hash(tensors);
-        const bool crosses = group_.local_rank() == root_local;
+        const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
+        // Local rank 0 of every host crosses, whatever the root: the same
+        // rank on every host, so that hosts whose calls name different roots
+        // meet in the check and fail there rather than wait for each other.
+        const bool crosses = group_.local_rank() == 0;
         // The host's ranks agree on the call first, so that only the rank
         // that crosses hosts need check it with the other hosts. Like a
         // leader form, every rank a mismatch stops crosses hosts once: the
@@ -68,6 +72,12 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           here.shape_hash = call.shape_hash;
           group_.host_channel()->open_collective(
               group_.make_context(here, what_.c_str(), deadline));
+          if (group_.host_index() == root_host && root_local != 0) {
+            // The root's data goes to its host's local rank 0 first (to every
+            // local rank: the step inside a host is a broadcast).
+            staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
+                             what_.c_str(), deadline);
+          }
           if (crosses) {
             // One tensor of bytes, whatever the call's tensors and dtypes. A
             // payload that fits rides in the check from the root's host; a
@@ -75,7 +85,6 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
             at::Tensor payload = bytes.size() == 1 ? bytes[0] : at::cat(bytes);
             const int64_t total = layout.total();
             const bool carried = plan::carried_across_hosts(total);
-            const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
             exchanged = true;
             const at::Tensor messages =
                 check_.exchange(call, carried ? payload.data_ptr() : nullptr, total,
@@ -93,9 +102,11 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
             }
             if (bytes.size() > 1) unpack_into(payload, bytes);
           }
-          // `flat` holds the root's data on the root's local index: broadcast it as it is.
-          staged_broadcast(group_, executor_, group_.local_world_size(), root_local, flat,
-                           what_.c_str(), deadline);
+          // `flat` holds the root's data on local rank 0. (On the root's host
+          // a root elsewhere already gave it to every rank; the step still
+          // runs there: a failed check stops this host's other ranks in it.)
+          staged_broadcast(group_, executor_, group_.local_world_size(), 0, flat, what_.c_str(),
+                           deadline);
         } catch (const transport::MismatchError&) {
           if (!exchanged) check_.refuse(deadline);
           throw;

@@ -1,12 +1,13 @@
 // Broadcast of CPU tensors across hosts in two levels, for groups whose hosts
 // hold the same number L > 1 of ranks: each host's ranks check their call
-// among themselves; the ranks of the root's local index, one per host, check
-// it across hosts, the root's data riding along when it fits
+// among themselves; on the root's host, a root that is not local rank 0
+// broadcasts to its host's ranks; the local ranks 0, one per host, check the
+// call across hosts, the root's data riding along when it fits
 // (plan::carried_across_hosts), or else followed by the engine's (Gloo's)
 // broadcast among them; then each host broadcasts over its shared-memory
-// channel from its rank of that local index. One rank per host crosses hosts:
-// H-1 copies leave the root's host, none between ranks of one host through
-// sockets. Any dtype: bytes move, and are only copied.
+// channel from local rank 0. One rank per host crosses hosts: H-1 copies
+// leave the root's host, none between ranks of one host through sockets. Any
+// dtype: bytes move, and are only copied.
 //
 // Runs on the group's queue like every native collective, so it keeps their
 // order; the engine's part blocks the op thread until the engine is done.

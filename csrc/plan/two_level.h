@@ -235,13 +235,14 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
 // ceil(log2 H) cross hosts, every rank of a host that holds the data sending
 // at once.
 //
-// The two-level broadcast: the ranks of the root's local index, one per host,
-// exchange the call (the payload riding along when it fits), else the engine
-// broadcasts among them (a tree of H ranks, one stream per host); then each
-// host broadcasts over shared memory (costed as an all-gather of the payload,
-// as the leader forms' last step is). It never sends more across hosts than
-// the engine, but pays the exchange's fixed-size message and a step inside
-// the host: with few ranks per host and a fast network the engine can win.
+// The two-level broadcast: the local ranks 0, one per host, exchange the call
+// (the payload riding along when it fits), else the engine broadcasts among
+// them (a tree of H ranks, one stream per host); then each host broadcasts
+// over shared memory (costed as an all-gather of the payload, as the leader
+// forms' last step is). A root that is not its host's local rank 0 first
+// broadcasts inside its host: a step the prediction leaves out. It never sends more across hosts
+// than the engine, but pays the exchange's fixed-size message and a step inside the host: with few
+// ranks per host and a fast network the engine can win.
 double predict_flat_broadcast_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_broadcast_s(const HostLayout& hosts, int64_t bytes,
                                      const NetworkParams& net, const MachineModel& host);
