@@ -284,3 +284,62 @@ def _nan_wins(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_min_max_keep_a_nan_from_any_rank(world: int) -> None:
     run_ranks(_nan_wins, world)
+
+
+def _collectives_from_callbacks(rank: int, world: int) -> None:
+    """What DDP comm hooks such as PowerSGD do, and what a barrier must not wait for."""
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    total = float(sum(range(1, world + 1)))
+    # A Work's callbacks run where it completes: on the thread that ran it. A collective issued
+    # there, waited for at once (PowerSGD's hook: all_reduce(...).get_future().wait()), used
+    # to queue behind that very thread and wait forever.
+    inner = torch.full((4,), float(rank + 1))
+    synced = torch.full((3,), float(rank + 1))
+
+    def reduce_more(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        dist.all_reduce(synced)
+        return dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+
+    chained = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(reduce_more)
+    assert torch.equal(chained.wait(), torch.full((4,), total))
+    assert torch.equal(synced, torch.full((3,), total))
+    # An async barrier waits for the engine's work issued before it, not after: the later
+    # all_to_all needs the last rank, which only calls anything once rank 0 has issued all
+    # three (the Store key), and then waits in its own barrier first.
+    store = dist.distributed_c10d._get_default_store()
+    before = torch.full((4,), float(rank + 1))
+    out = torch.empty(world)
+    if rank == 0:
+        works = [
+            dist.all_reduce(before, async_op=True),
+            dist.barrier(async_op=True),
+            dist.all_to_all_single(out, torch.arange(float(world)) + 10 * rank, async_op=True),
+        ]
+        store.set("callbacks/issued", "1")
+        for work in works:
+            work.wait()
+    else:
+        store.wait(["callbacks/issued"])
+        dist.all_reduce(before)
+        dist.barrier()
+        dist.all_to_all_single(out, torch.arange(float(world)) + 10 * rank)
+    assert torch.equal(before, torch.full((4,), total))
+    assert torch.equal(out, torch.tensor([10.0 * r + rank for r in range(world)]))
+    # Several tensors in one non-coalesced call follow c10d's rule (Gloo's): one result over
+    # every tensor of every rank (the native path used to reduce them one by one), and a
+    # broadcast gives every tensor the root's rootTensor.
+    group = dist.distributed_c10d._get_default_group()
+    pair = [torch.full((2,), float(rank + 1)), torch.full((2,), 10.0 * (rank + 1))]
+    group.allreduce(pair).wait()
+    assert all(torch.equal(t, torch.full((2,), 11 * total)) for t in pair), pair
+    pair = [torch.full((2,), float(rank + 1)), torch.full((2,), 10.0 * (rank + 1))]
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast(pair, opts).wait()
+    assert all(torch.equal(t, torch.full((2,), 1.0)) for t in pair), pair
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_from_callbacks_and_barrier_order(world: int) -> None:
+    run_ranks(_collectives_from_callbacks, world, timeout=120)

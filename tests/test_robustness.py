@@ -88,11 +88,12 @@ def _mismatch(rank: int, world: int) -> None:
         assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         dist.all_reduce(torch.ones(8), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
-    # Lists of two dtypes on one rank, one dtype on the other: every rank stops at the first
-    # dtype's collective, and none has numbered the second, so later calls still line up.
+    # Coalesced lists of two dtypes on one rank, one dtype on the other: every rank stops at
+    # the first dtype's collective, and none has numbered the second, so later calls still
+    # line up.
     second = torch.float64 if rank == 0 else torch.float32
     with pytest.raises(dist.DistBackendError, match="mismatched collectives"):
-        dist.distributed_c10d._get_default_group().allreduce(
+        dist.distributed_c10d._get_default_group().allreduce_coalesced(
             [torch.ones(10), torch.ones(10, dtype=second)]
         ).wait()
     for _ in range(3):

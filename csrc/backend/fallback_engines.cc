@@ -190,12 +190,14 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
   return work;
 }
 
-void FallbackEngines::wait_for_work_in_flight() {
-  std::vector<c10::weak_intrusive_ptr<c10d::Work>> works;
-  {
-    std::lock_guard<std::mutex> lock(in_flight_mutex_);
-    works.swap(in_flight_);
-  }
+FallbackEngines::WorkInFlight FallbackEngines::take_work_in_flight() {
+  WorkInFlight works;
+  std::lock_guard<std::mutex> lock(in_flight_mutex_);
+  works.swap(in_flight_);
+  return works;
+}
+
+void FallbackEngines::wait_for(const WorkInFlight& works) {
   for (const auto& weak : works) {
     const c10::intrusive_ptr<c10d::Work> w = weak.lock();
     if (!w) continue;

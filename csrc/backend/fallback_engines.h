@@ -80,12 +80,17 @@ class FallbackEngines {
                                                const char* profiling_name, const TensorsCall& call);
 
   // Remembers a Work handed to an engine until it is done, and returns it.
-  // xdev's barrier waits for them (wait_for_work_in_flight), as Gloo's own
-  // barrier waits for its work in progress.
+  // xdev's barrier waits for them, as Gloo's own barrier waits for its work in
+  // progress.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // Waits for every tracked Work still in flight. Their errors are not
-  // raised here: each reaches its own caller through its Work.
-  void wait_for_work_in_flight();
+  // The tracked Works, taken when a barrier is called: it waits for these
+  // only, not for work handed to the engines after it (which may need a peer
+  // that is itself in the barrier).
+  using WorkInFlight = std::vector<c10::weak_intrusive_ptr<c10d::Work>>;
+  WorkInFlight take_work_in_flight();
+  // Waits for those still alive. Their errors are not raised here: each
+  // reaches its own caller through its Work.
+  static void wait_for(const WorkInFlight& works);
 
   // Shuts the engines down and drops them (without the GIL: their destructors join threads).
   void shutdown();

@@ -109,6 +109,7 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   }
   choose_spin_budgets();
   queue_ = std::make_unique<WorkQueue>();
+  queue_address_ = queue_.get();
 }
 
 GroupContext::~GroupContext() {
@@ -333,8 +334,14 @@ c10::intrusive_ptr<c10d::Work> GroupContext::enqueue(c10d::OpType type, const ch
 
 void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                                 bool async_op) {
-  std::lock_guard<std::mutex> lock(queue_mutex_);
-  TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
+  // Inside one of this group's tasks (a Work's callback): the queue lives
+  // until that task ends, and this thread may hold queue_mutex_ already.
+  const bool nested = WorkQueue::running_on_this_thread() == queue_address_;
+  std::unique_lock<std::mutex> lock(queue_mutex_, std::defer_lock);
+  if (!nested) {
+    lock.lock();
+    TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
+  }
   if (!async_op) ++callers_waiting_;
   auto task = [this, work, fn = std::move(fn), async_op] {
     auto done = c10::make_scope_exit([this, async_op] {
@@ -368,7 +375,9 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
       work->fail(as_dist_error(std::string("xdev: ") + e.what()));
     }
   };
-  if (async_op) {
+  if (nested) {
+    queue_address_->run_nested(std::move(task));
+  } else if (async_op) {
     queue_->submit(std::move(task));
   } else {
     queue_->run_inline_or_submit(std::move(task));

@@ -216,6 +216,9 @@ class GroupContext {
 
   std::mutex queue_mutex_;            // guards queue_ against stop_queue()
   std::unique_ptr<WorkQueue> queue_;  // joined in stop_queue(), before anything it uses goes
+  // queue_ as it was made, only compared with WorkQueue::running_on_this_thread()
+  // (non-const: run_nested, which only a task of that queue calls).
+  WorkQueue* queue_address_ = nullptr;
 };
 
 }  // namespace xdev::backend

@@ -3,6 +3,46 @@
 #include <c10/util/ScopeExit.h>
 
 namespace xdev::backend {
+namespace {
+
+thread_local const WorkQueue* t_running_queue = nullptr;
+
+// Marks this thread as running a task of `queue` for its lifetime (nests).
+class RunningTask {
+ public:
+  explicit RunningTask(const WorkQueue* queue) : previous_(t_running_queue) {
+    t_running_queue = queue;
+  }
+  ~RunningTask() { t_running_queue = previous_; }
+  RunningTask(const RunningTask&) = delete;
+  RunningTask& operator=(const RunningTask&) = delete;
+
+ private:
+  const WorkQueue* previous_;
+};
+
+}  // namespace
+
+const WorkQueue* WorkQueue::running_on_this_thread() {
+  return t_running_queue;
+}
+
+void WorkQueue::run_nested(std::function<void()> task) {
+  // busy_ is still set by the running task, so no other thread takes tasks meanwhile.
+  for (;;) {
+    std::function<void()> next;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (tasks_.empty()) break;
+      next = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    RunningTask running(this);
+    next();
+  }
+  RunningTask running(this);
+  task();
+}
 
 WorkQueue::WorkQueue() : thread_([this] { loop(); }) {}
 
@@ -47,6 +87,7 @@ bool WorkQueue::run_inline_or_submit(std::function<void()> task) {
     // every synchronous call takes a core from the ranks at their barriers.
     if (worker_has_news) cv_.notify_one();
   });
+  RunningTask running(this);
   task();
   return true;
 }
@@ -60,7 +101,10 @@ void WorkQueue::loop() {
     tasks_.pop_front();
     busy_ = true;
     lock.unlock();
-    task();  // tasks catch their own errors and report them through their Work
+    {
+      RunningTask running(this);
+      task();  // tasks catch their own errors and report them through their Work
+    }
     lock.lock();
     busy_ = false;
   }

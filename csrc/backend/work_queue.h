@@ -25,6 +25,18 @@ class WorkQueue {
   // rest. Order is kept either way. Returns true if it ran inline.
   bool run_inline_or_submit(std::function<void()> task);
 
+  // The queue whose task this thread is running (the worker, or a caller
+  // running one inline), or null.
+  static const WorkQueue* running_on_this_thread();
+
+  // For a task submitted from inside one of this queue's tasks (a callback of
+  // a Work's future, which runs where the Work completes, on the thread that
+  // runs its task): that thread is the only one that may run tasks now, and
+  // one that waits for this task (PowerSGD's hook waits inside its callback)
+  // would wait forever if it were queued behind the running one. So this
+  // thread runs what is queued, in order, then the task, before it returns.
+  void run_nested(std::function<void()> task);
+
  private:
   void loop();
 

@@ -198,6 +198,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   const bool dense = std::all_of(tensors.begin(), tensors.end(),
                                  [](const at::Tensor& t) { return t.layout() == at::kStrided; });
   if (!dense) return fallbacks_.allreduce(group_, tensors, opts, coalesced, false);
+  if (!coalesced && tensors.size() > 1) {
+    // c10d's rule for a list (Gloo's): every tensor of every rank is reduced
+    // into one result that every tensor receives. The native path reduces
+    // tensors one by one (allreduce_coalesced), so the engine runs it.
+    const bool avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+    return fallbacks_.allreduce(
+        group_, tensors, opts, false,
+        avg && !fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors)));
+  }
   if (device.is_cuda() && cuda_ != nullptr && size_ > 1) {
     // Collective on first use: every rank learns the GPUs and the transport.
     cuda_->ensure_ready(device.index());
@@ -304,8 +313,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     refusal = size_ == 1               ? "one rank"
               : group_.num_hosts() > 1 ? "across hosts: " + two_level_note_
                                        : "no shared memory between the ranks";
-  } else if (opts.rootTensor != 0) {
-    refusal = "a root tensor other than the first";
+  } else if (tensors.size() > 1 || opts.rootTensor != 0) {
+    // c10d's rule for a list (Gloo's): the root's rootTensor goes to every
+    // tensor of every rank. The native path broadcasts one tensor.
+    refusal = "several tensors in one call";
   }
   for (const at::Tensor& t : tensors) {
     if (refusal.empty() && !(t.device().is_cpu() && t.layout() == at::kStrided)) {
@@ -346,13 +357,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
   ++collectives_called_;
   // On the group's queue, so behind this rank's native collectives. Before
-  // its barrier it waits for the work this rank handed to the engines, as
+  // its barrier it waits for the work this rank handed to the engines before
+  // it (not after: that may need a peer waiting in this barrier), as
   // Gloo's barrier waits for its work in progress, and, like NCCL's, for this
   // rank's GPU collectives.
   CudaCollectives* cuda = cuda_.get();
-  FallbackEngines* engines = &fallbacks_;
-  auto before = [cuda, engines] {
-    engines->wait_for_work_in_flight();
+  auto before = [cuda, handed = fallbacks_.take_work_in_flight()] {
+    FallbackEngines::wait_for(handed);
     if (cuda && cuda->info()) cuda->synchronize();
   };
   if (cpu_ != nullptr) return cpu_->barrier(opts.timeout, opts.asyncOp, before);
