@@ -7,8 +7,8 @@
   (both sum in rank order); each all-gather (every dtype, bool and complex too: it moves
   bytes) with the concatenated inputs. Then the forms FSDP2 uses: the coalesced forms with
   one pair, the all-gather whose input lies inside its output, a non-contiguous output,
-  ``async_op`` with ``wait()``, the list forms (``reduce_scatter``, ``all_gather``, strided
-  entries), and results equal on every rank.
+  ``async_op`` with ``wait()`` and the list forms (``reduce_scatter``, ``all_gather``,
+  strided entries).
 - ``test_cuda_gather_scatter_mismatch_and_auto``: a reduce-scatter whose block differs
   between ranks fails on every rank with a clear error, and the group keeps working; with
   algorithm auto, ranks sharing a GPU (no NCCL) run the native path, and the choice is in
@@ -29,12 +29,11 @@ import torch.distributed as dist
 
 import cuda_ranks
 import torch_xdev
-from collective_cases import ALL_DTYPES, OPS, check_close, digest, make_input, reference
+from collective_cases import ALL_DTYPES, OPS, check_close, make_input, reference
 from cuda_ranks import (
     GROUP_TIMEOUT,
     SLOT,
     XDEV_TIMEOUT_S,
-    assert_same_on_all_ranks,
     close_group,
     first_cuda_collective,
     run_or_skip,
@@ -90,8 +89,7 @@ def _grid(rank: int, world: int) -> dict[str, Any]:
     if not info["transport"]:
         return _skip(group, f"no CUDA transport: {info['transport_note']}")
     started = time.monotonic()
-    digests: list[int] = []
-    labels: list[str] = []
+    cases = 0
     for dtype in ALL_DTYPES:
         for op in OPS:
             for size in SIZES:
@@ -107,9 +105,10 @@ def _grid(rank: int, world: int) -> dict[str, Any]:
                 check_close(result, reference(inputs, op)[mine], op, world, what)
                 on_cpu = torch.full((numel,), 7, dtype=dtype)
                 dist.reduce_scatter_tensor(on_cpu, inputs[rank].clone(), op=op, group=group)
+                # Each rank holds its own block: what ties the ranks together is that every
+                # block has the bits of the CPU path's, which sums in the same order.
                 assert torch.equal(result, on_cpu), f"{what}: not the CPU path's bits"
-                digests.append(digest(result))
-                labels.append(what)
+                cases += 1
     for dtype in ALL_DTYPES + BYTE_DTYPES:
         for size in SIZES:
             numel = _numel(size, dtype)
@@ -119,10 +118,8 @@ def _grid(rank: int, world: int) -> dict[str, Any]:
             dist.all_gather_into_tensor(out, parts[rank].to(device), group=group)
             _assert_path(group, "all_gather", what)
             assert torch.equal(out.cpu(), torch.cat(parts)), what
-    cases = len(labels)
     _forms(rank, world, device, group)
     close_group(group)
-    assert_same_on_all_ranks(digests, labels, world)
     dist.destroy_process_group()
     return {"cases": cases, "seconds": time.monotonic() - started}
 
