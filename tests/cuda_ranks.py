@@ -29,11 +29,20 @@ XDEV_TIMEOUT_S = 120.0
 SHARED_GPU_PLAN = "reduce_to_one"
 
 
+def skip_or_fail(reason: str, allow_module_level: bool = False) -> None:
+    """Skips with the reason; fails instead where XDEV_TEST_REQUIRE_CUDA=1 (.ci/gpu_check on a
+    GPU machine), so that a change that turns the CUDA path or its transport off is red
+    there rather than a row of skips."""
+    if os.environ.get("XDEV_TEST_REQUIRE_CUDA") == "1":
+        pytest.fail(f"XDEV_TEST_REQUIRE_CUDA=1, but: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=allow_module_level)
+
+
 def skip_module_without_cuda() -> None:
     """Skips the calling test module, with the reason, where the CUDA tests cannot run."""
     reason = why_skip()
     if reason is not None:
-        pytest.skip(f"CUDA tests need a GPU and a CUDA build: {reason}", allow_module_level=True)
+        skip_or_fail(f"CUDA tests need a GPU and a CUDA build: {reason}", allow_module_level=True)
 
 
 def why_skip() -> Optional[str]:
@@ -58,7 +67,7 @@ def run_or_skip(fn: Callable[..., Any], world: int, *args: Any, timeout: float) 
     ``{"skip": why}`` (no CUDA transport there, or a case this machine cannot make)."""
     results = run_ranks(fn, world, *args, timeout=timeout)
     if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+        skip_or_fail(results[0]["skip"])
     return results
 
 

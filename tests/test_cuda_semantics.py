@@ -45,6 +45,7 @@ from cuda_ranks import (
     last_allreduce,
     run_or_skip,
     setup_rank,
+    skip_or_fail,
 )
 from harness import run_ranks
 
@@ -484,7 +485,7 @@ def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
     timeout_s = 3.0
     results = run_ranks(_peer_dies_mid_collective, 2, timeout_s, timeout=300, expect_dead=(1,))
     if "skip" in results[0]:
-        pytest.skip(results[0]["skip"])
+        skip_or_fail(results[0]["skip"])
 
 
 # ---------------------------------------------------------------------------------------
