@@ -368,6 +368,15 @@ class CudaCollectivesImpl : public CudaCollectives {
       info->heap_note = "off: Options.shared_buckets / XDEV_SHARED_BUCKETS is off";
       return;
     }
+    // A Work's future records its CUDA tensors on the waiting streams through
+    // the allocator, and the cudaMallocAsync backend asserts on memory it did
+    // not allocate. (Ranks may differ here: a collective then stages.)
+    if (c10::cuda::CUDACachingAllocator::name() == "cudaMallocAsync") {
+      info->heap_note =
+          "off: the cudaMallocAsync allocator (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) "
+          "refuses to record streams for memory it did not allocate";
+      return;
+    }
     heap_ = std::make_unique<CudaHeapTensors>(g_, device, stream_->stream());
     info->heap = true;
     info->heap_note =
