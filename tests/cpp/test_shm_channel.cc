@@ -289,11 +289,9 @@ TEST(shm_channel_over_part_of_a_group_names_the_group_ranks) {
   }
 }
 
-TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
-  // A real process as rank 1: it attaches and exits without ever reaching the barrier. Rank 0
-  // must notice the exit (not wait out its 20 s deadline) and name the rank and its pid.
-  const std::string name = ShmSegment::make_name();
-  ShmChannel me = ShmChannel::create(name, 2, 0, 4096);
+// A real process as rank 1 of the 2-rank channel `name`: it attaches and exits (status 0, or
+// 2 if it could not attach) without ever reaching a barrier. Returns its pid.
+pid_t fork_peer_that_attaches_and_exits(const std::string& name) {
   const pid_t child = ::fork();
   if (child == 0) {
     try {
@@ -303,6 +301,15 @@ TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
     }
     ::_exit(0);
   }
+  return child;
+}
+
+TEST(shm_barrier_fails_soon_when_a_peer_process_exits) {
+  // A real process as rank 1: it attaches and exits without ever reaching the barrier. Rank 0
+  // must notice the exit (not wait out its 20 s deadline) and name the rank and its pid.
+  const std::string name = ShmSegment::make_name();
+  ShmChannel me = ShmChannel::create(name, 2, 0, 4096);
+  const pid_t child = fork_peer_that_attaches_and_exits(name);
   CHECK(child > 0);
   if (child <= 0) return;
   int status = 0;
@@ -320,15 +327,7 @@ TEST(shm_barrier_sees_an_exited_peer_that_is_not_yet_reaped) {
   // order): a zombie, which kill(pid, 0) still finds. Rank 0 must still fail within seconds.
   const std::string name = ShmSegment::make_name();
   ShmChannel me = ShmChannel::create(name, 2, 0, 4096);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    try {
-      ShmChannel peer = ShmChannel::attach(name, 2, 1, 4096);
-    } catch (...) {
-      ::_exit(2);
-    }
-    ::_exit(0);
-  }
+  const pid_t child = fork_peer_that_attaches_and_exits(name);
   CHECK(child > 0);
   if (child <= 0) return;
   siginfo_t info{};
