@@ -316,7 +316,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   } else if (tensors.size() > 1 || opts.rootTensor != 0) {
     // c10d's rule for a list (Gloo's): the root's rootTensor goes to every
     // tensor of every rank. The native path broadcasts one tensor.
-    refusal = "several tensors in one call";
+    refusal =
+        tensors.size() > 1 ? "several tensors in one call" : "a root tensor other than the first";
   }
   for (const at::Tensor& t : tensors) {
     if (refusal.empty() && !(t.device().is_cpu() && t.layout() == at::kStrided)) {
