@@ -116,18 +116,16 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
-  // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
-  std::vector<at::Tensor> staged = contiguous(outputs);
   const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, outputs);
   c10d::ReduceScatterOptions o = opts;
   if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  c10::intrusive_ptr<c10d::Work> work = track(call(*engine, o, staged));
-  if (integer_avg) work = divide_after(group, work, staged, type, "xdev:reduce_scatter");
-  bool all_in_place = true;
-  for (size_t i = 0; i < outputs.size(); ++i) all_in_place &= staged[i].is_same(outputs[i]);
-  if (all_in_place) return work;
-  return then(group, work, outputs, type, "xdev:reduce_scatter", "collective",
-              [staged, outputs] { copy_back(staged, outputs); });
+  // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
+  std::vector<at::Tensor> targets = outputs;
+  c10::intrusive_ptr<c10d::Work> work = on_contiguous(
+      group, targets, type, "xdev:reduce_scatter",
+      [engine, &o, &call](std::vector<at::Tensor>& outs) { return call(*engine, o, outs); });
+  if (!integer_avg) return work;
+  return divide_after(group, work, outputs, type, "xdev:reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group,

@@ -68,11 +68,11 @@ class FallbackEngines {
                                         const c10d::ReduceOptions& opts);
 
   // `call` (an engine's collective over these tensors, which it writes) on
-  // contiguous tensors: Gloo's allreduce, reduce and broadcast read and write
-  // a non-contiguous tensor as if it were contiguous, corrupting the elements
-  // around it, and NCCL refuses one. Non-contiguous tensors are replaced by
-  // contiguous copies for the engine, and the results are copied back once it
-  // is done (the returned Work covers the copy).
+  // contiguous tensors: Gloo's allreduce, reduce, broadcast and reduce-scatter
+  // read and write a non-contiguous tensor as if it were contiguous, corrupting
+  // the elements around it, and NCCL refuses one. Non-contiguous tensors are
+  // replaced by contiguous copies for the engine, and the results are copied
+  // back once it is done (the returned Work covers the copy).
   using TensorsCall =
       std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>& tensors)>;
   c10::intrusive_ptr<c10d::Work> on_contiguous(GroupContext& group,

@@ -240,9 +240,10 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
 // them (a tree of H ranks, one stream per host); then each host broadcasts
 // over shared memory (costed as an all-gather of the payload, as the leader
 // forms' last step is). A root that is not its host's local rank 0 first
-// broadcasts inside its host: a step the prediction leaves out. It never sends more across hosts
-// than the engine, but pays the exchange's fixed-size message and a step inside the host: with few
-// ranks per host and a fast network the engine can win.
+// broadcasts inside its host: a step the prediction leaves out. It never sends
+// more across hosts than the engine, but pays the exchange's fixed-size
+// message and a step inside the host: with few ranks per host and a fast
+// network the engine can win.
 double predict_flat_broadcast_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_broadcast_s(const HostLayout& hosts, int64_t bytes,
                                      const NetworkParams& net, const MachineModel& host);
