@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
@@ -305,10 +305,12 @@ def case_bf16_params(run: Run) -> dict[str, Any]:
     return {"params": {"pair": flat_params(model)}, "losses": losses}
 
 
-def case_comm_hook(run: Run, hook: Callable[..., Any], bucket_view: bool) -> dict[str, Any]:
+def case_comm_hook(
+    run: Run, hook: Callable[..., Any], bucket_view: bool, state: Any = None
+) -> dict[str, Any]:
     model = ddp_train.make_model(SEED)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=bucket_view)
-    ddp.register_comm_hook(None, hook)
+    ddp.register_comm_hook(state, hook)
     losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp], bucket_view=bucket_view))
     return {"params": {"world": flat_params(model)}, "losses": losses}
 
@@ -318,6 +320,33 @@ def case_avg_comm_hook(run: Run) -> dict[str, Any]:
     if run.backend == "gloo":
         return case_mlp(run, bucket_view=True)
     return case_comm_hook(run, torch_xdev.avg_comm_hook, bucket_view=True)
+
+
+def case_powersgd_hook(run: Run) -> dict[str, Any]:
+    """PowerSGD on several buckets: each bucket's future callbacks allreduce its P and Q
+    matrices, on the thread that completed the bucket's allreduce, while the backward pass
+    goes on issuing the next buckets' allreduces."""
+    # Compress every matrix from the third step on (the first two allreduce plainly), at a
+    # rank (4) at which the loss still falls within the case's six steps.
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=4,
+        start_powerSGD_iter=2,
+        min_compression_rate=1,
+    )
+    hook: Callable[..., Any] = powerSGD_hook.powerSGD_hook
+    if run.backend == "gloo":
+        # Gloo pairs collectives by the order each rank issues them, which the callbacks make
+        # a race (Gloo then hangs): its twin finishes each bucket before the next is issued.
+        # The sums are the same.
+        # (No annotations: DDP compares them with its classes, and this module's are strings.)
+        def finished(state, bucket):  # type: ignore[no-untyped-def]
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(powerSGD_hook.powerSGD_hook(state, bucket).wait())
+            return done
+
+        hook = finished
+    return case_comm_hook(run, hook, bucket_view=False, state=state)
 
 
 def case_channels_last_conv(run: Run) -> dict[str, Any]:
@@ -433,6 +462,8 @@ CASES: dict[str, Case] = {
         atol=1e-4,
     ),
     "avg_comm_hook": Case(case_avg_comm_hook),
+    # The last allreduce of a step is a Q matrix, not a bucket.
+    "powerSGD_hook": Case(case_powersgd_hook, bucket_allreduce_last=False),
     "channels_last_conv": Case(case_channels_last_conv),
     "two_models_one_group": Case(case_two_models_one_group),
     "two_groups": Case(case_two_groups),
@@ -443,6 +474,13 @@ CASES: dict[str, Case] = {
         case_mlp,
         hostnames=("host-a", "host-a", "host-b", "host-b"),
         algorithm="auto",  # a forced native plan is refused across hosts
+    ),
+    # The callbacks' allreduces cross hosts too (through Gloo, from xdev's worker thread).
+    "powerSGD_two_hosts": Case(
+        case_powersgd_hook,
+        bucket_allreduce_last=False,
+        hostnames=("host-a", "host-a", "host-b", "host-b"),
+        algorithm="auto",
     ),
 }
 # Run like the others, but judged by a test of its own (torch may not be able to run it).

@@ -343,3 +343,68 @@ def _collectives_from_callbacks(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_from_callbacks_and_barrier_order(world: int) -> None:
     run_ranks(_collectives_from_callbacks, world, timeout=120)
+
+
+def _callbacks_keep_program_order(rank: int, world: int) -> None:
+    """A collective issued from a callback takes the place where the callback was attached.
+
+    Rank 0 issues everything before any peer has issued anything (a Store key holds them
+    back), so its callbacks run on xdev's worker thread with the later collective already
+    queued; its peers let each Work complete before going on, so theirs run in program order.
+    Both orders must pair the same calls: a wrong pairing is a mismatch error, or sums of the
+    wrong tensors.
+    """
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    total = float(sum(range(1, world + 1)))
+
+    def full(n: int, scale: float) -> torch.Tensor:
+        return torch.full((n,), scale * (rank + 1))
+
+    # DDP's pattern (PowerSGD on several buckets): the hook attaches a callback that issues
+    # a collective and waits for it; the backward pass then issues the next bucket.
+    first, inner, later = full(3, 1.0), full(5, 10.0), full(7, 100.0)
+
+    def issue_inner(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        return dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+
+    def issue_first() -> torch.futures.Future[Any]:
+        return dist.all_reduce(first, async_op=True).get_future().then(issue_inner)
+
+    if rank == 0:
+        chained = issue_first()
+        last = dist.all_reduce(later, async_op=True)
+        store.set("order/ddp", "issued")
+    else:
+        store.wait(["order/ddp"])
+        chained = issue_first()
+        chained.wait()  # the callback ran, in program order
+        last = dist.all_reduce(later, async_op=True)
+    chained.wait()
+    last.wait()
+    for tensor, scale in ((first, 1.0), (inner, 10.0), (later, 100.0)):
+        assert torch.equal(tensor, torch.full_like(tensor, scale * total)), (scale, tensor)
+
+    # A callback attached after a later collective was issued: it goes after that one.
+    first, later, inner = full(2, 1.0), full(4, 100.0), full(6, 10.0)
+    if rank == 0:
+        work = dist.all_reduce(first, async_op=True)
+        last = dist.all_reduce(later, async_op=True)
+        chained = work.get_future().then(issue_inner)
+        store.set("order/late", "issued")
+    else:
+        store.wait(["order/late"])
+        work = dist.all_reduce(first, async_op=True)
+        work.wait()
+        last = dist.all_reduce(later, async_op=True)
+        chained = work.get_future().then(issue_inner)  # runs at once, on this thread
+    chained.wait()
+    last.wait()
+    for tensor, scale in ((first, 1.0), (inner, 10.0), (later, 100.0)):
+        assert torch.equal(tensor, torch.full_like(tensor, scale * total)), (scale, tensor)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_callbacks_keep_program_order(world: int) -> None:
+    run_ranks(_callbacks_keep_program_order, world, timeout=120)

@@ -342,6 +342,11 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     lock.lock();
     TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
   }
+  if (nested) {
+    work->place_callbacks_at(XdevWork::callbacks_place_here());
+  } else {
+    work->place_callbacks_at_get_future(queue_->submitted_count());
+  }
   if (!async_op) ++callers_waiting_;
   auto task = [this, work, fn = std::move(fn), async_op] {
     auto done = c10::make_scope_exit([this, async_op] {
@@ -376,7 +381,7 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     }
   };
   if (nested) {
-    queue_address_->run_nested(std::move(task));
+    queue_address_->run_nested(std::move(task), XdevWork::callbacks_place_here());
   } else if (async_op) {
     queue_->submit(std::move(task));
   } else {

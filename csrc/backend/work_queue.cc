@@ -27,14 +27,14 @@ const WorkQueue* WorkQueue::running_on_this_thread() {
   return t_running_queue;
 }
 
-void WorkQueue::run_nested(std::function<void()> task) {
+void WorkQueue::run_nested(std::function<void()> task, uint64_t after) {
   // busy_ is still set by the running task, so no other thread takes tasks meanwhile.
   for (;;) {
     std::function<void()> next;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (tasks_.empty()) break;
-      next = std::move(tasks_.front());
+      if (tasks_.empty() || tasks_.front().first > after) break;
+      next = std::move(tasks_.front().second);
       tasks_.pop_front();
     }
     RunningTask running(this);
@@ -58,7 +58,7 @@ WorkQueue::~WorkQueue() {
 void WorkQueue::submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
+    tasks_.emplace_back(++*submitted_, std::move(task));
   }
   cv_.notify_one();
 }
@@ -66,8 +66,9 @@ void WorkQueue::submit(std::function<void()> task) {
 bool WorkQueue::run_inline_or_submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    const uint64_t number = ++*submitted_;
     if (busy_ || !tasks_.empty()) {
-      tasks_.push_back(std::move(task));
+      tasks_.emplace_back(number, std::move(task));
       cv_.notify_one();
       return false;
     }
@@ -97,7 +98,7 @@ void WorkQueue::loop() {
   for (;;) {
     cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!busy_ && !tasks_.empty()); });
     if (tasks_.empty()) return;  // stopping and drained
-    std::function<void()> task = std::move(tasks_.front());
+    std::function<void()> task = std::move(tasks_.front().second);
     tasks_.pop_front();
     busy_ = true;
     lock.unlock();

@@ -3,11 +3,16 @@
 // in step; the thread sleeps on a condition variable when idle.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace xdev::backend {
 
@@ -18,6 +23,8 @@ class WorkQueue {
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;
 
+  // Each task submitted (queued or run inline) takes the next number of
+  // submitted_count(), from 1.
   void submit(std::function<void()> task);
 
   // Runs the task on the calling thread if nothing is queued or running (a
@@ -29,20 +36,28 @@ class WorkQueue {
   // running one inline), or null.
   static const WorkQueue* running_on_this_thread();
 
-  // For a task submitted from inside one of this queue's tasks (a callback of
-  // a Work's future, which runs where the Work completes, on the thread that
+  // How many tasks have been submitted so far. Shared, so that a Work can
+  // read it after the queue is gone.
+  std::shared_ptr<const std::atomic<uint64_t>> submitted_count() const { return submitted_; }
+
+  static constexpr uint64_t kEverything = std::numeric_limits<uint64_t>::max();
+
+  // For a task issued from inside one of this queue's tasks (a callback of a
+  // Work's future, which runs where the Work completes, on the thread that
   // runs its task): that thread is the only one that may run tasks now, and
   // one that waits for this task (PowerSGD's hook waits inside its callback)
   // would wait forever if it were queued behind the running one. So this
-  // thread runs what is queued, in order, then the task, before it returns.
-  void run_nested(std::function<void()> task);
+  // thread runs the queued tasks numbered up to `after` (in order), then the
+  // task, before it returns; later tasks stay queued.
+  void run_nested(std::function<void()> task, uint64_t after);
 
  private:
   void loop();
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
+  std::deque<std::pair<uint64_t, std::function<void()>>> tasks_;  // (number, task)
+  std::shared_ptr<std::atomic<uint64_t>> submitted_ = std::make_shared<std::atomic<uint64_t>>(0);
   bool stopping_ = false;
   bool busy_ = false;  // a task is running, on the worker or inline
   std::thread thread_;

@@ -1,22 +1,59 @@
 #include "xdev_work.h"
 
+#include "work_queue.h"
+
 namespace xdev::backend {
+namespace {
+
+thread_local const XdevWork* t_completing = nullptr;
+
+// Marks this thread as running `work`'s future callbacks for its lifetime (nests).
+class Completing {
+ public:
+  explicit Completing(const XdevWork* work) : previous_(t_completing) { t_completing = work; }
+  ~Completing() { t_completing = previous_; }
+  Completing(const Completing&) = delete;
+  Completing& operator=(const Completing&) = delete;
+
+ private:
+  const XdevWork* previous_;
+};
+
+}  // namespace
 
 XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
                    std::vector<at::Tensor> outputs, std::vector<c10::Device> devices)
     : c10d::Work(rank, op_type, profiling_title, outputs),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
-                                                       std::move(devices))) {}
+      future_(
+          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::move(devices))),
+      callbacks_place_(WorkQueue::kEverything) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> XdevWork::getFuture() {
+  uint64_t unset = WorkQueue::kEverything;
+  if (submitted_) callbacks_place_.compare_exchange_strong(unset, submitted_->load());
+  return future_;
+}
+
+void XdevWork::place_callbacks_at_get_future(
+    std::shared_ptr<const std::atomic<uint64_t>> submitted) {
+  submitted_ = std::move(submitted);
+}
+
+uint64_t XdevWork::callbacks_place_here() {
+  return t_completing != nullptr ? t_completing->callbacks_place_.load() : WorkQueue::kEverything;
+}
 
 // The future first: wait() returns once finish() has run, and a caller may
 // read the future right after (Gloo's work completes in this order too).
 void XdevWork::complete() {
+  Completing completing(this);
   future_->markCompleted(c10::IValue(outputs_));
   finish();
 }
 
 void XdevWork::fail(std::exception_ptr error) {
+  Completing completing(this);
   future_->setError(error);
   finish(error);
 }

@@ -7,7 +7,10 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
+#include <cstdint>
 #include <exception>
+#include <memory>
 #include <vector>
 
 namespace xdev::backend {
@@ -24,12 +27,31 @@ class XdevWork : public c10d::Work {
   virtual void complete();
   void fail(std::exception_ptr error);
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
+
+  // Where a collective issued from this Work's future callbacks runs, among
+  // the tasks of the queue that completes it (see WorkQueue::run_nested).
+  // Ranks issue collectives in the same program order, but the callbacks run
+  // when the Work completes, a moment that differs across ranks. To keep the
+  // ranks' orders equal, such a collective takes the place it would have had
+  // had its callback run when it was attached, as on NCCL, whose futures
+  // complete at once: after the tasks submitted by then, ahead of later ones.
+  // A callback is attached right after getFuture() (the future is out of
+  // reach before), so that is when a Work the program issued takes its place:
+  // the count of tasks `submitted` by then.
+  void place_callbacks_at_get_future(std::shared_ptr<const std::atomic<uint64_t>> submitted);
+  // A Work issued from callbacks takes the place of the callbacks that issued it.
+  void place_callbacks_at(uint64_t place) { callbacks_place_ = place; }
+  // The place for a collective issued on this thread now: that of the Work
+  // whose callbacks are running here, or WorkQueue::kEverything.
+  static uint64_t callbacks_place_here();
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<const std::atomic<uint64_t>> submitted_;
+  std::atomic<uint64_t> callbacks_place_;  // kEverything until taken
 };
 
 }  // namespace xdev::backend
