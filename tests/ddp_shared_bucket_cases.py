@@ -20,8 +20,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    ddp_zero_hook,
+    default_hooks,
+    powerSGD_hook,
+)
 from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -196,18 +201,21 @@ def train(
     batch: Callable[[int, int], Batch] = mlp_batch,
     forward: Callable[[DDP, torch.Tensor, int], torch.Tensor] = lambda ddp, x, s: ddp(x),
     snapshot: Callable[[], None] = lambda: None,
+    step: Callable[[int, torch.optim.Optimizer], None] = lambda s, opt: opt.step(),
+    steps: int = STEPS,
 ) -> list[float]:
-    """STEPS steps of SGD; `snapshot` runs after the last backward. Returns the losses."""
+    """`steps` steps of SGD (`step` runs step s); `snapshot` runs after the last backward.
+    Returns the losses."""
     opt = sgd(ddp.module)
     losses = []
-    for s in range(STEPS):
+    for s in range(steps):
         opt.zero_grad()
         x, y = batch(run.rank, s)
         loss = loss_of(forward(ddp, x, s), y)
         loss.backward()
-        if s == STEPS - 1:
+        if s == steps - 1:
             snapshot()
-        opt.step()
+        step(s, opt)
         losses.append(loss.item())
     return losses
 
@@ -340,13 +348,49 @@ def case_powersgd_hook(run: Run) -> dict[str, Any]:
         # a race (Gloo then hangs): its twin finishes each bucket before the next is issued.
         # The sums are the same.
         # (No annotations: DDP compares them with its classes, and this module's are strings.)
-        def finished(state, bucket):  # type: ignore[no-untyped-def]
+        def finished(state, bucket):
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(powerSGD_hook.powerSGD_hook(state, bucket).wait())
             return done
 
         hook = finished
     return case_comm_hook(run, hook, bucket_view=False, state=state)
+
+
+ZERO_SETUP_STEPS = 2  # steps in which DDP-overlapped ZeRO learns DDP's buckets, updating nothing
+
+
+def case_zero_overlap(run: Run, interleaved: bool) -> dict[str, Any]:
+    """ZeroRedundancyOptimizer(overlap_with_ddp=True): DDP's comm hook runs each rank's shard
+    of the optimizer step and broadcasts the updated parameters, from the last bucket's hook,
+    or (interleaved) from each bucket's future callback, issuing collectives there."""
+    model = ddp_train.make_model(SEED)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    if run.backend == "gloo":
+        # torch refuses the overlap on Gloo (it may hang there): the twin is DDP with SGD,
+        # which the overlapped ZeRO computes, from the step it starts updating.
+        def step(s: int, opt: torch.optim.Optimizer) -> None:
+            if s >= ZERO_SETUP_STEPS:
+                opt.step()
+
+    else:
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=LR
+        )
+        with_zero = (
+            ddp_zero_hook.hook_with_zero_step_interleaved
+            if interleaved
+            else ddp_zero_hook.hook_with_zero_step
+        )
+        ddp.register_comm_hook(None, with_zero(default_hooks.allreduce_hook, ddp, zero))
+
+        def step(s: int, opt: torch.optim.Optimizer) -> None:
+            pass  # the hook stepped
+
+    # As many updates as the other cases make.
+    steps = STEPS + ZERO_SETUP_STEPS
+    losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp]), step=step, steps=steps)
+    return {"params": {"world": flat_params(model)}, "losses": losses}
 
 
 def case_channels_last_conv(run: Run) -> dict[str, Any]:
@@ -475,6 +519,9 @@ CASES: dict[str, Case] = {
         hostnames=("host-a", "host-a", "host-b", "host-b"),
         algorithm="auto",  # a forced native plan is refused across hosts
     ),
+    # The last collectives of a step are ZeRO's broadcasts; its last allreduce is a bucket's.
+    "zero_overlap": Case(lambda run: case_zero_overlap(run, interleaved=False)),
+    "zero_overlap_interleaved": Case(lambda run: case_zero_overlap(run, interleaved=True)),
     # The callbacks' allreduces cross hosts too (through Gloo, from xdev's worker thread).
     "powerSGD_two_hosts": Case(
         case_powersgd_hook,
