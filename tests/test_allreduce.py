@@ -153,6 +153,17 @@ def _shapes_and_modes(rank: int, world: int) -> None:
     for i, (x, w) in enumerate(zip(ts, works)):
         w.wait()
         assert torch.equal(x, torch.full_like(x, float(sum(r + i for r in range(world)))))
+    # The same memory twice in one coalesced call: each entry is reduced from its value before
+    # the call (a plan that reads its own input where it writes results used to count a rank
+    # twice, differently on each rank). Sizes of one window and of several.
+    for n in (9, 3000):
+        x = torch.full((n,), float(rank + 1))
+        dist.all_reduce_coalesced([x, x])
+        assert torch.equal(x, torch.full((n,), sum_of_ranks)), (n, x[:4])
+        overlapping = torch.arange(n + n // 2, dtype=torch.float64) * (rank + 1)
+        dist.all_reduce_coalesced([overlapping[:n], overlapping[n // 2 :]])
+        expected = torch.arange(n + n // 2, dtype=torch.float64) * sum_of_ranks
+        assert torch.equal(overlapping, expected), (n, overlapping[:4])
     # Broadcast (native) of several dtypes, from every root.
     for root in range(world):
         for dtype in (torch.float32, torch.int64, torch.bool, torch.complex64):
@@ -402,6 +413,29 @@ def _callbacks_keep_program_order(rank: int, world: int) -> None:
     last.wait()
     for tensor, scale in ((first, 1.0), (inner, 10.0), (later, 100.0)):
         assert torch.equal(tensor, torch.full_like(tensor, scale * total)), (scale, tensor)
+
+    # Destroying the group from a callback on its worker thread (rank 0's: its peers only
+    # join the allreduce once the callback is attached) is refused, and the group goes on.
+    refused: list[str] = []
+
+    def destroy_group(fut: torch.futures.Future[Any]) -> None:
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    x = full(3, 1.0)
+    if rank == 0:
+        attempt = dist.all_reduce(x, async_op=True).get_future().then(destroy_group)
+        store.set("order/destroy", "issued")
+        attempt.wait()
+        assert len(refused) == 1 and "cannot be destroyed from a callback" in refused[0], refused
+    else:
+        store.wait(["order/destroy"])
+        dist.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, total))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, world * total))
     dist.destroy_process_group()
 
 

@@ -195,14 +195,24 @@ FallbackEngines::WorkInFlight FallbackEngines::take_work_in_flight() {
   return works;
 }
 
-void FallbackEngines::wait_for(const WorkInFlight& works) {
+void FallbackEngines::wait_for(const WorkInFlight& works, transport::Clock::time_point deadline) {
   for (const auto& weak : works) {
     const c10::intrusive_ptr<c10d::Work> w = weak.lock();
     if (!w) continue;
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - transport::Clock::now());
+    bool finished = true;
     try {
-      w->wait();
+      w->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception&) {
-      // Raised to the Work's own caller; the barrier only needs it finished.
+      // Its own error reaches its own caller; a wait that timed out leaves it unfinished.
+      finished = w->isCompleted();
+    }
+    if (!finished) {
+      throw CallError(
+          "xdev: barrier: a collective this rank handed to Gloo or NCCL before the barrier did "
+          "not finish within the barrier's timeout (a peer never joined it, or a callback of its "
+          "future waits for a collective issued after the barrier)");
     }
   }
 }

@@ -88,9 +88,12 @@ class FallbackEngines {
   // that is itself in the barrier).
   using WorkInFlight = std::vector<c10::weak_intrusive_ptr<c10d::Work>>;
   WorkInFlight take_work_in_flight();
-  // Waits for those still alive. Their errors are not raised here: each
-  // reaches its own caller through its Work.
-  static void wait_for(const WorkInFlight& works);
+  // Waits for those still alive, until `deadline`. Their errors are not
+  // raised here (each reaches its own caller through its Work); one still
+  // running at the deadline fails the barrier (CallError) instead of holding
+  // it for good: a callback of its future may itself wait for a collective
+  // queued behind the barrier.
+  static void wait_for(const WorkInFlight& works, transport::Clock::time_point deadline);
 
   // Shuts the engines down and drops them (without the GIL: their destructors join threads).
   void shutdown();

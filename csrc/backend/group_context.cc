@@ -390,6 +390,12 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
 }
 
 bool GroupContext::stop_queue() {
+  if (queue_address_ != nullptr && WorkQueue::running_on_this_thread() == queue_address_) {
+    throw std::runtime_error(
+        "xdev: a process group cannot be destroyed from a callback of its own Work (callbacks "
+        "run on the group's worker thread, which destroying the group must join): destroy it "
+        "from another thread, once its Works are done");
+  }
   std::unique_ptr<WorkQueue> queue;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);

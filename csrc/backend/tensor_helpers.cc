@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -90,7 +92,30 @@ at::Tensor contiguous_bytes(const at::Tensor& t) {
 
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
   for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  // The byte ranges of the tensors used where they lie, by start.
+  struct Span {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < flat.size(); ++i) {
+    if (!flat[i].is_same(tensors[i]) || flat[i].nbytes() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(flat[i].data_ptr());
+    spans.push_back({begin, begin + flat[i].nbytes(), i});
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  std::vector<bool> overlaps(flat.size(), false);
+  for (size_t a = 0; a < spans.size(); ++a) {
+    for (size_t b = a + 1; b < spans.size() && spans[b].begin < spans[a].end; ++b) {
+      overlaps[spans[a].index] = overlaps[spans[b].index] = true;
+    }
+  }
+  for (size_t i = 0; i < flat.size(); ++i) {
+    if (overlaps[i]) flat[i] = tensors[i].clone(at::MemoryFormat::Contiguous);
+  }
   return flat;
 }
 

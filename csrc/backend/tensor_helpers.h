@@ -36,6 +36,10 @@ at::Tensor contiguous_bytes(const at::Tensor& t);
 
 // Each tensor itself when contiguous, else a contiguous copy: executors work on
 // contiguous memory, and copy_back writes the copies' results into the originals.
+// Executors also read a tensor's input from where they write its result, so a
+// tensor that shares bytes with another of the list (the same tensor twice in
+// a coalesced call) gets a copy as well; copy_back then writes the results in
+// list order, the last winning where they overlap, as Gloo's copies do.
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 

@@ -363,8 +363,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   // Gloo's barrier waits for its work in progress, and, like NCCL's, for this
   // rank's GPU collectives.
   CudaCollectives* cuda = cuda_.get();
-  auto before = [cuda, handed = fallbacks_.take_work_in_flight()] {
-    FallbackEngines::wait_for(handed);
+  auto before = [this, cuda, handed = fallbacks_.take_work_in_flight(), timeout = opts.timeout] {
+    FallbackEngines::wait_for(handed, group_.deadline_for(timeout));
     if (cuda && cuda->info()) cuda->synchronize();
   };
   if (cpu_ != nullptr) return cpu_->barrier(opts.timeout, opts.asyncOp, before);
