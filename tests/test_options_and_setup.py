@@ -36,8 +36,12 @@ from harness import run_ranks
         ({"timeout": 0.0005}, "timeout"),
         ({"timeout": float("nan")}, "timeout"),
         ({"num_packs": 1 << 64}, "num_packs"),  # past int64_t: a TypeError in the binding
-        ({"num_packs": (1 << 16) + 1}, "num_packs"),  # every pack is built: memory runs out
+        # Planning time grows with the square of the pack count (65536 never finished).
+        ({"num_packs": (1 << 10) + 1}, "num_packs"),
         ({"shm_slot_bytes": 1 << 63}, "shm_slot_bytes"),
+        ({"shm_slot_bytes": 1 << 62}, "shm_slot_bytes"),  # 2 x 4 ranks of it wrapped: SIGSEGV
+        ({"shm_slot_bytes": (1 << 30) + 4096}, "shm_slot_bytes"),
+        ({"cuda_slot_bytes": 1 << 31}, "cuda_slot_bytes"),
         ({"shared_buckets": None}, "shared_buckets"),  # the binding would read False
         ({"single_copy": "no"}, "single_copy"),
         ({"single_copy": 2}, "single_copy"),
@@ -157,6 +161,8 @@ def test_init_methods(method: str, tmp_path: Any) -> None:
         # A CPU-only build says so, and CUDA tensors would go to Gloo.
         assert cuda["built"] is False and "no CUDA path" in cuda["note"]
         assert cuda["fallback_backend"] == "gloo"
+    if not cuda["initialized"]:  # the keys README documents, there from the start
+        assert cuda["ddp_shared_buckets"] is False and cuda["heap"] is None, cuda
     assert set(infos[0]["cuda_allreduce_plan"]) == {4 << 10, 1 << 20, 64 << 20}
 
 
@@ -542,3 +548,25 @@ def test_describe_reads_ddp_comm_mem_as_pytorch_does(switch: str, shared: bool) 
         _ddp_bucket_in_heap, 2, env={"DDP_DISABLE_COMM_MEM": switch}
     ):
         assert (in_heap, bytes_in_use > 0) == (shared, shared), (switch, in_heap, bytes_in_use)
+
+
+def _init_and_report(rank: int, world: int) -> str:
+    # A long group timeout: the peers of a rank that refuses its settings must not wait it out.
+    try:
+        dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    except ValueError as e:
+        return str(e)
+    dist.destroy_process_group()
+    return ""
+
+
+def test_a_rank_refusing_its_settings_stops_every_rank() -> None:
+    # Rank 1 refuses its own XDEV_ALGO at once; its peers used to wait for it in the engine's
+    # setup until the group's timeout, and then failed with an unrelated store error.
+    errors = run_ranks(
+        _init_and_report, 3, per_rank_env=[{}, {"XDEV_ALGO": "bogus"}, {}], timeout=120
+    )
+    assert "XDEV_ALGO" in errors[1] and "bogus" in errors[1], errors[1]
+    for peer in (0, 2):
+        assert "a peer refused its settings" in errors[peer], errors[peer]
+        assert "rank 1 failed" in errors[peer] and "XDEV_ALGO" in errors[peer], errors[peer]

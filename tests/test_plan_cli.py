@@ -350,7 +350,7 @@ def test_num_packs_out_of_range(capsys: pytest.CaptureFixture[str], packs: str) 
     with pytest.raises(SystemExit) as exc:
         plan.main(["--topology", "dgx1-v100", "--sizes", "4KiB", "--num-packs", packs])
     assert exc.value.code == 2
-    assert "--num-packs must be >= 0 and <= 65536" in capsys.readouterr().err
+    assert "--num-packs must be >= 0 and <= 1024" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hosts", ["1", "2"])

@@ -129,22 +129,45 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
     return make
 
 
+def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseException]) -> None:
+    """Every rank says whether its own setup (options, environment, model files) failed, and
+    learns whether a peer's did, before anything waits for peers: a rank that refused its
+    settings would otherwise leave the others waiting for it until the group's timeout.
+    Raises on a rank whose peer failed; the failing rank raises its own error after."""
+    verdict = "ok" if error is None else f"failed: {type(error).__name__}: {error}"
+    store.set(f"xdev/setup/{rank}", verdict)
+    failed = []
+    for peer in range(size):
+        reason = store.get(f"xdev/setup/{peer}").decode()
+        if reason != "ok" and peer != rank:
+            failed.append(f"rank {peer} {reason}")
+    if failed and error is None:
+        raise ValueError(
+            "xdev: the group cannot start because a peer refused its settings; " + "; ".join(failed)
+        )
+
+
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     # One XdevBackend serves every device type of its group: c10d registers it
     # for "cpu" and "cuda" and calls this creator once.
     group_id = str(dist_opts.group_id)
-    options = resolve_options(pg_options)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    config = backend_config(options, dist_opts.timeout)
-    config.hostname = host_identity()
-    config.group_name = group_id
-    model_file = os.environ.get("XDEV_CPU_MODEL")
-    if model_file:
-        apply_cpu_model_file(config, model_file)
-    topo_file = os.environ.get("XDEV_TOPO_FILE")
-    if topo_file:
-        apply_topology_file(config, topo_file)
     store = dist_opts.store
+    try:
+        options = resolve_options(pg_options)
+        config = backend_config(options, dist_opts.timeout)
+        config.hostname = host_identity()
+        config.group_name = group_id
+        model_file = os.environ.get("XDEV_CPU_MODEL")
+        if model_file:
+            apply_cpu_model_file(config, model_file)
+        topo_file = os.environ.get("XDEV_TOPO_FILE")
+        if topo_file:
+            apply_topology_file(config, topo_file)
+    except Exception as error:
+        _agree_on_setup(store, rank, size, error)
+        raise
+    _agree_on_setup(store, rank, size, None)
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     return _C.XdevBackend(

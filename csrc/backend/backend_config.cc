@@ -55,14 +55,17 @@ std::vector<std::string> plan_settings(const BackendConfig& c) {
 }
 
 void validate(const BackendConfig& config) {
-  if (config.shm_slot_bytes < kMinSlotBytes) {
+  if (config.shm_slot_bytes < kMinSlotBytes || config.shm_slot_bytes > kMaxSlotBytes) {
     throw std::invalid_argument("shm_slot_bytes must be >= " + std::to_string(kMinSlotBytes) +
-                                "; got " + std::to_string(config.shm_slot_bytes));
+                                " and <= " + std::to_string(kMaxSlotBytes) + " (1 GiB); got " +
+                                std::to_string(config.shm_slot_bytes));
   }
-  if (config.cuda_slot_bytes < kMinSlotBytes || config.cuda_slot_bytes % kCudaSlotAlignment != 0) {
+  if (config.cuda_slot_bytes < kMinSlotBytes || config.cuda_slot_bytes > kMaxSlotBytes ||
+      config.cuda_slot_bytes % kCudaSlotAlignment != 0) {
     throw std::invalid_argument("cuda_slot_bytes must be a multiple of " +
-                                std::to_string(kCudaSlotAlignment) +
-                                " and >= " + std::to_string(kMinSlotBytes) + "; got " +
+                                std::to_string(kCudaSlotAlignment) + ", >= " +
+                                std::to_string(kMinSlotBytes) + " and <= " +
+                                std::to_string(kMaxSlotBytes) + " (1 GiB); got " +
                                 std::to_string(config.cuda_slot_bytes));
   }
 }

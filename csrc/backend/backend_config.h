@@ -89,6 +89,9 @@ struct BackendConfig {
 // The smallest staging slot, in host and in GPU memory, and the alignment of a GPU slot.
 inline constexpr int64_t kMinSlotBytes = 4096;
 inline constexpr int64_t kCudaSlotAlignment = 256;
+// The largest: each rank maps two slot sets of every rank, so a larger slot
+// only costs memory, and sizes near 2^63 would overflow the segment's size.
+inline constexpr int64_t kMaxSlotBytes = int64_t{1} << 30;
 
 // The settings a rank picks its plans by, one "name=value" each: the options
 // but the timeout and debug, and the cost model's cpu_* and net_* fields.

@@ -67,6 +67,9 @@ py::dict describe_cuda(const XdevBackend& b) {
     d["note"] = cuda == nullptr ? "this build of torch_xdev has no CUDA path (CPU-only torch, or "
                                   "no GPU): CUDA tensors go to the fallback engine"
                                 : "decided by the group's first collective on CUDA tensors";
+    d["ddp_shared_buckets"] = false;
+    d["ddp_shared_buckets_note"] = d["note"];
+    d["heap"] = py::none();
     return d;
   }
   d["device"] = info->device;
