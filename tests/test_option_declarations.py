@@ -70,9 +70,11 @@ def test_options_reach_the_config() -> None:
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("shm_slot_bytes", 4095, "shm_slot_bytes must be >= 4096; got 4095"),
+        ("shm_slot_bytes", 4095, r"shm_slot_bytes must be >= 4096 and <= \d+ \(1 GiB\); got 4095"),
+        ("shm_slot_bytes", (1 << 30) + 1, r"shm_slot_bytes must be >= 4096 and <= 1073741824"),
         ("cuda_slot_bytes", 4096 + 128, "cuda_slot_bytes must be a multiple of 256"),
-        ("cuda_slot_bytes", 256, "cuda_slot_bytes must be a multiple of 256 and >= 4096"),
+        ("cuda_slot_bytes", 256, "cuda_slot_bytes must be a multiple of 256, >= 4096 and <= "),
+        ("cuda_slot_bytes", 1 << 31, "cuda_slot_bytes must be a multiple of 256, >= 4096"),
     ],
 )
 def test_cpp_validate_checks_slots(field: str, value: int, message: str) -> None:

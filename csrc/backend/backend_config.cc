@@ -62,11 +62,10 @@ void validate(const BackendConfig& config) {
   }
   if (config.cuda_slot_bytes < kMinSlotBytes || config.cuda_slot_bytes > kMaxSlotBytes ||
       config.cuda_slot_bytes % kCudaSlotAlignment != 0) {
-    throw std::invalid_argument("cuda_slot_bytes must be a multiple of " +
-                                std::to_string(kCudaSlotAlignment) + ", >= " +
-                                std::to_string(kMinSlotBytes) + " and <= " +
-                                std::to_string(kMaxSlotBytes) + " (1 GiB); got " +
-                                std::to_string(config.cuda_slot_bytes));
+    throw std::invalid_argument(
+        "cuda_slot_bytes must be a multiple of " + std::to_string(kCudaSlotAlignment) +
+        ", >= " + std::to_string(kMinSlotBytes) + " and <= " + std::to_string(kMaxSlotBytes) +
+        " (1 GiB); got " + std::to_string(config.cuda_slot_bytes));
   }
 }
 
