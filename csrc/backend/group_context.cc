@@ -338,13 +338,13 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
   // until that task ends, and this thread may hold queue_mutex_ already.
   const bool nested = WorkQueue::running_on_this_thread() == queue_address_;
   std::unique_lock<std::mutex> lock(queue_mutex_, std::defer_lock);
-  if (!nested) {
+  // Where a collective issued from this Work's own callbacks will run.
+  const uint64_t place = nested ? XdevWork::callbacks_place_here() : WorkQueue::kEverything;
+  if (nested) {
+    work->place_callbacks_at(place);
+  } else {
     lock.lock();
     TORCH_CHECK(queue_ != nullptr, "xdev: this process group has been destroyed");
-  }
-  if (nested) {
-    work->place_callbacks_at(XdevWork::callbacks_place_here());
-  } else {
     work->place_callbacks_at_get_future(queue_->submitted_count());
   }
   if (!async_op) ++callers_waiting_;
@@ -381,7 +381,7 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     }
   };
   if (nested) {
-    queue_address_->run_nested(std::move(task), XdevWork::callbacks_place_here());
+    queue_address_->run_nested(std::move(task), place);
   } else if (async_op) {
     queue_->submit(std::move(task));
   } else {

@@ -94,6 +94,7 @@ std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
   flat.reserve(tensors.size());
   for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
+  if (flat.size() < 2) return flat;  // nothing to overlap (the common call)
   // The byte ranges of the tensors used where they lie, by start.
   struct Span {
     uintptr_t begin, end;

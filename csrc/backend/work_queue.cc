@@ -2,23 +2,17 @@
 
 #include <c10/util/ScopeExit.h>
 
+#include "scoped_thread_local.h"
+
 namespace xdev::backend {
 namespace {
 
 thread_local const WorkQueue* t_running_queue = nullptr;
 
 // Marks this thread as running a task of `queue` for its lifetime (nests).
-class RunningTask {
+class RunningTask : public ScopedThreadLocal<const WorkQueue*> {
  public:
-  explicit RunningTask(const WorkQueue* queue) : previous_(t_running_queue) {
-    t_running_queue = queue;
-  }
-  ~RunningTask() { t_running_queue = previous_; }
-  RunningTask(const RunningTask&) = delete;
-  RunningTask& operator=(const RunningTask&) = delete;
-
- private:
-  const WorkQueue* previous_;
+  explicit RunningTask(const WorkQueue* queue) : ScopedThreadLocal(t_running_queue, queue) {}
 };
 
 }  // namespace

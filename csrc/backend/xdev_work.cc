@@ -1,5 +1,6 @@
 #include "xdev_work.h"
 
+#include "scoped_thread_local.h"
 #include "work_queue.h"
 
 namespace xdev::backend {
@@ -8,15 +9,9 @@ namespace {
 thread_local const XdevWork* t_completing = nullptr;
 
 // Marks this thread as running `work`'s future callbacks for its lifetime (nests).
-class Completing {
+class Completing : public ScopedThreadLocal<const XdevWork*> {
  public:
-  explicit Completing(const XdevWork* work) : previous_(t_completing) { t_completing = work; }
-  ~Completing() { t_completing = previous_; }
-  Completing(const Completing&) = delete;
-  Completing& operator=(const Completing&) = delete;
-
- private:
-  const XdevWork* previous_;
+  explicit Completing(const XdevWork* work) : ScopedThreadLocal(t_completing, work) {}
 };
 
 }  // namespace
