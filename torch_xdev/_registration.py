@@ -129,6 +129,10 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
     return make
 
 
+# How long a rank that is about to refuse setup waits for its peers to read why.
+_VERDICT_READ_TIMEOUT = timedelta(seconds=30)
+
+
 def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseException]) -> None:
     """Every rank says whether its own setup (options, environment, model files) failed, and
     learns whether a peer's did, before anything waits for peers: a rank that refused its
@@ -141,6 +145,15 @@ def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseExcept
         reason = store.get(f"xdev/setup/{peer}").decode()
         if reason != "ok" and peer != rank:
             failed.append(f"rank {peer} {reason}")
+    if failed or error is not None:
+        # Every rank is about to raise. The rank hosting the store (rank 0 under a plain
+        # init_process_group) must not exit before its peers have read the verdicts, or they
+        # get a closed connection instead of the reason.
+        store.set(f"xdev/setup/read/{rank}", "1")
+        try:
+            store.wait([f"xdev/setup/read/{peer}" for peer in range(size)], _VERDICT_READ_TIMEOUT)
+        except dist.DistError:
+            pass  # a peer died: it reads nothing, and our own error says enough
     if failed and error is None:
         raise ValueError(
             "xdev: the group cannot start because a peer refused its settings; " + "; ".join(failed)
