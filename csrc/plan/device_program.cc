@@ -9,31 +9,42 @@
 namespace xdev::plan {
 namespace {
 
-bool overlaps(int64_t a, int64_t a_count, int64_t b, int64_t b_count) {
-  return a < b + b_count && b < a + a_count;
-}
-
 // Two ops of one rank and phase must not race on the rank's own slot; an op
 // may read and write the same elements (an in-place reduce touches each
-// element from one thread only).
+// element from one thread only). Phases hold an op per pack, and packs can
+// number in the thousands, so the writes are sorted once and each read is
+// looked up among them.
 void check_phase(const std::vector<DeviceOp>& ops, size_t begin, size_t end, int rank) {
+  std::vector<size_t> writes;  // ops that write the slot, by dst_offset
   for (size_t i = begin; i < end; ++i) {
-    const DeviceOp& w = ops[i];
-    if (w.dst_is_output) continue;
-    for (size_t j = begin; j < end; ++j) {
-      const DeviceOp& r = ops[j];
-      const bool same_op = i == j;
-      if (!same_op && !r.dst_is_output && overlaps(w.dst_offset, w.count, r.dst_offset, r.count)) {
-        throw std::invalid_argument("device program: two ops of rank " + std::to_string(rank) +
-                                    " write one slot range in phase " + std::to_string(w.phase));
-      }
-      for (int s = 0; s < r.num_sources; ++s) {
-        if (r.sources[s] != rank) continue;
-        const bool in_place = same_op && r.src_offsets[s] == w.dst_offset;
-        if (!in_place && overlaps(w.dst_offset, w.count, r.src_offsets[s], r.count)) {
+    if (!ops[i].dst_is_output && ops[i].count > 0) writes.push_back(i);
+  }
+  std::sort(writes.begin(), writes.end(),
+            [&](size_t a, size_t b) { return ops[a].dst_offset < ops[b].dst_offset; });
+  for (size_t k = 1; k < writes.size(); ++k) {
+    const DeviceOp& prev = ops[writes[k - 1]];
+    if (ops[writes[k]].dst_offset < prev.dst_offset + prev.count) {
+      throw std::invalid_argument("device program: two ops of rank " + std::to_string(rank) +
+                                  " write one slot range in phase " + std::to_string(prev.phase));
+    }
+  }
+  // The writes are disjoint now: those a read overlaps follow the first that
+  // ends after the read begins.
+  for (size_t j = begin; j < end; ++j) {
+    const DeviceOp& r = ops[j];
+    for (int s = 0; s < r.num_sources && r.count > 0; ++s) {
+      if (r.sources[s] != rank) continue;
+      const int64_t lo = r.src_offsets[s];
+      const int64_t hi = lo + r.count;
+      auto it = std::partition_point(writes.begin(), writes.end(), [&](size_t w) {
+        return ops[w].dst_offset + ops[w].count <= lo;
+      });
+      for (; it != writes.end() && ops[*it].dst_offset < hi; ++it) {
+        const bool in_place = *it == j && lo == r.dst_offset;
+        if (!in_place) {
           throw std::invalid_argument("device program: rank " + std::to_string(rank) +
                                       " reads a slot range it writes in phase " +
-                                      std::to_string(w.phase));
+                                      std::to_string(r.phase));
         }
       }
     }
@@ -124,13 +135,17 @@ DeviceProgram compile_device_program(const WindowPlan& w, int rank) {
         p.ops.push_back(make_op(phase, s, s.range.begin, s.range.begin, s.range.size(), false));
         continue;
       }
-      // Output: the slot range maps back through the window's segments.
-      for (const Segment& seg : w.segments) {
-        const int64_t lo = std::max(s.range.begin, seg.slot_begin);
-        const int64_t hi = std::min(s.range.end, seg.slot_begin + seg.count);
+      // Output: the slot range maps back through the window's segments (in
+      // ascending slot order), from the first that ends after the range begins.
+      auto seg = std::partition_point(w.segments.begin(), w.segments.end(), [&](const Segment& x) {
+        return x.slot_begin + x.count <= s.range.begin;
+      });
+      for (; seg != w.segments.end() && seg->slot_begin < s.range.end; ++seg) {
+        const int64_t lo = std::max(s.range.begin, seg->slot_begin);
+        const int64_t hi = std::min(s.range.end, seg->slot_begin + seg->count);
         if (hi <= lo) continue;
         p.ops.push_back(
-            make_op(phase, s, lo, seg.payload_begin + (lo - seg.slot_begin), hi - lo, true));
+            make_op(phase, s, lo, seg->payload_begin + (lo - seg->slot_begin), hi - lo, true));
       }
     }
     p.phase_begin.push_back(static_cast<int32_t>(p.ops.size()));

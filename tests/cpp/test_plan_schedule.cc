@@ -6,6 +6,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -438,4 +439,59 @@ TEST(a_total_is_not_handed_back_over_an_input_someone_still_reads) {
   CHECK_EQ(want.error, kOk);
   CHECK_EQ(got.error, kOk);
   CHECK(got.out == want.out);
+}
+
+namespace {
+
+// Steps in one order whatever order a builder or rewrite emitted them in.
+std::vector<Step> sorted_steps(std::vector<Step> steps) {
+  const auto key = [](const Step& s) {
+    return std::tie(s.range.begin, s.range.end, s.phase, s.actor, s.target, s.kind, s.sources,
+                    s.slot_owner, s.also_output, s.finalize);
+  };
+  std::sort(steps.begin(), steps.end(),
+            [&](const Step& a, const Step& b) { return key(a) < key(b); });
+  return steps;
+}
+
+}  // namespace
+
+TEST(thousands_of_packs_are_rewritten_as_one_rotation_is) {
+  // Packs of equal size rotate their lead ranks every `world` packs, so the staged executor's
+  // rewrites of 20000 packs are those of the first `world` packs, repeated: the same steps,
+  // shifted. (This also keeps the rewrites fast: they compared every pair of steps, which took
+  // minutes at this size.)
+  constexpr int kWorld = 8;
+  constexpr int64_t kPackElems = 3;
+  constexpr int64_t kRotations = 2500;
+  const auto rewrite = [](const Schedule& s) { return hand_back_totals(forward_own_input(s)); };
+  const Schedule one = rewrite(
+      hierarchical_copy_schedule(kWorld, slices_of(equal_packs(kWorld * kPackElems, kWorld), 0)));
+  const int64_t elems = kRotations * kWorld * kPackElems;
+  const Schedule all = rewrite(
+      hierarchical_copy_schedule(kWorld, slices_of(equal_packs(elems, kRotations * kWorld), 0)));
+  CHECK_EQ(find_schedule_hazard(all), std::string());
+
+  std::vector<Step> want;
+  std::vector<std::vector<Range>> want_staged(kWorld);
+  for (int64_t k = 0; k < kRotations; ++k) {
+    const int64_t shift = k * kWorld * kPackElems;
+    for (Step step : one.steps) {
+      step.range = {step.range.begin + shift, step.range.end + shift};
+      want.push_back(step);
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      for (const Range& x : one.staged_ranges[static_cast<size_t>(r)]) {
+        std::vector<Range>& ranges = want_staged[static_cast<size_t>(r)];
+        if (!ranges.empty() && ranges.back().end == x.begin + shift) {
+          ranges.back().end = x.end + shift;  // touching ranges are one
+        } else {
+          ranges.push_back({x.begin + shift, x.end + shift});
+        }
+      }
+    }
+  }
+  CHECK(sorted_steps(all.steps) == sorted_steps(want));
+  CHECK(all.staged_ranges == want_staged);
+  CHECK(all.stagers == one.stagers);
 }
