@@ -517,6 +517,9 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
         ('{"core_gbps": 0}', "core_gbps must be a finite number > 0"),
         # A fraction used to be cut to a whole number: 0.5 became 0, "no limit on cores".
         ('{"net_host_cores": 0.5}', "net_host_cores must be a whole number of cores"),
+        # A misspelt key left its parameter at the default without a word.
+        ('{"core_gbs": 3, "cores": 2}', "unknown parameter(s) core_gbs; a CPU model sets"),
+        ('{"gpu_launch_us": 3}', "unknown parameter(s) gpu_launch_us"),
     ],
 )
 def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
@@ -526,7 +529,8 @@ def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
         torch_xdev._registration.apply_cpu_model_file(_C.BackendConfig(), str(path))
     assert problem in str(exc.value), str(exc.value)
     config = _C.BackendConfig()
-    path.write_text('{"params": {"launch_us": 0, "core_gbps": 3}}')
+    # What calibrate.py records beside the parameters is accepted.
+    path.write_text('{"params": {"launch_us": 0, "core_gbps": 3, "cores": 2, "window_bytes": 8}}')
     torch_xdev._registration.apply_cpu_model_file(config, str(path))
     assert (config.cpu_launch_us, config.cpu_core_gbps) == (0.0, 3.0)
 

@@ -37,6 +37,8 @@ CPU_MODEL_FIELDS = {
     "net_latency_us": "net_latency_us",
     "net_host_cores": "net_host_cores",
 }
+# Keys benchmarks/calibrate.py writes beside them for the record: the machine it measured.
+CPU_MODEL_RECORDS = ("cores", "window_bytes")
 
 
 def _finite_float(value: Any) -> Optional[float]:
@@ -60,6 +62,13 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
     params = data.get("params", data) if isinstance(data, dict) else None
     if not isinstance(params, dict):
         raise ValueError(f"XDEV_CPU_MODEL={path!r}: expected a JSON object with 'params'")
+    unknown = sorted(set(params) - set(CPU_MODEL_FIELDS) - set(CPU_MODEL_RECORDS))
+    if unknown:
+        # A misspelt key would otherwise leave its parameter at the default without a word.
+        raise ValueError(
+            f"XDEV_CPU_MODEL={path!r}: unknown parameter(s) {', '.join(unknown)}; a CPU model "
+            f"sets {', '.join(CPU_MODEL_FIELDS)} (and records {', '.join(CPU_MODEL_RECORDS)})"
+        )
     for key, field in CPU_MODEL_FIELDS.items():
         if key not in params:
             continue
