@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,3 +129,50 @@ def check_coalesced(
         expected = reference([inputs[r][i].flatten() for r in range(world)], dist.ReduceOp.SUM)
         check_close(mine[i].flatten(), expected, dist.ReduceOp.SUM, world, f"{what} coalesced #{i}")
     return [digest(t) for t in mine]
+
+
+def check_lent_memory_overlaps(rank: int, world: int, group: Any, n: int) -> None:
+    """reduce_scatter_tensor and all_gather_into_tensor where what a rank lends its peers (the
+    inputs) shares memory with what it writes (the outputs) other than at its own block: in one
+    call (a view straddling two blocks) and across the entries of a coalesced call. Peers read
+    the lent bytes while the rank writes, so it must lend a copy or write elsewhere first.
+    Integer-valued floats: every sum is exact, whatever the order."""
+
+    def part(seed: int, r: int, numel: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed * 7919 + r)
+        return torch.randint(-50, 50, (numel,), generator=g).to(torch.float32)
+
+    mine = slice(rank * n, (rank + 1) * n)
+    straddle = rank * n + n // 2 if rank < world - 1 else rank * n - n // 2
+    parts = [part(1, r, n) for r in range(world)]
+    out = torch.full((world * n,), -1.0)
+    view = out[straddle : straddle + n]
+    view.copy_(parts[rank])
+    dist.all_gather_into_tensor(out, view, group=group)
+    assert torch.equal(out, torch.cat(parts)), "all_gather from a view straddling two blocks"
+    fulls = [part(2, r, world * n) for r in range(world)]
+    full = fulls[rank].clone()
+    dist.reduce_scatter_tensor(full[straddle : straddle + n], full, group=group)
+    assert torch.equal(full[straddle : straddle + n], sum(fulls)[mine]), "reduce_scatter"
+    # Coalesced: entry 0's output is entry 1's input (its own block); entry 1's all-gather
+    # input is a view of entry 0's output (another rank's block).
+    ins0, ins1 = [part(3, r, world * n) for r in range(world)], [
+        part(4, r, world * n) for r in range(world)
+    ]
+    a, b = ins0[rank].clone(), ins1[rank].clone()
+    out1 = torch.zeros(n)
+    with dist._coalescing_manager(group=group):
+        dist.reduce_scatter_tensor(b[mine], a, group=group)
+        dist.reduce_scatter_tensor(out1, b, group=group)
+    assert torch.equal(b[mine], sum(ins0)[mine]), "coalesced reduce_scatter entry 0"
+    assert torch.equal(out1, sum(ins1)[mine]), "coalesced reduce_scatter entry 1"
+    p0, p1 = [part(5, r, n) for r in range(world)], [part(6, r, n) for r in range(world)]
+    g0, g1 = torch.zeros(world * n), torch.zeros(world * n)
+    other = ((rank + 1) % world) * n
+    x1 = g0[other : other + n]
+    x1.copy_(p1[rank])
+    with dist._coalescing_manager(group=group):
+        dist.all_gather_into_tensor(g0, p0[rank], group=group)
+        dist.all_gather_into_tensor(g1, x1, group=group)
+    assert torch.equal(g0, torch.cat(p0)), "coalesced all_gather entry 0"
+    assert torch.equal(g1, torch.cat(p1)), "coalesced all_gather entry 1"

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 import torch_xdev
-from collective_cases import ALL_DTYPES, OPS, check_close, make_input, reference
+from collective_cases import (
+    ALL_DTYPES,
+    OPS,
+    check_close,
+    check_lent_memory_overlaps,
+    make_input,
+    reference,
+)
 from harness import run_ranks
 from training_cases import sgd_losses, sharded_mlp
 
@@ -223,6 +230,21 @@ def _forms_and_failures(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_coalesced_list_async_and_mismatch(world: int) -> None:
     run_ranks(_forms_and_failures, world)
+
+
+def _lent_memory_overlaps(rank: int, world: int) -> None:
+    options = torch_xdev.Options(shm_slot_bytes=SMALL_SLOT)
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    for n in (5, 3000):  # one window, and several (the entries' windows run in turn)
+        check_lent_memory_overlaps(rank, world, None, n)
+        assert torch_xdev.describe()["last_gather_scatter"][1] == "native"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inputs_and_outputs_that_share_memory(world: int) -> None:
+    # A coalesced call's entry 1 read what entry 0 had already written (wrong on every rank).
+    run_ranks(_lent_memory_overlaps, world)
 
 
 def _zeros_strided(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
+from collective_cases import check_lent_memory_overlaps
 from harness import free_port, run_ranks
 
 # Elements per rank. 1531 spans many 4 KiB slots; up to there what a rank sends across hosts
@@ -90,6 +91,10 @@ def _cases(rank: int, world: int, layout: str) -> dict[str, Any]:
             dist.all_gather_into_tensor(o, i, group=group)
     for k, o in enumerate(outs):
         assert torch.equal(o, torch.cat([ins[r][k] for r in range(world)])), (layout, k)
+    paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
+    # In the leader form an all-gather's input that overlapped its output was read after
+    # it had been overwritten.
+    check_lent_memory_overlaps(rank, world, group, 1531)
     paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
     _list_forms(rank, world, group, gathers, paths)
     # Broadcast from a root on each host, of tensors of two dtypes (one strided), and one too

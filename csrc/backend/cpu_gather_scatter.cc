@@ -1,7 +1,6 @@
 #include "cpu_gather_scatter.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -33,18 +32,6 @@ bool is_even(const std::vector<std::vector<int64_t>>& sizes) {
   return true;
 }
 
-// Whether `block` overlaps `full` anywhere but exactly at rank's block of it
-// (FSDP's all-gather input is its output's own block, which every path
-// handles). Peers read what this rank lends (its all-gather input, its
-// reduce-scatter input) while it writes its output: another overlap would
-// let them read bytes it has already overwritten.
-bool overlaps_elsewhere(const at::Tensor& full, const at::Tensor& block, int rank) {
-  if (at::get_overlap_status(full, block) == at::MemOverlapStatus::No) return false;
-  const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
-  const char* own = static_cast<const char*>(full.data_ptr()) + rank * bytes;
-  return !(full.is_contiguous() && block.is_contiguous() && block.data_ptr() == own);
-}
-
 std::vector<char*> data_of(const std::vector<at::Tensor>& tensors) {
   std::vector<char*> ptrs;
   for (const at::Tensor& t : tensors) ptrs.push_back(static_cast<char*>(t.data_ptr()));
@@ -71,7 +58,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
       [this, outputs, inputs, op, timeout, how] {
         std::vector<at::Tensor> out = contiguous(outputs);
         for (size_t i = 0; i < out.size(); ++i) {
-          if (overlaps_elsewhere(inputs[i], out[i], group_.rank())) out[i] = at::empty_like(out[i]);
+          if (overlaps_elsewhere(inputs, out, i, group_.rank())) out[i] = at::empty_like(out[i]);
         }
         run_reduce_scatter(out, contiguous(inputs), op, timeout, how);
         copy_back(out, outputs);
@@ -89,7 +76,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
       [this, outputs, inputs, timeout, how] {
         std::vector<at::Tensor> in = contiguous(inputs);
         for (size_t i = 0; i < in.size(); ++i) {
-          if (overlaps_elsewhere(outputs[i], in[i], group_.rank())) in[i] = in[i].clone();
+          if (overlaps_elsewhere(outputs, in, i, group_.rank())) in[i] = in[i].clone();
         }
         const std::vector<at::Tensor> out = contiguous(outputs);
         run_all_gather(out, in, timeout, how);

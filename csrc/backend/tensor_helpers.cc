@@ -1,5 +1,6 @@
 #include "tensor_helpers.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -124,6 +125,25 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!flat[i].is_same(tensors[i])) tensors[i].copy_(flat[i]);
   }
+}
+
+bool overlaps_elsewhere(const std::vector<at::Tensor>& fulls, const std::vector<at::Tensor>& blocks,
+                        size_t i, int rank) {
+  const at::Tensor& block = blocks[i];
+  for (size_t j = 0; j < fulls.size(); ++j) {
+    const at::Tensor& full = fulls[j];
+    if (!full.has_storage() || !block.has_storage() ||
+        !full.storage().is_alias_of(block.storage()) ||
+        at::get_overlap_status(full, block) == at::MemOverlapStatus::No) {
+      continue;
+    }
+    const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
+    const char* own = static_cast<const char*>(full.data_ptr()) + rank * bytes;
+    const bool own_block = j == i && full.is_contiguous() && block.is_contiguous() &&
+                           static_cast<const char*>(block.data_ptr()) == own;
+    if (!own_block) return true;
+  }
+  return false;
 }
 
 namespace {

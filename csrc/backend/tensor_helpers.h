@@ -43,6 +43,17 @@ at::Tensor contiguous_bytes(const at::Tensor& t);
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
+// Reduce-scatter and all-gather pair a full tensor (world blocks) with a block
+// per list entry. Peers read what this rank lends (its reduce-scatter inputs,
+// its all-gather inputs) while it writes its outputs, entry after entry, so a
+// lent tensor that shares bytes with a written one can be read after it was
+// overwritten. Whether blocks[i] overlaps any of `fulls` other than exactly at
+// rank's block of fulls[i] (FSDP's all-gather input is its output's own block,
+// which every path handles). The caller then gives the written side a buffer
+// of its own.
+bool overlaps_elsewhere(const std::vector<at::Tensor>& fulls, const std::vector<at::Tensor>& blocks,
+                        size_t i, int rank);
+
 // ReduceOp.PREMUL_SUM, NCCL's premultiplied sum (FSDP2 asks for it after
 // set_gradient_divide_factor): every rank's input times the op's factor, then
 // summed. Where the engine has none (Gloo), xdev multiplies first and runs a

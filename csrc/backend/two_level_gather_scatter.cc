@@ -67,10 +67,13 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, leader, timeout] {
         const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> in = contiguous(inputs);
+        for (size_t i = 0; i < in.size(); ++i) {
+          if (overlaps_elsewhere(outputs, in, i, group_.rank())) in[i] = in[i].clone();
+        }
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
-        run_all_gather(out, contiguous(inputs), leader, group_.deadline_for(timeout),
-                       shape_hash(all));
+        run_all_gather(out, in, leader, group_.deadline_for(timeout), shape_hash(all));
         copy_back(out, outputs);
       },
       async_op);
@@ -83,7 +86,10 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, leader, timeout] {
-        const std::vector<at::Tensor> out = contiguous(outputs);
+        std::vector<at::Tensor> out = contiguous(outputs);
+        for (size_t i = 0; i < out.size(); ++i) {
+          if (overlaps_elsewhere(inputs, out, i, group_.rank())) out[i] = at::empty_like(out[i]);
+        }
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
         run_reduce_scatter(out, contiguous(inputs), op, leader, group_.deadline_for(timeout),
