@@ -341,18 +341,19 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
   }
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-  // With staged_ranges a rank stages only the pieces inside its ranges.
-  const auto staged = [&](int r, const Range& piece) {
-    if (s.staged_ranges.empty()) return true;
-    for (const Range& x : s.staged_ranges[static_cast<size_t>(r)]) {
-      if (x.begin <= piece.begin && piece.end <= x.end) return true;
-    }
-    return false;
-  };
   for (int r : s.stagers) {
+    // With staged_ranges a rank stages only the pieces inside its ranges (ascending and
+    // disjoint, as the pieces are: the one that could hold a piece is the first that ends
+    // at or after it).
+    const std::vector<Range>* ranges =
+        s.staged_ranges.empty() ? nullptr : &s.staged_ranges[static_cast<size_t>(r)];
+    size_t holder = 0;
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {
       const Range piece{cuts[i], cuts[i + 1]};
-      if (!staged(r, piece)) continue;
+      if (ranges != nullptr) {
+        while (holder < ranges->size() && (*ranges)[holder].end < piece.end) ++holder;
+        if (holder == ranges->size() || (*ranges)[holder].begin > piece.begin) continue;
+      }
       Task t;
       t.label = "stage r" + std::to_string(r) + " [" + std::to_string(piece.begin) + "," +
                 std::to_string(piece.end) + ")";
@@ -386,8 +387,14 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
     t.flows.push_back({m.local(step.actor), local_bytes});
     t.latency_s = m.step_latency_s + hop_latency;
     if (m.barrier_between_phases) t.latency_s += m.barrier_latency_s;
+    // The first pack that ends after the step begins (packs are in slot order), or the last.
     size_t ordinal = 0;
-    while (ordinal + 1 < packs.size() && packs[ordinal].end <= step.range.begin) ++ordinal;
+    if (!packs.empty()) {
+      ordinal = static_cast<size_t>(
+          std::partition_point(packs.begin(), packs.end() - 1,
+                               [&](const Range& x) { return x.end <= step.range.begin; }) -
+          packs.begin());
+    }
     t.priority = priority_base + static_cast<double>(ordinal) + step.phase;
     tasks.push_back(std::move(t));
     phase_of.push_back(step.phase);
@@ -399,16 +406,40 @@ std::vector<int> append_window(const MachineModel& m, const Schedule& s, int64_t
     return std::pair(s.steps[a].phase, a) < std::pair(s.steps[b].phase, b);
   });
   std::vector<std::vector<int>> local_deps(tasks.size());
+  // Where the executor has a barrier per phase, a step waits for the whole latest earlier
+  // phase that has tasks. A task without bytes after each such phase stands for the barrier,
+  // so that a phase of P tasks followed by one of Q costs P + Q dependences rather than P * Q
+  // (thousands of packs make both thousands). The last one follows all of the window's work.
+  std::vector<int> barrier_before;  // per phase: the barrier its steps wait for, or -1
+  if (m.barrier_between_phases && !tasks.empty()) {
+    const int last_phase = *std::max_element(phase_of.begin(), phase_of.end());
+    std::vector<std::vector<int>> in_phase(static_cast<size_t>(last_phase) + 1);
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      in_phase[static_cast<size_t>(phase_of[t])].push_back(static_cast<int>(t));
+    }
+    int latest = -1;
+    for (int q = 0; q <= last_phase; ++q) {
+      barrier_before.push_back(latest);
+      if (in_phase[static_cast<size_t>(q)].empty()) continue;
+      Task barrier;
+      barrier.label = "barrier after phase " + std::to_string(q);
+      barrier.priority = std::numeric_limits<double>::infinity();  // lowered to its readers'
+      latest = static_cast<int>(tasks.size());
+      tasks.push_back(std::move(barrier));
+      phase_of.push_back(-1);
+      local_deps.push_back(std::move(in_phase[static_cast<size_t>(q)]));
+    }
+  }
   for (size_t k : step_order) {
     const Step& step = s.steps[k];
     const int id = first_step + static_cast<int>(k);
     std::vector<int>& deps = local_deps[static_cast<size_t>(id)];
     if (m.barrier_between_phases) {
-      // The whole latest earlier phase that has tasks.
-      for (int q = step.phase - 1; q >= 0 && deps.empty(); --q) {
-        for (size_t t = 0; t < tasks.size(); ++t) {
-          if (phase_of[t] == q) deps.push_back(static_cast<int>(t));
-        }
+      const int barrier = barrier_before[static_cast<size_t>(step.phase)];
+      if (barrier >= 0) {
+        deps.push_back(barrier);
+        Task& b = tasks[static_cast<size_t>(barrier)];
+        b.priority = std::min(b.priority, tasks[static_cast<size_t>(id)].priority);
       }
     } else {
       for (int src : step.sources) {
@@ -496,7 +527,10 @@ std::vector<std::vector<int>> append_windows(const MachineModel& m,
   double priority = 0;
   for (size_t k = 0; k < windows.size(); ++k) {
     std::vector<int> after{0};
-    if (m.barrier_between_phases && k >= 1) after = ids[k - 1];
+    // The previous window's last task is the barrier after all its work (append_window).
+    if (m.barrier_between_phases && k >= 1) {
+      after = ids[k - 1].empty() ? std::vector<int>{} : std::vector<int>{ids[k - 1].back()};
+    }
     if (!m.barrier_between_phases && k >= 2) after = ids[k - 2];
     const std::vector<Range> none;
     const std::vector<Range>& window_packs = packs.empty() ? none : packs[k];

@@ -136,7 +136,9 @@ SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy
 // Appends to `p` the tasks of one window of `s` (window_elems elements of
 // elem_bytes each): the stagers' copies in, then every step. Tasks wait for
 // the data they read (or, where the machine's executor has barriers, for the
-// whole previous phase); tasks that read nothing staged in this window wait
+// whole previous phase: a task without bytes labelled "barrier after phase q"
+// follows each phase that has tasks, and the last returned is the one after
+// all the window's work); tasks that read nothing staged in this window wait
 // for `after` (e.g. the previous window that used the same staging buffers).
 //
 // Priorities model a pipelined executor that works through the packs in

@@ -9,6 +9,7 @@
 
 #include "plan/cost_model.h"
 #include "plan/machines.h"
+#include "plan/predict.h"
 #include "plan/schedule.h"
 #include "plan/topology.h"
 #include "plan_test_util.h"
@@ -281,11 +282,26 @@ TEST(cost_append_window_phase_barriers_wait_for_the_whole_phase) {
       std::sort(d.begin(), d.end());
       return d;
     };
+    // A task without bytes stands for each barrier: the whole phase before it, then the
+    // steps after it, and the last after all the window's work.
+    const int after0 = find_task(p, "barrier after phase 0");
+    const int after1 = find_task(p, "barrier after phase 1");
+    const int after2 = find_task(p, "barrier after phase 2");
+    if (after0 < 0 || after1 < 0 || after2 < 0) return;
     const std::vector<int> phase1 = {std::min(red0, red1), std::max(red0, red1)};
-    CHECK_EQ(sorted_deps(red0), phase0);
-    CHECK_EQ(sorted_deps(red1), phase0);
-    CHECK_EQ(sorted_deps(copy0), phase1);
-    CHECK_EQ(sorted_deps(copy1), phase1);
+    const std::vector<int> phase2 = {std::min(copy0, copy1), std::max(copy0, copy1)};
+    CHECK_EQ(sorted_deps(after0), phase0);
+    CHECK_EQ(sorted_deps(red0), std::vector<int>{after0});
+    CHECK_EQ(sorted_deps(red1), std::vector<int>{after0});
+    CHECK_EQ(sorted_deps(after1), phase1);
+    CHECK_EQ(sorted_deps(copy0), std::vector<int>{after1});
+    CHECK_EQ(sorted_deps(copy1), std::vector<int>{after1});
+    CHECK_EQ(sorted_deps(after2), phase2);
+    CHECK_EQ(after2, static_cast<int>(p.tasks.size()) - 1);
+    for (int b : {after0, after1, after2}) {
+      CHECK(p.tasks[static_cast<size_t>(b)].flows.empty());
+      CHECK_NEAR(p.tasks[static_cast<size_t>(b)].latency_s, 0);
+    }
 
     const SimulationResult r = simulate(m, p, m.policy);
     const auto at = [](const std::vector<double>& v, int t) { return v[static_cast<size_t>(t)]; };
@@ -334,4 +350,21 @@ TEST(cost_append_window_on_a_cpu_host_shares_cores_and_memory) {
   CHECK_NEAR(r.finish_s[static_cast<size_t>(find_task(p, "copy p2 r0 [0,1000)"))], 5.6e-6);
   CHECK_NEAR(r.finish_s[static_cast<size_t>(find_task(p, "copy p2 r1 [0,1000)"))], 5.6e-6);
   CHECK_NEAR(r.seconds, 5.6e-6);
+}
+
+TEST(cost_phase_barriers_keep_dependences_linear_in_the_packs) {
+  // A step waits for the whole previous phase through one barrier task: with every task of a
+  // phase feeding every task of the next, 1024 packs on 8 ranks made tens of millions of
+  // dependences and took seconds to predict. Every task now has few, and windows after the
+  // first wait for one task: the barrier after all of the previous window's work.
+  const MachineModel m = builtin_machine("cpu-8");
+  CHECK(m.barrier_between_phases);
+  const int64_t bytes = 2 * (m.window_bytes > 0 ? m.window_bytes : int64_t{1} << 20);
+  for (int64_t packs : {8, 1024}) {
+    const Program p =
+        allreduce_program(m, Candidate::native(Algorithm::kHierarchicalCopy, packs), bytes, 4);
+    size_t deps = 0;
+    for (const Task& t : p.tasks) deps += t.deps.size();
+    CHECK(deps <= 4 * p.tasks.size());
+  }
 }
