@@ -91,11 +91,12 @@ def _check_optional_count(name: str, value: Any) -> None:
         _check_count(name, value)
 
 
-# Plans and executors handle many packs in time linear in their number (packs from
-# bytes_per_pack or one per tensor are not capped), but the cost model that predicts a forced
-# pack count (the plan CLI's --num-packs) simulates with a barrier between phases as every task
-# of one phase feeding every task of the next: 0.2 s on dgx1-v100 at 1024 packs, 4 s on cpu-8,
-# minutes at 4096. Nothing gains from more: auto's own candidates go up to 48 packs per rank.
+# Plans, executors and the CPU cost model take time linear in the number of packs (packs from
+# bytes_per_pack or one per tensor are not capped). Under auto the model predicts at the count
+# a user sets, and on GPU hosts, where packs pipeline, its simulation shares bandwidth among
+# all the flows in progress at every event: 0.2 s on dgx1-v100 at 1024 packs, 3.6 s at 4096
+# (0.17 s and 0.7 s on cpu-8). Nothing gains from more: auto's own candidates go up to 48
+# packs per rank.
 MAX_PACKS = 1 << 10
 
 
