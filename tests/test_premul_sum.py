@@ -123,6 +123,18 @@ def _forms(rank: int, world: int) -> int:
         dist.all_reduce(ints, op=_premul(2.0))
     with pytest.raises(ValueError, match="floating-point tensors"):
         dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int32), ints, op=_premul(2.0))
+    # float8 has no sum on any path (xdev's kernels, Gloo): refused before it is scaled.
+    f8 = torch.ones(4 * world).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="Float8_e4m3fn tensors: neither xdev nor Gloo"):
+        dist.all_reduce(f8, op=_premul(2.0))
+    assert torch.equal(f8.float(), torch.ones(4 * world)), "a refused PREMUL_SUM scaled float8"
+    # A coalesced call checks every tensor before it scales any.
+    first, bad = torch.ones(8), torch.ones(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="floating-point tensors"):
+        with _coalescing_manager():
+            dist.all_reduce(first, op=_premul(2.0))
+            dist.all_reduce(bad, op=_premul(2.0))
+    assert torch.equal(first, torch.ones(8)), "a refused coalesced PREMUL_SUM scaled a tensor"
     after = torch.ones(8) * (rank + 1)
     dist.all_reduce(after)  # the group goes on
     assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2)))

@@ -161,6 +161,12 @@ PremulFactor premul_factor(const at::Tensor& t, const c10d::ReduceOp& op) {
                     "xdev: ReduceOp.PREMUL_SUM multiplies every input by a real factor, so it "
                     "needs floating-point tensors; got ",
                     t.scalar_type(), ". Use SUM, then scale the result.");
+  // The SUM that follows runs on xdev's kernels or on Gloo, and neither sums float8: refused
+  // here, before any tensor is scaled.
+  TORCH_CHECK_VALUE(native_dtype(t.scalar_type()).has_value(), "xdev: ReduceOp.PREMUL_SUM of ",
+                    t.scalar_type(),
+                    " tensors: neither xdev nor Gloo sums that dtype. Cast to float32 (or "
+                    "bfloat16) first.");
   // NCCLPreMulSumSupplement: the name every supported torch has (later ones alias it).
   const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(supplement != nullptr, "xdev: a ReduceOp.PREMUL_SUM without its factor");
@@ -170,13 +176,17 @@ PremulFactor premul_factor(const at::Tensor& t, const c10d::ReduceOp& op) {
 
 }  // namespace
 
-void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op) {
-  const PremulFactor factor = premul_factor(t, op);
-  if (factor.is_one()) return;
-  if (factor.tensor.defined()) {
-    t.mul_(factor.tensor);
-  } else {
-    t.mul_(factor.value);
+void premultiply_(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+  // Every tensor is checked before any is scaled: a refused call leaves them all as they were.
+  std::vector<PremulFactor> factors;
+  for (const at::Tensor& t : tensors) factors.push_back(premul_factor(t, op));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (factors[i].is_one()) continue;
+    if (factors[i].tensor.defined()) {
+      tensors[i].mul_(factors[i].tensor);
+    } else {
+      tensors[i].mul_(factors[i].value);
+    }
   }
 }
 

@@ -57,11 +57,12 @@ bool overlaps_elsewhere(const std::vector<at::Tensor>& fulls, const std::vector<
 // ReduceOp.PREMUL_SUM, NCCL's premultiplied sum (FSDP2 asks for it after
 // set_gradient_divide_factor): every rank's input times the op's factor, then
 // summed. Where the engine has none (Gloo), xdev multiplies first and runs a
-// SUM on any path. premultiply_ scales t in place (where the result
-// overwrites it: an allreduce's tensor, a reduce's root's); premultiplied
-// returns a scaled copy (an input that must stay as it is; t itself for a
-// factor of 1.0). Both raise ValueError for tensors that are not floating point.
-void premultiply_(const at::Tensor& t, const c10d::ReduceOp& op);
+// SUM on any path. premultiply_ scales the tensors in place (where the result
+// overwrites them: an allreduce's tensors, a reduce's root's), after checking
+// them all; premultiplied returns a scaled copy (an input that must stay as it
+// is; t itself for a factor of 1.0). Both raise ValueError for tensors that are
+// not floating point, or of a float type no path sums (float8).
+void premultiply_(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
                                       const c10d::ReduceOp& op);

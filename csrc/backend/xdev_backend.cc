@@ -180,7 +180,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
   if (premultiplies_here(opts.reduceOp, tensors)) {
-    for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);  // the result overwrites t
+    premultiply_(tensors, opts.reduceOp);  // the result overwrites them
     return dispatch_allreduce(tensors, with_sum(opts), coalesced);
   }
   ++collectives_called_;

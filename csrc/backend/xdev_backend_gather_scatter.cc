@@ -154,7 +154,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
       std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
       return reduce(scaled, with_sum(opts));
     }
-    for (const at::Tensor& t : tensors) premultiply_(t, opts.reduceOp);
+    premultiply_(tensors, opts.reduceOp);
     return reduce(tensors, with_sum(opts));
   }
   ++collectives_called_;
