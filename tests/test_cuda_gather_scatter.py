@@ -160,6 +160,22 @@ def _forms(rank: int, world: int, device: torch.device, group: Any) -> None:
     full[rank * n : (rank + 1) * n] = parts[rank].to(device)
     dist.all_gather_into_tensor(full, full[rank * n : (rank + 1) * n], group=group)
     assert torch.equal(full.cpu(), torch.cat(parts)), "all_gather with its input in its output"
+    # Elsewhere in the output (across two blocks), the input is lent as a copy; a
+    # reduce-scatter's output inside its input, elsewhere than its own block, is written after.
+    straddle = rank * n + n // 2 if rank < world - 1 else rank * n - n // 2
+    full = torch.zeros(world * n, dtype=torch.bfloat16, device=device)
+    full[straddle : straddle + n] = parts[rank].to(device)
+    dist.all_gather_into_tensor(full, full[straddle : straddle + n], group=group)
+    assert torch.equal(full.cpu(), torch.cat(parts)), "all_gather from a view across two blocks"
+    whole = inputs[rank].to(device)
+    dist.reduce_scatter_tensor(whole[straddle : straddle + n], whole, group=group)
+    check_close(
+        whole[straddle : straddle + n].cpu(),
+        reference(inputs, OPS[0])[rank * n : (rank + 1) * n],
+        OPS[0],
+        world,
+        "reduce_scatter into its own input, across two blocks",
+    )
     # A non-contiguous output (every other element of a larger tensor).
     wide = torch.zeros(2 * n, device=device)
     dist.reduce_scatter_tensor(wide[::2], inputs[rank].to(device), group=group)

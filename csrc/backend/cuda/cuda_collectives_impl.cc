@@ -435,7 +435,13 @@ class CudaCollectivesImpl : public CudaCollectives {
     } else {
       full_c = at::empty({static_cast<int64_t>(full.size()) * block.numel()}, block.options());
     }
-    const at::Tensor block_c = block.contiguous();
+    at::Tensor block_c = block.contiguous();
+    // Peers read what this rank lends while it writes, window by window: a lent tensor that
+    // shares memory with the written one other than at this rank's own block is lent as a
+    // copy (all-gather), or the result goes elsewhere first (reduce-scatter).
+    if (!list && overlaps_elsewhere(full, {block_c}, 0, g_.rank())) {
+      block_c = reduce_scatter ? at::empty_like(block_c) : block_c.clone();
+    }
     // A reduce-scatter reduces elements; an all-gather moves bytes.
     const kernels::DType dtype =
         reduce_scatter ? *native_dtype(block.scalar_type()) : kernels::DType::kUInt8;
