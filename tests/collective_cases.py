@@ -153,7 +153,9 @@ def check_lent_memory_overlaps(rank: int, world: int, group: Any, n: int) -> Non
     fulls = [part(2, r, world * n) for r in range(world)]
     full = fulls[rank].clone()
     dist.reduce_scatter_tensor(full[straddle : straddle + n], full, group=group)
-    assert torch.equal(full[straddle : straddle + n], sum(fulls)[mine]), "reduce_scatter"
+    assert torch.equal(
+        full[straddle : straddle + n], torch.stack(fulls).sum(0)[mine]
+    ), "reduce_scatter"
     # Coalesced: entry 0's output is entry 1's input (its own block); entry 1's all-gather
     # input is a view of entry 0's output (another rank's block).
     ins0, ins1 = [part(3, r, world * n) for r in range(world)], [
@@ -164,8 +166,8 @@ def check_lent_memory_overlaps(rank: int, world: int, group: Any, n: int) -> Non
     with dist._coalescing_manager(group=group):
         dist.reduce_scatter_tensor(b[mine], a, group=group)
         dist.reduce_scatter_tensor(out1, b, group=group)
-    assert torch.equal(b[mine], sum(ins0)[mine]), "coalesced reduce_scatter entry 0"
-    assert torch.equal(out1, sum(ins1)[mine]), "coalesced reduce_scatter entry 1"
+    assert torch.equal(b[mine], torch.stack(ins0).sum(0)[mine]), "coalesced reduce_scatter entry 0"
+    assert torch.equal(out1, torch.stack(ins1).sum(0)[mine]), "coalesced reduce_scatter entry 1"
     p0, p1 = [part(5, r, n) for r in range(world)], [part(6, r, n) for r in range(world)]
     g0, g1 = torch.zeros(world * n), torch.zeros(world * n)
     other = ((rank + 1) % world) * n
