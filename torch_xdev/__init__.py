@@ -20,10 +20,17 @@ import torch.distributed as dist
 try:
     from . import _C
 except ImportError as e:  # typically: importing the source tree instead of the installed package
+    if os.path.exists(os.path.join(os.path.dirname(__path__[0]), "setup.py")):
+        # Python started in the checkout (`python -m ...` there) finds it before the install.
+        hint = (
+            "This is the source checkout, which holds no compiled extension: run from another "
+            "directory to use the installed package (`pytest tests` works from here, `python -m "
+            "pytest` does not), or build in place with `python setup.py build_ext --inplace`."
+        )
+    else:
+        hint = "Reinstall with `pip install --no-build-isolation .` against the torch you run."
     raise ImportError(
-        f"torch_xdev's C++ extension could not be loaded from {__path__[0]} ({e}). "
-        "Install with `pip install --no-build-isolation .` and run from outside the source "
-        "tree (e.g. `pytest tests`), or build in place with `python setup.py build_ext --inplace`."
+        f"torch_xdev's C++ extension could not be loaded from {__path__[0]} ({e}). {hint}"
     ) from e
 from ._registration import BACKEND_NAME, backend_of, host_identity, register
 from .ddp import COMM_MEM_VARIABLE, avg_comm_hook, default_comm_mem
