@@ -10,14 +10,15 @@ Usage::
         [--cuda-slot-bytes B] [--topo-file dgx1.json] [--host-overhead-calls N] ...
 
 CPU mode (the default): every rank runs one Gloo default group plus one xdev group per
-algorithm; each row is the slowest rank's mean time per ``all_reduce``. The pseudo-algorithm
-``shared_empty`` is ``auto`` on a tensor from ``torch_xdev.shared_empty``, which every rank
-maps, so the allreduce runs in place; ``heap`` is ``auto`` on a tensor from the group's
-symmetric heap (``allocate_tensor``), where DDP takes its buckets; the other rows reduce
-ordinary tensors. ``--hosts`` runs ``auto`` and ``heap`` (and with ``--pieces N``, ``piecesN``:
-``auto`` with the two-level allreduce pipelined in N pieces). Before timing an xdev algorithm its
-result on random data is checked against Gloo's. The parent process also measures
-single-core ``copy_`` bandwidth so each row can be compared to memcpy.
+algorithm; each row is the slowest rank's mean time per ``all_reduce`` (the median over
+``--rounds``). The pseudo-algorithm ``shared_empty`` is ``auto`` on a tensor from
+``torch_xdev.shared_empty``, which every rank maps, so the allreduce runs in place; ``heap``
+is ``auto`` on a tensor from the group's symmetric heap (``allocate_tensor``), where DDP takes
+its buckets; the other rows reduce ordinary tensors. ``--hosts`` runs ``auto`` and ``heap``
+(and with ``--pieces N``, ``piecesN``: ``auto`` with the two-level allreduce pipelined in N
+pieces). Before timing an xdev algorithm its result on random data is checked against Gloo's.
+The parent process also measures single-core ``copy_`` bandwidth so each row can be compared
+to memcpy.
 
 Where ``deepspeed`` is importable, CPU mode adds a ``deepspeed_shm`` row per size: DeepSpeed's
 shared-memory allreduce (``deepspeed.comm.inference_all_reduce``) in the same processes,
@@ -27,9 +28,13 @@ leaves it out). Where it cannot run, the header says why and the JSON records it
 ``--arrival skewed`` puts a Gloo barrier before every timed call and times the call alone:
 ranks then reach each call tens to hundreds of microseconds apart, as they do after
 unequal work, and a row measures how well the backend waits (the default, back-to-back
-calls, keeps the ranks in step). ``--rounds N`` times every row N times, the backends of
-one size taking turns, and reports the mean: on a noisy machine the rows then share its
-slow spells.
+calls, keeps the ranks in step). ``--rounds N`` (default 3) times every row N times, the
+backends of one size taking turns, each round starting one backend later, and reports the
+median over the rounds: on a noisy machine the rows then share its slow spells, and none is
+always timed first (after the checks) or right after the same neighbour.
+
+The script starts its ranks itself (``--nproc``): run it with python, not torchrun, which would
+start one world per process, each waiting forever for torchrun's store.
 
 CUDA mode (``--device cuda``): rank r uses GPU ``r % device_count``. xdev's algorithms run
 on CUDA tensors next to NCCL where NCCL can run (every rank on its own GPU); when ranks
@@ -51,6 +56,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,6 +70,7 @@ import deepspeed_shm
 import network_fit
 import torch_xdev
 from run_record import XDEV_PATH, environment, write_results
+from step_common import refused_under_torchrun
 from allreduce_common import (
     DTYPES,
     TARGET_ROW_SECONDS,
@@ -101,6 +108,7 @@ IN_SHARED_MEMORY = (SHARED_EMPTY, HEAP)
 # --hosts --pieces N: a row "piecesN", auto on ordinary tensors with Options.two_level_pieces=N.
 PIECES = "pieces"
 MEMCPY_BYTES = 256 << 20
+DEFAULT_ROUNDS = 3  # CPU mode
 DEFAULT_SIZES = {"cpu": "4KiB:64MiB", "cuda": "4KiB:256MiB"}
 KERNEL_BENCHMARK = "benchmarks/cuda_kernels.py"
 COLUMNS = table_columns("gloo", "memcpy")
@@ -239,14 +247,17 @@ def run_rank(rank: int, cfg: Config) -> None:
             for _ in range(cfg.warmup):
                 allreduce(timed[name])
             iters[name] = choose_iters(cfg, timed[name], allreduce)
-        seconds: dict[str, float] = {name: 0.0 for name, _, _ in variants}
-        for _ in range(cfg.rounds):
-            for name, allreduce, _ in variants:
-                seconds[name] += timed_loop(timed[name], allreduce, iters[name], skewed)
+        # Each round starts one variant later (step_common.run_rounds does the same), so that
+        # none is always timed first or always after the same neighbour.
+        seconds: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        for round_index in range(cfg.rounds):
+            start = round_index % len(variants)
+            for name, allreduce, _ in variants[start:] + variants[:start]:
+                seconds[name].append(timed_loop(timed[name], allreduce, iters[name], skewed))
         del timed
-        gloo_time = seconds["gloo"] / cfg.rounds
+        gloo_time = statistics.median(seconds["gloo"])
         for name, _, group in variants:
-            mean = seconds[name] / cfg.rounds
+            per_call = statistics.median(seconds[name])  # of the rounds' means per call
             label, picked = name, None
             if name == "xdev/auto":
                 last = torch_xdev.describe(group)["last_allreduce"]
@@ -254,10 +265,10 @@ def run_rank(rank: int, cfg: Config) -> None:
                 if last is not None and "two-level" in str(last[1]):
                     picked = "two_level"  # last[0] is then the plan inside each host
                 label = f"{name}({picked})"
-            row = timing_row(cfg, size, count, name, label, iters[name], mean)
+            row = timing_row(cfg, size, count, name, label, iters[name], per_call)
             row |= {
                 "auto_picked": picked,
-                "vs_gloo": gloo_time / mean,
+                "vs_gloo": gloo_time / per_call,
                 "algbw_vs_memcpy": row["algbw_gbps"] / cfg.memcpy_gbps,
                 "memcpy_us": cfg.memcpy_us[size],
             }
@@ -306,7 +317,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             "--device cuda runs xdev's CUDA path next to NCCL (or Gloo on CUDA tensors where"
             " ranks share a GPU) and reports the GPU's copy_ bandwidth and each backend's host"
             f" overhead per call. The reduction kernels alone are benchmarked by {KERNEL_BENCHMARK}"
-            " (against the same device-to-device copy bandwidth)."
+            " (against the same device-to-device copy bandwidth). The script starts its ranks"
+            " itself (--nproc): run it with python, not torchrun."
         ),
     )
     parser.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
@@ -331,9 +343,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=None,
         help="CPU mode: time every row this many times, the backends of a size taking turns,"
-        " and report the mean (default 1)",
+        " each round starting one backend later, and report the median over the rounds"
+        f" (default {DEFAULT_ROUNDS})",
     )
     parser.add_argument(
         "--arrival",
@@ -400,14 +413,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if refused_under_torchrun(sys.argv[0]):
+        return 2
     if args.sizes is None:
         args.sizes = parse_sizes(DEFAULT_SIZES[args.device])
     if args.nproc < 1:
         sys.exit("--nproc must be >= 1")
+    if args.device == "cuda" and (args.arrival != "back-to-back" or args.rounds not in (None, 1)):
+        sys.exit("--arrival and --rounds apply to CPU mode only")
+    if args.rounds is None:
+        args.rounds = DEFAULT_ROUNDS if args.device == "cpu" else 1
     if args.iters is not None and args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         sys.exit("--iters and --rounds must be >= 1 and --warmup >= 0")
-    if args.device == "cuda" and (args.arrival != "back-to-back" or args.rounds != 1):
-        sys.exit("--arrival and --rounds apply to CPU mode only")
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     bad_sizes = [s for s in args.sizes if s % element_size]
     if bad_sizes:
@@ -498,7 +515,10 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         else "back-to-back calls"
     )
     print(f"# arrival: {arrival}")
-    print("# time = slowest rank's mean per call; busbw = algbw*2(n-1)/n; vs_gloo = speedup")
+    print(
+        "# time = median over rounds of the slowest rank's mean per call; busbw = algbw*2(n-1)/n;"
+        " vs_gloo = speedup"
+    )
     return cfg
 
 

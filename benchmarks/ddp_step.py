@@ -65,7 +65,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,8 +76,10 @@ from torch.nn.parallel import DistributedDataParallel
 import torch_xdev
 from run_record import write_results
 from step_common import (
+    FP32_TOLERANCE,
     GROUP_TIMEOUT,
     Batches,
+    Tolerance,
     add_step_arguments,
     check_step_arguments,
     host_line,
@@ -143,26 +145,7 @@ GLOO_FP16 = "gloo_fp16_hook"
 NO_COMM_BASELINE = {False: "noop_hook", True: "noop_hook_view"}
 
 
-class Tolerance(NamedTuple):
-    """How far a parameter may be from the reference's: ``atol + rtol * |reference|``."""
-
-    rtol: float
-    atol: float
-
-
-# How far a variant's parameters may end from Gloo's. The whole run moves a parameter very
-# little (SGD at lr 1e-3: by at most 8.2e-6 in the default 30 steps, 5.8e-5 in the tests' 3 of
-# the small model; the parameters themselves are up to 0.022 and 0.125), so the bound must sit
-# well below that to catch a wrong reduction, and well above fp32 rounding. Measured:
-# - fp32 variants: exactly Gloo's with 2 ranks (a + b is the same in any order); 3.7e-9 (2
-#   ulps of the largest parameters) with 4 ranks, hidden 1024, whose sums associate
-#   differently: at most 0.04 of this bound.
-# - avg_comm_hook swapped for a broadcast of rank 0's gradients (all ranks alike wrong, so
-#   equal across ranks): 5.1e-6 at the defaults, 2.1e-5 in the small model: 35 and 100 times
-#   this bound (the largest |diff| / (atol + rtol * |p|) over the elements). A much smaller
-#   --lr, or fewer steps, shrinks that margin with the update.
-# rtol covers the rounding of the larger parameters (ulp = 1.2e-7 relative).
-FP32_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-7)
+# FP32_TOLERANCE (step_common.py, shared with fsdp_step.py) bounds the fp32 variants.
 # fp16_compress_hook rounds every gradient to fp16 (2^-11 relative, and the many gradients
 # below fp16's normal range 6.1e-5 go subnormal, in absolute steps of 6e-8) before it
 # allreduces, so the fp16 hooks' parameters end further from fp32 Gloo's: measured 4.3e-8 with

@@ -37,10 +37,28 @@ reduce-scatters their gradients with AVG.
 After one untimed step per variant, the variants run round-robin for ``--rounds`` rounds,
 each round starting one variant later; each turn times ``--steps`` steps after ``--warmup``
 untimed ones, so drift on the host hits every variant alike. A step's time is the slowest
-rank's wall time from ``zero_grad`` to the end of ``optimizer.step()``. Every FSDP2 variant
-that spans the ranks runs the same steps on the same batches, so after timing their
-parameter shards must match Gloo's within fp32 tolerance (the table prints the largest
-difference; BROKEN and exit status 1 beyond ``MATCH_TOLERANCE``).
+rank's wall time from ``zero_grad`` to the end of ``optimizer.step()``.
+
+Every FSDP2 variant that spans the ranks (``xdev``, ``xdev_heap``, ``gloo``) runs the same
+steps on the same batches, so after timing each rank's parameter shards must match Gloo's
+within ``FP32_TOLERANCE`` (step_common.py, as ddp_step.py's fp32 variants: ``|p - Gloo's p| <=
+atol + rtol * |Gloo's p|`` with rtol 1e-5, atol 1e-7, element by element), and must have moved
+from their initial values beyond that same bound somewhere, so that a variant which does not
+train (whose collectives leave the gradients at zero, say) cannot match a Gloo that barely
+moved. The table's ``diff`` is the largest |p - Gloo's p| on any rank, BROKEN there, a line
+saying why and exit status 1 where either check fails; the lines after the table give both
+measures, in units of the bound too. The whole run moves a parameter little (by at most
+7.9e-6 at the defaults, 3.7e-5 in the tests' 2 steps of ``--hidden 64 --layers 2``), so an
+absolute bound of that size (1e-4 here once) passes a variant that never changes its
+parameters. Measured against this bound (the largest |diff| / (atol + rtol * |p|) over the
+elements):
+
+- ``xdev`` and ``xdev_heap``: exactly Gloo's with 2 ranks; with 3 ranks (whose sums round in
+  another order) 1.9e-9 at the defaults, 0.007 of the bound (0.003 in the small model).
+- A variant whose parameters never change (``fsdp_no_comm`` compared as if it spanned the
+  ranks): 48 times the bound from Gloo's at the defaults, 119 times in the small model, and
+  it moved 0; Gloo moved 48 and 119 times the bound. A much smaller ``--lr``, or fewer
+  steps, shrinks that margin with the update.
 
 ``--profile`` then says where a step's time goes. First ``--steps`` more steps of every
 variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
@@ -80,6 +98,7 @@ from torch.distributed.tensor import DTensor
 import torch_xdev
 from run_record import write_results
 from step_common import (
+    FP32_TOLERANCE,
     GROUP_TIMEOUT,
     Batches,
     add_step_arguments,
@@ -102,8 +121,6 @@ GLOO = "gloo"
 NO_COMM = "local"
 ALONE = "fsdp_alone"
 NO_COMM_FSDP = "fsdp_no_comm"
-# Largest |shard - Gloo's shard| accepted after the run; the reductions may round differently.
-MATCH_TOLERANCE = 1e-4
 PROFILE_ROWS = 14
 
 
@@ -214,6 +231,8 @@ class Runner:
     faults: list[int] = dataclasses.field(default_factory=list)  # this rank's, per step
     cpu: list[float] = dataclasses.field(default_factory=list)  # this process's CPU seconds
     steps_run: int = 0
+    # Copies of this rank's shards before any step: the variants compared with Gloo only.
+    initial: Optional[list[torch.Tensor]] = None
 
     def step(self, batches: Batches) -> float:
         x, y = batches[self.steps_run % len(batches)]
@@ -264,33 +283,82 @@ def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
                 if isinstance(module, FSDPModule):
                     module.set_allocate_memory_from_process_group_for_comm(True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    return Runner(variant, group, model, optimizer)
+    initial = None
+    if variant.spans_ranks:
+        initial = [shard.clone() for shard in local_shards(model)]
+    return Runner(variant, group, model, optimizer, initial=initial)
 
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
 
 
-def differences_from_gloo(runners: list[Runner]) -> list[Optional[float]]:
-    """Per runner: the largest |parameter - Gloo's| over the ranks (None: not compared).
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """How a variant's parameters ended, against Gloo's and against their initial values; each
+    a largest |difference| and the largest such difference over what FP32_TOLERANCE allows
+    there (above 1: beyond it). The Gloo side is None without ``gloo`` among the variants."""
 
-    Each rank compares its own shards, which cover the same elements in every variant.
-    Collective over the default group; every rank gets the same answers.
-    """
+    max_diff: Optional[float]
+    diff_ratio: Optional[float]
+    max_change: float
+    change_ratio: float
+
+    @property
+    def matches_gloo(self) -> Optional[bool]:
+        return None if self.diff_ratio is None else self.diff_ratio <= 1.0
+
+    @property
+    def trained(self) -> bool:
+        """Moved beyond the tolerance somewhere, and finite everywhere."""
+        return 1.0 < self.change_ratio < math.inf
+
+
+def local_checks(runners: list[Runner]) -> list[Optional[Check]]:
+    """Per runner: its Check on this rank's shards (None: not checked, as it does not span the
+    ranks). Each rank's shards cover the same elements in every variant."""
     gloo = next((r for r in runners if r.variant.name == GLOO), None)
-    diffs = []
+    rtol, atol = FP32_TOLERANCE
+    checks: list[Optional[Check]] = []
     for runner in runners:
-        if gloo is None or not runner.variant.spans_ranks:
-            diffs.append(float("nan"))
+        if runner.initial is None:
+            checks.append(None)
             continue
-        # A non-finite parameter counts as an infinite difference.
-        worst, _ = parameter_differences(
-            local_shards(runner.model), local_shards(gloo.model), 0.0, MATCH_TOLERANCE
-        )
-        diffs.append(worst)
-    tensor = torch.tensor(diffs, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [None if v != v else float(v) for v in tensor.tolist()]
+        shards = local_shards(runner.model)
+        # A non-finite parameter counts as an infinite difference (ratio included).
+        max_change, change_ratio = parameter_differences(shards, runner.initial, rtol, atol)
+        max_diff = diff_ratio = None
+        if gloo is not None:
+            max_diff, diff_ratio = parameter_differences(
+                shards, local_shards(gloo.model), rtol, atol
+            )
+        checks.append(Check(max_diff, diff_ratio, max_change, change_ratio))
+    return checks
+
+
+def check_parameters(runners: list[Runner]) -> list[Optional[Check]]:
+    """Per runner: its Check, each measure on the rank where it is worst (None: not checked).
+    Collective over the default group; every rank checks the same variants and gets the same
+    answers."""
+    local = local_checks(runners)
+    values = [
+        v
+        for c in local
+        if c is not None
+        for v in (c.max_change, c.change_ratio, c.max_diff, c.diff_ratio)
+        if v is not None  # the Gloo side: on every rank, or on none
+    ]
+    worst = iter(max_over_ranks(values))
+    checks: list[Optional[Check]] = []
+    for c in local:
+        if c is not None:
+            max_change, change_ratio = next(worst), next(worst)
+            max_diff = diff_ratio = None
+            if c.max_diff is not None:
+                max_diff, diff_ratio = next(worst), next(worst)
+            c = Check(max_diff, diff_ratio, max_change, change_ratio)
+        checks.append(c)
+    return checks
 
 
 def per_step_counts(runners: list[Runner]) -> tuple[list[float], list[float]]:
@@ -312,7 +380,7 @@ def heap_reserved(runner: Runner) -> Optional[int]:
 
 def summarise(
     runners: list[Runner],
-    diffs: list[Optional[float]],
+    checks: list[Optional[Check]],
     heaps: list[Optional[int]],
     faults: list[float],
     cpu: list[float],
@@ -326,7 +394,7 @@ def summarise(
     gloo_comm = None if gloo is None or local is None else gloo - local
     gloo_net = None if gloo is None or no_comm is None else gloo - no_comm
     rows: list[dict[str, Any]] = []
-    for runner, diff, heap, fault_count, cpu_ms in zip(runners, diffs, heaps, faults, cpu):
+    for runner, check, heap, fault_count, cpu_ms in zip(runners, checks, heaps, faults, cpu):
         v = runner.variant
         median = medians[v.name]
         comm = median - local if local is not None and v.backend is not None else None
@@ -351,14 +419,67 @@ def summarise(
                 "net_vs_gloo": (
                     gloo_net / net if gloo_net is not None and net is not None and net > 0 else None
                 ),
-                "max_diff_vs_gloo": diff,
-                "matches_gloo": None if diff is None else diff <= MATCH_TOLERANCE,
+                # The largest |parameter - Gloo's| on any rank, and whether every element
+                # is within FP32_TOLERANCE of Gloo's (None: not compared).
+                "max_diff_vs_gloo": None if check is None else check.max_diff,
+                "diff_vs_tolerance": None if check is None else check.diff_ratio,
+                "matches_gloo": None if check is None else check.matches_gloo,
+                # The largest |parameter - its initial value| on any rank, and whether some
+                # element moved beyond FP32_TOLERANCE (None: not checked).
+                "max_change_from_initial": None if check is None else check.max_change,
+                "change_vs_tolerance": None if check is None else check.change_ratio,
+                "trained": None if check is None else check.trained,
                 "heap_bytes_reserved": heap,
                 "minor_faults_per_step": fault_count,
                 "cpu_ms_per_step": cpu_ms,
             }
         )
     return rows
+
+
+def is_broken(row: dict[str, Any]) -> bool:
+    return row["matches_gloo"] is False or row["trained"] is False
+
+
+def check_lines(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The lines after the table that say how the parameters were checked, and the variants
+    that fail a check."""
+    lines: list[str] = []
+    checked = [r for r in rows if r["trained"] is not None]
+    if not checked:
+        return lines, []
+    lines.append(
+        f"# parameter check (rtol {FP32_TOLERANCE.rtol:g}, atol {FP32_TOLERANCE.atol:g}):"
+        " the largest |p - Gloo's p| and |p - initial p|;"
+    )
+    lines.append("#   in () the largest difference over what the tolerance allows there (1x)")
+    for r in checked:
+        lines.append(
+            f"#   {r['variant']:<12} vs Gloo {text(r['max_diff_vs_gloo'], '.1e'):>8}"
+            f" ({text(r['diff_vs_tolerance'], '.3g', 'x')}), moved"
+            f" {r['max_change_from_initial']:.1e} ({r['change_vs_tolerance']:.3g}x)"
+        )
+    if any(r["matches_gloo"] is None for r in checked):
+        names = ", ".join(r["variant"] for r in checked)
+        lines.append(f"# NOT CHECKED against Gloo (no '{GLOO}' in --variants): {names}")
+    different = [r for r in checked if r["matches_gloo"] is False]
+    if different:
+        lines.append(
+            "# BROKEN: parameters differ from Gloo's beyond tolerance for "
+            + ", ".join(
+                f"{r['variant']} (|diff| up to {r['max_diff_vs_gloo']:.1e})" for r in different
+            )
+        )
+    still = [r for r in checked if r["trained"] is False]
+    if still:
+        lines.append(
+            "# BROKEN: parameters did not move from their initial values beyond tolerance (or"
+            " are not finite) for "
+            + ", ".join(
+                f"{r['variant']} (|change| up to {r['max_change_from_initial']:.1e})" for r in still
+            )
+        )
+    return lines, [r["variant"] for r in rows if is_broken(r)]
 
 
 def format_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -377,7 +498,7 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
             f" {text(row['step_vs_gloo'], '.2f', 'x'):>8}"
             f" {text(row['comm_vs_gloo'], '.2f', 'x'):>8}"
             f" {text(row['net_vs_gloo'], '.2f', 'x'):>8}"
-            f" {'BROKEN' if row['matches_gloo'] is False else text(diff, '.1e'):>8}"
+            f" {'BROKEN' if is_broken(row) else text(diff, '.1e'):>8}"
             f" {text(None if heap is None else heap / 1e6, '.1f'):>8}"
             f" {row['minor_faults_per_step']:>7.0f} {row['cpu_ms_per_step']:>7.1f}"
         )
@@ -393,10 +514,12 @@ LEGEND = [
     "#   the communication alone. vs gloo: Gloo's median step / this one. comm vs: Gloo's",
     "#   comm / this comm. net vs: Gloo's net / this net.",
     "# diff: largest |parameter - Gloo's parameter| on any rank after the run ('-': not",
-    "#   compared). heap MB: bytes reserved by the group's symmetric heap (past its first",
-    "#   arena only when FSDP2's buffers come from it). faults: minor page faults per step",
-    "#   (median; the rank with the most), each a first touch of freshly mapped memory. cpu ms:",
-    "#   CPU time of a step, all the process's threads (median; the rank with the most).",
+    "#   compared); BROKEN where a parameter is beyond tolerance of Gloo's, or none moved beyond",
+    "#   it from its initial value (the variant did not train). heap MB: bytes reserved by the",
+    "#   group's symmetric heap (past its first arena only when FSDP2's buffers come from it).",
+    "#   faults: minor page faults per step (median; the rank with the most), each a first",
+    "#   touch of freshly mapped memory. cpu ms: CPU time of a step, all the process's threads",
+    "#   (median; the rank with the most).",
 ]
 
 
@@ -549,16 +672,16 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
         dist.barrier()
         runner.step(batches)  # first use: lazy initialisation, first buffers
     run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
-    diffs = differences_from_gloo(runners)
+    checks = check_parameters(runners)
     heaps = [heap_reserved(r) for r in runners]
-    rows = summarise(runners, diffs, heaps, *per_step_counts(runners))
+    rows = summarise(runners, checks, heaps, *per_step_counts(runners))
     for line in format_table(rows):
         say(line)
     for line in LEGEND:
         say(line)
-    broken = [row["variant"] for row in rows if row["matches_gloo"] is False]
-    if broken:
-        say(f"# BROKEN: parameters differ from Gloo's beyond {MATCH_TOLERANCE} for {broken}")
+    lines, broken = check_lines(rows)
+    for line in lines:
+        say(line)
     if args.profile:
         for line in breakdown(runners, batches, args):
             say(line)
@@ -571,7 +694,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
             Path(__file__).resolve().parent / "results" / f"fsdp_step_{world_size}ranks.json"
         )
         meta = metadata("fsdp_step", args, world_size, params)
-        meta["match_tolerance"] = MATCH_TOLERANCE
+        meta["match_tolerance"] = FP32_TOLERANCE._asdict()
         write_results(Path(args.json or default_json), meta, rows)
     del runners
     return 1 if broken else 0

@@ -2,7 +2,9 @@
 
 The model and data, one timed training step, the round-robin turns that interleave variants
 so drift on the host hits every variant alike, the slowest-rank reduction of the samples, the
-statistics and the JSON metadata. Run as scripts, the benchmarks find this module beside them
+check of the parameters against a reference run's, the statistics and the JSON metadata; and the
+check of how a benchmark was launched (torchrun, or not: allreduce.py and gather_scatter.py
+start their own ranks). Run as scripts, the benchmarks find this module beside them
 (``sys.path`` starts at ``benchmarks/``).
 """
 
@@ -16,7 +18,8 @@ import socket
 import sys
 import statistics
 import time
-from typing import Any, Optional, Protocol, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,6 +116,30 @@ def parameter_differences(
     return worst_diff, worst_ratio
 
 
+class Tolerance(NamedTuple):
+    """How far a parameter may be from the reference's: ``atol + rtol * |reference|``."""
+
+    rtol: float
+    atol: float
+
+
+# How far a variant's parameters may end from Gloo's, fp32 (ddp_step.py, fsdp_step.py). The
+# whole run moves a parameter very little (SGD at lr 1e-3: by at most 8.2e-6 in the default 30
+# steps, 5.8e-5 in the tests' 3 of the small model; the parameters themselves are up to 0.022
+# and 0.125), so the bound must sit well below that to catch a wrong reduction, and well above
+# fp32 rounding. Measured with DDP:
+# - fp32 variants: exactly Gloo's with 2 ranks (a + b is the same in any order); 3.7e-9 (2
+#   ulps of the largest parameters) with 4 ranks, hidden 1024, whose sums associate
+#   differently: at most 0.04 of this bound.
+# - avg_comm_hook swapped for a broadcast of rank 0's gradients (all ranks alike wrong, so
+#   equal across ranks): 5.1e-6 at the defaults, 2.1e-5 in the small model: 35 and 100 times
+#   this bound (the largest |diff| / (atol + rtol * |p|) over the elements). A much smaller
+#   --lr, or fewer steps, shrinks that margin with the update.
+# rtol covers the rounding of the larger parameters (ulp = 1.2e-7 relative). fsdp_step.py's
+# docstring gives what FSDP2 measured against it.
+FP32_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-7)
+
+
 def run_turn(runner: Stepper, batches: Batches, steps: int, warmup: int) -> None:
     """One variant's turn in a round: ``warmup`` untimed steps, then ``steps`` timed ones."""
     dist.barrier()  # every rank starts the turn together
@@ -191,12 +218,32 @@ def parse_variant_list(text_value: str, known: Sequence[str]) -> list[str]:
     return names
 
 
+def started_by_torchrun() -> bool:
+    """Whether torchrun (or a launcher like it) started this process: it sets these two."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def under_torchrun(script: str) -> bool:
     """Whether torchrun started this process; says how to run it otherwise."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if started_by_torchrun():
         return True
     print(f"run this under torchrun, e.g. torchrun --nproc_per_node 2 {script}", file=sys.stderr)
     return False
+
+
+def refused_under_torchrun(script: str) -> bool:
+    """For the benchmarks that start their own ranks (mp.spawn): True, after saying how to run
+    it, where torchrun started this process. Under torchrun every process would start a world
+    of its own, whose ranks inherit torchrun's rendezvous settings (such as
+    TORCHELASTIC_USE_AGENT_STORE) and wait forever for a store nobody serves."""
+    if not started_by_torchrun():
+        return False
+    print(
+        f"{Path(script).name} starts its own ranks: run it without torchrun, e.g."
+        f" python {script} --nproc 2",
+        file=sys.stderr,
+    )
+    return True
 
 
 def host_line(variables: Sequence[str] = ()) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,17 +32,33 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run_benchmark(
-    script: str, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300
+    script: str,
+    *args: str,
+    launcher: tuple[str, ...] = (),
+    timeout: float = 300,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, *launcher, str(BENCHMARKS / script), *args],
+    command = [sys.executable, *launcher, str(BENCHMARKS / script), *args]
+    with subprocess.Popen(
+        command,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The ranks a script started would outlive it, waiting on each other: end its
+            # whole session (it has one of its own), not the script alone.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def read_rows(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -55,19 +72,24 @@ def test_allreduce_cpu_rows(tmp_path: Path) -> None:
         "allreduce.py",
         *("--nproc", "2", "--sizes", "4KiB,64KiB", "--iters", "2", "--warmup", "1"),
         *("--algorithms", "auto,flat,shared_empty", "--no-deepspeed", "--json", str(out)),
+        *("--rounds", "2"),  # the rounds take turns; 2 calls each, so cheap
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta, rows = read_rows(out)
-    assert meta["nproc"] == 2 and meta["sizes"] == [4096, 65536]
+    assert meta["nproc"] == 2 and meta["sizes"] == [4096, 65536] and meta["rounds"] == 2
     assert meta["deepspeed"]["skipped"]
     backends = {(r["size_bytes"], r["backend_base"], r["algorithm"]) for r in rows}
     for size in (4096, 65536):
         for algorithm in (None, "auto", "flat", "shared_empty"):
             base = "gloo" if algorithm is None else "xdev"
             assert (size, base, algorithm) in backends
+    # The rows keep their order (Gloo's first) whichever variant a round starts with.
+    assert [r["backend_base"] for r in rows[:4]] == ["gloo", "xdev", "xdev", "xdev"]
     for row in rows:
         assert row["time_us"] > 0 and row["iters"] == 2
         assert row["count"] * 4 == row["size_bytes"]
+        if row["backend_base"] == "gloo":
+            assert row["vs_gloo"] == 1.0
         if row["algorithm"] == "auto":
             assert row["auto_picked"] in torch_xdev.ALGORITHMS, row
     assert "xdev/auto(" in proc.stdout  # the table names auto's pick
@@ -78,7 +100,7 @@ def test_allreduce_across_fake_hosts_fits_the_network(tmp_path: Path) -> None:
     proc = run_benchmark(
         "allreduce.py",
         *("--nproc", "4", "--hosts", "2", "--sizes", "4KiB,64KiB", "--iters", "2"),
-        *("--warmup", "1", "--json", str(out), "--net-model-out", str(model)),
+        *("--warmup", "1", "--rounds", "1", "--json", str(out), "--net-model-out", str(model)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta, rows = read_rows(out)
@@ -98,6 +120,27 @@ def test_gather_scatter_rows(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text())  # written, and JSON
+
+
+def test_gather_scatter_float16_reduce_scatter_at_three_ranks(tmp_path: Path) -> None:
+    """float16 sums of 3 ranks round in another order on xdev than on Gloo: the check before
+    timing allows for it (allreduce.py's tolerance), where assert_close's defaults aborted the
+    run. 96 and 100 B round to the same 48 elements: each row compares with its own Gloo row."""
+    out = tmp_path / "gs_fp16.json"
+    proc = run_benchmark(
+        "gather_scatter.py",
+        *("--nproc", "3", "--dtype", "float16", "--sizes", "4KiB,96,100"),
+        *("--collectives", "reduce_scatter", "--rounds", "1", "--json", str(out)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size_bytes"] for r in rows[::4]] == [4092, 96, 96]
+    assert [r["backend"] for r in rows[:4]] == ["gloo", "xdev", "xdev_sc", "xdev_heap"]
+    for i in range(0, len(rows), 4):  # one requested size: Gloo's row, then xdev's three
+        gloo = rows[i]
+        assert gloo["vs_baseline"] == 1.0, gloo
+        for row in rows[i + 1 : i + 4]:
+            assert row["vs_baseline"] == pytest.approx(gloo["time_us"] / row["time_us"]), row
 
 
 def test_gather_scatter_across_hosts_rows(tmp_path: Path) -> None:
@@ -125,14 +168,71 @@ def test_fsdp_step_rows(tmp_path: Path) -> None:
         *("--json", str(out)),
         launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]  # 1: parameters differ from Gloo's
-    rows = {r["variant"]: r for r in read_rows(out)[1]}
+    # 1: parameters differ from Gloo's, or did not move.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta, row_list = read_rows(out)
+    assert meta["match_tolerance"] == {"rtol": 1e-5, "atol": 1e-7}
+    rows = {r["variant"]: r for r in row_list}
     assert set(rows) == {"xdev", "xdev_heap", "gloo", "fsdp_alone", "fsdp_no_comm", "local"}
     for name in ("xdev", "xdev_heap", "gloo"):  # they talk: compared with Gloo, net of FSDP2
-        assert rows[name]["matches_gloo"] is True and rows[name]["net_ms"] is not None, rows[name]
+        row = rows[name]
+        assert row["matches_gloo"] is True and row["net_ms"] is not None, row
+        # 2 ranks add in one order: Gloo's parameters exactly.
+        assert row["max_diff_vs_gloo"] == 0.0 and row["diff_vs_tolerance"] == 0.0, row
+        # Trained: 2 steps move the largest parameters ~100 times the tolerance.
+        assert row["trained"] is True and row["change_vs_tolerance"] > 10, row
+        assert 1e-6 < row["max_change_from_initial"] < 1e-3, row
     assert rows["gloo"]["net_vs_gloo"] in (None, 1.0)  # None where Gloo's net was <= 0
     # The variant without communication is the baseline, compared with nothing.
-    assert rows["fsdp_no_comm"]["matches_gloo"] is None and rows["fsdp_no_comm"]["net_ms"] is None
+    for name in ("fsdp_no_comm", "fsdp_alone", "local"):
+        assert rows[name]["matches_gloo"] is None and rows[name]["trained"] is None, rows[name]
+    assert rows["fsdp_no_comm"]["net_ms"] is None
+    assert "# parameter check" in proc.stdout and "# BROKEN" not in proc.stdout
+    table = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    assert len(table) == 7 and not [line for line in table if "BROKEN" in line], table
+
+
+def test_fsdp_step_flags_a_variant_that_does_not_train(fsdp_step: ModuleType) -> None:
+    """A variant whose parameters never change (as fsdp_no_comm's: its reduce-scatter leaves
+    the gradients at zero) is BROKEN, though it ends within 1e-4 of a Gloo that barely moved;
+    so is one whose parameters went non-finite. The checks read the models only (no groups)."""
+    moved = 2e-5  # about what the tests' 2 steps of the small model move a parameter
+    runners = []
+    for variant in fsdp_step.VARIANTS:
+        model = fsdp_step.make_model(16, 2)
+        initial = [p.detach().clone() for p in model.parameters()] if variant.spans_ranks else None
+        if variant.name in ("xdev", "gloo"):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= moved
+        elif variant.name == "xdev_heap":  # non-finite, though it moved
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        runner = fsdp_step.Runner(variant, None, model, optimizer, initial=initial)
+        runner.samples.append(1e-3)
+        runners.append(runner)
+    still = [r for r in runners if r.variant.name == "fsdp_no_comm"][0]
+    still.initial = [p.detach().clone() for p in still.model.parameters()]  # compared, as if
+    n = len(runners)
+    rows_list = fsdp_step.summarise(
+        runners, fsdp_step.local_checks(runners), [None] * n, [0.0] * n, [0.0] * n
+    )
+    rows = {r["variant"]: r for r in rows_list}
+    lines, broken = fsdp_step.check_lines(rows_list)
+    for name in ("xdev", "gloo"):
+        assert rows[name]["matches_gloo"] is True and rows[name]["trained"] is True, rows[name]
+    assert rows["fsdp_no_comm"]["max_diff_vs_gloo"] == pytest.approx(moved, rel=1e-2)  # < 1e-4
+    assert rows["fsdp_no_comm"]["matches_gloo"] is False
+    assert rows["fsdp_no_comm"]["trained"] is False
+    assert rows["fsdp_no_comm"]["max_change_from_initial"] == 0.0
+    assert rows["xdev_heap"]["matches_gloo"] is False and rows["xdev_heap"]["trained"] is False
+    assert rows["local"]["trained"] is None and rows["fsdp_alone"]["matches_gloo"] is None
+    assert broken == ["xdev_heap", "fsdp_no_comm"]
+    (differ,) = [line for line in lines if "differ from Gloo's" in line]
+    (not_moved,) = [line for line in lines if "did not move" in line]
+    assert "fsdp_no_comm" in differ and "fsdp_no_comm" in not_moved and "xdev," not in differ
+    assert "BROKEN" in "\n".join(fsdp_step.format_table(rows_list))
 
 
 def test_ddp_step_rows_match_gloo(tmp_path: Path) -> None:
@@ -164,20 +264,25 @@ def test_ddp_step_rows_match_gloo(tmp_path: Path) -> None:
     assert "BROKEN" not in proc.stdout and "NOT CHECKED" not in proc.stdout
 
 
-def load_ddp_step() -> ModuleType:
-    if str(BENCHMARKS) not in sys.path:  # ddp_step.py imports its siblings
+def load_benchmark(name: str) -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:  # the scripts import their siblings
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("ddp_step", BENCHMARKS / "ddp_step.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["ddp_step"] = module  # its dataclasses look their module up there
+    sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
 def ddp_step() -> ModuleType:
-    return load_ddp_step()
+    return load_benchmark("ddp_step")
+
+
+@pytest.fixture(scope="module")
+def fsdp_step() -> ModuleType:
+    return load_benchmark("fsdp_step")
 
 
 def trained_runners(ddp_step: ModuleType, names: tuple[str, ...]) -> list[Any]:
@@ -296,6 +401,23 @@ def test_allreduce_bad_arguments_say_why() -> None:
         proc = run_benchmark("allreduce.py", *args, "--sizes", "4KiB", "--no-deepspeed")
         assert proc.returncode != 0 and why in proc.stderr, (args, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
+
+
+@pytest.mark.parametrize("script", ["allreduce.py", "gather_scatter.py"])
+def test_spawning_benchmarks_refuse_torchrun(script: str) -> None:
+    """Under torchrun (its RANK and WORLD_SIZE set) each process would start a world of its own
+    whose ranks wait forever for torchrun's store: the scripts that start their own ranks say
+    so and stop before starting any."""
+    proc = run_benchmark(
+        script,
+        *("--nproc", "2", "--sizes", "4KiB"),
+        extra_env={"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{script} starts its own ranks: run it without torchrun" in proc.stderr
+    assert f"python {BENCHMARKS / script} --nproc 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and not proc.stdout  # before measuring anything
 
 
 @pytest.mark.parametrize(
