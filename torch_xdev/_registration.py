@@ -149,11 +149,13 @@ def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseExcept
     Raises on a rank whose peer failed; the failing rank raises its own error after."""
     verdict = "ok" if error is None else f"failed: {type(error).__name__}: {error}"
     store.set(f"xdev/setup/{rank}", verdict)
-    failed = []
-    for peer in range(size):
-        reason = store.get(f"xdev/setup/{peer}").decode()
-        if reason != "ok" and peer != rank:
-            failed.append(f"rank {peer} {reason}")
+    # One round trip for all the verdicts (it waits for every key), not one per peer.
+    verdicts = store.multi_get([f"xdev/setup/{peer}" for peer in range(size)])
+    failed = [
+        f"rank {peer} {reason.decode()}"
+        for peer, reason in enumerate(verdicts)
+        if reason.decode() != "ok" and peer != rank
+    ]
     if failed or error is not None:
         # Every rank is about to raise. The rank hosting the store (rank 0 under a plain
         # init_process_group) must not exit before its peers have read the verdicts, or they
