@@ -57,9 +57,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, timeout, how] {
         std::vector<at::Tensor> out = contiguous(outputs);
-        for (size_t i = 0; i < out.size(); ++i) {
-          if (overlaps_elsewhere(inputs, out, i, group_.rank())) out[i] = at::empty_like(out[i]);
-        }
+        give_overlapping_outputs_own_buffers(out, inputs, group_.rank());
         run_reduce_scatter(out, contiguous(inputs), op, timeout, how);
         copy_back(out, outputs);
       },
@@ -75,9 +73,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, timeout, how] {
         std::vector<at::Tensor> in = contiguous(inputs);
-        for (size_t i = 0; i < in.size(); ++i) {
-          if (overlaps_elsewhere(outputs, in, i, group_.rank())) in[i] = in[i].clone();
-        }
+        lend_copies_of_overlapping_inputs(in, outputs, group_.rank());
         const std::vector<at::Tensor> out = contiguous(outputs);
         run_all_gather(out, in, timeout, how);
         copy_back(out, outputs);

@@ -1,12 +1,14 @@
 #include "tensor_helpers.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "../transport/heap_placement.h"
 
@@ -127,23 +129,53 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
   }
 }
 
-bool overlaps_elsewhere(const std::vector<at::Tensor>& fulls, const std::vector<at::Tensor>& blocks,
-                        size_t i, int rank) {
-  const at::Tensor& block = blocks[i];
+std::vector<bool> overlapping_elsewhere(const std::vector<at::Tensor>& fulls,
+                                        const std::vector<at::Tensor>& blocks, int rank) {
+  // Storages that alias one another share their data pointer, so the full
+  // tensors are grouped by it and each block is compared with its group only.
+  std::unordered_map<const void*, std::vector<size_t>> fulls_by_data;
   for (size_t j = 0; j < fulls.size(); ++j) {
-    const at::Tensor& full = fulls[j];
-    if (!full.has_storage() || !block.has_storage() ||
-        !full.storage().is_alias_of(block.storage()) ||
-        at::get_overlap_status(full, block) == at::MemOverlapStatus::No) {
-      continue;
-    }
-    const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
-    const char* own = static_cast<const char*>(full.data_ptr()) + rank * bytes;
-    const bool own_block = j == i && full.is_contiguous() && block.is_contiguous() &&
-                           static_cast<const char*>(block.data_ptr()) == own;
-    if (!own_block) return true;
+    if (fulls[j].has_storage()) fulls_by_data[fulls[j].storage().data()].push_back(j);
   }
-  return false;
+  std::vector<bool> overlapping(blocks.size(), false);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const at::Tensor& block = blocks[i];
+    if (!block.has_storage()) continue;
+    const auto same_data = fulls_by_data.find(block.storage().data());
+    if (same_data == fulls_by_data.end()) continue;
+    for (const size_t j : same_data->second) {
+      const at::Tensor& full = fulls[j];
+      if (!full.storage().is_alias_of(block.storage()) ||
+          at::get_overlap_status(full, block) == at::MemOverlapStatus::No) {
+        continue;
+      }
+      const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
+      const char* own = static_cast<const char*>(full.data_ptr()) + rank * bytes;
+      const bool own_block = j == i && full.is_contiguous() && block.is_contiguous() &&
+                             static_cast<const char*>(block.data_ptr()) == own;
+      if (!own_block) {
+        overlapping[i] = true;
+        break;
+      }
+    }
+  }
+  return overlapping;
+}
+
+void give_overlapping_outputs_own_buffers(std::vector<at::Tensor>& outputs,
+                                          const std::vector<at::Tensor>& inputs, int rank) {
+  const std::vector<bool> overlapping = overlapping_elsewhere(inputs, outputs, rank);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (overlapping[i]) outputs[i] = at::empty_like(outputs[i]);
+  }
+}
+
+void lend_copies_of_overlapping_inputs(std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& outputs, int rank) {
+  const std::vector<bool> overlapping = overlapping_elsewhere(outputs, inputs, rank);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (overlapping[i]) inputs[i] = inputs[i].clone();
+  }
 }
 
 namespace {

@@ -47,12 +47,20 @@ void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor
 // per list entry. Peers read what this rank lends (its reduce-scatter inputs,
 // its all-gather inputs) while it writes its outputs, entry after entry, so a
 // lent tensor that shares bytes with a written one can be read after it was
-// overwritten. Whether blocks[i] overlaps any of `fulls` other than exactly at
-// rank's block of fulls[i] (FSDP's all-gather input is its output's own block,
-// which every path handles). The caller then gives the written side a buffer
-// of its own.
-bool overlaps_elsewhere(const std::vector<at::Tensor>& fulls, const std::vector<at::Tensor>& blocks,
-                        size_t i, int rank);
+// overwritten. Which blocks overlap any of `fulls` other than exactly at
+// rank's block of their own full tensor (FSDP's all-gather input is its
+// output's own block, which every path handles). Only tensors on one storage
+// are compared: linear in the entries where each has its own, quadratic where
+// all are views of one buffer (a coalesced call's few entries).
+std::vector<bool> overlapping_elsewhere(const std::vector<at::Tensor>& fulls,
+                                        const std::vector<at::Tensor>& blocks, int rank);
+// The two answers to such an overlap: a reduce-scatter writes an overlapping
+// output into a buffer of its own first (copy_back moves it afterwards); an
+// all-gather lends a copy of an overlapping input.
+void give_overlapping_outputs_own_buffers(std::vector<at::Tensor>& outputs,
+                                          const std::vector<at::Tensor>& inputs, int rank);
+void lend_copies_of_overlapping_inputs(std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& outputs, int rank);
 
 // ReduceOp.PREMUL_SUM, NCCL's premultiplied sum (FSDP2 asks for it after
 // set_gradient_divide_factor): every rank's input times the op's factor, then

@@ -68,9 +68,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
       [this, outputs, inputs, leader, timeout] {
         const std::vector<at::Tensor> out = contiguous(outputs);
         std::vector<at::Tensor> in = contiguous(inputs);
-        for (size_t i = 0; i < in.size(); ++i) {
-          if (overlaps_elsewhere(outputs, in, i, group_.rank())) in[i] = in[i].clone();
-        }
+        lend_copies_of_overlapping_inputs(in, outputs, group_.rank());
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
         run_all_gather(out, in, leader, group_.deadline_for(timeout), shape_hash(all));
@@ -87,9 +85,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, leader, timeout] {
         std::vector<at::Tensor> out = contiguous(outputs);
-        for (size_t i = 0; i < out.size(); ++i) {
-          if (overlaps_elsewhere(inputs, out, i, group_.rank())) out[i] = at::empty_like(out[i]);
-        }
+        give_overlapping_outputs_own_buffers(out, inputs, group_.rank());
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
         run_reduce_scatter(out, contiguous(inputs), op, leader, group_.deadline_for(timeout),

@@ -439,7 +439,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     // Peers read what this rank lends while it writes, window by window: a lent tensor that
     // shares memory with the written one other than at this rank's own block is lent as a
     // copy (all-gather), or the result goes elsewhere first (reduce-scatter).
-    if (!list && overlaps_elsewhere(full, {block_c}, 0, g_.rank())) {
+    if (!list && overlapping_elsewhere(full, {block_c}, g_.rank())[0]) {
       block_c = reduce_scatter ? at::empty_like(block_c) : block_c.clone();
     }
     // A reduce-scatter reduces elements; an all-gather moves bytes.
