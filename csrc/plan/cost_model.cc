@@ -544,13 +544,18 @@ std::vector<std::vector<int>> append_windows(const MachineModel& m,
 double predict_windowed_seconds(const MachineModel& m, int64_t bytes, int64_t window_bytes,
                                 const std::function<Program(int64_t)>& program) {
   constexpr int64_t kSimulatedWindows = 8;
-  if (m.barrier_between_phases && window_bytes > 0 &&
-      bytes > 2 * kSimulatedWindows * window_bytes) {
-    const double some = simulate(m, program(kSimulatedWindows * window_bytes), m.policy).seconds;
-    const double windows = static_cast<double>(bytes) / static_cast<double>(window_bytes);
-    return m.launch_latency_s + (some - m.launch_latency_s) * windows / kSimulatedWindows;
+  const int64_t some = kSimulatedWindows * window_bytes;
+  if (!m.barrier_between_phases || window_bytes <= 0 || bytes <= 2 * some) {
+    return simulate(m, program(bytes), m.policy).seconds;
   }
-  return simulate(m, program(bytes), m.policy).seconds;
+  // Two payloads, of 8 and 16 windows' bytes, differ by 8 windows in the
+  // middle of the run, whatever share of a window the plan fills (a plan may
+  // cut them into more, smaller windows): the bytes beyond the second are
+  // charged at that difference's rate.
+  const double first = simulate(m, program(some), m.policy).seconds;
+  const double second = simulate(m, program(2 * some), m.policy).seconds;
+  return second +
+         (second - first) * static_cast<double>(bytes - 2 * some) / static_cast<double>(some);
 }
 
 }  // namespace xdev::plan

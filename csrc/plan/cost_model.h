@@ -166,9 +166,10 @@ std::vector<std::vector<int>> append_windows(const MachineModel& m,
 // The predicted seconds of a windowed collective of `bytes`, `window_bytes`
 // of which each window moves (0: one window), whose program `program(b)`
 // builds for any multiple b of window_bytes. Where the machine's executor has
-// a barrier per phase, windows run one after another and all but the last
-// are alike: a large payload is predicted from a few windows, scaled, so it
-// costs no more to predict than a small one.
+// a barrier per phase, windows run one after another and all but the first
+// and last are alike: a large payload is predicted from two short runs (the
+// cost of the windows in between, extrapolated), so it costs no more to
+// predict than a small one.
 double predict_windowed_seconds(const MachineModel& m, int64_t bytes, int64_t window_bytes,
                                 const std::function<Program(int64_t)>& program);
 
