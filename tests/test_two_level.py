@@ -271,6 +271,16 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
     with pytest.raises(dist.DistBackendError) as info:
         dist.broadcast(torch.ones(70 + (rank == 3)), src=1)
     messages.append(str(info.value))
+    # AVG on every host's local rank 0, SUM on its local rank 1: each local index agrees across
+    # hosts, so only the check inside each host can see it, though an AVG runs as a SUM there.
+    op = dist.ReduceOp.AVG if rank % 2 == 0 else dist.ReduceOp.SUM
+    for numel in (8, 40000):  # carried in the check across hosts, and sent by the engine
+        with pytest.raises(dist.DistBackendError) as info:
+            dist.all_reduce(torch.ones(numel), op=op)
+        messages.append(str(info.value))
+        with pytest.raises(dist.DistBackendError) as info:
+            dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(world * numel), op=op)
+        messages.append(str(info.value))
     # Every rank stopped with an error, none waited for the timeout, and the group goes on.
     assert time.monotonic() - start < TIMEOUT_S / 2
     t = torch.full((1000,), float(rank + 1))
@@ -291,11 +301,14 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
         # In the leader form only local rank 0 (ranks 0 and 2) crosses hosts; its host's other
         # rank learns of a difference through its host's check.
         crossed = not leader or rank % 2 == 0
-        calls = ("allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast", "broadcast")
+        calls = ["allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast", "broadcast"]
+        calls += ["allreduce AVG/SUM", "reduce_scatter AVG/SUM"] * 2
         assert len(messages) == len(calls)
         for call, message in zip(calls, messages):
             assert "mismatched collectives" in message, (rank, call, message)
             assert "timed out" not in message, (rank, call, message)
+            # Every host holds both ops, so every rank's own host's check names them.
+            assert "AVG/SUM" not in call or ("AVG" in message and "SUM" in message), message
         # The allreduce starts inside each host: host 1's ranks see rank 3's call differ from
         # rank 2's and say so; host 0's ranks learn of it from host 1's refusal across hosts.
         # So does the reduce-scatter.

@@ -306,7 +306,9 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   req.avg_divisor = group_.size();  // an AVG inside the host divides by the whole group's size
   transport::OpDescriptor d =
       group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
-  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  // The op the call asked for: an AVG runs as a SUM inside the host, and a
+  // rank asking SUM must not pass for it.
+  d.reduce_op = call.reduce_op;
   d.dtype = static_cast<int32_t>(req.dtype);
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);
   // The call's size and shapes, not this piece's: the host's ranks then

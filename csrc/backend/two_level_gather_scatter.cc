@@ -210,8 +210,8 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
     }
   }
   run_in_host(plan::GatherScatterKind::kAllGather, full_ptrs, block_ptrs, plan::FlatLayout(layout),
-              kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash, deadline,
-              heap_placement(full));
+              kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, kernels::ReduceOp::kSum, hash,
+              deadline, heap_placement(full));
   if (host_major_ranks_.defined()) {
     for (size_t i = 0; i < outputs.size(); ++i) from_host_major(full[i], outputs[i]);
   }
@@ -242,8 +242,8 @@ void TwoLevelGatherScatter::run_all_gather_leader(const std::vector<at::Tensor>&
   try {
     // 1. This host's blocks on every local rank.
     run_in_host(plan::GatherScatterKind::kAllGather, full_ptrs, block_ptrs,
-                plan::FlatLayout(layout), kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum, hash,
-                deadline, {});
+                plan::FlatLayout(layout), kernels::DType::kUInt8, 1, kernels::ReduceOp::kSum,
+                kernels::ReduceOp::kSum, hash, deadline, {});
     // 2. Local rank 0 exchanges them, every tensor's one after another, with
     // the other hosts' local ranks 0. When the calls differ, the exchange
     // fails this host's broadcast on purpose, so its other ranks stop there.
@@ -336,7 +336,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   try {
     run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
                 plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
-                ops.in_host, hash, deadline, heap_placement(full));
+                ops.in_host, op, hash, deadline, heap_placement(full));
   } catch (const transport::MismatchError&) {
     check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
     throw;
@@ -372,7 +372,8 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
 void TwoLevelGatherScatter::run_in_host(
     plan::GatherScatterKind kind, const std::vector<char*>& full, const std::vector<char*>& block,
     const plan::FlatLayout& layout, kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,
-    uint64_t hash, transport::Clock::time_point deadline, const SharedPlacement& placement) {
+    kernels::ReduceOp asked, uint64_t hash, transport::Clock::time_point deadline,
+    const SharedPlacement& placement) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   const plan::GatherScatterPlan plan(kind, group_.local_world_size(), layout.total(),
@@ -387,7 +388,7 @@ void TwoLevelGatherScatter::run_in_host(
   req.avg_divisor = group_.size();  // an AVG inside the host divides by the whole group's size
   transport::OpDescriptor d =
       group_.next_descriptor(reduce_scatter ? Collective::kReduceScatter : Collective::kAllGather);
-  d.reduce_op = reduce_scatter ? static_cast<int32_t>(op) : 0;
+  d.reduce_op = reduce_scatter ? static_cast<int32_t>(asked) : 0;
   d.dtype = static_cast<int32_t>(dtype);
   d.num_tensors = static_cast<int64_t>(full.size());
   d.total_elems = layout.total();

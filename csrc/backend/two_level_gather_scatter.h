@@ -123,11 +123,15 @@ class TwoLevelGatherScatter {
   // Step inside the host: tensor t's L blocks of layout.numel(t) elements
   // start at full[t] (local rank l's at l times that), its block of this
   // rank at block[t]. `placement`: where full[0] lies in the host's heap
-  // (every full[t] then lies within that one heap tensor), if it does.
+  // (every full[t] then lies within that one heap tensor), if it does. A
+  // reduce-scatter runs `op` inside the host; the host's ranks check the op
+  // the call asked for, `asked` (an AVG runs as a SUM here, so a rank asking
+  // SUM would otherwise pass).
   void run_in_host(plan::GatherScatterKind kind, const std::vector<char*>& full,
                    const std::vector<char*>& block, const plan::FlatLayout& layout,
-                   kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op, uint64_t hash,
-                   transport::Clock::time_point deadline, const SharedPlacement& placement);
+                   kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,
+                   kernels::ReduceOp asked, uint64_t hash, transport::Clock::time_point deadline,
+                   const SharedPlacement& placement);
   // Where the one full tensor of a call lies in the host's heap, when the step
   // inside the host may read it in place there (ranks in host-major order).
   SharedPlacement heap_placement(const std::vector<at::Tensor>& full) const;
