@@ -184,6 +184,39 @@ def test_float16_average_across_hosts_does_not_overflow() -> None:
         assert all("two-level" in plan or "two_level" in plan for plan in plans), plans
 
 
+def _coalesced_dtypes(rank: int, world: int) -> list[str]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
+    group = dist.new_group(backend="xdev")
+    plans = []
+    # One host runs a coalesced allreduce of several dtypes natively; across hosts it goes to
+    # Gloo, whose own coalesced allreduce takes one dtype: xdev calls it once per dtype.
+    dtypes = (torch.float32, torch.int64, torch.float64, torch.float32)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        inputs = [
+            [make_input(10 + i, r, 1000 + i, dtype, op) for i, dtype in enumerate(dtypes)]
+            for r in range(world)
+        ]
+        mine = [t.clone() for t in inputs[rank]]
+        # dist.all_reduce_coalesced refuses several dtypes; c10d's coalescing manager does not.
+        with dist.distributed_c10d._coalescing_manager(group=group):
+            for t in mine:
+                dist.all_reduce(t, op=op, group=group)
+        plans.append(" ".join(torch_xdev.describe(group)["last_allreduce"]))
+        for i, got in enumerate(mine):
+            expected = reference([inputs[r][i] for r in range(world)], op)
+            check_close(got, expected, op, world, f"{op} coalesced #{i} ({dtypes[i]})")
+    digests = [digest(t) for t in mine]
+    assert_same_digests(digests, world)
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    return plans
+
+
+def test_coalesced_allreduce_of_several_dtypes_across_hosts() -> None:
+    for plans in run_ranks(_coalesced_dtypes, 4, per_rank_env=_hosts_env([2, 2])):
+        assert all(plan.startswith("fallback") and "dtypes" in plan for plan in plans), plans
+
+
 def _forced_fallback(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(algorithm="fallback")

@@ -59,15 +59,41 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   c10d::Backend* engine = for_tensors(tensors);
   c10d::AllreduceOptions o = opts;
   if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  c10::intrusive_ptr<c10d::Work> work =
-      on_contiguous(group, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
-                    [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
-                      if (!coalesced) return engine->allreduce(ts, o);
-                      c10d::AllreduceCoalescedOptions co;
-                      co.reduceOp = o.reduceOp;
-                      co.timeout = o.timeout;
-                      return engine->allreduce_coalesced(ts, co);
-                    });
+  const auto run = [&](std::vector<at::Tensor>& some) {
+    return on_contiguous(group, some, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
+                         [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
+                           if (!coalesced) return engine->allreduce(ts, o);
+                           c10d::AllreduceCoalescedOptions co;
+                           co.reduceOp = o.reduceOp;
+                           co.timeout = o.timeout;
+                           return engine->allreduce_coalesced(ts, co);
+                         });
+  };
+  // Gloo's coalesced allreduce takes one dtype (NCCL's any), where the native
+  // path takes several: one call per dtype, in the order they first appear.
+  std::vector<std::vector<at::Tensor>> by_dtype;
+  const bool gloo_coalesced = coalesced && engine == gloo_.get();
+  for (const at::Tensor& t : gloo_coalesced ? tensors : std::vector<at::Tensor>{}) {
+    const auto same = std::find_if(by_dtype.begin(), by_dtype.end(), [&](const auto& ts) {
+      return ts[0].scalar_type() == t.scalar_type();
+    });
+    if (same == by_dtype.end()) {
+      by_dtype.push_back({t});
+    } else {
+      same->push_back(t);
+    }
+  }
+  c10::intrusive_ptr<c10d::Work> work;
+  if (by_dtype.size() > 1) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> earlier;
+    for (size_t i = 0; i + 1 < by_dtype.size(); ++i) earlier.push_back(run(by_dtype[i]));
+    work = then(group, run(by_dtype.back()), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
+                "coalesced allreduce of several dtypes", [earlier] {
+                  for (const auto& w : earlier) w->wait();
+                });
+  } else {
+    work = run(tensors);
+  }
   if (!avg_as_sum_then_divide) return work;
   return divide_after(group, work, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
 }
