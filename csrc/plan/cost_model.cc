@@ -121,8 +121,13 @@ struct ActiveFlow {
 // flows touch are visited, so an event costs about the number of active flows.
 //
 // `flows` is ordered by priority class (kFairShare: all in one class).
+// `moving` receives the indices of the flows given a rate above 0, in order:
+// under kOldestFirst most flows wait behind older ones, and the caller need
+// not visit them.
 void assign_rates(const std::vector<Resource>& resources, std::vector<ActiveFlow>& flows,
-                  std::vector<double>& capacity, std::vector<int>& users) {
+                  std::vector<double>& capacity, std::vector<int>& users,
+                  std::vector<size_t>& moving) {
+  moving.clear();
   capacity.resize(resources.size());
   users.assign(resources.size(), 0);
   for (size_t r = 0; r < resources.size(); ++r) capacity[r] = resources[r].bytes_per_s;
@@ -155,7 +160,10 @@ void assign_rates(const std::vector<Resource>& resources, std::vector<ActiveFlow
         const auto ri = static_cast<size_t>(r);
         step = std::min(step, std::max(0.0, capacity[ri]) / users[ri]);
       }
-      for (size_t i : unfrozen) flows[i].rate += step;
+      for (size_t i : unfrozen) {
+        if (flows[i].rate == 0 && step > 0) moving.push_back(i);
+        flows[i].rate += step;
+      }
       for (int r : touched) {
         const auto ri = static_cast<size_t>(r);
         capacity[ri] -= step * users[ri];
@@ -220,6 +228,8 @@ SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy
   std::vector<ActiveFlow> active;
   std::vector<double> capacity;  // scratch for assign_rates
   std::vector<int> users;
+  std::vector<size_t> moving;  // the active flows with a rate, from assign_rates
+  std::vector<int> ended;      // tasks whose last flow ended at this event
   std::vector<int> flows_left(n, 0);
   double now = 0;
   size_t done = 0;
@@ -259,30 +269,37 @@ SimulationResult simulate(const MachineModel& m, const Program& p, SharingPolicy
       now = starting.begin()->first;
       continue;
     }
-    assign_rates(m.resources(), active, capacity, users);
+    assign_rates(m.resources(), active, capacity, users, moving);
     double next =
         starting.empty() ? std::numeric_limits<double>::infinity() : starting.begin()->first;
-    for (const ActiveFlow& f : active) {
-      if (f.rate > 0) next = std::min(next, now + f.remaining / f.rate);
+    for (size_t i : moving) {
+      const ActiveFlow& f = active[i];
+      next = std::min(next, now + f.remaining / f.rate);
     }
     const double dt = next - now;
     const double before = now;
     now = next;
-    std::vector<ActiveFlow> still;
-    std::vector<int> ended;
-    for (ActiveFlow& f : active) {
+    // Only moving flows change; one that ends loses its flow, then its place.
+    ended.clear();
+    bool any_ended = false;
+    for (size_t i : moving) {
+      ActiveFlow& f = active[i];
       // A flow due by `next` ends there even where now + remaining / rate
       // rounds to now (a few bytes late in a long program): else no time passes.
-      const bool due = f.rate > 0 && before + f.remaining / f.rate <= next;
+      const bool due = before + f.remaining / f.rate <= next;
       f.remaining -= f.rate * dt;
       // Relative tolerance: rates and sizes span many orders of magnitude.
       if (due || f.remaining <= 1e-9 * f.flow->bytes) {
         if (--flows_left[static_cast<size_t>(f.task)] == 0) ended.push_back(f.task);
-      } else {
-        still.push_back(f);
+        f.flow = nullptr;
+        any_ended = true;
       }
     }
-    active.swap(still);
+    if (any_ended) {  // the rest keep their (priority) order
+      active.erase(std::remove_if(active.begin(), active.end(),
+                                  [](const ActiveFlow& f) { return f.flow == nullptr; }),
+                   active.end());
+    }
     std::sort(ended.begin(), ended.end());
     for (int t : ended) finish(t);
   }
