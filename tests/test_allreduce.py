@@ -414,6 +414,36 @@ def _callbacks_keep_program_order(rank: int, world: int) -> None:
     for tensor, scale in ((first, 1.0), (inner, 10.0), (later, 100.0)):
         assert torch.equal(tensor, torch.full_like(tensor, scale * total)), (scale, tensor)
 
+    # A callback that waits for a later Work of the group (Gloo completes this): on rank 0 that
+    # Work is still queued behind the callback's own thread, which runs it first. The integer
+    # AVG goes to Gloo as a SUM, then a division queued on the same thread.
+    first, later = full(3, 1.0), full(5, 100.0)
+    ints = torch.full((4,), 6 * (rank + 1), dtype=torch.int64)
+    if rank == 0:
+        future = dist.all_reduce(first, async_op=True).get_future()
+        later_works = [
+            dist.all_reduce(ints, op=dist.ReduceOp.AVG, async_op=True),
+            dist.all_reduce(later, async_op=True),
+        ]
+
+        def wait_for_later(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            for later_work in later_works:
+                later_work.wait()
+            return fut.value()[0] + 1
+
+        chained = future.then(wait_for_later)
+        store.set("order/wait_later", "issued")
+    else:
+        store.wait(["order/wait_later"])
+        dist.all_reduce(first)
+        dist.all_reduce(ints, op=dist.ReduceOp.AVG)
+        dist.all_reduce(later)
+        chained = torch.futures.Future()
+        chained.set_result(first + 1)
+    assert torch.equal(chained.wait(), torch.full((3,), total + 1))
+    assert torch.equal(ints, torch.full((4,), 6 * int(total) // world)), ints
+    assert torch.equal(later, torch.full((5,), 100.0 * total))
+
     # Destroying the group from a callback on its worker thread (rank 0's: its peers only
     # join the allreduce once the callback is attached) is refused, and the group goes on.
     refused: list[str] = []

@@ -7,12 +7,12 @@
 namespace xdev::backend {
 namespace {
 
-thread_local const WorkQueue* t_running_queue = nullptr;
+thread_local WorkQueue* t_running_queue = nullptr;
 
 // Marks this thread as running a task of `queue` for its lifetime (nests).
-class RunningTask : public ScopedThreadLocal<const WorkQueue*> {
+class RunningTask : public ScopedThreadLocal<WorkQueue*> {
  public:
-  explicit RunningTask(const WorkQueue* queue) : ScopedThreadLocal(t_running_queue, queue) {}
+  explicit RunningTask(WorkQueue* queue) : ScopedThreadLocal(t_running_queue, queue) {}
 };
 
 }  // namespace
@@ -21,21 +21,32 @@ const WorkQueue* WorkQueue::running_on_this_thread() {
   return t_running_queue;
 }
 
-void WorkQueue::run_nested(std::function<void()> task, uint64_t after) {
+void WorkQueue::run_queued_while(const std::function<bool(uint64_t)>& more) {
   // busy_ is still set by the running task, so no other thread takes tasks meanwhile.
   for (;;) {
     std::function<void()> next;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (tasks_.empty() || tasks_.front().first > after) break;
+      if (tasks_.empty() || !more(tasks_.front().first)) return;
       next = std::move(tasks_.front().second);
       tasks_.pop_front();
     }
     RunningTask running(this);
     next();
   }
+}
+
+void WorkQueue::run_nested(std::function<void()> task, uint64_t after) {
+  run_queued_while([after](uint64_t number) { return number <= after; });
   RunningTask running(this);
   task();
+}
+
+void WorkQueue::run_queued_while_waiting(const std::atomic<uint64_t>* submitted,
+                                         const std::function<bool()>& done) {
+  WorkQueue* queue = t_running_queue;
+  if (queue == nullptr || submitted == nullptr || queue->submitted_.get() != submitted) return;
+  queue->run_queued_while([&done](uint64_t) { return !done(); });
 }
 
 WorkQueue::WorkQueue() : thread_([this] { loop(); }) {}

@@ -51,8 +51,20 @@ class WorkQueue {
   // task, before it returns; later tasks stay queued.
   void run_nested(std::function<void()> task, uint64_t after);
 
+  // For Work::wait() inside one of a queue's tasks (a future callback of an
+  // earlier Work, waiting for a later collective of its group, as Gloo lets
+  // it): the awaited task is queued behind the running one, and this thread
+  // is the only one that may run tasks now. So it runs the queued tasks, in
+  // order, until `done` holds or none is left. Does nothing on a thread that
+  // runs no task of the queue counting with `submitted`.
+  static void run_queued_while_waiting(const std::atomic<uint64_t>* submitted,
+                                       const std::function<bool()>& done);
+
  private:
   void loop();
+  // Runs queued tasks on this thread, in order, while `more(number)` holds
+  // for the next one's number.
+  void run_queued_while(const std::function<bool(uint64_t)>& more);
 
   std::mutex mutex_;
   std::condition_variable cv_;

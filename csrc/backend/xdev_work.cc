@@ -24,6 +24,16 @@ XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
           c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::move(devices))),
       callbacks_place_(WorkQueue::kEverything) {}
 
+bool XdevWork::wait(std::chrono::milliseconds timeout) {
+  // Not from this Work's own callbacks: it completes once they return, and no
+  // queued task brings that closer.
+  if (t_completing != this) {
+    // The host part's flag: a CUDA Work's isCompleted() also asks the GPU.
+    WorkQueue::run_queued_while_waiting(submitted_.get(), [this] { return Work::isCompleted(); });
+  }
+  return Work::wait(timeout);
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> XdevWork::getFuture() {
   uint64_t unset = WorkQueue::kEverything;
   if (submitted_) callbacks_place_.compare_exchange_strong(unset, submitted_->load());

@@ -1,5 +1,6 @@
 // The Work handle of a native xdev collective. The backend's worker thread
-// completes it; wait() (inherited) blocks on it and rethrows a failure as the
+// completes it; wait() blocks on it (after running the group's queued tasks
+// when called from inside one of them) and rethrows a failure as the
 // DistBackendError it was stored as; getFuture() is what DDP's comm hooks use,
 // and its value is the list of result tensors.
 #pragma once
@@ -27,6 +28,12 @@ class XdevWork : public c10d::Work {
   virtual void complete();
   void fail(std::exception_ptr error);
 
+  // A future callback of an earlier Work of the group runs on the thread
+  // that runs the group's collectives; waiting there for this one, still
+  // queued, runs the queued collectives up to it first (WorkQueue::
+  // run_queued_while_waiting) instead of waiting for a thread that is busy
+  // waiting.
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
 
