@@ -44,7 +44,7 @@ def test_stuck_peer_times_out_on_every_other_rank() -> None:
     assert all(m for m in messages[:2])
 
 
-def _dead_peer(rank: int, world: int, victim: int) -> dict[str, Any]:
+def _dead_peer(rank: int, world: int, victim: int, call: str) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)
     )
@@ -54,15 +54,19 @@ def _dead_peer(rank: int, world: int, victim: int) -> dict[str, Any]:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError) as info:
-        dist.all_reduce(torch.ones(1 << 16))
+        if call == "shared_empty":  # collective too, though it moves nothing through the channel
+            torch_xdev.shared_empty(1000)
+        else:
+            dist.all_reduce(torch.ones(1 << 16))
     # Noticed by the liveness check long before the 600 s timeout.
     assert time.monotonic() - start < 30
     assert f"rank {victim}" in str(info.value) and "exited" in str(info.value), str(info.value)
     return {"name": name, "mapped": xdev_shm_mappings()}
 
 
-def test_killed_rank_is_reported_and_leaves_no_segment() -> None:
-    results = run_ranks(_dead_peer, 3, 2, timeout=120, expect_dead=(2,))
+@pytest.mark.parametrize("call", ["all_reduce", "shared_empty"])
+def test_killed_rank_is_reported_and_leaves_no_segment(call: str) -> None:
+    results = run_ranks(_dead_peer, 3, 2, call, timeout=120, expect_dead=(2,))
     name = results[0]["name"]
     assert re.fullmatch(r"/xdev-\d+-\d+-[0-9a-f]{32}", name), name
     # The name was unlinked once every rank had mapped it: nothing can leak.

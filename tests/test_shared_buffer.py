@@ -144,6 +144,10 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     else:
         with pytest.raises(RuntimeError, match=f"rank {world - 1}: torch_xdev.shared_empty: neg"):
             torch_xdev.shared_empty(4)
+    # shared_empty against an allreduce: both fail where the ranks meet, and the calls after
+    # them stay paired (the failed call took no number on either rank).
+    with pytest.raises(dist.DistBackendError, match="mismatched"):
+        torch_xdev.shared_empty(4) if rank == 0 else dist.all_reduce(torch.ones(4))
     paired = torch_xdev.shared_empty(8)
     paired.fill_(float(rank))
     dist.all_reduce(paired)

@@ -99,7 +99,8 @@ def shared_empty(
 
     ``size`` is given as for ``torch.empty``: ``shared_empty(4, 5)`` or
     ``shared_empty((4, 5))``. Raises ValueError if the group spans several hosts or the
-    ranks ask for different sizes.
+    ranks ask for different sizes, and DistBackendError, as a collective does, if a peer has
+    exited, is in another collective, or has not called it within the group's timeout.
     """
     dims: Sequence[Any] = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
     shape = [int(d) for d in dims]

@@ -224,6 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             // become Python exceptions once the GIL is back.
             at::Tensor tensor;
             std::optional<std::invalid_argument> bad_value;
+            std::optional<std::string> peer_failure;  // a peer gone or in another call
             std::optional<std::runtime_error> failure;
             {
               py::gil_scoped_release no_gil;
@@ -231,6 +232,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 tensor = b.shared_empty(sizes, dtype);
               } catch (const std::invalid_argument& e) {
                 bad_value.emplace(e.what());
+              } catch (const c10::DistBackendError& e) {
+                peer_failure.emplace(e.what_without_backtrace());
               } catch (const c10::Error& e) {
                 failure.emplace(e.what_without_backtrace());
               } catch (const std::exception& e) {
@@ -238,6 +241,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               }
             }
             if (bad_value) throw py::value_error(bad_value->what());
+            if (peer_failure) {
+              // As a collective raises it: torch.distributed.DistBackendError.
+              const py::object error_type =
+                  py::module_::import("torch.distributed").attr("DistBackendError");
+              PyErr_SetString(error_type.ptr(), peer_failure->c_str());
+              throw py::error_already_set();
+            }
             if (failure) throw *failure;
             return tensor;
           },

@@ -75,19 +75,15 @@ void check_same_settings(int size, SettingsOf settings_of) {
 }  // namespace
 
 void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
-                   std::optional<std::chrono::milliseconds> timeout) {
+                   std::chrono::milliseconds timeout) {
   if (store.add(prefix + "arrived", 1) == world_size) store.set(prefix + "all", "1");
-  if (timeout) {
-    store.wait({prefix + "all"}, *timeout);
-  } else {
-    store.wait({prefix + "all"});
-  }
+  store.wait({prefix + "all"}, timeout);
 }
 
 int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
-                                    int world_size) {
+                                    int world_size, std::chrono::milliseconds timeout) {
   store.add(prefix + "failures", failed ? 1 : 0);
-  store_barrier(store, prefix, world_size);
+  store_barrier(store, prefix, world_size, timeout);
   return store.add(prefix + "failures", 0);
 }
 
@@ -206,7 +202,7 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
     const std::string name = store_->get_to_str(prefix + "name");
     channel = transport::ShmChannel::attach(name, ranks, rank, slot_bytes);
   }
-  store_barrier(*store_, prefix + "attached/", ranks);
+  store_barrier(*store_, prefix + "attached/", ranks, config_.timeout);
   if (rank == 0) channel.unlink_name();
   return std::make_unique<transport::ShmChannel>(std::move(channel));
 }
@@ -239,19 +235,24 @@ void GroupContext::check_with_peers(Collective collective, const char* name,
     check();
   } catch (const std::exception&) {
     if (channel_ != nullptr) {
-      auto meet = [this, collective, name, timeout] {
-        transport::OpDescriptor d = next_descriptor(collective);
-        d.num_tensors = kRefusedCall;
-        channel_->open_collective(make_context(d, name, deadline_for(timeout)));
-      };
       try {
-        enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
+        meet_peers(collective, name, timeout, /*refused=*/true);
       } catch (const std::exception&) {
         // The peers' mismatch: this rank's own error says more.
       }
     }
     throw;
   }
+}
+
+void GroupContext::meet_peers(Collective collective, const char* name,
+                              std::chrono::milliseconds timeout, bool refused) {
+  auto meet = [this, collective, name, timeout, refused] {
+    transport::OpDescriptor d = next_descriptor(collective);
+    if (refused) d.num_tensors = kRefusedCall;
+    channel_->open_collective(make_context(d, name, deadline_for(timeout)));
+  };
+  enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
 }
 
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
@@ -305,6 +306,8 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
       break;
     case Collective::kBarrier:
       return "barrier (op #" + std::to_string(d.seq) + ")";
+    case Collective::kSharedEmpty:
+      return "torch_xdev.shared_empty (op #" + std::to_string(d.seq) + ")";
     default:
       s = "unknown collective";
   }

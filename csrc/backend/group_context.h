@@ -19,7 +19,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -40,6 +39,7 @@ enum class Collective : int32_t {
   kBarrier = 3,
   kReduceScatter = 4,
   kAllGather = 5,
+  kSharedEmpty = 6,  // torch_xdev.shared_empty's meeting (GroupContext::meet_peers)
 };
 
 // OpDescriptor::num_tensors of a call its rank refused for its own arguments
@@ -48,14 +48,14 @@ enum class Collective : int32_t {
 constexpr int64_t kRefusedCall = -2;
 
 // Returns once all world_size ranks have called it with this key prefix (once
-// each). Without a timeout the store's own applies.
+// each); a rank missing at the timeout (the group's) raises the store's error.
 void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
-                   std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+                   std::chrono::milliseconds timeout);
 
 // Every rank says whether its part of a setup failed; returns how many did,
 // the same number on every rank, once all have voted. Keys under `prefix`.
 int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
-                                    int world_size);
+                                    int world_size, std::chrono::milliseconds timeout);
 
 // Fails one call and leaves the group usable (an engine's error on a call xdev
 // only finishes, e.g. the SUM before an emulated AVG's division), where any
@@ -143,6 +143,13 @@ class GroupContext {
   // raises its own error. Only for a call its peers run natively.
   void check_with_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
                         const std::function<void()>& check);
+  // A collective that moves nothing through the host's channel (single-host
+  // groups): returns once every rank has made the same call, in order with
+  // this rank's other collectives. A peer that is gone or in another call
+  // raises as in any collective: within 200 ms of a death, or at the timeout
+  // naming the missing ranks. `refused`: this rank refused its own arguments.
+  void meet_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
+                  bool refused = false);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                     bool async_op);

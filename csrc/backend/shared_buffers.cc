@@ -69,7 +69,8 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
       why = e.what();
     }
   }
-  if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size()) == 0) {
+  if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size(),
+                                  group.config().timeout) == 0) {
     heap_ = std::move(heap);
     heap_note_ = std::string("on: CPU tensors from allocateTensor (DDP's buckets) lie in memory ") +
                  (group.num_hosts() == 1 ? "every rank maps" : "every rank of their host maps");
@@ -135,7 +136,13 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
         std::to_string(size) + " ranks are on " + std::to_string(group_.num_hosts()) +
         " hosts); use an ordinary tensor");
   }
-  // The call takes its number first, and what this rank could not do (its
+  // Every rank first meets its peers in the host's channel, which names a
+  // peer that died or never came (a wait on the Store alone would wait out
+  // the group's timeout, then name no one). A rank in another collective
+  // fails both calls there, before either takes a number.
+  const auto timeout = group_.config().timeout;
+  group_.meet_peers(Collective::kSharedEmpty, "torch_xdev.shared_empty", timeout);
+  // The call takes its number next, and what this rank could not do (its
   // arguments, its segment) goes to the peers in its Store entry: every rank
   // then refuses the same call, and the calls after it stay paired.
   int64_t id = 0;
@@ -167,7 +174,6 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     my_reason = e.what();
   }
   c10d::Store& store = group_.store();
-  const auto timeout = group_.config().timeout;
   const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
   store.set(prefix + std::to_string(rank),
             my_failure ? "!" + my_reason : mine.name() + " " + std::to_string(bytes));
@@ -218,7 +224,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   }
   // Every rank has opened its peers' segments (or failed to) before any name goes.
   const int64_t failures =
-      count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size);
+      count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size, timeout);
   mine.unlink();
   if (!open_failure.empty()) throw std::runtime_error(open_failure);
   if (failures > 0) {

@@ -341,7 +341,8 @@ class CudaCollectivesImpl : public CudaCollectives {
       executor_.reset();
       channel_.reset();
     }
-    const int64_t failures = count_failures_across_ranks(store, key, !why.empty(), g_.size());
+    const int64_t failures =
+        count_failures_across_ranks(store, key, !why.empty(), g_.size(), g_.config().timeout);
     if (failures == 0) {
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
