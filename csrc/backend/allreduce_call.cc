@@ -31,22 +31,17 @@ std::vector<DtypeAllreduce> prepare_allreduce(const GroupContext& group,
                                               const std::vector<at::Tensor>& tensors,
                                               kernels::ReduceOp op, const plan::Selection& sel,
                                               bool packed) {
-  std::vector<plan::TensorDesc> descs;
-  for (const at::Tensor& t : tensors) {
-    descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
-                     static_cast<size_t>(t.element_size()), t.numel()});
-  }
   const uint64_t hash = shape_hash(tensors);
   const plan::PackingOptions packing = packing_for(group.config(), sel);
   std::vector<DtypeAllreduce> calls;
-  for (plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+  for (plan::DtypeGroup& g : group_by_scalar_type(tensors)) {
     DtypeAllreduce call;
-    call.dtype = static_cast<kernels::DType>(g.dtype);
+    call.dtype = *native_dtype(static_cast<at::ScalarType>(g.dtype));
     if (packed) call.packs = plan::make_packs(g.layout, g.elem_size, packing);
     transport::OpDescriptor& d = call.descriptor;
     d.collective = static_cast<int32_t>(Collective::kAllreduce);  // numbered when it runs
     d.reduce_op = static_cast<int32_t>(op);
-    d.dtype = g.dtype;
+    d.dtype = static_cast<int32_t>(call.dtype);
     d.algorithm = static_cast<int32_t>(sel.algorithm);
     d.root = group.config().reduce_to_rank;
     d.num_packs = static_cast<int64_t>(call.packs.size());

@@ -215,14 +215,9 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
   }
   const auto deadline = group_.deadline_for(timeout);
   const uint64_t hash = shape_hash(concat(outputs, inputs));
-  std::vector<plan::TensorDesc> descs;
-  for (const at::Tensor& t : outputs) {
-    descs.push_back({static_cast<int>(*native_dtype(t.scalar_type())),
-                     static_cast<size_t>(t.element_size()), t.numel()});
-  }
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   // One collective per dtype, in order of first appearance: the same on every rank.
-  for (const plan::DtypeGroup& g : plan::group_by_dtype(descs)) {
+  for (const plan::DtypeGroup& g : group_by_scalar_type(outputs)) {
     // Single copy (one tensor): one window over the whole block.
     const int64_t window_elems = single_copy
                                      ? std::max<int64_t>(g.layout.total(), 1) * group_.size()
@@ -236,13 +231,13 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
       req.full.push_back(static_cast<char*>(inputs[idx].data_ptr()));
       req.block.push_back(static_cast<char*>(outputs[idx].data_ptr()));
     }
-    req.dtype = static_cast<kernels::DType>(g.dtype);
+    req.dtype = *native_dtype(static_cast<at::ScalarType>(g.dtype));
     req.op = op;
     req.single_copy = single_copy;
     transport::OpDescriptor d = group_.next_descriptor(Collective::kReduceScatter);
     d.reduce_op = static_cast<int32_t>(op);
     d.single_copy = single_copy ? 1 : 0;
-    d.dtype = g.dtype;
+    d.dtype = static_cast<int32_t>(req.dtype);
     d.num_tensors = static_cast<int64_t>(outputs.size());
     d.total_elems = g.layout.total();
     d.shape_hash = hash;

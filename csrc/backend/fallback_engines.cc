@@ -71,24 +71,19 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   };
   // Gloo's coalesced allreduce takes one dtype (NCCL's any), where the native
   // path takes several: one call per dtype, in the order they first appear.
-  std::vector<std::vector<at::Tensor>> by_dtype;
-  const bool gloo_coalesced = coalesced && engine == gloo_.get();
-  for (const at::Tensor& t : gloo_coalesced ? tensors : std::vector<at::Tensor>{}) {
-    const auto same = std::find_if(by_dtype.begin(), by_dtype.end(), [&](const auto& ts) {
-      return ts[0].scalar_type() == t.scalar_type();
-    });
-    if (same == by_dtype.end()) {
-      by_dtype.push_back({t});
-    } else {
-      same->push_back(t);
-    }
-  }
+  std::vector<plan::DtypeGroup> by_dtype;
+  if (coalesced && engine == gloo_.get()) by_dtype = group_by_scalar_type(tensors);
   c10::intrusive_ptr<c10d::Work> work;
   if (by_dtype.size() > 1) {
+    const auto run_group = [&](const plan::DtypeGroup& g) {
+      std::vector<at::Tensor> some;
+      for (size_t i : g.tensor_indices) some.push_back(tensors[i]);
+      return run(some);
+    };
     std::vector<c10::intrusive_ptr<c10d::Work>> earlier;
-    for (size_t i = 0; i + 1 < by_dtype.size(); ++i) earlier.push_back(run(by_dtype[i]));
-    work = then(group, run(by_dtype.back()), tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
-                "coalesced allreduce of several dtypes", [earlier] {
+    for (size_t i = 0; i + 1 < by_dtype.size(); ++i) earlier.push_back(run_group(by_dtype[i]));
+    work = then(group, run_group(by_dtype.back()), tensors, c10d::OpType::ALLREDUCE,
+                "xdev:all_reduce", "coalesced allreduce of several dtypes", [earlier] {
                   for (const auto& w : earlier) w->wait();
                 });
   } else {

@@ -37,6 +37,16 @@ std::optional<kernels::DType> native_dtype(at::ScalarType t) {
   }
 }
 
+std::vector<plan::DtypeGroup> group_by_scalar_type(const std::vector<at::Tensor>& tensors) {
+  std::vector<plan::TensorDesc> descs;
+  descs.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    descs.push_back(
+        {static_cast<int>(t.scalar_type()), static_cast<size_t>(t.element_size()), t.numel()});
+  }
+  return plan::group_by_dtype(descs);
+}
+
 std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op) {
   switch (op.op_) {
     case c10d::ReduceOp::SUM:

@@ -9,11 +9,17 @@
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
+#include "../plan/packing.h"
 
 namespace xdev::backend {
 
 // The kernels' dtype for a torch dtype; nullopt where no native kernel exists.
 std::optional<kernels::DType> native_dtype(at::ScalarType t);
+
+// The tensors grouped by dtype, one payload per group, groups in order of first
+// appearance (the same on every rank that passes the same list). A group's
+// dtype id is the tensors' at::ScalarType.
+std::vector<plan::DtypeGroup> group_by_scalar_type(const std::vector<at::Tensor>& tensors);
 
 // The kernels' op for a c10d op; nullopt for ops without a native kernel.
 std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op);
