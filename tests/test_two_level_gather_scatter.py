@@ -167,17 +167,13 @@ def _list_forms(
         for i in range(len(shapes)):
             assert torch.equal(coalesced[r][i], ins[r][i]), (r, i)
     paths.add(torch_xdev.describe(group)["last_gather_scatter"][1])
-    # Uneven sizes (rank j's entry holds j + 1 elements): the engine's, with the reason.
+    # Uneven sizes (rank j's entry holds j + 1 elements): the engine's, padded to one size.
     sizes = [j + 1 for j in range(world)]
     uneven = [torch.full((n,), -1, dtype=torch.int32) for n in sizes]
     mine = torch.arange(sizes[rank], dtype=torch.int32) + 10 * rank
-    try:
-        dist.all_gather(uneven, mine, group=group)
-    except (RuntimeError, ValueError):
-        pass  # the engine's own limits; the choice and its reason are what this checks
-    else:
-        for j, n in enumerate(sizes):
-            assert torch.equal(uneven[j], torch.arange(n, dtype=torch.int32) + 10 * j), j
+    dist.all_gather(uneven, mine, group=group)
+    for j, n in enumerate(sizes):
+        assert torch.equal(uneven[j], torch.arange(n, dtype=torch.int32) + 10 * j), j
     name, path, reason = torch_xdev.describe(group)["last_gather_scatter"]
     assert (name, path) == ("all_gather", "fallback"), (name, path, reason)
     assert "uneven list sizes" in reason, reason

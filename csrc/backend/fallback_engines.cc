@@ -1,5 +1,7 @@
 #include "fallback_engines.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 
 #include "tensor_helpers.h"
@@ -91,6 +93,36 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   }
   if (!avg_as_sum_then_divide) return work;
   return divide_after(group, work, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
+    GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  c10d::Backend* engine = for_tensors(inputs);
+  const auto same_sizes = [](const std::vector<at::Tensor>& entries) {
+    return std::all_of(entries.begin(), entries.end(),
+                       [&](const at::Tensor& t) { return t.sizes() == entries[0].sizes(); });
+  };
+  if (engine != gloo_.get() || inputs.size() != 1 || outputs.size() != 1 || outputs[0].empty() ||
+      same_sizes(outputs[0])) {
+    return track(engine->allgather(outputs, inputs, opts));
+  }
+  const std::vector<at::Tensor> entries = outputs[0];
+  const std::vector<int64_t> sizes =
+      list_sizes("all_gather", entries, inputs[0], group.size(), group.rank());
+  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  std::vector<at::Tensor> padded_input{at::zeros({largest}, inputs[0].options())};
+  padded_input[0].narrow(0, 0, inputs[0].numel()).copy_(inputs[0].reshape({-1}));
+  std::vector<std::vector<at::Tensor>> padded(1);
+  for (const at::Tensor& t : entries) padded[0].push_back(at::empty({largest}, t.options()));
+  c10::intrusive_ptr<c10d::Work> work = track(engine->allgather(padded, padded_input, opts));
+  return then(group, work, entries, c10d::OpType::ALLGATHER, "xdev:all_gather",
+              "all-gather of entries padded to one size", [entries, padded, padded_input] {
+                for (size_t j = 0; j < entries.size(); ++j) {
+                  const at::Tensor& t = entries[j];
+                  t.copy_(padded[0][j].narrow(0, 0, t.numel()).view(t.sizes()));
+                }
+              });
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(GroupContext& group,

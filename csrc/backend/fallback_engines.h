@@ -49,6 +49,15 @@ class FallbackEngines {
                                            const c10d::AllreduceOptions& opts, bool coalesced,
                                            bool avg_as_sum_then_divide);
 
+  // An all-gather (list form) through the engine for these tensors. Gloo
+  // gathers entries of one size only (NCCL any): where the entries' sizes
+  // differ, each rank's input travels padded to the largest entry, and the
+  // returned Work covers copying the entries out of the padded ones.
+  c10::intrusive_ptr<c10d::Work> allgather(GroupContext& group,
+                                           std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts);
+
   // A reduce-scatter through the engine for `outputs`: `call` runs it with
   // the options and the outputs it is given (contiguous copies of strided
   // ones, which Gloo would write as if they were contiguous; the returned

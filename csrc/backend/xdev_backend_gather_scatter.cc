@@ -168,7 +168,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
   const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr, call.uneven,
                                          outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return fallbacks_.track(delegate(inputs)->allgather(outputs, inputs, opts));
+    ++collectives_called_;  // the engine runs it: counted as delegate() counts
+    return fallbacks_.allgather(group_, outputs, inputs, opts);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
     return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
