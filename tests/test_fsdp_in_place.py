@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import torch_xdev  # noqa: F401  (registers the backend)
 
-from collective_cases import make_input
+from collective_cases import check_close, make_input, reference
 from harness import run_ranks
 from training_cases import sgd_losses
 
@@ -69,6 +69,9 @@ def _collectives(rank: int, world: int, misplace: bool) -> None:
         full.copy_(inputs[rank])
         out = _heap_tensor(block)
         dist.reduce_scatter_tensor(out, full, op=op)
+        expected = reference(inputs, op)
+        mine_expected = expected[rank * block : (rank + 1) * block]
+        check_close(out, mine_expected, op, world, f"reduce_scatter {op}")
         # The flat allreduce sums in the same order: its slice is the same bits.
         total = inputs[rank].clone()
         dist.all_reduce(total, op=op)
@@ -78,6 +81,7 @@ def _collectives(rank: int, world: int, misplace: bool) -> None:
         mine = gathered.narrow(0, rank * block, block)
         mine.copy_(out)
         dist.all_gather_into_tensor(gathered, mine)
+        check_close(gathered, expected, op, world, f"all_gather after {op}")
         assert torch.equal(gathered, total), op
         del full, out, gathered, mine
     held.clear()
@@ -145,5 +149,6 @@ def test_fsdp2_without_group_allocated_buffers_stages(capfd: pytest.CaptureFixtu
     run_ranks(_fsdp2_training, 2, "xdev", False, env=SMALL_SLOTS)
     err = capfd.readouterr().err
     assert "reduce_scatter on CPU tensors -> native" in err, err
+    assert "all_gather on CPU tensors -> native" in err, err
     for name in ("reduce_scatter", "all_gather"):
         assert _ranks_logging(IN_PLACE[name], err) == set(), err

@@ -15,6 +15,8 @@ average.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -42,7 +44,7 @@ def _scaled(inputs: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
     return [t * factor for t in inputs]
 
 
-def _forms(rank: int, world: int) -> int:
+def _forms(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group(
         "xdev",
         rank=rank,
@@ -51,6 +53,7 @@ def _forms(rank: int, world: int) -> int:
     )
     sum_op = dist.ReduceOp.SUM
     cases = 0
+    paths: set[str] = set()  # where the PREMUL_SUMs ran: "allreduce: <plan and reason>", ...
     for d, dtype in enumerate(DTYPES):
         for factor_kind in ("float", "tensor"):
             op = _premul(FACTOR if factor_kind == "float" else torch.tensor(FACTOR, dtype=dtype))
@@ -63,6 +66,7 @@ def _forms(rank: int, world: int) -> int:
 
             got = inputs[rank].clone()
             dist.all_reduce(got, op=op)
+            paths.add("allreduce: " + " ".join(torch_xdev.describe()["last_allreduce"]))
             check_close(got, expected, sum_op, world, f"all_reduce {what}")
             own_sum = scaled[rank].clone()
             dist.all_reduce(own_sum, op=sum_op)
@@ -78,6 +82,7 @@ def _forms(rank: int, world: int) -> int:
             block = torch.empty(NUMEL, dtype=dtype)
             before = inputs[rank].clone()
             dist.reduce_scatter_tensor(block, before, op=op)
+            paths.add("reduce_scatter: " + torch_xdev.describe()["last_gather_scatter"][1])
             assert torch.equal(before, inputs[rank]), f"reduce_scatter {what}: input changed"
             check_close(block, expected[mine], sum_op, world, f"reduce_scatter {what}")
             own_block = torch.empty(NUMEL, dtype=dtype)
@@ -139,19 +144,30 @@ def _forms(rank: int, world: int) -> int:
     dist.all_reduce(after)  # the group goes on
     assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2)))
     dist.destroy_process_group()
-    return cases
+    return {"cases": cases, "paths": sorted(paths)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_premul_sum_forms(world: int) -> None:
-    assert run_ranks(_forms, world) == [len(DTYPES) * 2 * 7] * world
+    for result in run_ranks(_forms, world):
+        assert result["cases"] == len(DTYPES) * 2 * 7, result
+        assert all("fallback" not in path for path in result["paths"]), result
 
 
-def test_premul_sum_across_hosts() -> None:
+def test_premul_sum_across_hosts(tmp_path: Path) -> None:
     """Two fake hosts of two ranks: the two-level paths and their Gloo steps run a SUM of the
     premultiplied inputs."""
-    hosts = [{"XDEV_HOSTNAME": f"premul-host-{r // 2}"} for r in range(4)]
-    assert run_ranks(_forms, 4, per_rank_env=hosts) == [len(DTYPES) * 2 * 7] * 4
+    # A slow network in the cost model: two levels win at every size on this machine.
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"params": {"net_latency_us": 5000.0}}))
+    hosts = [
+        {"XDEV_HOSTNAME": f"premul-host-{r // 2}", "XDEV_CPU_MODEL": str(model)} for r in range(4)
+    ]
+    for result in run_ranks(_forms, 4, per_rank_env=hosts):
+        assert result["cases"] == len(DTYPES) * 2 * 7, result
+        assert "reduce_scatter: two_level" in result["paths"], result
+        allreduces = [p for p in result["paths"] if p.startswith("allreduce")]
+        assert allreduces and all("two-level" in p or "two_level" in p for p in allreduces), result
 
 
 def _fsdp(rank: int, world: int) -> dict[str, Any]:

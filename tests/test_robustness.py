@@ -122,12 +122,15 @@ def _late_peer_after_timeout(rank: int, world: int) -> float:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))
     dist.all_reduce(torch.ones(4), group=group)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
-        time.sleep(TIMEOUT_S + 1.0)  # rank 0 has timed out by now
+        store.wait(["rank 0 timed out"])  # rank 0 gave up alone and left the collective
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError) as info:
         dist.all_reduce(torch.ones(1 << 16), group=group)  # several windows
     elapsed = time.monotonic() - start
+    if rank == 0:
+        store.set("rank 0 timed out", "1")
     if rank == 1:
         # Rank 0 stopped at its timeout and left: rank 1 learns it within a liveness check
         # (200 ms), not after a timeout of its own.
@@ -138,7 +141,9 @@ def _late_peer_after_timeout(rank: int, world: int) -> float:
 
 
 def test_a_rank_that_timed_out_releases_its_late_peers() -> None:
-    run_ranks(_late_peer_after_timeout, 2, timeout=120)
+    elapsed = run_ranks(_late_peer_after_timeout, 2, timeout=120)
+    # Rank 0 waited its whole timeout for the peer that had not come, and no longer.
+    assert TIMEOUT_S * 0.9 <= elapsed[0] < TIMEOUT_S + 5.0, elapsed
 
 
 def _huge_timeout(rank: int, world: int) -> None:

@@ -261,6 +261,7 @@ def test_ddp_across_two_hosts_matches_gloo() -> None:
     xdev = run_ranks(_ddp_steps, 4, "xdev", per_rank_env=env)
     gloo = run_ranks(_ddp_steps, 4, "gloo")
     for rank in range(4):
+        assert xdev[rank]["shared"] is True, "DDP's buckets are not in the host's shared memory"
         for got, ref, first in zip(xdev[rank]["params"], gloo[rank]["params"], xdev[0]["params"]):
             assert got == first, f"rank {rank} differs from rank 0"
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
