@@ -77,6 +77,12 @@ class CudaWork : public XdevWork {
     done_.block(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
   }
 
+  // Work.block_current_stream(): the caller's current stream waits for the
+  // GPU work, as after wait() (ProcessGroupNCCL's does the same). c10d's
+  // default releases the stream once the future completes, which here is when
+  // the kernels are launched, not when they are done.
+  void blockCurrentStream() override { wait(); }
+
   bool isCompleted() override { return XdevWork::isCompleted() && done_.query(); }
 
  private:
