@@ -122,15 +122,21 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
     add_release_gpu(&g->arrived, 1);
     bool ok = true;
     if (blockIdx.x == 0) {
+      // One deadline for the whole barrier: a wait per peer does not restart it.
+      const uint64_t deadline = now_ns() + p.timeout_ns;
+      const auto time_left = [deadline] {
+        const uint64_t now = now_ns();
+        return now < deadline ? deadline - now : 0;
+      };
       const unsigned long long all_blocks = epoch * gridDim.x;
       Wait w =
-          wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, g, p.timeout_ns);
+          wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, g, time_left());
       if (w == Wait::kTimedOut) abort_kernel(p, 1u);
       ok = w == Wait::kReady;
       for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, epoch);
       for (int r = 0; ok && r < p.world_size; ++r) {
         const uint64_t* word = p.inboxes[p.rank] + r;
-        w = wait_until([&] { return load_acquire_sys(word) >= epoch; }, g, p.timeout_ns);
+        w = wait_until([&] { return load_acquire_sys(word) >= epoch; }, g, time_left());
         if (w == Wait::kTimedOut) abort_kernel(p, 2u + static_cast<unsigned int>(r));  // 2 + rank
         ok = w == Wait::kReady;
       }
@@ -154,7 +160,12 @@ template <typename T, kernels::ReduceOp Op>
 __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   // A kernel of this rank gave up (a peer missing): the group is broken, and
   // the windows queued behind it do nothing rather than each wait out the timeout.
-  if (aborted(p.grid)) return;
+  // Thread 0 reads the flag for its block: every thread must return, or none
+  // (the barrier's __syncthreads needs the whole block).
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = aborted(p.grid) ? 1 : 0;
+  __syncthreads();
+  if (stop != 0) return;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const auto source = [&p](const plan::DeviceOp& op, int src) -> const char* {

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "../../plan/machines.h"
 #include "../../transport/cuda_executor.h"
@@ -165,20 +166,33 @@ class CudaCollectivesImpl : public CudaCollectives {
   void shutdown() noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!stream_) return;
+    const auto wait =
+        std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
+    const auto deadline = transport::Clock::now() + wait;
+    bool running = false;
     try {
       // The stream's device: info_ is empty when the rendezvous failed after making it.
       c10::cuda::CUDAGuard guard(stream_->device_index());
-      stream_->synchronize();
+      // A kernel waiting in a GPU barrier for a dead peer runs until the
+      // barrier's timeout (the group's): wait for it no longer than for the
+      // peers below.
+      running = !stream_idle_by(deadline);
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
       // peer reads nothing).
-      if (channel_ && g_.channel()) {
-        const auto wait =
-            std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
-        g_.channel()->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
+      if (!running && channel_ && g_.channel()) {
+        g_.channel()->barrier(deadline, "CUDA transport shutdown");
       }
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
+    }
+    if (running) {
+      // Kernels still running read and write these buffers: leave them
+      // allocated (device memory this process frees at exit) rather than
+      // free memory in use.
+      (void)heap_.release();
+      (void)executor_.release();
+      (void)channel_.release();
     }
     heap_.reset();  // tensors from it keep its memory until they go
     if (info_) {
@@ -191,6 +205,23 @@ class CudaCollectivesImpl : public CudaCollectives {
   }
 
  private:
+  // Whether our stream has finished its work by `deadline` (polled with a
+  // growing sleep; a kernel may be waiting for a peer that will not come).
+  bool stream_idle_by(transport::Clock::time_point deadline) const {
+    auto pause = std::chrono::microseconds(50);
+    while (true) {
+      const cudaError_t status = cudaStreamQuery(stream_->stream());
+      if (status != cudaErrorNotReady) {
+        transport::check_cuda(status, "cudaStreamQuery");
+        return true;
+      }
+      cudaGetLastError();  // cudaErrorNotReady is not an error to keep
+      if (transport::Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
+    }
+  }
+
   // Learns every rank's GPU, agrees on links and reachability, and opens the
   // IPC transport where every GPU reaches every other. Every rank derives the
   // same answer from the same Store values.
