@@ -17,6 +17,7 @@ Edge edge(int a, int b) {
 
 struct TreeShape {
   std::vector<Edge> edges;
+  int center = -1;  // a star's; -1 for a chain
 };
 
 // Chains (Hamiltonian paths over linked pairs) and stars spanning `members`.
@@ -26,6 +27,7 @@ std::vector<TreeShape> tree_shapes(const LinkMatrix& links, const std::vector<in
   if (g == 1) return {TreeShape{}};
   for (int center : members) {
     TreeShape star;
+    star.center = center;
     for (int m : members) {
       if (m != center && links.links(center, m) > 0) star.edges.push_back(edge(center, m));
     }
@@ -173,11 +175,21 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
   const std::vector<TreeShape> shapes[2] = {tree_shapes(links, members[0]),
                                             tree_shapes(links, members[1])};
 
+  // Every pair of shapes through every cross link is g^3 options, each weighed
+  // at every pick: beyond 8 ranks a group that takes seconds, and minutes at 64
+  // (a 64-core CPU host). There only stars centred where the pack crosses are
+  // tried, which spread uniform links (a CPU host, a switch) evenly anyway.
+  const bool centred_only = g > 8;
+  const auto centred_at = [centred_only](const TreeShape& t, int rank) {
+    return !centred_only || t.center == rank;
+  };
   std::vector<Option> options;
   // Group-first through each cross link, every pair of tree shapes.
   for (int a = 0; a < g; ++a) {
     for (const TreeShape& t0 : shapes[0]) {
+      if (!centred_at(t0, a)) continue;
       for (const TreeShape& t1 : shapes[1]) {
+        if (!centred_at(t1, a + g)) continue;
         Option o;
         o.tree.cross = a;
         o.tree.parent[0] = root_at(t0, a, n);
@@ -193,6 +205,7 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
   // Pair-first: every cross link, half a pack through each group's tree.
   for (const TreeShape& t0 : shapes[0]) {
     for (const TreeShape& t1 : shapes[1]) {
+      if (centred_only && (t0.center < 0 || !centred_at(t1, t0.center + g))) continue;
       Option o;
       o.tree.pair_first = true;
       o.tree.parent[0] = root_at(t0, center_of(t0, members[0], n), n);
@@ -205,6 +218,9 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
     }
   }
 
+  if (options.empty()) {
+    throw std::invalid_argument("hierarchical_balanced: no star centred on a cross link");
+  }
   LinkLoads loads(links);
   std::vector<Edge> all_edges;
   for (int a = 0; a < n; ++a) {

@@ -308,6 +308,26 @@ TEST(balanced_trees_load_every_v100_link_by_its_capacity) {
   CHECK(std::abs(b.max_load_per_link - 7.0) < 1e-9);
 }
 
+TEST(balanced_trees_for_many_ranks_load_every_usable_link_alike) {
+  // Beyond 8 ranks a group the search tries stars centred on the cross link only (the full
+  // search took minutes at 64 ranks), and must spread as well as the full search did. A pack
+  // of N ranks in two groups of g loads 2g - 1 links (two stars and a cross link), so 3N
+  // packs put 3N(2g - 1) loads on N(N - 1)/2 = g(2g - 1) links: 6 a link on average. The
+  // links the trees use, inside each group and between partners, are about half of them: each
+  // link of a group carries 12 (3N stars of g - 1 links over its g(g - 1)/2), twice the average.
+  for (int world : {18, 32, 64}) {
+    const LinkMatrix links = LinkMatrix::fully_connected(world);
+    const std::vector<PackTree> trees = balanced_pack_trees(links, 3 * world);
+    const LinkBalance b = link_balance(links, trees);
+    CHECK(std::abs(b.ideal_load_per_link - 6.0) < 1e-9);
+    CHECK(std::abs(b.max_load_per_link - 12.0) < 1e-9);
+    const auto plan = CollectivePlan::allreduce(Algorithm::kHierarchicalBalanced, world, 0,
+                                                concat_and_split(3 * world * 64, 3 * world),
+                                                3 * world * 64, 1000, trees);
+    check_plan(plan, 1000, -1);
+  }
+}
+
 TEST(balanced_plan_through_windows_covers_the_payload) {
   std::mt19937 rng(31);
   for (int trial = 0; trial < 200; ++trial) {
