@@ -55,7 +55,8 @@ TEACHER_SEED = 20240607
 
 @dataclasses.dataclass
 class TrainConfig:
-    """What to train and how; the defaults are those of the command line."""
+    """What to train and how; the defaults are those of the command line, except
+    ``comm_share_steps``: a program calling ``train()`` skips the timing unless it asks."""
 
     backend: str = "xdev"
     steps: int = 20

@@ -46,13 +46,17 @@ from harness import run_ranks
         ({"single_copy": "no"}, "single_copy"),
         ({"single_copy": 2}, "single_copy"),
         ({"debug": "yes"}, "debug"),
+        # C++ holds the pieces in an int: 2^32 + 4 ran as 4 pieces, 2^31 as the model's choice.
+        ({"two_level_pieces": (1 << 32) + 4}, "two_level_pieces"),
+        ({"two_level_pieces": 1 << 31}, "two_level_pieces"),
+        ({"two_level_pieces": 1025}, "two_level_pieces"),
     ],
 )
 def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         torch_xdev.Options(**kwargs)
     # A timeout past what the binding holds means "never": the longest one (100000 days).
-    for never in (float("inf"), 1e300, timedelta(days=999999999)):
+    for never in (float("inf"), 1e300, 10**400, timedelta(days=999999999)):
         config = torch_xdev.options.backend_config(torch_xdev.Options(timeout=never), timedelta(1))
         assert config.timeout == timedelta(days=100000), never
     flags: dict[str, Any] = {"single_copy": 1, "shared_buckets": 0}  # 0 and 1 are fine
@@ -77,8 +81,14 @@ def test_env_overrides_options() -> None:
     )
     with pytest.raises(ValueError, match="num_packs"):
         resolve_options(None, {"XDEV_NUM_PACKS": "-2"})
-    with pytest.raises(ValueError, match="XDEV_NUM_PACKS"):
+    with pytest.raises(ValueError, match="XDEV_NUM_PACKS='many' .* expected an integer"):
         resolve_options(None, {"XDEV_NUM_PACKS": "many"})
+    # The README's default, None (the plan's choice), can be set back from the environment.
+    assert (
+        resolve_options(torch_xdev.Options(num_packs=4), {"XDEV_NUM_PACKS": "none"}).num_packs
+        is None
+    )
+    assert resolve_options(None, {"XDEV_NUM_PACKS": "08"}).num_packs == 8  # base 0 refused it
     with pytest.raises(ValueError, match="algorithm"):
         resolve_options(None, {"XDEV_ALGO": "ring"})
     with pytest.raises(ValueError, match="torch_xdev.Options"):
@@ -254,6 +264,10 @@ def test_hierarchical_copy_needs_even_world() -> None:
 def test_reduce_to_rank_out_of_range() -> None:
     messages = run_ranks(_forced, 2, {"algorithm": "reduce_to_one", "reduce_to_rank": 2})
     assert all("reduce_to_rank" in m for m in messages), messages
+    # 2^32 + 1 was cut to an int (1) before the check, and 2^32 to 0: accepted.
+    for root in (1 << 32, (1 << 32) + 1):
+        messages = run_ranks(_forced, 2, {"algorithm": "reduce_to_one", "reduce_to_rank": root})
+        assert all(f"reduce_to_rank must be in [0, 2); got {root}" in m for m in messages), messages
 
 
 def _selection(rank: int, world: int) -> dict[str, Any]:
@@ -574,3 +588,16 @@ def test_a_rank_refusing_its_settings_stops_every_rank() -> None:
     for peer in (0, 2):
         assert "a peer refused its settings" in errors[peer], errors[peer]
         assert "rank 1 failed" in errors[peer] and "XDEV_ALGO" in errors[peer], errors[peer]
+
+
+def _xdev_for_cuda_tensors_only(rank: int, world: int) -> tuple[str, int]:
+    dist.init_process_group("cpu:gloo,cuda:xdev", rank=rank, world_size=world)
+    try:
+        info = torch_xdev.describe()  # said the group did not use xdev
+        return info["backend"], info["world_size"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_describe_finds_xdev_as_the_cuda_backend_only() -> None:
+    assert run_ranks(_xdev_for_cuda_tensors_only, 1) == [("xdev", 1)]

@@ -333,6 +333,10 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
         (["--topology", "hgx-h100", "--hosts", str(1 << 28)], "--hosts must be >= 2 and <="),
         (["--topology", "hgx-h100", "--hosts", "2", "--nics", str(1 << 31)], "--nics must be"),
         (["--topology", "hgx-h100", "--hosts", "2", "--nic-gbps", "inf"], "--nic-gbps finite"),
+        # Ignored without --hosts (a negative rate too), where the help says they apply.
+        (["--topology", "hgx-h100", "--nics", "3"], "apply with --hosts"),
+        (["--topology", "hgx-h100", "--nic-gbps", "-5"], "apply with --hosts"),
+        (["--topology", "hgx-h100", "--amd-cpu"], "apply with --hosts"),
     ],
 )
 def test_several_hosts_bad_arguments(

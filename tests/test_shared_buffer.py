@@ -7,6 +7,7 @@ import os
 import stat
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -131,6 +132,11 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     # Different offsets into the buffer on different ranks: also a mismatch.
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         dist.all_reduce(t[rank * 64 : rank * 64 + 64])
+    # Sizes as torch.empty takes them: integers, numpy's and 0-d tensors too, but no floats
+    # (shared_empty(2, 3.9) was a buffer of 2 x 3).
+    with pytest.raises(TypeError, match="size must be integers"):
+        torch_xdev.shared_empty(2, 3.9)  # type: ignore[arg-type]
+    assert torch_xdev.shared_empty(torch.tensor(2), np.int64(3)).shape == (2, 3)
     # Different sizes: ValueError on every rank, naming the sizes.
     with pytest.raises(ValueError, match="different sizes"):
         torch_xdev.shared_empty(10 + rank)

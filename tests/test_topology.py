@@ -271,7 +271,9 @@ def test_cli_without_gpus(tmp_path: Path) -> None:
             {"nvlink": zeros(2), "links": []},
             "unknown key(s) 'links'; allowed: class, compute_capability, gpus,",
         ),
-        ({"nvlink": zeros(2), "pcie_gbps": -1}, "'pcie_gbps' must be > 0"),
+        ({"nvlink": zeros(2), "pcie_gbps": -1}, "'pcie_gbps' must be a finite number > 0"),
+        # An integer past any float was an OverflowError traceback; 1e400 reads as inf.
+        ({"nvlink": zeros(2), "pcie_gbps": 10**400}, "'pcie_gbps' must be a finite number > 0"),
         ({"nvlink": zeros(2), "nvswitch": [18]}, "'nvswitch' must be a list of 2 non-negative"),
         ({"nvlink": zeros(2), "nvswitch": [18, -1]}, "'nvswitch' must be a list of 2"),
         ({"nvlink": zeros(2), "nvswitch": [True, 1]}, "'nvswitch' must be a list of 2"),

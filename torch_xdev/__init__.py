@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import operator
+
 import os
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional, SupportsIndex, Union
 
 import torch  # (loads libtorch before the extension)
 import torch.distributed as dist
@@ -83,7 +85,7 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
 
 
 def shared_empty(
-    *size: Union[int, Sequence[int]],
+    *size: Union[SupportsIndex, Sequence[SupportsIndex]],
     dtype: Optional[torch.dtype] = None,
     group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
@@ -102,8 +104,13 @@ def shared_empty(
     ranks ask for different sizes, and DistBackendError, as a collective does, if a peer has
     exited, is in another collective, or has not called it within the group's timeout.
     """
-    dims: Sequence[Any] = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
-    shape = [int(d) for d in dims]
+    one = size[0] if len(size) == 1 else None
+    # As torch.empty: one sequence, or integers (numpy's and 0-d tensors' too); not floats.
+    dims: Sequence[Any] = one if isinstance(one, (list, tuple, torch.Size)) else size
+    try:
+        shape = [operator.index(d) for d in dims]
+    except TypeError:
+        raise TypeError(f"shared_empty: size must be integers; got {size!r}") from None
     tensor: torch.Tensor = backend_of(group).shared_empty(shape, dtype or torch.get_default_dtype())
     return tensor
 

@@ -216,14 +216,22 @@ def register() -> None:
 def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.XdevBackend:
     """The XdevBackend behind a process group (the default group if None)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    backend = pg._get_backend(torch.device("cpu"))
-    # Under TORCH_DISTRIBUTED_DEBUG=DETAIL c10d wraps each backend in a checker that compares
-    # every collective across ranks before running it; ours is inside.
-    while isinstance(backend, _ProcessGroupWrapper):
-        backend = backend.wrapped_pg
-    if not isinstance(backend, _C.XdevBackend):
-        raise ValueError(
-            f"this process group does not use the xdev backend (its CPU backend is "
-            f"{type(backend).__name__}); create it with backend='xdev'"
-        )
-    return backend
+    found: list[str] = []
+    # The CPU backend first; a group may also use xdev for CUDA tensors only
+    # ("cpu:gloo,cuda:xdev").
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except RuntimeError:  # no backend for this device
+            continue
+        # Under TORCH_DISTRIBUTED_DEBUG=DETAIL c10d wraps each backend in a checker that
+        # compares every collective across ranks before running it; ours is inside.
+        while isinstance(backend, _ProcessGroupWrapper):
+            backend = backend.wrapped_pg
+        if isinstance(backend, _C.XdevBackend):
+            return backend
+        found.append(f"{device}: {type(backend).__name__}")
+    raise ValueError(
+        f"this process group does not use the xdev backend (its backends: "
+        f"{', '.join(found) or 'none'}); create it with backend='xdev'"
+    )

@@ -29,7 +29,16 @@ ALGORITHMS = (
 
 
 def _parse_int(text: str) -> int:
-    return int(text, 0)
+    for base in (0, 10):  # 4096, 0x1000; then 08, which base 0 refuses
+        try:
+            return int(text, base)
+        except ValueError:
+            pass
+    raise ValueError("expected an integer (decimal, or hex as 0x...)")
+
+
+def _parse_optional_int(text: str) -> Optional[int]:
+    return None if text.strip().lower() == "none" else _parse_int(text)
 
 
 def _parse_bool(text: str) -> bool:
@@ -107,7 +116,12 @@ def _check_packs(name: str, value: Any) -> None:
 
 
 def _seconds(timeout: Union[timedelta, float]) -> float:
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    try:
+        return float(timeout)
+    except OverflowError:  # an integer beyond any float: "never", as infinity is
+        return math.inf
 
 
 # C++ holds the timeout in whole milliseconds (a shorter one would become 0 ms: every wait
@@ -177,8 +191,8 @@ class Options:
             links; even world sizes only), ``"reduce_to_one"``,
             ``"flat"`` (reduce-scatter + allgather), ``"direct"`` (every rank
             reduces everything; one barrier) or ``"fallback"`` (Gloo).
-        num_packs: packs for concat-and-split; ``None`` lets the algorithm
-            choose (the world size for hierarchical copy), 0 disables it.
+        num_packs: packs for concat-and-split; ``None`` (``XDEV_NUM_PACKS=none``) lets the
+            algorithm choose (the world size for hierarchical copy), 0 disables it.
         agg_small_grads_max_bytes, agg_small_grads_max_group: small-tensor
             aggregation when ``num_packs`` is 0 and both are > 0.
         bytes_per_pack: cut the payload into packs of this many bytes (0: off).
@@ -205,7 +219,7 @@ class Options:
 
     algorithm: str = _option("auto", "XDEV_ALGO", str.strip, _check_algorithm)
     num_packs: Optional[int] = _option(
-        None, "XDEV_NUM_PACKS", _parse_int, _check_packs, _packs_to_config
+        None, "XDEV_NUM_PACKS", _parse_optional_int, _check_packs, _packs_to_config
     )
     agg_small_grads_max_bytes: int = _option(
         0, "XDEV_AGG_SMALL_GRADS_MAX_BYTES", _parse_int, _check_count

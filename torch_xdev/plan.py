@@ -529,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--no-single-copy and --no-in-place apply to reduce_scatter and all_gather")
     if gather_scatter and args.num_packs != -1:
         parser.error("--num-packs applies to the allreduce only")
+    if args.hosts == 1 and (args.nics is not None or args.nic_gbps != 50.0 or args.amd_cpu):
+        parser.error("--nics, --nic-gbps and --amd-cpu apply with --hosts")
     pyplot = None
     if args.plot is not None:
         pyplot = _import_pyplot()

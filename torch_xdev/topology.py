@@ -159,9 +159,13 @@ def _gbps(data: dict[str, Any], key: str, where: str) -> float | None:
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: '{key}' must be a number, got {json.dumps(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: '{key}' must be > 0, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{where}: '{key}' must be a finite number > 0, got {value}")
+    return number
 
 
 def _matrix(value: Any, key: str, where: str, zero_one: bool) -> list[list[int]]:

@@ -67,6 +67,11 @@ void validate(const BackendConfig& config) {
         ", >= " + std::to_string(kMinSlotBytes) + " and <= " + std::to_string(kMaxSlotBytes) +
         " (1 GiB); got " + std::to_string(config.cuda_slot_bytes));
   }
+  if (config.two_level_pieces < 0 || config.two_level_pieces > kMaxForcedTwoLevelPieces) {
+    throw std::invalid_argument(
+        "two_level_pieces must be >= 0 and <= " + std::to_string(kMaxForcedTwoLevelPieces) +
+        "; got " + std::to_string(config.two_level_pieces));
+  }
 }
 
 plan::MachineModel cpu_host_model(const BackendConfig& c, int ranks, int cores) {

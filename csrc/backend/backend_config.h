@@ -92,6 +92,9 @@ inline constexpr int64_t kCudaSlotAlignment = 256;
 // The largest: each rank maps two slot sets of every rank, so a larger slot
 // only costs memory, and sizes near 2^63 would overflow the segment's size.
 inline constexpr int64_t kMaxSlotBytes = int64_t{1} << 30;
+// The most pieces two_level_pieces may force (auto tries up to 16): each is an
+// engine call of its own.
+inline constexpr int64_t kMaxForcedTwoLevelPieces = 1024;
 
 // The settings a rank picks its plans by, one "name=value" each: the options
 // but the timeout and debug, and the cost model's cpu_* and net_* fields.

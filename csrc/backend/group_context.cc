@@ -45,7 +45,7 @@ std::string machine_identity(const std::string& fallback) {
 // Options are checked where they are declared (validate); these need the group's size too.
 void check_options(const BackendConfig& config, int size) {
   packing_options(config).validate();
-  plan::check_root("reduce_to_rank", static_cast<int>(config.reduce_to_rank), size);
+  plan::check_root("reduce_to_rank", config.reduce_to_rank, size);
   validate(config);
 }
 

@@ -108,7 +108,7 @@ Step copy_step(int phase, int actor, int source, Target target, Range r) {
   return s;
 }
 
-void check_root(const char* what, int root, int world_size) {
+void check_root(const char* what, int64_t root, int world_size) {
   if (root < 0 || root >= world_size) {
     throw std::invalid_argument(std::string(what) + " must be in [0, " +
                                 std::to_string(world_size) + "); got " + std::to_string(root));

@@ -89,7 +89,7 @@ Step copy_step(int phase, int actor, int source, Target target, Range r);
 
 // Throws std::invalid_argument unless 0 <= root < world_size; `what` names
 // the option or argument in the message (e.g. "reduce_to_rank").
-void check_root(const char* what, int root, int world_size);
+void check_root(const char* what, int64_t root, int world_size);
 
 // One pack's part of the current window, with its global pack index (which
 // decides the hierarchical plan's lead ranks).
