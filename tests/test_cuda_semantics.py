@@ -1,7 +1,8 @@
 """The CUDA path on real GPUs: stream semantics, layouts, delegation and bad input.
 
 - ``test_stream_semantics``: a kernel queued on the current stream just before the call is
-  seen; Work.wait() makes the current (side) stream wait without blocking the host;
+  seen; Work.wait() makes the current (side) stream wait without blocking the host, and
+  Work.block_current_stream() makes it wait too;
   several allreduces in flight; get_future() and then(); the caching allocator does not
   hand out an in-flight input.
 - ``test_layouts_coalesced_mixed_dtypes``: non-contiguous views, a slice at a storage
@@ -103,6 +104,19 @@ def _streams(rank: int, world: int) -> dict[str, Any]:
     assert pending, "Work.wait() blocked the host until the GPU work was done"
     assert torch.equal(out.cpu(), torch.full((n,), total)), "side stream read a stale result"
     assert work.is_completed()
+
+    # 2b. Work.block_current_stream() does the same (c10d's default released the stream once
+    #     the Work's future completed: here at launch, before the kernels had run).
+    t = torch.full((n,), float(rank + 1), device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    work = dist.all_reduce(t, async_op=True)
+    with torch.cuda.stream(side):
+        work.block_current_stream()
+        out = t.clone()
+    side.synchronize()
+    assert torch.equal(out.cpu(), torch.full((n,), total)), "block_current_stream: stale result"
 
     # 3. Several allreduces in flight at once (queued behind a sleep), waited for in reverse.
     ops = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG, dist.ReduceOp.MIN)
