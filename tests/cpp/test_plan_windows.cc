@@ -328,6 +328,32 @@ TEST(balanced_trees_for_many_ranks_load_every_usable_link_alike) {
   }
 }
 
+TEST(balanced_trees_search_everything_where_no_centred_stars_exist) {
+  // 64 ranks, each group nearly complete: group 0 has stars at its even ranks only, group 1 at
+  // the partners of odd ranks only. No pack can cross between two stars centred on the cross
+  // link, so the search weighs every pair of shapes, as it does for small machines.
+  const int world = 64, g = world / 2;
+  std::vector<std::vector<int>> neighbors(world);
+  const auto missing = [g](int a, int b) {
+    const int lo = std::min(a, b) % g, hi = std::max(a, b) % g;
+    return a / g == b / g && hi == lo + 2 && lo % 4 == (a < g ? 1 : 0);
+  };
+  for (int a = 0; a < world; ++a) {
+    for (int b = 0; b < world; ++b) {
+      const bool same_group = a / g == b / g;
+      if (a != b && (same_group ? !missing(a, b) : b == a + g || a == b + g)) {
+        neighbors[a].push_back(b);
+      }
+    }
+  }
+  const LinkMatrix links = LinkMatrix::from_neighbors(neighbors);
+  const std::vector<PackTree> trees = balanced_pack_trees(links, 1);
+  CHECK(trees.size() == 1);
+  const auto plan = CollectivePlan::allreduce(Algorithm::kHierarchicalBalanced, world, 0,
+                                              {{0, 640}}, 640, 1000, trees);
+  check_plan(plan, 1000, -1);
+}
+
 TEST(balanced_plan_through_windows_covers_the_payload) {
   std::mt19937 rng(31);
   for (int trial = 0; trial < 200; ++trial) {
