@@ -196,17 +196,30 @@ std::string ShmChannel::missing_ranks(uint64_t epoch) const {
   return out;
 }
 
+std::string ShmChannel::gone(int r) const {
+  const pid_t pid = control(r)->pid.load();
+  const std::string who = rank_name(r) + " (pid " + std::to_string(pid) + ")";
+  if (control(r)->left.load() != 0) {
+    return who + " has left the group (destroy_process_group, or an error there)";
+  }
+  if (pid > 0 && shares_pid_namespace(r) && process_exited(pid)) return who + " exited";
+  return "";
+}
+
 std::string ShmChannel::gone_rank(uint64_t epoch) const {
   for (int r = 0; r < world_size_; ++r) {
     if (control(r)->arrived.load() >= epoch) continue;
-    const pid_t pid = control(r)->pid.load();
-    const std::string who = rank_name(r) + " (pid " + std::to_string(pid) + ")";
-    if (control(r)->left.load() != 0) {
-      return who + " has left the group (destroy_process_group, or an error there)";
-    }
-    if (pid > 0 && shares_pid_namespace(r) && process_exited(pid)) {
-      return who + " exited";
-    }
+    std::string why = gone(r);
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+
+std::string ShmChannel::gone_peer() const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    std::string why = gone(r);
+    if (!why.empty()) return why;
   }
   return "";
 }

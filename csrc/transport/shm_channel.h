@@ -168,6 +168,10 @@ class ShmChannel {
 
   uint64_t barriers_passed() const { return epoch_; }
 
+  // A peer whose process has exited or that has left the group, said in
+  // words ("" if none): it takes part in nothing more.
+  std::string gone_peer() const;
+
   // Whether rank's pid names its process here (the same pid namespace). A
   // container that shares /dev/shm but not its pids does not: its liveness
   // cannot be tested by pid, nor its memory reached through /proc/<pid>.
@@ -198,6 +202,8 @@ class ShmChannel {
   std::string missing_ranks(uint64_t epoch) const;
   // A rank that has not reached `epoch` and never will, said in words ("" if none).
   std::string gone_rank(uint64_t epoch) const;
+  // Rank r's process has exited or it has left the group, said in words ("" if not).
+  std::string gone(int r) const;
 
   ShmSegment segment_;
   int world_size_ = 0;

@@ -20,7 +20,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "../../plan/machines.h"
 #include "../../transport/cuda_executor.h"
@@ -166,30 +165,32 @@ class CudaCollectivesImpl : public CudaCollectives {
   void shutdown() noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!stream_) return;
-    const auto wait =
-        std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
-    const auto deadline = transport::Clock::now() + wait;
     bool running = false;
     try {
       // The stream's device: info_ is empty when the rendezvous failed after making it.
       c10::cuda::CUDAGuard guard(stream_->device_index());
-      // A kernel waiting in a GPU barrier for a dead peer runs until the
-      // barrier's timeout (the group's): wait for it no longer than for the
-      // peers below.
-      running = !stream_idle_by(deadline);
+      // A kernel of ours waiting for a peer that has exited or left would
+      // hold destroy_process_group until its GPU barrier's timeout (the
+      // group's, 30 min by default): stop waiting once a peer is gone.
+      transport::ShmChannel* host = g_.channel();
+      running = !wait_for_stream(stream_->stream(),
+                                 [host] { return host != nullptr && !host->gone_peer().empty(); });
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
       // peer reads nothing).
       if (!running && channel_ && g_.channel()) {
-        g_.channel()->barrier(deadline, "CUDA transport shutdown");
+        const auto wait =
+            std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
+        g_.channel()->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
       }
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
     }
     if (running) {
-      // Kernels still running read and write these buffers: leave them
-      // allocated (device memory this process frees at exit) rather than
-      // free memory in use.
+      // A kernel still waits for the peer that is gone, and reads and writes
+      // these buffers until its GPU barrier times out: leave them allocated
+      // (device memory, which this process's exit frees) rather than free
+      // memory in use.
       (void)heap_.release();
       (void)executor_.release();
       (void)channel_.release();
@@ -205,23 +206,6 @@ class CudaCollectivesImpl : public CudaCollectives {
   }
 
  private:
-  // Whether our stream has finished its work by `deadline` (polled with a
-  // growing sleep; a kernel may be waiting for a peer that will not come).
-  bool stream_idle_by(transport::Clock::time_point deadline) const {
-    auto pause = std::chrono::microseconds(50);
-    while (true) {
-      const cudaError_t status = cudaStreamQuery(stream_->stream());
-      if (status != cudaErrorNotReady) {
-        transport::check_cuda(status, "cudaStreamQuery");
-        return true;
-      }
-      cudaGetLastError();  // cudaErrorNotReady is not an error to keep
-      if (transport::Clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(pause);
-      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
-    }
-  }
-
   // Learns every rank's GPU, agrees on links and reachability, and opens the
   // IPC transport where every GPU reaches every other. Every rank derives the
   // same answer from the same Store values.

@@ -6,6 +6,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <thread>
 #include <vector>
 
 #include "../../transport/cuda_ipc_channel.h"
@@ -31,7 +36,10 @@ class StreamEvent {
                             "cudaEventCreate");
     }
     transport::check_cuda(cudaEventRecord(event_, stream.stream()), "cudaEventRecord");
+    recorded_.store(true, std::memory_order_release);
   }
+  // Whether record() has run (on any thread).
+  bool recorded() const { return recorded_.load(std::memory_order_acquire); }
   // Work queued on stream after this call starts once the event has passed.
   void block(const c10::cuda::CUDAStream& stream) const {
     if (event_ == nullptr) return;  // never recorded: nothing to wait for
@@ -50,7 +58,25 @@ class StreamEvent {
 
  private:
   cudaEvent_t event_ = nullptr;
+  std::atomic<bool> recorded_{false};
 };
+
+// Polls `stream` with a growing sleep (up to 10 ms) until its work is done
+// (true), or until give_up() says to stop waiting (false).
+inline bool wait_for_stream(cudaStream_t stream, const std::function<bool()>& give_up) {
+  auto pause = std::chrono::microseconds(50);
+  while (true) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status != cudaErrorNotReady) {
+      transport::check_cuda(status, "cudaStreamQuery");
+      return true;
+    }
+    cudaGetLastError();  // cudaErrorNotReady is not an error to keep
+    if (give_up()) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
+  }
+}
 
 // The Work of a native CUDA collective. The host part (the barrier that checks
 // every rank runs the same collective, and the launches) completes it; the GPU
@@ -78,10 +104,23 @@ class CudaWork : public XdevWork {
   }
 
   // Work.block_current_stream(): the caller's current stream waits for the
-  // GPU work, as after wait() (ProcessGroupNCCL's does the same). c10d's
-  // default releases the stream once the future completes, which here is when
-  // the kernels are launched, not when they are done.
-  void blockCurrentStream() override { wait(); }
+  // GPU work, and the host does not (as ProcessGroupNCCL's). c10d's default
+  // releases the stream once the future completes, which here is when the
+  // kernels are launched, not when they are done. The kernels are launched
+  // when the call returns, unless CPU work of the group was queued ahead of
+  // it: then this waits for the launch. A failure is the Work's to report, as
+  // c10d documents for this call: nothing is raised here.
+  void blockCurrentStream() override {
+    if (!done_.recorded()) {
+      try {
+        XdevWork::wait();  // blocks the current stream once launched (synchronize)
+      } catch (const std::exception&) {
+        // Failed before launching: no GPU work to wait for.
+      }
+      return;
+    }
+    done_.block(c10::cuda::getCurrentCUDAStream(stream_.device_index()));
+  }
 
   bool isCompleted() override { return XdevWork::isCompleted() && done_.query(); }
 
