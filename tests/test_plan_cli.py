@@ -336,6 +336,7 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
         # Ignored without --hosts (a negative rate too), where the help says they apply.
         (["--topology", "hgx-h100", "--nics", "3"], "apply with --hosts"),
         (["--topology", "hgx-h100", "--nic-gbps", "-5"], "apply with --hosts"),
+        (["--topology", "hgx-h100", "--nic-gbps", "50"], "apply with --hosts"),  # the default
         (["--topology", "hgx-h100", "--amd-cpu"], "apply with --hosts"),
     ],
 )

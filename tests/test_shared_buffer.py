@@ -213,3 +213,19 @@ def _two_hosts(rank: int, world: int) -> str:
 def test_shared_empty_refuses_groups_spanning_hosts() -> None:
     env = [{"XDEV_HOSTNAME": f"host{r}"} for r in range(2)]
     run_ranks(_two_hosts, 2, per_rank_env=env, timeout=120)
+
+
+def _xdev_for_cuda_tensors_only(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("cpu:gloo,cuda:xdev", rank=rank, world_size=world)
+    try:
+        info = torch_xdev.describe()  # said the group did not use xdev
+        # CPU tensors go to Gloo here: a shared buffer would never be reduced in place.
+        with pytest.raises(ValueError, match="does not use the xdev backend for cpu tensors"):
+            torch_xdev.shared_empty(8)
+        return {"backend": info["backend"], "devices": info["devices"]}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_xdev_as_the_cuda_backend_only() -> None:
+    assert run_ranks(_xdev_for_cuda_tensors_only, 1) == [{"backend": "xdev", "devices": ["cuda"]}]

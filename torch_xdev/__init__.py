@@ -34,7 +34,13 @@ except ImportError as e:  # typically: importing the source tree instead of the 
     raise ImportError(
         f"torch_xdev's C++ extension could not be loaded from {__path__[0]} ({e}). {hint}"
     ) from e
-from ._registration import BACKEND_NAME, backend_of, host_identity, register
+from ._registration import (
+    BACKEND_NAME,
+    backend_of,
+    backends_by_device,
+    host_identity,
+    register,
+)
 from .ddp import COMM_MEM_VARIABLE, avg_comm_hook, default_comm_mem
 from .options import ALGORITHMS, ENV_KNOBS, Options
 
@@ -65,9 +71,13 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     ``ddp_shared_buckets`` (whether DDP's buckets on this group will live in its symmetric
     heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas
     and bytes in use, or None); ``cuda`` has the same two for CUDA buckets and ``heap``, the
-    CUDA heap's bytes, blocks and in-place allreduces (None without one).
+    CUDA heap's bytes, blocks and in-place allreduces (None without one). ``devices`` lists
+    the tensors' devices the group hands to xdev (``["cpu", "cuda"]`` for ``backend="xdev"``;
+    ``["cuda"]`` for ``"cpu:gloo,cuda:xdev"``, whose CPU fields then apply to no call).
     """
-    info = dict(backend_of(group).describe())
+    backend = backend_of(group, ("cpu", "cuda"))
+    info = dict(backend.describe())
+    info["devices"] = [d for d, b in backends_by_device(group).items() if b is backend]
     # DDP asks the backend for bucket memory only under PyTorch's switch (torch_xdev/ddp.py).
     # c10d's Reducer turns it off for the value "1" (its default, when unset) and for nothing
     # else: "0", "false" and "" all turn it on.
@@ -85,7 +95,7 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
 
 
 def shared_empty(
-    *size: Union[SupportsIndex, Sequence[SupportsIndex]],
+    *size: Union[SupportsIndex, list[SupportsIndex], tuple[SupportsIndex, ...], torch.Size],
     dtype: Optional[torch.dtype] = None,
     group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
@@ -110,7 +120,10 @@ def shared_empty(
     try:
         shape = [operator.index(d) for d in dims]
     except TypeError:
-        raise TypeError(f"shared_empty: size must be integers; got {size!r}") from None
+        raise TypeError(
+            f"shared_empty: size must be integers, or one list, tuple or torch.Size of them; "
+            f"got {size!r}"
+        ) from None
     tensor: torch.Tensor = backend_of(group).shared_empty(shape, dtype or torch.get_default_dtype())
     return tensor
 

@@ -9,7 +9,7 @@ import math
 import sys
 
 from ._C import plan as _plan
-from .plan import COLUMNS, MachineModel, Row, format_row, write_json
+from .plan import COLUMNS, DEFAULT_NIC_GBPS, MachineModel, Row, format_row, write_json
 
 INT_MAX = (1 << 31) - 1
 
@@ -55,6 +55,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
     if args.plot is not None:
         parser.error("--plot does not apply with --hosts")
     nics = model.num_devices if args.nics is None else args.nics
+    if args.nic_gbps is None:
+        args.nic_gbps = DEFAULT_NIC_GBPS
     if not 1 <= nics <= INT_MAX or not (args.nic_gbps > 0 and math.isfinite(args.nic_gbps)):
         parser.error(f"--nics must be >= 1 and <= {INT_MAX}, and --nic-gbps finite and > 0")
     cpu = "AMD" if args.amd_cpu else "Intel"

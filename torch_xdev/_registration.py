@@ -213,12 +213,12 @@ def register() -> None:
     )
 
 
-def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.XdevBackend:
-    """The XdevBackend behind a process group (the default group if None)."""
+def backends_by_device(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+    """The backend of a process group (the default group if None) for CPU and for CUDA
+    tensors, where it has one: a group may use xdev for one of them only
+    ("cpu:gloo,cuda:xdev")."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    found: list[str] = []
-    # The CPU backend first; a group may also use xdev for CUDA tensors only
-    # ("cpu:gloo,cuda:xdev").
+    backends: dict[str, Any] = {}
     for device in ("cpu", "cuda"):
         try:
             backend = pg._get_backend(torch.device(device))
@@ -228,10 +228,21 @@ def backend_of(group: Optional[dist.ProcessGroup] = None) -> _C.XdevBackend:
         # compares every collective across ranks before running it; ours is inside.
         while isinstance(backend, _ProcessGroupWrapper):
             backend = backend.wrapped_pg
-        if isinstance(backend, _C.XdevBackend):
-            return backend
-        found.append(f"{device}: {type(backend).__name__}")
+        backends[device] = backend
+    return backends
+
+
+def backend_of(
+    group: Optional[dist.ProcessGroup] = None, devices: tuple[str, ...] = ("cpu",)
+) -> _C.XdevBackend:
+    """The XdevBackend behind a process group (the default group if None) for the first of
+    ``devices`` it serves."""
+    backends = backends_by_device(group)
+    for device in devices:
+        if isinstance(backends.get(device), _C.XdevBackend):
+            return backends[device]
+    found = ", ".join(f"{d}: {type(b).__name__}" for d, b in backends.items())
     raise ValueError(
-        f"this process group does not use the xdev backend (its backends: "
-        f"{', '.join(found) or 'none'}); create it with backend='xdev'"
+        f"this process group does not use the xdev backend for {' or '.join(devices)} tensors "
+        f"({found or 'no backend'}); create it with backend='xdev'"
     )

@@ -120,8 +120,8 @@ def _seconds(timeout: Union[timedelta, float]) -> float:
         return timeout.total_seconds()
     try:
         return float(timeout)
-    except OverflowError:  # an integer beyond any float: "never", as infinity is
-        return math.inf
+    except OverflowError:  # an integer beyond any float: "never" as infinity is, or refused
+        return math.inf if timeout > 0 else -math.inf
 
 
 # C++ holds the timeout in whole milliseconds (a shorter one would become 0 ms: every wait

@@ -451,6 +451,10 @@ def plot(
 # CLI
 
 
+# Each NIC's GB/s per direction under --hosts when --nic-gbps is not given: 400 Gb/s.
+DEFAULT_NIC_GBPS = 50.0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torch_xdev.plan",
@@ -508,8 +512,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nic-gbps",
         type=float,
-        default=50.0,
-        help="with --hosts: each NIC's GB/s per direction (default 50: 400 Gb/s)",
+        help=f"with --hosts: each NIC's GB/s per direction (default {DEFAULT_NIC_GBPS:g}: "
+        "400 Gb/s)",
     )
     parser.add_argument(
         "--amd-cpu", action="store_true", help="with --hosts: NCCL's figures for AMD CPUs"
@@ -529,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--no-single-copy and --no-in-place apply to reduce_scatter and all_gather")
     if gather_scatter and args.num_packs != -1:
         parser.error("--num-packs applies to the allreduce only")
-    if args.hosts == 1 and (args.nics is not None or args.nic_gbps != 50.0 or args.amd_cpu):
+    if args.hosts == 1 and (args.nics is not None or args.nic_gbps is not None or args.amd_cpu):
         parser.error("--nics, --nic-gbps and --amd-cpu apply with --hosts")
     pyplot = None
     if args.plot is not None:

@@ -217,8 +217,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
   const bool cuda =
       std::any_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_cuda(); });
   if (cuda) {
-    // Synchronous, but rare (ranks sharing a GPU without a native path, or a
-    // non-contiguous CUDA tensor).
+    // Synchronous, but rare: a non-contiguous CUDA tensor, or ranks sharing a
+    // GPU (which NCCL refuses) handing Gloo an AVG it lacks or an uneven
+    // all-gather list. The engine's Work is returned: its result() holds what
+    // the engine wrote (the contiguous or padded tensors).
     wait_and_finish();
     return work;
   }
