@@ -34,6 +34,7 @@ from typing import Any, NotRequired, Optional, Sequence, TypedDict
 
 import torch_xdev
 from torch_xdev._C import plan
+from torch_xdev._registration import CPU_MODEL_KIND
 from torch_xdev.plan import format_size
 
 from model_fit import (
@@ -224,15 +225,31 @@ def load_results(
     window: Optional[int] = None
     sources: list[str] = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
-        meta: dict[str, Any] = data["metadata"]
+        try:
+            data = json.loads(Path(path).read_text())
+            meta: dict[str, Any] = data["metadata"]
+            rows_of_file = list(data["rows"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"{path}: not a benchmarks/allreduce.py result ({type(e).__name__}: {e})"
+            ) from None
+        if meta.get("device", "cpu") != "cpu" or int(meta.get("hosts", 1)) != 1:
+            raise SystemExit(
+                f"{path}: a run on {meta.get('device')} tensors over {meta.get('hosts', 1)} "
+                "host(s); the CPU model is fitted to CPU runs on one host (calibrate_gpu.py "
+                "fits CUDA runs, --net-model-out the network)"
+            )
         if meta.get("arrival", "back-to-back") != "back-to-back":
             raise SystemExit(
                 f"{path}: measured with --arrival {meta['arrival']}; the model is fitted to"
                 " back-to-back calls"
             )
-        file_cores = int(meta["cpu_count"])
-        file_window = int(meta.get("slot_bytes") or DEFAULT_WINDOW_BYTES)
+        try:
+            file_cores = int(meta["cpu_count"])
+            file_window = int(meta.get("slot_bytes") or DEFAULT_WINDOW_BYTES)
+            ranks = int(meta["nproc"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"{path}: metadata without a usable {e}") from None
         if cores is not None and (file_cores, file_window) != (cores, window):
             raise SystemExit(
                 f"{path}: cpu_count {file_cores} / slot_bytes {file_window} differ from the "
@@ -242,9 +259,8 @@ def load_results(
         dtype = str(meta.get("dtype", "float32"))
         if dtype not in ELEM_BYTES:
             raise SystemExit(f"{path}: unknown dtype {dtype!r}")
-        ranks = int(meta["nproc"])
         sources.append(str(path))
-        for row in data["rows"]:
+        for row in rows_of_file:
             if row.get("backend_base", str(row["backend"]).split("/")[0]) != "xdev":
                 continue
             algorithm = row.get("algorithm")
@@ -252,13 +268,16 @@ def load_results(
                 continue
             if algorithm in HIERARCHICAL and ranks % 2:
                 continue
-            size = int(row["size_bytes"])
+            try:
+                size, time_us = int(row["size_bytes"]), float(row["time_us"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise SystemExit(f"{path}: a {algorithm} row without a usable {e}") from None
             measurements.append(
                 Measurement(
                     ranks=ranks,
                     algorithm=str(algorithm),
                     size_bytes=size,
-                    time_us=float(row["time_us"]),
+                    time_us=time_us,
                     elem_bytes=ELEM_BYTES[dtype],
                     weight=1.0 if size >= min_fit_bytes else small_weight,
                 )
@@ -331,6 +350,29 @@ def print_table(rows: Sequence[TableRow], title: str) -> None:
             f"{r['ranks']:>5}  {r['algorithm']:<21} {format_size(r['size_bytes']):>7} "
             f"{r['measured_us']:>13.1f} {r['predicted_us']:>13.1f} {r['error_pct']:>+7.1f}%"
         )
+
+
+def params_to_write(result: FitResult) -> tuple[dict[str, Any], list[str]]:
+    """The parameters a model file sets, and the names left out. A parameter at its upper
+    search bound is one the rows do not determine (the sleeping barrier, without a run of more
+    ranks than cores): the backend keeps its own default rather than plan by the bound (a
+    100 ms barrier). One at its lower bound says "small", and is written."""
+    undetermined = [n.split(" ")[0] for n in at_bound(result) if n.endswith("(upper)")]
+    params = {
+        k: result[k]  # type: ignore[literal-required]
+        for k in ("cores", "window_bytes", *PARAM_NAMES)
+        if k not in undetermined
+    }
+    return params, undetermined
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} where there is none (no file, or not an object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def at_bound(params: Params) -> list[str]:
@@ -426,11 +468,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"every row within {args.tolerance:g}%: {'yes' if within else 'no'} "
             f"({sum(abs(r['error_pct']) <= args.tolerance for r in big)}/{len(big)})"
         )
+    params, undetermined = params_to_write(result)
+    if undetermined:
+        print(f"# left out of the file (the backend keeps its defaults): {', '.join(undetermined)}")
+    # A model file the network fit wrote (--net-model-out) keeps its network parameters.
+    previous = _read_json_object(args.out)
+    kept = previous.get("params")
+    if isinstance(kept, dict):
+        params.update({k: v for k, v in kept.items() if k.startswith("net_")})
     out: dict[str, Any] = {
-        "params": {
-            k: result[k]  # type: ignore[literal-required]
-            for k in ("cores", "window_bytes", *PARAM_NAMES)
-        },
+        "model": CPU_MODEL_KIND,
+        "params": params,
         "fit": {
             **quality_of(result),
             "min_fit_bytes": args.min_fit_bytes,
@@ -444,6 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         },
         "sources": loaded["sources"],
         "rows": rows,
+        **({"network_fit": previous["network_fit"]} if "network_fit" in previous else {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

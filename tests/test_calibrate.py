@@ -7,9 +7,12 @@ value), so the test compares predictions, not parameters.
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 import pytest
 
@@ -109,3 +112,72 @@ def test_fit_rejects_auto_and_empty_input(calibrate: ModuleType) -> None:
         )
     with pytest.raises(ValueError):
         calibrate.fit([], 2, 1 << 18)
+
+
+def _results_file(path: Path, calibrate: ModuleType, truth: dict, **metadata: object) -> Path:
+    """A benchmarks/allreduce.py result of 2 ranks on 2 cores, timed by the model itself."""
+    rows = [
+        {"backend": "xdev/flat", "algorithm": "flat", "size_bytes": s, "time_us": t}
+        for s in SIZES
+        for t in [calibrate.predict_us(truth, 2, "flat", s)]
+    ]
+    meta = {"nproc": 2, "cpu_count": 2, "slot_bytes": 256 << 10, "dtype": "float32", **metadata}
+    path.write_text(json.dumps({"metadata": meta, "rows": rows}))
+    return path
+
+
+def test_model_file_leaves_out_what_the_runs_do_not_determine(
+    calibrate: ModuleType, tmp_path: Path
+) -> None:
+    truth = {
+        "cores": 2,
+        "window_bytes": 256 << 10,
+        "core_gbps": 8.0,
+        "memory_gbps": 14.0,
+        "launch_us": 40.0,
+        "barrier_us": 12.0,
+        "step_us": 0.5,
+        "sleeping_barrier_us": 30.0,
+    }
+    results = _results_file(tmp_path / "allreduce_2ranks.json", calibrate, truth)
+    out = tmp_path / "model.json"
+    # The network fit wrote this file first (--net-model-out): its parameters stay.
+    out.write_text(json.dumps({"params": {"net_latency_us": 700.0}, "network_fit": {"rows": 3}}))
+    assert calibrate.main(["--results", str(results), "--out", str(out)]) == 0
+    model = json.loads(out.read_text())
+    assert model["model"] == "cpu_machine"
+    assert model["params"]["net_latency_us"] == 700.0 and model["network_fit"] == {"rows": 3}
+    upper = {n.split(" ")[0] for n in model["summary"]["at_bound"] if n.endswith("(upper)")}
+    fitted = {"cores", "window_bytes", *calibrate.PARAM_NAMES}
+    assert set(model["params"]) == (fitted - upper) | {"net_latency_us"}
+    # A parameter at its upper search bound is not written, the backend keeps its default: a
+    # run of 2 ranks on 2 cores, which never sleep in a barrier, once wrote a 100 ms barrier
+    # that 4-rank groups then planned by.
+    two_ranks = [r for r in synthetic(calibrate, truth) if r["ranks"] == 2]
+    result = calibrate.fit(two_ranks, 2, 256 << 10, starts=calibrate.STARTS[:1], max_evals=200)
+    result["sleeping_barrier_us"] = calibrate.BOX.bounds["sleeping_barrier_us"][1]
+    params, left_out = calibrate.params_to_write(result)
+    assert left_out == ["sleeping_barrier_us"] and "sleeping_barrier_us" not in params
+    assert params["launch_us"] == result["launch_us"]
+
+
+@pytest.mark.parametrize(
+    "contents, problem",
+    [
+        ({"device": "cuda"}, "the CPU model is fitted to CPU runs on one host"),
+        ({"hosts": 2}, "the CPU model is fitted to CPU runs on one host"),
+        (None, "not a benchmarks/allreduce.py result (KeyError"),
+    ],
+)
+def test_results_the_cpu_fit_cannot_use(
+    calibrate: ModuleType, tmp_path: Path, contents: Optional[dict[str, object]], problem: str
+) -> None:
+    path = tmp_path / "allreduce_2ranks.json"
+    if contents is None:
+        path.write_text('{"rows": []}')
+    else:
+        truth = {"cores": 2, "window_bytes": 256 << 10, "core_gbps": 8.0, "memory_gbps": 14.0}
+        truth |= {"launch_us": 40.0, "barrier_us": 12.0, "step_us": 0.5}
+        _results_file(path, calibrate, {**truth, "sleeping_barrier_us": 30.0}, **contents)
+    with pytest.raises(SystemExit, match=re.escape(problem)):
+        calibrate.load_results([path])

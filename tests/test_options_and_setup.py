@@ -549,6 +549,10 @@ def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
     path.write_text('{"params": {"launch_us": 0, "core_gbps": 3, "cores": 2, "window_bytes": 8}}')
     torch_xdev._registration.apply_cpu_model_file(config, str(path))
     assert (config.cpu_launch_us, config.cpu_core_gbps) == (0.0, 3.0)
+    # calibrate_gpu.py's report has keys a CPU model has too: it used to set them silently.
+    path.write_text('{"model": "shared_gpu_machine", "params": {"launch_us": 7}}')
+    with pytest.raises(ValueError, match="'shared_gpu_machine' model is not a CPU cost model"):
+        torch_xdev._registration.apply_cpu_model_file(_C.BackendConfig(), str(path))
 
 
 def _ddp_bucket_in_heap(rank: int, world: int) -> tuple[bool, int]:

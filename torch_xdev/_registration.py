@@ -39,6 +39,8 @@ CPU_MODEL_FIELDS = {
 }
 # Keys benchmarks/calibrate.py writes beside them for the record: the machine it measured.
 CPU_MODEL_RECORDS = ("cores", "window_bytes")
+# The "model" a CPU model file names, where it names one (older files do not).
+CPU_MODEL_KIND = "cpu_machine"
 
 
 def _finite_float(value: Any) -> Optional[float]:
@@ -62,6 +64,13 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
     params = data.get("params", data) if isinstance(data, dict) else None
     if not isinstance(params, dict):
         raise ValueError(f"XDEV_CPU_MODEL={path!r}: expected a JSON object with 'params'")
+    # benchmarks/calibrate_gpu.py's report names its model, and its keys are a CPU model's too.
+    kind = data.get("model", CPU_MODEL_KIND)
+    if kind != CPU_MODEL_KIND:
+        raise ValueError(
+            f"XDEV_CPU_MODEL={path!r}: a {kind!r} model is not a CPU cost model "
+            f"({CPU_MODEL_KIND!r}, from benchmarks/calibrate.py)"
+        )
     unknown = sorted(set(params) - set(CPU_MODEL_FIELDS) - set(CPU_MODEL_RECORDS))
     if unknown:
         # A misspelt key would otherwise leave its parameter at the default without a word.
