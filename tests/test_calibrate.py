@@ -23,6 +23,19 @@ ALGORITHMS = ["flat", "reduce_to_one"]
 RANKS = [2, 4]
 
 
+# Neither the defaults nor a start point: core-bound at 2 ranks, memory-bound at 4.
+TRUTH = {
+    "cores": 2,
+    "window_bytes": 256 << 10,
+    "core_gbps": 8.0,
+    "memory_gbps": 14.0,
+    "launch_us": 40.0,
+    "barrier_us": 12.0,
+    "step_us": 0.5,
+    "sleeping_barrier_us": 30.0,
+}
+
+
 def load_calibrate() -> ModuleType:
     try:
         import torch_xdev._C  # noqa: F401
@@ -58,17 +71,7 @@ def synthetic(calibrate: ModuleType, truth: dict) -> list[dict]:
 
 
 def test_fit_recovers_synthetic_predictions(calibrate: ModuleType) -> None:
-    # Neither the defaults nor a start point: core-bound at 2 ranks, memory-bound at 4.
-    truth = {
-        "cores": 2,
-        "window_bytes": 256 << 10,
-        "core_gbps": 8.0,
-        "memory_gbps": 14.0,
-        "launch_us": 40.0,
-        "barrier_us": 12.0,
-        "step_us": 0.5,
-        "sleeping_barrier_us": 30.0,
-    }
+    truth = TRUTH
     data = synthetic(calibrate, truth)
     result = calibrate.fit(data, truth["cores"], truth["window_bytes"])
     assert result["cores"] == 2 and result["window_bytes"] == 256 << 10
@@ -129,16 +132,7 @@ def _results_file(path: Path, calibrate: ModuleType, truth: dict, **metadata: ob
 def test_model_file_leaves_out_what_the_runs_do_not_determine(
     calibrate: ModuleType, tmp_path: Path
 ) -> None:
-    truth = {
-        "cores": 2,
-        "window_bytes": 256 << 10,
-        "core_gbps": 8.0,
-        "memory_gbps": 14.0,
-        "launch_us": 40.0,
-        "barrier_us": 12.0,
-        "step_us": 0.5,
-        "sleeping_barrier_us": 30.0,
-    }
+    truth = TRUTH
     results = _results_file(tmp_path / "allreduce_2ranks.json", calibrate, truth)
     out = tmp_path / "model.json"
     # The network fit wrote this file first (--net-model-out): its parameters stay.
@@ -176,8 +170,6 @@ def test_results_the_cpu_fit_cannot_use(
     if contents is None:
         path.write_text('{"rows": []}')
     else:
-        truth = {"cores": 2, "window_bytes": 256 << 10, "core_gbps": 8.0, "memory_gbps": 14.0}
-        truth |= {"launch_us": 40.0, "barrier_us": 12.0, "step_us": 0.5}
-        _results_file(path, calibrate, {**truth, "sleeping_barrier_us": 30.0}, **contents)
+        _results_file(path, calibrate, TRUTH, **contents)
     with pytest.raises(SystemExit, match=re.escape(problem)):
         calibrate.load_results([path])
