@@ -531,6 +531,9 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
         ('{"core_gbps": true}', "core_gbps must be a finite number > 0"),
         ('{"core_gbps": 1' + "0" * 400 + "}", "core_gbps must be a finite number > 0"),
         ('{"core_gbps": 0}', "core_gbps must be a finite number > 0"),
+        # Finite, but every prediction became inf, and auto took the first plan it weighed.
+        ('{"memory_gbps": 1e-320}', "memory_gbps must be within [1e-06, 1e+09]"),
+        ('{"launch_us": 1e300}', "launch_us must be within [0, 1e+09]"),
         # A fraction used to be cut to a whole number: 0.5 became 0, "no limit on cores".
         ('{"net_host_cores": 0.5}', "net_host_cores must be a whole number of cores"),
         # A misspelt key left its parameter at the default without a word.

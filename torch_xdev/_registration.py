@@ -39,6 +39,9 @@ CPU_MODEL_FIELDS = {
 }
 # Keys benchmarks/calibrate.py writes beside them for the record: the machine it measured.
 CPU_MODEL_RECORDS = ("cores", "window_bytes")
+# What a rate (GB/s) or a latency (us) in a model file may be: from a kB/s to an EB/s, and
+# no latency beyond 1000 s.
+MODEL_RANGES = {"gbps": (1e-6, 1e9), "us": (0.0, 1e9)}
 # The "model" a CPU model file names, where it names one (older files do not).
 CPU_MODEL_KIND = "cpu_machine"
 
@@ -89,6 +92,13 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
             least = "> 0" if key.endswith("gbps") else ">= 0"
             raise ValueError(
                 f"XDEV_CPU_MODEL={path!r}: {key} must be a finite number {least}; got {value!r}"
+            )
+        # Finite but absurd values make every prediction inf (1e-320 GB/s) or 0, and auto
+        # then takes whichever plan it weighs first.
+        low, high = MODEL_RANGES.get(key[key.rindex("_") + 1 :], (0.0, math.inf))
+        if not low <= number <= high:
+            raise ValueError(
+                f"XDEV_CPU_MODEL={path!r}: {key} must be within [{low:g}, {high:g}]; got {value!r}"
             )
         if key == "net_host_cores" and not number.is_integer():
             raise ValueError(
