@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import operator
-
 import os
 from collections.abc import Sequence
 from typing import Any, Optional, SupportsIndex, Union

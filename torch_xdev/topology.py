@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import sys
@@ -88,6 +87,7 @@ from typing import Any, TypedDict
 import torch
 
 from ._C import topology as _topology
+from ._registration import _finite_float
 
 __all__ = [
     "CLASSES",
@@ -159,11 +159,8 @@ def _gbps(data: dict[str, Any], key: str, where: str) -> float | None:
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: '{key}' must be a number, got {json.dumps(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond any float
-        number = math.inf
-    if not math.isfinite(number) or number <= 0:
+    number = _finite_float(value)  # None for inf, nan, or an integer beyond any float
+    if number is None or number <= 0:
         raise ValueError(f"{where}: '{key}' must be a finite number > 0, got {value}")
     return number
 

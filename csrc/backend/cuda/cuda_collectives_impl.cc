@@ -178,10 +178,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
       // peer reads nothing).
-      if (!running && channel_ && g_.channel()) {
+      if (!running && channel_ && host != nullptr) {
         const auto wait =
             std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
-        g_.channel()->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
+        host->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
       }
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
