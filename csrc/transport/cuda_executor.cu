@@ -251,14 +251,13 @@ std::string CudaExecutor::device_error() const {
          " (did it exit, or run a different collective?)";
 }
 
-const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
-    const CudaPlanKey& key, int64_t num_windows,
-    const std::function<plan::DeviceProgram(int64_t)>& compile, cudaStream_t stream) {
-  auto it = cache_.find(key);
+const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::windows_of(const Program& program,
+                                                                        cudaStream_t stream) {
+  auto it = cache_.find(program.key);
   if (it != cache_.end()) return it->second;
   // Bounded: a job with ever-changing sizes rebuilds instead of growing.
   constexpr size_t kMaxCachedWindows = 4096;
-  if (cached_windows_ + static_cast<size_t>(num_windows) > kMaxCachedWindows) {
+  if (cached_windows_ + static_cast<size_t>(program.num_windows) > kMaxCachedWindows) {
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
     for (auto& entry : cache_) {
       for (DeviceWindow& w : entry.second) cudaFree(w.ops);
@@ -268,8 +267,8 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
   }
   std::vector<DeviceWindow> windows;
   try {
-    for (int64_t k = 0; k < num_windows; ++k) {
-      const plan::DeviceProgram prog = compile(k);
+    for (int64_t k = 0; k < program.num_windows; ++k) {
+      const plan::DeviceProgram prog = program.compile(k);
       DeviceWindow w;
       w.num_phases = prog.num_phases;
       w.phase_begin = prog.phase_begin;
@@ -290,55 +289,52 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::programs(
     throw;
   }
   cached_windows_ += windows.size();
-  return cache_.emplace(key, std::move(windows)).first->second;
+  return cache_.emplace(program.key, std::move(windows)).first->second;
 }
 
-void CudaExecutor::allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
-                             kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream) {
+CudaExecutor::Program CudaExecutor::allreduce_program(const CudaPlanKey& key,
+                                                      const plan::CollectivePlan& plan) const {
   const int rank = channel_.rank();
-  run(
-      key, plan.num_windows(),
-      [&](int64_t k) { return plan::compile_device_program(plan.window(k), rank); }, tensor, tensor,
-      dtype, op, stream);
+  return {key, plan.num_windows(),
+          [&plan, rank](int64_t k) { return plan::compile_device_program(plan.window(k), rank); }};
 }
 
-void CudaExecutor::allreduce_in_place(const std::vector<char*>& copies, int64_t total,
-                                      kernels::DType dtype, kernels::ReduceOp op,
-                                      cudaStream_t stream) {
+CudaExecutor::Program CudaExecutor::in_place_program(int64_t total, kernels::DType dtype) const {
   const int rank = channel_.rank(), world = channel_.world_size();
-  if (static_cast<int>(copies.size()) != world) {
-    throw std::invalid_argument("CudaExecutor::allreduce_in_place: one copy per rank");
-  }
   const auto elem_bytes = static_cast<int64_t>(kernels::element_size(dtype));
   CudaPlanKey key;
   key.collective = CudaPlanKey::kAllreduceInPlace;
   key.total = total;
   key.window_elems = elem_bytes;
-  run(
-      key, 1,
-      [&](int64_t) { return plan::compile_in_place_program(total, elem_bytes, world, rank); },
-      copies[static_cast<size_t>(rank)], copies[static_cast<size_t>(rank)], dtype, op, stream,
-      copies);
+  return {key, 1,
+          [=](int64_t) { return plan::compile_in_place_program(total, elem_bytes, world, rank); }};
 }
 
-void CudaExecutor::gather_scatter(const CudaPlanKey& key, const plan::GatherScatterPlan& plan,
-                                  const void* input, void* output, kernels::DType dtype,
-                                  kernels::ReduceOp op, cudaStream_t stream) {
+CudaExecutor::Program CudaExecutor::gather_scatter_program(
+    const CudaPlanKey& key, const plan::GatherScatterPlan& plan) const {
   const int rank = channel_.rank();
-  run(
-      key, plan.num_windows(),
-      [&](int64_t k) { return plan::compile_gather_scatter_program(plan, k, rank); }, input, output,
-      dtype, op, stream);
+  return {key, plan.num_windows(),
+          [&plan, rank](int64_t k) { return plan::compile_gather_scatter_program(plan, k, rank); }};
 }
 
-void CudaExecutor::run(const CudaPlanKey& key, int64_t num_windows,
-                       const std::function<plan::DeviceProgram(int64_t)>& compile,
-                       const void* input, void* output, kernels::DType dtype, kernels::ReduceOp op,
-                       cudaStream_t stream, const std::vector<char*>& copies) {
+void CudaExecutor::prepare(const Program& program, cudaStream_t stream) {
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
   CudaDeviceGuard guard(channel_.device());
-  const std::vector<DeviceWindow>& windows = programs(key, num_windows, compile, stream);
+  windows_of(program, stream);
+}
+
+void CudaExecutor::launch(const Program& program, const void* input, void* output,
+                          kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
+                          const std::vector<char*>& copies) {
+  const bool in_place = program.key.collective == CudaPlanKey::kAllreduceInPlace;
+  if (static_cast<int>(copies.size()) != (in_place ? channel_.world_size() : 0)) {
+    throw std::invalid_argument(
+        "CudaExecutor::launch: one copy per rank for the in-place "
+        "program, none otherwise");
+  }
+  CudaDeviceGuard guard(channel_.device());
+  const std::vector<DeviceWindow>& windows = windows_of(program, stream);
   WindowParams p{};
   p.rank = channel_.rank();
   p.world_size = channel_.world_size();

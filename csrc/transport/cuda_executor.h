@@ -63,25 +63,44 @@ class CudaExecutor {
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
 
-  // Enqueues every window of plan on stream for the contiguous `tensor` (its
-  // elements are the payload; read and written in place) and returns. Every
-  // rank must run the same plans in the same order.
-  void allreduce(const CudaPlanKey& key, const plan::CollectivePlan& plan, void* tensor,
-                 kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream);
+  // A collective's device programs: what prepare() compiles and uploads (once
+  // per key: cached) and launch() runs. Made by the three functions below,
+  // whose plan must outlive it. Every rank must launch the same programs in the
+  // same order.
+  struct Program {
+    CudaPlanKey key;
+    int64_t num_windows = 0;
+    std::function<plan::DeviceProgram(int64_t)> compile;
+  };
+
+  // An allreduce by plan of a contiguous tensor, read and written in place
+  // (launch's input and output are the tensor).
+  Program allreduce_program(const CudaPlanKey& key, const plan::CollectivePlan& plan) const;
 
   // The in-place allreduce of a tensor that lies at the same place in every
-  // rank's CudaSymmetricHeap: copies[r] is rank r's copy as mapped here (this
-  // rank's own among them). One kernel, no slot (plan::compile_in_place_program).
-  void allreduce_in_place(const std::vector<char*>& copies, int64_t total, kernels::DType dtype,
-                          kernels::ReduceOp op, cudaStream_t stream);
+  // rank's CudaSymmetricHeap: launch's copies[r] is rank r's copy as mapped
+  // here (this rank's own among them), its input and output this rank's copy.
+  // One kernel, no slot (plan::compile_in_place_program).
+  Program in_place_program(int64_t total, kernels::DType dtype) const;
 
-  // The same for a reduce-scatter (input: the full tensor, output: this
-  // rank's block) or an all-gather (the other way round); both contiguous.
-  // key.collective says which, key.pack_bounds holds every rank's block.
-  // An all-gather's input may lie inside its output, at its own block.
-  void gather_scatter(const CudaPlanKey& key, const plan::GatherScatterPlan& plan,
-                      const void* input, void* output, kernels::DType dtype, kernels::ReduceOp op,
-                      cudaStream_t stream);
+  // A reduce-scatter (input: the full tensor, output: this rank's block) or an
+  // all-gather (the other way round); both contiguous. key.collective says
+  // which, key.pack_bounds holds every rank's block. An all-gather's input may
+  // lie inside its output, at its own block.
+  Program gather_scatter_program(const CudaPlanKey& key, const plan::GatherScatterPlan& plan) const;
+
+  // Everything that can fail on this rank alone before a launch: compiles and
+  // uploads program on a cache miss, and throws if an earlier kernel of this
+  // rank gave up (device_error). Callers run it before the collective's host
+  // barrier: a rank that throws after it leaves its peers waiting in the GPU
+  // barrier until the timeout.
+  void prepare(const Program& program, cudaStream_t stream);
+
+  // Enqueues every window of program on stream and returns; prepares it
+  // first if prepare() was not called (or its cache entry was evicted since).
+  // copies: every rank's copy of the tensor for in_place_program, else empty.
+  void launch(const Program& program, const void* input, void* output, kernels::DType dtype,
+              kernels::ReduceOp op, cudaStream_t stream, const std::vector<char*>& copies = {});
 
   // Empty while healthy; otherwise what a kernel reported (which peer it gave
   // up waiting for). Once set, the channel's barrier counters disagree across
@@ -96,16 +115,8 @@ class CudaExecutor {
     int32_t num_phases = 0;
     std::vector<int32_t> phase_begin;
   };
-  // The cached windows of key, compiling each of num_windows with compile on a miss.
-  const std::vector<DeviceWindow>& programs(
-      const CudaPlanKey& key, int64_t num_windows,
-      const std::function<plan::DeviceProgram(int64_t)>& compile, cudaStream_t stream);
-  // Launches key's windows (compiled on first use) on input and output.
-  // copies: every rank's copy of the tensor, for ops whose sources are copies (else empty).
-  void run(const CudaPlanKey& key, int64_t num_windows,
-           const std::function<plan::DeviceProgram(int64_t)>& compile, const void* input,
-           void* output, kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
-           const std::vector<char*>& copies = {});
+  // The cached windows of program, compiling each on a miss.
+  const std::vector<DeviceWindow>& windows_of(const Program& program, cudaStream_t stream);
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;

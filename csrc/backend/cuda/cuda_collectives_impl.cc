@@ -66,15 +66,29 @@ bool mps_daemon_visible() {
   return ::stat(control.c_str(), &st) == 0;
 }
 
-}  // namespace
-
-namespace {
-
 using transport::check_cuda;
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
+}
+
+// What identifies a staged allreduce's device programs in the executor's cache.
+transport::CudaPlanKey allreduce_key(const plan::Selection& sel, const DtypeAllreduce& call,
+                                     int64_t root, int64_t window_elems) {
+  transport::CudaPlanKey key;
+  key.algorithm = static_cast<int>(sel.algorithm);
+  key.root = static_cast<int>(root);
+  key.total = call.total();
+  key.window_elems = window_elems;
+  for (const plan::Range& r : call.packs) {
+    key.pack_bounds.push_back(r.begin);
+    key.pack_bounds.push_back(r.end);
+  }
+  if (sel.algorithm == plan::Algorithm::kHierarchicalBalanced) {
+    key.tree_ids.push_back(static_cast<int>(call.packs.size()));
+  }
+  return key;
 }
 
 }  // namespace
@@ -477,21 +491,22 @@ class CudaCollectivesImpl : public CudaCollectives {
     shapes.push_back(block);
     d.shape_hash = shape_hash(shapes);
     d.device = 1;
-    const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
-    // As for the allreduce: every rank runs this very collective before any GPU waits.
-    g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
-    if (plan.num_windows() == 0) return;
-
     transport::CudaPlanKey key;
     key.collective = reduce_scatter ? transport::CudaPlanKey::kReduceScatter
                                     : transport::CudaPlanKey::kAllGather;
     key.total = block_units;
     key.window_elems = slot_units;
     key.pack_bounds = {block_units};
+    const auto program = executor_->gather_scatter_program(key, plan);
+    executor_->prepare(program, stream_->stream());
+    const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
+    // As for the allreduce: every rank runs this very collective before any GPU waits.
+    g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
+    if (plan.num_windows() == 0) return;
+
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
     const at::Tensor& output = reduce_scatter ? block_c : full_c;
-    executor_->gather_scatter(key, plan, input.data_ptr(), output.data_ptr(), dtype, op,
-                              stream_->stream());
+    executor_->launch(program, input.data_ptr(), output.data_ptr(), dtype, op, stream_->stream());
     if (reduce_scatter) {
       if (!output.is_same(block)) block.copy_(output);
     } else if (!list) {
@@ -534,20 +549,29 @@ class CudaCollectivesImpl : public CudaCollectives {
       transport::HeapLocation where = sel.in_place_shared && in_place && heap_
                                           ? heap_->locate(flat)
                                           : transport::HeapLocation{};
-      // A peer's arena this rank cannot open: say the tensor is elsewhere, so
-      // that every rank stages (deciding after the barrier would leave the
-      // peers waiting in the GPU barrier).
-      if (where.arena >= 0 && !heap_->open_published_peers(where)) where = {};
+      // A peer's arena this rank cannot open (yet): say the tensor is
+      // elsewhere, so that every rank stages.
+      if (where.arena >= 0 && !heap_->open_peers(where)) where = {};
       call.descriptor.heap_arena = where.arena;
       call.descriptor.heap_offset = where.offset;
+
+      // Both programs the call may run, ready before the host barrier (which
+      // of them runs is known only after it): past it, a failure here would
+      // leave the peers waiting in the GPU barrier.
+      const auto staged = executor_->allreduce_program(
+          allreduce_key(sel, call, g_.config().reduce_to_rank, window_elems), cp);
+      const auto in_heap = executor_->in_place_program(total, call.dtype);
+      if (total > 0) executor_->prepare(staged, stream_->stream());
+      if (total > 0 && where.arena >= 0) executor_->prepare(in_heap, stream_->stream());
+
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
       g_.channel()->open_collective(g_.make_context(call.descriptor, "allreduce", deadline));
       if (total == 0) continue;
       if (where.arena >= 0 &&
           transport::same_heap_place_on_every_rank(*g_.channel(), call.descriptor)) {
-        executor_->allreduce_in_place(heap_->copies(where), total, call.dtype, op,
-                                      stream_->stream());
+        executor_->launch(in_heap, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+                          stream_->stream(), heap_->copies(where));
         ++in_place_allreduces_;
         continue;
       }
@@ -556,20 +580,8 @@ class CudaCollectivesImpl : public CudaCollectives {
                     "a tensor of the CUDA heap is not at the same place on every rank (ranks "
                     "allocated in different orders): its allreduce stages instead");
       }
-
-      transport::CudaPlanKey key;
-      key.algorithm = static_cast<int>(sel.algorithm);
-      key.root = static_cast<int>(g_.config().reduce_to_rank);
-      key.total = total;
-      key.window_elems = window_elems;
-      for (const plan::Range& r : call.packs) {
-        key.pack_bounds.push_back(r.begin);
-        key.pack_bounds.push_back(r.end);
-      }
-      if (sel.algorithm == plan::Algorithm::kHierarchicalBalanced) {
-        key.tree_ids.push_back(static_cast<int>(call.packs.size()));
-      }
-      executor_->allreduce(key, cp, flat.data_ptr(), call.dtype, op, stream_->stream());
+      executor_->launch(staged, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+                        stream_->stream());
       if (in_place) continue;
       int64_t offset = 0;
       for (const at::Tensor& t : members) {

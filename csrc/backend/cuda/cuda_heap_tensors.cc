@@ -66,11 +66,12 @@ transport::HeapLocation CudaHeapTensors::locate(const at::Tensor& t) const {
   return heap_->locate(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
 }
 
-bool CudaHeapTensors::open_published_peers(transport::HeapLocation where) {
+bool CudaHeapTensors::open_peers(transport::HeapLocation where) {
   const transport::ShmChannel& channel = *g_.channel();
   for (int r = 0; r < g_.size(); ++r) {
+    if (r == g_.rank()) continue;
     const transport::DeviceArenaAddress address = channel.device_arena_of(r, where.arena);
-    if (r == g_.rank() || address.bytes == 0) continue;
+    if (address.bytes == 0) return false;
     try {
       heap_->arena_of(r, where.arena, address);
     } catch (const std::exception& e) {

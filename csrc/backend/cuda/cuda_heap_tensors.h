@@ -39,15 +39,16 @@ class CudaHeapTensors {
   // Where a contiguous tensor's bytes lie in this rank's heap (arena -1: not there).
   transport::HeapLocation locate(const at::Tensor& t) const;
 
-  // Before a collective's host barrier: opens every peer arena of `where`
-  // that its rank has published. False (logged) when one cannot be opened:
+  // Before a collective's host barrier: opens every peer's arena of `where`.
+  // False when a peer has not published it yet (it allocated there after this
+  // rank looked: a later call finds it) or one cannot be opened (logged once);
   // the caller then says its tensor is not in the heap, so that every rank
-  // stages. An arena not yet published is opened by copies(), after the
-  // barrier (a peer that allocated there has published it by then).
-  bool open_published_peers(transport::HeapLocation where);
+  // stages. Opening nothing after the barrier means no rank can fail alone
+  // there, which would leave its peers waiting in the GPU barrier.
+  bool open_peers(transport::HeapLocation where);
 
   // Every rank's copy of the bytes at `where`, as mapped here, by rank
-  // (peers' arenas opened on first use).
+  // (open_peers(where) returned true).
   std::vector<char*> copies(transport::HeapLocation where);
 
   const transport::CudaSymmetricHeap& heap() const { return *heap_; }
