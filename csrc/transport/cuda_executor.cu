@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "../kernels/cuda_reduce.cuh"
+#include "gpu_barrier_word.h"
 
 namespace xdev::transport {
 namespace {
@@ -39,6 +40,7 @@ struct WindowParams {
   int64_t avg_divisor;  // world size for AVG, 0 otherwise
   uint64_t timeout_ns;
   unsigned int* error;  // host-mapped
+  uint32_t call_hash;   // announced with every barrier's epoch (gpu_barrier_word.h)
 };
 
 // Scoped acquire/release accesses (PTX ISA 6.0, sm_70+).
@@ -105,6 +107,9 @@ __device__ void abort_kernel(const WindowParams& p, unsigned int code) {
 //  2. Block 0's thread 0 acquires `arrived` == all blocks, so every write of
 //     this rank's phase happens-before its system-scope release stores of the
 //     epoch into every rank's inbox (again cumulative).
+//     The word stored carries the call's hash with the epoch
+//     (gpu_barrier_word.h): a peer that runs another call is found here,
+//     before any block reads its data, and every rank's kernel stops.
 //  3. A peer's block 0 acquires that epoch at system scope, then releases
 //     `released` at GPU scope; the peer's other blocks acquire it and
 //     __syncthreads, so every peer thread's later reads of our slot happen
@@ -131,14 +136,25 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       const unsigned long long all_blocks = epoch * gridDim.x;
       Wait w =
           wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, g, time_left());
-      if (w == Wait::kTimedOut) abort_kernel(p, 1u);
+      if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::kOwnBlocksTimedOut);
       ok = w == Wait::kReady;
-      for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, epoch);
+      const uint64_t mine = gpu_barrier::announce(epoch, p.call_hash);
+      for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, mine);
       for (int r = 0; ok && r < p.world_size; ++r) {
         const uint64_t* word = p.inboxes[p.rank] + r;
-        w = wait_until([&] { return load_acquire_sys(word) >= epoch; }, g, time_left());
-        if (w == Wait::kTimedOut) abort_kernel(p, 2u + static_cast<unsigned int>(r));  // 2 + rank
+        gpu_barrier::Peer peer = gpu_barrier::Peer::kNotYet;
+        w = wait_until(
+            [&] {
+              peer = gpu_barrier::judge(load_acquire_sys(word), epoch, p.call_hash);
+              return peer != gpu_barrier::Peer::kNotYet;
+            },
+            g, time_left());
+        if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::peer_timed_out(r));
         ok = w == Wait::kReady;
+        if (ok && peer == gpu_barrier::Peer::kDiffers) {
+          abort_kernel(p, gpu_barrier::peer_differs(r));
+          ok = false;
+        }
       }
       if (ok) store_release_gpu(&g->released, epoch);
     } else {
@@ -147,7 +163,7 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       // so that the report names the missing peer where there is one.
       const Wait w =
           wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, g, 2 * p.timeout_ns);
-      if (w == Wait::kTimedOut) abort_kernel(p, 1u);
+      if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::kOwnBlocksTimedOut);
       ok = w == Wait::kReady;
     }
     keep_going = ok && atomicAdd(&g->aborted, 0u) == 0u;
@@ -244,11 +260,7 @@ CudaExecutor::~CudaExecutor() {
 }
 
 std::string CudaExecutor::device_error() const {
-  const unsigned int code = __atomic_load_n(error_host_, __ATOMIC_ACQUIRE);
-  if (code == 0) return {};
-  if (code == 1) return "a GPU barrier timed out waiting for this rank's own thread blocks";
-  return "a GPU barrier timed out waiting for rank " + std::to_string(code - 2) +
-         " (did it exit, or run a different collective?)";
+  return gpu_barrier::describe_error(__atomic_load_n(error_host_, __ATOMIC_ACQUIRE));
 }
 
 const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::windows_of(const Program& program,
@@ -324,9 +336,9 @@ void CudaExecutor::prepare(const Program& program, cudaStream_t stream) {
   windows_of(program, stream);
 }
 
-void CudaExecutor::launch(const Program& program, const void* input, void* output,
-                          kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
-                          const std::vector<char*>& copies) {
+void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void* input,
+                          void* output, kernels::DType dtype, kernels::ReduceOp op,
+                          cudaStream_t stream, const std::vector<char*>& copies) {
   const bool in_place = program.key.collective == CudaPlanKey::kAllreduceInPlace;
   if (static_cast<int>(copies.size()) != (in_place ? channel_.world_size() : 0)) {
     throw std::invalid_argument(
@@ -346,6 +358,7 @@ void CudaExecutor::launch(const Program& program, const void* input, void* outpu
   p.avg_divisor = op == kernels::ReduceOp::kAvg ? p.world_size : 0;
   p.timeout_ns = timeout_ns_;
   p.error = error_device_;
+  p.call_hash = call_hash;
   for (const DeviceWindow& w : windows) {
     p.ops = w.ops;
     p.num_phases = w.num_phases;

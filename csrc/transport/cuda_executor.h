@@ -98,13 +98,16 @@ class CudaExecutor {
 
   // Enqueues every window of program on stream and returns; prepares it
   // first if prepare() was not called (or its cache entry was evicted since).
+  // call_hash (call_hash() of the call's descriptor) goes with every barrier's
+  // epoch: a peer whose differs stops every rank's kernel (device_error).
   // copies: every rank's copy of the tensor for in_place_program, else empty.
-  void launch(const Program& program, const void* input, void* output, kernels::DType dtype,
-              kernels::ReduceOp op, cudaStream_t stream, const std::vector<char*>& copies = {});
+  void launch(const Program& program, uint32_t call_hash, const void* input, void* output,
+              kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
+              const std::vector<char*>& copies = {});
 
   // Empty while healthy; otherwise what a kernel reported (which peer it gave
-  // up waiting for). Once set, the channel's barrier counters disagree across
-  // ranks: the group must be recreated.
+  // up waiting for, or found running another call). Once set, the channel's barrier counters
+  // disagree across ranks: the group must be recreated.
   std::string device_error() const;
 
   int num_blocks() const { return num_blocks_; }

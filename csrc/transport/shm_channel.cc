@@ -95,6 +95,21 @@ bool OpDescriptor::operator==(const OpDescriptor& o) const {
          shared_offset == o.shared_offset;
 }
 
+uint32_t call_hash(const OpDescriptor& d) {
+  // FNV-1a over each field's value (not the struct's bytes: padding), folded to 32 bits.
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+  };
+  for (const int64_t v : {static_cast<int64_t>(d.seq), int64_t{d.collective}, int64_t{d.reduce_op},
+                          int64_t{d.dtype}, int64_t{d.algorithm}, int64_t{d.single_copy},
+                          int64_t{d.device}, d.root, d.num_packs, d.num_tensors, d.total_elems,
+                          static_cast<int64_t>(d.shape_hash), d.shared_buffer, d.shared_offset}) {
+    mix(static_cast<uint64_t>(v));
+  }
+  return static_cast<uint32_t>(h ^ (h >> 32));
+}
+
 size_t ShmChannel::segment_bytes(int world_size, size_t slot_bytes) {
   const size_t control = sizeof(Header) + sizeof(RankControl) * static_cast<size_t>(world_size);
   return round_up(control, kPage) +

@@ -64,6 +64,10 @@ struct OpDescriptor {
   bool operator!=(const OpDescriptor& o) const { return !(*this == o); }
 };
 
+// A hash of exactly the fields == compares: descriptors that are equal hash
+// alike on every rank. The GPU barrier carries it (gpu_barrier_word.h).
+uint32_t call_hash(const OpDescriptor& d);
+
 // What every native collective carries besides its data: its descriptor for
 // the mismatch check, its deadline, and how to name it in errors.
 struct OpContext {
