@@ -1,4 +1,4 @@
-"""torch-xdev: a c10d backend for single-host data parallel training.
+"""torch-xdev: a c10d backend for data-parallel training on one host or several.
 
 ``import torch_xdev`` registers the backend name ``"xdev"``::
 
