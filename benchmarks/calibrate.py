@@ -30,7 +30,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NotRequired, Optional, Sequence, TypedDict
+from typing import Any, Optional, Sequence, TypedDict
 
 import torch_xdev
 from torch_xdev._C import plan
@@ -42,16 +42,20 @@ from model_fit import (
     ELEM_BYTES,
     HIERARCHICAL,
     MIB,
+    ComparedRow,
     FitQuality,
     LogBox,
+    Measurement,
     Vector,
     add_fit_arguments,
     fit_params,
+    measurement,
     predict_one_us,
     predict_rows_us,
     print_fit_quality,
     quality_of,
     weighted_loss,
+    write_model_file,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -102,15 +106,6 @@ class FitResult(Params, FitQuality):
     """fit()'s answer: the parameters, and how well and at what cost they were found."""
 
 
-class Measurement(TypedDict):
-    ranks: int
-    algorithm: str
-    size_bytes: int
-    time_us: float
-    elem_bytes: NotRequired[int]  # 4 when absent
-    weight: NotRequired[float]  # 1 when absent; 0 leaves the row out of the fit
-
-
 class Loaded(TypedDict):
     measurements: list[Measurement]
     cores: int
@@ -118,14 +113,8 @@ class Loaded(TypedDict):
     sources: list[str]
 
 
-class TableRow(TypedDict):
-    ranks: int
-    algorithm: str
-    size_bytes: int
-    measured_us: float
-    predicted_us: float
+class TableRow(ComparedRow):
     error_pct: float  # 100 * (predicted / measured - 1)
-    in_criterion: bool  # size >= min_fit_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -273,13 +262,14 @@ def load_results(
             except (KeyError, TypeError, ValueError) as e:
                 raise SystemExit(f"{path}: a {algorithm} row without a usable {e}") from None
             measurements.append(
-                Measurement(
-                    ranks=ranks,
-                    algorithm=str(algorithm),
-                    size_bytes=size,
-                    time_us=time_us,
-                    elem_bytes=ELEM_BYTES[dtype],
-                    weight=1.0 if size >= min_fit_bytes else small_weight,
+                measurement(
+                    ranks,
+                    str(algorithm),
+                    size,
+                    time_us,
+                    ELEM_BYTES[dtype],
+                    min_fit_bytes,
+                    small_weight,
                 )
             )
     if cores is None or window is None:
@@ -377,8 +367,7 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 
 def at_bound(params: Params) -> list[str]:
     """The fitted parameters within a factor 2 of a search bound: the data do not pin them."""
-    values = {name: float(params[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
-    return BOX.at_bound(values)
+    return BOX.at_bound(params)
 
 
 def print_params(result: FitResult) -> None:
@@ -389,8 +378,7 @@ def print_params(result: FitResult) -> None:
         f"step {result['step_us']:.3f} us  "
         f"sleeping barrier {result['sleeping_barrier_us']:.2f} us"
     )
-    values = {name: float(result[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
-    print_fit_quality(result, BOX, values)
+    print_fit_quality(result, BOX)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -494,9 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "rows": rows,
         **({"network_fit": previous["network_fit"]} if "network_fit" in previous else {}),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"# wrote {args.out}")
+    write_model_file(args.out, out)
     return 1 if args.strict and not within else 0
 
 

@@ -40,16 +40,20 @@ from model_fit import (
     ALGORITHMS,
     ELEM_BYTES,
     MIB,
+    ComparedRow,
     FitQuality,
     LogBox,
+    Measurement,
     Vector,
     add_fit_arguments,
     fit_params,
+    measurement,
     predict_one_us,
     predict_rows_us,
     print_fit_quality,
     quality_of,
     weighted_loss,
+    write_model_file,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -82,33 +86,23 @@ class FitResult(Params, FitQuality):
     """fit()'s answer: the parameters, and how well and at what cost they were found."""
 
 
-class Measurement(TypedDict):
-    ranks: int
-    algorithm: str
-    size_bytes: int
-    time_us: float
-    elem_bytes: NotRequired[int]  # 4 when absent
-    weight: NotRequired[float]  # 1 when absent; 0 leaves the row out of the fit
+class GpuMeasurement(Measurement):
     host_us: NotRequired[float]  # the host's time per call (a floor); 0 or absent: none
 
 
 class Loaded(TypedDict):
-    measurements: list[Measurement]
+    measurements: list[GpuMeasurement]
     window_bytes: int
     gpu: str
     sources: list[str]
 
 
-class TableRow(TypedDict):
-    ranks: int
-    algorithm: str
-    size_bytes: int
-    measured_us: float
+class TableRow(ComparedRow):
+    """A table row; its predicted_us is max(model_us, host_us)."""
+
     model_us: float  # the GPU's time, as the model predicts it
     host_us: float  # the measured host floor (0: none)
-    predicted_us: float  # max(model_us, host_us)
     ratio: float  # predicted / measured
-    in_criterion: bool  # size >= min_fit_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -125,7 +119,7 @@ def machine(params: Params, ranks: int) -> plan.MachineModel:
     )
 
 
-def _model_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
+def _model_all(params: Params, measurements: Sequence[GpuMeasurement]) -> list[float]:
     return predict_rows_us(lambda ranks: machine(params, ranks), measurements)
 
 
@@ -134,7 +128,7 @@ def model_us(params: Params, ranks: int, algorithm: str, size: int, elem_bytes: 
     return predict_one_us(lambda n: machine(params, n), ranks, algorithm, size, elem_bytes)
 
 
-def predict_all(params: Params, measurements: Sequence[Measurement]) -> list[float]:
+def predict_all(params: Params, measurements: Sequence[GpuMeasurement]) -> list[float]:
     """Per row: the larger of the model's GPU time and the row's host floor, in µs."""
     return [
         max(gpu, row.get("host_us", 0.0))
@@ -156,13 +150,13 @@ def _to_params(x: Vector, window_bytes: int) -> Params:
     )
 
 
-def loss_of(params: Params, measurements: Sequence[Measurement]) -> float:
+def loss_of(params: Params, measurements: Sequence[GpuMeasurement]) -> float:
     """Weighted mean of squared log errors, log(predicted / measured)."""
     return weighted_loss(lambda rows: predict_all(params, rows), measurements)
 
 
 def fit(
-    measurements: Sequence[Measurement],
+    measurements: Sequence[GpuMeasurement],
     window_bytes: int = DEFAULT_WINDOW_BYTES,
     starts: Sequence[Sequence[float]] = STARTS,
     max_evals: int = 1500,
@@ -236,7 +230,7 @@ def load_results(
 ) -> Loaded:
     """The xdev rows of explicit algorithms; rows below min_fit_bytes get weight 0. All files
     must be of one GPU model and one window. Raises BadInput."""
-    measurements: list[Measurement] = []
+    measurements: list[GpuMeasurement] = []
     window: Optional[int] = None
     gpu: Optional[str] = None
     sources: list[str] = []
@@ -267,18 +261,11 @@ def load_results(
             algorithm = row.get("algorithm")
             if row.get("backend_base") != "xdev" or algorithm not in ALGORITHMS or row.get("heap"):
                 continue  # Gloo, NCCL, "auto", and the in-place program on heap tensors
-            size = int(row["size_bytes"])
-            measurements.append(
-                Measurement(
-                    ranks=ranks,
-                    algorithm=str(algorithm),
-                    size_bytes=size,
-                    time_us=float(row["time_us"]),
-                    elem_bytes=ELEM_BYTES[dtype],
-                    weight=1.0 if size >= min_fit_bytes else 0.0,
-                    host_us=floors.get(str(algorithm), 0.0),
-                )
+            size, time_us = int(row["size_bytes"]), float(row["time_us"])
+            fitted = measurement(
+                ranks, str(algorithm), size, time_us, ELEM_BYTES[dtype], min_fit_bytes
             )
+            measurements.append(GpuMeasurement(**fitted, host_us=floors.get(str(algorithm), 0.0)))
     if window is None or gpu is None:
         raise BadInput("no result files given")
     if not any(m.get("weight", 1.0) > 0 for m in measurements):
@@ -291,7 +278,7 @@ def load_results(
 
 
 def table(
-    params: Params, measurements: Sequence[Measurement], min_fit_bytes: int
+    params: Params, measurements: Sequence[GpuMeasurement], min_fit_bytes: int
 ) -> list[TableRow]:
     ordered = sorted(
         measurements,
@@ -370,8 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{result['launch_us']:.2f} us  step (barrier) {result['step_us']:.3f} us  window "
         f"{result['window_bytes']} B"
     )
-    values = {name: float(result[name]) for name in PARAM_NAMES}  # type: ignore[literal-required]
-    bound = print_fit_quality(result, BOX, values)
+    bound = print_fit_quality(result, BOX)
     rows = table(result, measurements, args.min_fit_bytes)
     print_table(rows, args.tolerance)
     judged = [r for r in rows if r["in_criterion"]]
@@ -401,9 +387,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "sources": loaded["sources"],
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"# wrote {args.out}")
+    write_model_file(args.out, out)
     return 1 if args.strict and not ok else 0
 
 

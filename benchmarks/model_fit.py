@@ -6,14 +6,18 @@ both fit a handful of positive parameters by minimising the mean squared log err
 model's predictions. The search runs in log space (every parameter is a rate or a latency, so
 relative steps are the natural ones), inside a box of bounds, with a deterministic Nelder-Mead
 multi-started from fixed points. No scipy.
+
+They also share the rows: a measured allreduce the fit reads (Measurement), a row of the
+measured-versus-predicted table (ComparedRow), and how a model file is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict, TypeVar
+from typing import Any, Callable, Mapping, NotRequired, Optional, Sequence, TypedDict, TypeVar
 
 Vector = list[float]
 Row = TypeVar("Row", bound=Mapping[str, Any])
@@ -25,6 +29,48 @@ MIB = 1 << 20
 ALGORITHMS = ("direct", "reduce_to_one", "flat", "hierarchical_copy", "hierarchical_balanced")
 HIERARCHICAL = ("hierarchical_copy", "hierarchical_balanced")
 ELEM_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+class Measurement(TypedDict):
+    """One measured allreduce of benchmarks/allreduce.py, as the fits read it."""
+
+    ranks: int
+    algorithm: str
+    size_bytes: int
+    time_us: float
+    elem_bytes: NotRequired[int]  # 4 when absent
+    weight: NotRequired[float]  # 1 when absent; 0 leaves the row out of the fit
+
+
+def measurement(
+    ranks: int,
+    algorithm: str,
+    size: int,
+    time_us: float,
+    elem_bytes: int,
+    min_fit_bytes: int,
+    small_weight: float = 0.0,
+) -> Measurement:
+    """A row for the fit; one below min_fit_bytes, outside the criterion, weighs small_weight."""
+    return Measurement(
+        ranks=ranks,
+        algorithm=algorithm,
+        size_bytes=size,
+        time_us=time_us,
+        elem_bytes=elem_bytes,
+        weight=1.0 if size >= min_fit_bytes else small_weight,
+    )
+
+
+class ComparedRow(TypedDict):
+    """A row of a calibration's table: a measured time beside the fitted model's."""
+
+    ranks: int
+    algorithm: str
+    size_bytes: int
+    measured_us: float
+    predicted_us: float
+    in_criterion: bool  # size >= min_fit_bytes
 
 
 def num_packs(algorithm: str, ranks: int) -> int:
@@ -134,8 +180,9 @@ class LogBox:
         """The log-space point of parameter values given in the order of `names`."""
         return self.clamp([math.log(v) for v in values])
 
-    def at_bound(self, values: Mapping[str, float]) -> list[str]:
-        """The parameters within a factor 2 of a bound: the data do not pin them."""
+    def at_bound(self, values: Mapping[str, Any]) -> list[str]:
+        """The parameters within a factor 2 of a bound: the data do not pin them. ``values``
+        may hold other keys too (a fit's whole result): only ``names`` are read."""
         out = []
         for name in self.names:
             lo, hi = self.bounds[name]
@@ -315,14 +362,15 @@ def add_fit_arguments(parser: argparse.ArgumentParser, default_out: Path) -> Non
     )
 
 
-def print_fit_quality(quality: FitQuality, box: LogBox, values: Mapping[str, float]) -> list[str]:
+def print_fit_quality(result: Mapping[str, Any], box: LogBox) -> list[str]:
     """Prints how well the fit meets its rows and which parameters sit at a search bound (the
-    rows do not determine them); returns those."""
+    rows do not determine them); returns those. ``result`` holds the FitQuality fields and the
+    parameters of ``box``."""
     print(
-        f"# {quality['rows']} rows fitted, rms log error {quality['rms_log_error']:.4f}, "
-        f"{quality['evaluations']} model evaluations"
+        f"# {result['rows']} rows fitted, rms log error {result['rms_log_error']:.4f}, "
+        f"{result['evaluations']} model evaluations"
     )
-    bound = box.at_bound(values)
+    bound = box.at_bound(result)
     if bound:
         print("# at a search bound (these rows do not determine it): " + ", ".join(bound))
     return bound
@@ -336,3 +384,11 @@ def quality_of(result: Mapping[str, Any]) -> FitQuality:
         evaluations=result["evaluations"],
         rows=result["rows"],
     )
+
+
+def write_model_file(path: Path, model: Mapping[str, Any]) -> None:
+    """Writes a fitted model (its parameters, the fit and the table) as JSON to ``path``, its
+    folder made, and says where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model, indent=2) + "\n")
+    print(f"# wrote {path}")
