@@ -59,13 +59,12 @@ and ``XDEV_SHARED_BUCKETS`` must be unset (it would override the per-group optio
 # annotations with dist.GradBucket and Future[Tensor] themselves, not with strings.
 import argparse
 import dataclasses
-import gc
 import math
 import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,19 +76,23 @@ import torch_xdev
 from run_record import write_results
 from step_common import (
     FP32_TOLERANCE,
-    GROUP_TIMEOUT,
     Batches,
+    Say,
     Tolerance,
     add_step_arguments,
+    add_variant_arguments,
     check_step_arguments,
+    default_json,
     host_line,
     make_batches,
     make_model,
     max_over_ranks,
     metadata,
+    new_group,
     parameter_differences,
-    parse_variant_list,
+    run_on_default_group,
     run_rounds,
+    say_lines,
     text,
     timing_stats,
     train_step,
@@ -189,9 +192,7 @@ def make_group(variant: Variant) -> Optional[dist.ProcessGroup]:
     pg_options = None
     if variant.backend == torch_xdev.BACKEND_NAME:
         pg_options = torch_xdev.Options(shared_buckets=bool(variant.shared_buckets))
-    group = dist.new_group(backend=variant.backend, pg_options=pg_options, timeout=GROUP_TIMEOUT)
-    assert group is not None  # every rank is a member
-    return group
+    return new_group(variant.backend, pg_options)
 
 
 def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
@@ -491,10 +492,6 @@ def save_json(
     write_results(path, meta, rows)
 
 
-def parse_variants(text_value: str) -> list[str]:
-    return parse_variant_list(text_value, VARIANT_NAMES)
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_arguments(parser)
@@ -510,18 +507,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="zero_grad(set_to_none=True): fresh gradients every backward (default: zeroed in"
         " place, so with gradient_as_bucket_view they stay views of DDP's buckets)",
     )
-    parser.add_argument(
-        "--variants",
-        type=parse_variants,
-        default=list(VARIANT_NAMES),
-        help=f"a comma-separated subset of {','.join(VARIANT_NAMES)} (default all; run in this"
-        " order)",
-    )
-    parser.add_argument(
-        "--json",
-        metavar="PATH",
-        help="where rank 0 saves the rows (default benchmarks/results/ddp_step_<N>ranks.json)",
-    )
+    add_variant_arguments(parser, VARIANT_NAMES, "ddp_step")
     args = parser.parse_args(argv)
     check_step_arguments(parser, args)
     if args.bucket_mb is not None and args.bucket_mb <= 0:
@@ -540,26 +526,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    torch.set_num_threads(args.threads)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    # The default group only times and checks; every variant has a group of its own.
-    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
-    try:
-        return run(args, rank, world_size, say)
-    finally:
-        # Free the DDP wrappers (gc breaks their reference cycles) while their groups are
-        # still registered: see examples/ddp_train.py for the deadlock the other order risks.
-        gc.collect()
-        dist.destroy_process_group()
+    return run_on_default_group(args, run)
 
 
-def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str], None]) -> int:
+def run(args: argparse.Namespace, rank: int, world_size: int, say: Say) -> int:
     variants = [v for v in VARIANTS if v.name in args.variants]
     runners = [make_runner(v, args) for v in variants]  # same order on every rank
     params = sum(p.numel() for p in runners[0].model.parameters())
-    for line in header(args, world_size, params):
-        say(line)
+    say_lines(say, header(args, world_size, params))
     batches = make_batches(args.hidden, args.batch_size, rank)
     for runner in runners:
         dist.barrier()
@@ -571,18 +545,11 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
     run_rounds(runners, batches, args.rounds, args.steps, args.warmup)
     verdicts = ranks_agree(runners)
     rows = summarise(runners, verdicts, infos, differences_from_gloo(runners))
-    for line in format_table(rows):
-        say(line)
-    for line in LEGEND:
-        say(line)
     lines, broken = check_lines(rows)
-    for line in lines:
-        say(line)
+    say_lines(say, format_table(rows), LEGEND, lines)
     if rank == 0:
-        default_json = (
-            Path(__file__).resolve().parent / "results" / f"ddp_step_{world_size}ranks.json"
-        )
-        save_json(Path(args.json or default_json), args, world_size, params, rows)
+        path = Path(args.json) if args.json else default_json("ddp_step", world_size)
+        save_json(path, args, world_size, params, rows)
     del runners
     return 1 if broken else 0
 

@@ -60,8 +60,8 @@ elements):
   it moved 0; Gloo moved 48 and 119 times the bound. A much smaller ``--lr``, or fewer
   steps, shrinks that margin with the update.
 
-``--profile`` then says where a step's time goes. First ``--steps`` more steps of every
-variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
+``--profile`` then says where a step's time goes (fsdp_profile.py). First ``--steps`` more
+steps of every variant in turn, ``--rounds`` times, with ``dist.all_gather_single`` and
 ``dist.reduce_scatter_single`` (what FSDP2 calls; synchronously on CPU) wrapped in timers,
 each call preceded by a barrier on its group that is timed apart (``arrival``: waiting for
 the last rank): per variant, the time per step in each collective, in arrival and in the
@@ -73,16 +73,13 @@ copy-out, compute).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import math
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,21 +93,27 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 
 import torch_xdev
+from fsdp_profile import breakdown, profile_step
 from run_record import write_results
 from step_common import (
     FP32_TOLERANCE,
     GROUP_TIMEOUT,
     Batches,
+    Say,
     add_step_arguments,
+    add_variant_arguments,
     check_step_arguments,
+    default_json,
     host_line,
     make_batches,
     make_model,
     max_over_ranks,
     metadata,
+    new_group,
     parameter_differences,
-    parse_variant_list,
+    run_on_default_group,
     run_rounds,
+    say_lines,
     text,
     timing_stats,
     train_step,
@@ -121,7 +124,6 @@ GLOO = "gloo"
 NO_COMM = "local"
 ALONE = "fsdp_alone"
 NO_COMM_FSDP = "fsdp_no_comm"
-PROFILE_ROWS = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +258,7 @@ def make_group(variant: Variant) -> Optional[dist.ProcessGroup]:
         # Creates one group per rank on every rank, and returns this rank's.
         mine, _ = dist.new_subgroups(group_size=1, backend=variant.backend, timeout=GROUP_TIMEOUT)
         return mine
-    group = dist.new_group(backend=variant.backend, timeout=GROUP_TIMEOUT)
-    assert group is not None  # every rank is a member
-    return group
+    return new_group(variant.backend)
 
 
 def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
@@ -523,93 +523,6 @@ LEGEND = [
 ]
 
 
-COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
-ARRIVAL = "arrival"  # the barrier before each collective: waiting for the last rank
-
-
-@contextlib.contextmanager
-def timed_collectives(record: dict[str, list[float]]) -> Iterator[None]:
-    """Adds the wall time of every call FSDP2 makes to the collectives to ``record``.
-
-    A barrier on the collective's group goes first, timed apart (``ARRIVAL``), so that a
-    collective's time is its own and not the wait for a peer still computing. FSDP2 on CPU
-    calls the collectives with async_op=False, so a call's time is the whole collective.
-    """
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            dist.barrier(group=kwargs.get("group"))
-            t1 = time.perf_counter()
-            result = fn(*args, **kwargs)
-            record[ARRIVAL].append(t1 - t0)
-            record[name].append(time.perf_counter() - t1)
-            return result
-
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, timed(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-def breakdown(runners: list[Runner], batches: Batches, args: argparse.Namespace) -> list[str]:
-    """Per variant: a step's time in each collective, waiting for peers, and the rest."""
-    keys = (*COLLECTIVES, ARRIVAL)
-    per_step: dict[int, list[list[float]]] = {id(r): [] for r in runners}
-    for _ in range(args.rounds):
-        for runner in runners:
-            dist.barrier()
-            for _ in range(args.steps):
-                record: dict[str, list[float]] = {name: [] for name in keys}
-                with timed_collectives(record):
-                    seconds = runner.step(batches)
-                values = [seconds] + [sum(record[name]) for name in keys]
-                values += [float(len(record[name])) for name in COLLECTIVES]
-                # The mean over the ranks: the parts add up to the step on every rank.
-                total = torch.tensor(values, dtype=torch.float64)
-                dist.all_reduce(total)
-                per_step[id(runner)].append([v / dist.get_world_size() for v in total.tolist()])
-    lines = [
-        "# where a step goes (--profile; a barrier before each collective): ms per step,",
-        "#   median over steps of the ranks' mean; collective calls per step in ()",
-        f"#   {'variant':<12} {'step':>8} {'all_gather':>15} {'reduce_scatter':>15}"
-        f" {'arrival':>8} {'rest':>8}",
-    ]
-    for runner in runners:
-        steps = per_step[id(runner)]
-        step, ag, rs, arrival = (statistics.median(s[i] for s in steps) * 1e3 for i in range(4))
-        ag_calls, rs_calls = (round(steps[0][i]) for i in (4, 5))
-        lines.append(
-            f"#   {runner.variant.name:<12} {step:>8.1f} {ag:>8.1f} ({ag_calls:>3})"
-            f" {rs:>8.1f} ({rs_calls:>3}) {arrival:>8.1f} {step - ag - rs - arrival:>8.1f}"
-        )
-    return lines
-
-
-def profile_step(runner: Runner, batches: Batches) -> list[str]:
-    """One step under torch.profiler: this rank's CPU time by operator, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        seconds = runner.step(batches)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    lines = [f"# profile of one {runner.variant.name} step ({seconds * 1e3:.1f} ms on this rank):"]
-    lines.append(f"#   {'self ms':>8} {'total ms':>9} {'calls':>6}  operator")
-    for e in events[:PROFILE_ROWS]:
-        lines.append(
-            f"#   {e.self_cpu_time_total / 1e3:>8.2f} {e.cpu_time_total / 1e3:>9.2f}"
-            f" {e.count:>6}  {e.key}"
-        )
-    return lines
-
-
 def header(args: argparse.Namespace, world_size: int, params: int) -> list[str]:
     return [
         f"# fsdp_step: {world_size} ranks, MLP of {args.layers} x Linear({args.hidden},"
@@ -625,20 +538,9 @@ def header(args: argparse.Namespace, world_size: int, params: int) -> list[str]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_arguments(parser)
-    parser.add_argument(
-        "--variants",
-        type=lambda s: parse_variant_list(s, VARIANT_NAMES),
-        default=list(VARIANT_NAMES),
-        help=f"a comma-separated subset of {','.join(VARIANT_NAMES)} (default all; run in this"
-        " order)",
-    )
+    add_variant_arguments(parser, VARIANT_NAMES, "fsdp_step")
     parser.add_argument(
         "--profile", action="store_true", help="profile one step of each FSDP2 variant after"
-    )
-    parser.add_argument(
-        "--json",
-        metavar="PATH",
-        help="where rank 0 saves the rows (default benchmarks/results/fsdp_step_<N>ranks.json)",
     )
     args = parser.parse_args(argv)
     check_step_arguments(parser, args)
@@ -649,24 +551,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if not under_torchrun(sys.argv[0]):
         return 2
-    torch.set_num_threads(args.threads)
-    # The default group only times and checks; every variant has a group of its own.
-    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    try:
-        return run(args, rank, world_size, say)
-    finally:
-        gc.collect()  # free the FSDP2 modules while their groups are still registered
-        dist.destroy_process_group()
+    return run_on_default_group(args, run)
 
 
-def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str], None]) -> int:
+def run(args: argparse.Namespace, rank: int, world_size: int, say: Say) -> int:
     variants = [v for v in VARIANTS if v.name in args.variants]
     runners = [make_runner(v, args) for v in variants]  # same order on every rank
     params = args.layers * (args.hidden * args.hidden + args.hidden)
-    for line in header(args, world_size, params):
-        say(line)
+    say_lines(say, header(args, world_size, params))
     batches = make_batches(args.hidden, args.batch_size, rank)
     for runner in runners:
         dist.barrier()
@@ -675,27 +567,18 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Callable[[str
     checks = check_parameters(runners)
     heaps = [heap_reserved(r) for r in runners]
     rows = summarise(runners, checks, heaps, *per_step_counts(runners))
-    for line in format_table(rows):
-        say(line)
-    for line in LEGEND:
-        say(line)
     lines, broken = check_lines(rows)
-    for line in lines:
-        say(line)
+    say_lines(say, format_table(rows), LEGEND, lines)
     if args.profile:
-        for line in breakdown(runners, batches, args):
-            say(line)
+        say_lines(say, breakdown(runners, batches, args.rounds, args.steps))
         for runner in runners:
             if runner.variant.backend is not None:
-                for line in profile_step(runner, batches):
-                    say(line)
+                say_lines(say, profile_step(runner, batches))
     if rank == 0:
-        default_json = (
-            Path(__file__).resolve().parent / "results" / f"fsdp_step_{world_size}ranks.json"
-        )
         meta = metadata("fsdp_step", args, world_size, params)
         meta["match_tolerance"] = FP32_TOLERANCE._asdict()
-        write_results(Path(args.json or default_json), meta, rows)
+        path = Path(args.json) if args.json else default_json("fsdp_step", world_size)
+        write_results(path, meta, rows)
     del runners
     return 1 if broken else 0
 

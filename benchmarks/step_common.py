@@ -2,9 +2,10 @@
 
 The model and data, one timed training step, the round-robin turns that interleave variants
 so drift on the host hits every variant alike, the slowest-rank reduction of the samples, the
-check of the parameters against a reference run's, the statistics and the JSON metadata; and the
-check of how a benchmark was launched (torchrun, or not: allreduce.py and gather_scatter.py
-start their own ranks). Run as scripts, the benchmarks find this module beside them
+check of the parameters against a reference run's, the statistics and the JSON metadata; the
+options both take, the variants' groups and a run's frame (the default group, rank 0's output);
+and the check of how a benchmark was launched (torchrun, or not: allreduce.py and
+gather_scatter.py start their own ranks). Run as scripts, the benchmarks find this module beside them
 (``sys.path`` starts at ``benchmarks/``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import socket
@@ -19,7 +21,7 @@ import sys
 import statistics
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
 GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Say = Callable[[str], None]  # prints a line on rank 0, nothing on the others
 
 
 def make_model(hidden: int, layers: int) -> nn.Sequential:
@@ -208,6 +211,28 @@ def check_step_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--warmup must be >= 0")
 
 
+def default_json(benchmark: str, world_size: int) -> Path:
+    """Where rank 0 saves the rows without --json: benchmarks/results/<benchmark>_<N>ranks.json."""
+    return Path(__file__).resolve().parent / "results" / f"{benchmark}_{world_size}ranks.json"
+
+
+def add_variant_arguments(
+    parser: argparse.ArgumentParser, names: Sequence[str], benchmark: str
+) -> None:
+    """--variants (a subset of ``names``, run in their order) and --json."""
+    parser.add_argument(
+        "--variants",
+        type=lambda s: parse_variant_list(s, names),
+        default=list(names),
+        help=f"a comma-separated subset of {','.join(names)} (default all; run in this order)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help=f"where rank 0 saves the rows (default benchmarks/results/{benchmark}_<N>ranks.json)",
+    )
+
+
 def parse_variant_list(text_value: str, known: Sequence[str]) -> list[str]:
     names = [n.strip() for n in text_value.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
@@ -216,6 +241,40 @@ def parse_variant_list(text_value: str, known: Sequence[str]) -> list[str]:
             f"--variants: a comma-separated subset of {', '.join(known)}; got {text_value!r}"
         )
     return names
+
+
+def new_group(backend: str, pg_options: Any = None) -> dist.ProcessGroup:
+    """A group of every rank, for one variant. Collective: every rank creates the variants'
+    groups in one order."""
+    group = dist.new_group(backend=backend, pg_options=pg_options, timeout=GROUP_TIMEOUT)
+    assert group is not None  # every rank is a member
+    return group
+
+
+def say_lines(say: Say, *blocks: Sequence[str]) -> None:
+    for block in blocks:
+        for line in block:
+            say(line)
+
+
+def run_on_default_group(
+    args: argparse.Namespace, run: Callable[[argparse.Namespace, int, int, Say], int]
+) -> int:
+    """``run(args, rank, world_size, say)`` in a process torchrun started, on a Gloo default
+    group; returns its exit status."""
+    torch.set_num_threads(args.threads)
+    # The default group only times and checks; every variant has a group of its own.
+    dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    say: Say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    try:
+        return run(args, rank, world_size, say)
+    finally:
+        # Free the DDP wrappers and FSDP2 modules (gc breaks their reference cycles) while their
+        # groups are still registered: see examples/ddp_train.py for the deadlock the other
+        # order risks.
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def started_by_torchrun() -> bool:
