@@ -54,6 +54,7 @@ against the copy bandwidth, are benchmarked by ``benchmarks/cuda_kernels.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -73,16 +74,13 @@ from run_record import XDEV_PATH, environment, write_results
 from step_common import refused_under_torchrun
 from allreduce_common import (
     DTYPES,
-    TARGET_ROW_SECONDS,
-    MIN_ITERS,
-    MAX_ITERS,
-    CALIBRATION_ITERS,
     Config,
     parse_size,
     parse_sizes,
     format_size,
     random_input,
     check_result,
+    choose_iters,
     max_over_ranks,
     group_allreduce,
     timing_row,
@@ -90,6 +88,8 @@ from allreduce_common import (
     table_row,
     make_config,
     iters_text,
+    sizes_text,
+    settings_metadata,
     init_rank,
 )
 from allreduce_cuda import (
@@ -165,16 +165,6 @@ def timed_loop(
     return max_over_ranks(elapsed / iters)
 
 
-def choose_iters(
-    cfg: Config, tensor: torch.Tensor, allreduce: Callable[[torch.Tensor], Any]
-) -> int:
-    if cfg.iters is not None:
-        return cfg.iters
-    estimate = timed_loop(tensor, allreduce, CALIBRATION_ITERS, cfg.arrival == "skewed")
-    wanted = int(TARGET_ROW_SECONDS / max(estimate, 1e-9))
-    return max(MIN_ITERS, min(MAX_ITERS, wanted))
-
-
 def format_row(row: dict[str, Any]) -> str:
     return table_row(row, "vs_gloo", "algbw_vs_memcpy", "memcpy_us")
 
@@ -246,7 +236,8 @@ def run_rank(rank: int, cfg: Config) -> None:
             timed[name] = tensor if shared is None else shared.zero_()
             for _ in range(cfg.warmup):
                 allreduce(timed[name])
-            iters[name] = choose_iters(cfg, timed[name], allreduce)
+            loop = functools.partial(timed_loop, timed[name], allreduce, skewed=skewed)
+            iters[name] = choose_iters(cfg, loop)
         # Each round starts one variant later (step_common.run_rounds does the same), so that
         # none is always timed first or always after the same neighbour.
         seconds: dict[str, list[float]] = {name: [] for name, _, _ in variants}
@@ -287,12 +278,7 @@ def run_rank(rank: int, cfg: Config) -> None:
 
 def write_json(cfg: Config, rows: list[dict[str, Any]], deepspeed_skipped: str) -> None:
     meta = {
-        "nproc": cfg.nproc,
-        "sizes": cfg.sizes,
-        "dtype": cfg.dtype,
-        "algorithms": cfg.algorithms,
-        "warmup": cfg.warmup,
-        "iters": cfg.iters,
+        **settings_metadata(cfg),
         "rounds": cfg.rounds,
         "arrival": cfg.arrival,
         "hosts": cfg.hosts,  # the header's fake hosts; the file name alone may not say
@@ -506,8 +492,7 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     print(f"# single-core memcpy ({format_size(MEMCPY_BYTES)} copy_): {memcpy_gbps:.2f} GB/s")
     print(
         f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  rounds {cfg.rounds}  slot_bytes"
-        f" {cfg.slot_bytes or 'default'}  sizes {format_size(cfg.sizes[0])}.."
-        f"{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
+        f" {cfg.slot_bytes or 'default'}  sizes {sizes_text(cfg)}"
     )
     arrival = (
         "skewed: a Gloo barrier before every call, the call alone timed"

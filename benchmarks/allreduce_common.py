@@ -1,5 +1,6 @@
 """What both modes of benchmarks/allreduce.py share: the run's settings (Config), sizes, the
-correctness check against the reference, the timing row and the nccl-tests style table."""
+correctness check against the reference, how many calls a row times, the timing row, the
+nccl-tests style table, and the settings the header and the JSON metadata give."""
 
 from __future__ import annotations
 
@@ -210,8 +211,35 @@ def make_config(
     )
 
 
+def choose_iters(cfg: Config, seconds_per_call: Callable[[int], float]) -> int:
+    """--iters, or as many calls as take about TARGET_ROW_SECONDS (MIN_ITERS..MAX_ITERS),
+    estimated by ``seconds_per_call(CALIBRATION_ITERS)``: the mode's timed loop."""
+    if cfg.iters is not None:
+        return cfg.iters
+    estimate = seconds_per_call(CALIBRATION_ITERS)
+    wanted = int(TARGET_ROW_SECONDS / max(estimate, 1e-9))
+    return max(MIN_ITERS, min(MAX_ITERS, wanted))
+
+
 def iters_text(cfg: Config) -> str:
     return str(cfg.iters) if cfg.iters is not None else f"auto ({MIN_ITERS}..{MAX_ITERS})"
+
+
+def sizes_text(cfg: Config) -> str:
+    """The header's sizes: the first..the last (how many)."""
+    return f"{format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
+
+
+def settings_metadata(cfg: Config) -> dict[str, Any]:
+    """The JSON metadata's fields of the settings both modes take."""
+    return {
+        "nproc": cfg.nproc,
+        "sizes": cfg.sizes,
+        "dtype": cfg.dtype,
+        "algorithms": cfg.algorithms,
+        "warmup": cfg.warmup,
+        "iters": cfg.iters,
+    }
 
 
 def init_rank(rank: int, cfg: Config) -> None:

@@ -5,6 +5,7 @@ bandwidth and each backend's host time per call."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -19,14 +20,11 @@ import torch_xdev
 from run_record import XDEV_PATH, environment, write_results
 from allreduce_common import (
     DTYPES,
-    TARGET_ROW_SECONDS,
-    MIN_ITERS,
-    MAX_ITERS,
-    CALIBRATION_ITERS,
     Config,
     format_size,
     random_input,
     check_result,
+    choose_iters,
     max_over_ranks,
     group_allreduce,
     timing_row,
@@ -34,6 +32,8 @@ from allreduce_common import (
     table_row,
     make_config,
     iters_text,
+    sizes_text,
+    settings_metadata,
     init_rank,
 )
 
@@ -114,14 +114,6 @@ def cuda_timed_loop(tensor: torch.Tensor, group: Any, iters: int) -> float:
     end.record()
     end.synchronize()
     return max_over_ranks(start.elapsed_time(end) / 1e3 / iters)
-
-
-def choose_cuda_iters(cfg: Config, tensor: torch.Tensor, group: Any) -> int:
-    if cfg.iters is not None:
-        return cfg.iters
-    estimate = cuda_timed_loop(tensor, group, CALIBRATION_ITERS)
-    wanted = int(TARGET_ROW_SECONDS / max(estimate, 1e-9))
-    return max(MIN_ITERS, min(MAX_ITERS, wanted))
 
 
 def host_overhead(group: Any, device: torch.device, calls: int) -> dict[str, float]:
@@ -234,7 +226,7 @@ def run_rank_cuda(rank: int, cfg: Config) -> None:
                     label = f"{name}({ran})"  # auto's pick, or a forced plan not honoured
             for _ in range(cfg.warmup):
                 dist.all_reduce(tensor, group=group)
-            iters = choose_cuda_iters(cfg, tensor, group)
+            iters = choose_iters(cfg, functools.partial(cuda_timed_loop, tensor, group))
             seconds = cuda_timed_loop(tensor, group, iters)
             if reference_time is None:
                 reference_time = seconds
@@ -299,12 +291,7 @@ def write_cuda_json(
 ) -> None:
     meta = {
         "device": "cuda",
-        "nproc": cfg.nproc,
-        "sizes": cfg.sizes,
-        "dtype": cfg.dtype,
-        "algorithms": cfg.algorithms,
-        "warmup": cfg.warmup,
-        "iters": cfg.iters,
+        **settings_metadata(cfg),
         "cuda_slot_bytes": cfg.cuda_slot_bytes,
         "topo_file": cfg.topo_file,
         "reference": cfg.reference,
@@ -405,7 +392,7 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
     print(
         f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  cuda_slot_bytes"
         f" {cfg.cuda_slot_bytes or 'default'}  topo_file {cfg.topo_file or '-'}"
-        f"  sizes {format_size(cfg.sizes[0])}..{format_size(cfg.sizes[-1])} ({len(cfg.sizes)})"
+        f"  sizes {sizes_text(cfg)}"
     )
     print(
         "# time = slowest rank's mean per call (CUDA events); busbw = algbw*2(n-1)/n;"
