@@ -48,6 +48,7 @@ with the baseline's row for the same requested size, even where two sizes round 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -84,6 +85,27 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective as this rank calls it: ``count`` elements of ``dtype`` in the whole
+    tensor, ``count // world`` in each rank's block."""
+
+    collective: str
+    count: int
+    dtype: torch.dtype
+    rank: int
+    world: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * torch.tensor([], dtype=self.dtype).element_size()
+
+    def own_block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``full``: all_gather_in_place's input, as FSDP2 passes it."""
+        block = self.count // self.world
+        return full.narrow(0, self.rank * block, block)
+
+
 def run_op(collective: str, full: torch.Tensor, block: torch.Tensor, group: Any) -> None:
     if collective == "reduce_scatter":
         dist.reduce_scatter_tensor(block, full, group=group)
@@ -116,57 +138,51 @@ def heap_empty(group: Any, count: int, dtype: torch.dtype) -> torch.Tensor:
     return backend.allocate_tensor(count, dtype=dtype, device=torch.device("cpu"))
 
 
-def make_tensors(
-    collective: str, count: int, dtype: torch.dtype, rank: int, world: int, heap: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
+def make_tensors(call: Call, heap: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(full, block) for one call; from ``heap``'s symmetric heap unless it is None."""
+    block_count = call.count // call.world
     if heap is None:
-        full, block = torch.empty(count, dtype=dtype), torch.empty(count // world, dtype=dtype)
+        full = torch.empty(call.count, dtype=call.dtype)
+        block = torch.empty(block_count, dtype=call.dtype)
     else:
-        full, block = heap_empty(heap, count, dtype), heap_empty(heap, count // world, dtype)
-    if collective == "all_gather_in_place":
-        block = full.narrow(0, rank * (count // world), count // world)
+        full = heap_empty(heap, call.count, call.dtype)
+        block = heap_empty(heap, block_count, call.dtype)
+    if call.collective == "all_gather_in_place":
+        block = call.own_block(full)
     return full, block
 
 
 def heap_copies(
-    collective: str, full: torch.Tensor, block: torch.Tensor, rank: int, world: int, group: Any
+    call: Call, full: torch.Tensor, block: torch.Tensor, group: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(full, block) with the same contents, from ``group``'s symmetric heap."""
-    heap_full, heap_block = make_tensors(collective, full.numel(), full.dtype, rank, world, group)
+    heap_full, heap_block = make_tensors(call, group)
     heap_full.copy_(full)
-    if collective != "all_gather_in_place":
+    if call.collective != "all_gather_in_place":  # else the block is a view of full
         heap_block.copy_(block)
     return heap_full, heap_block
 
 
 def check(
-    collective: str,
-    size: int,
-    dtype: torch.dtype,
+    call: Call,
     xdev: Any,
-    rank: int,
-    world: int,
     heap: bool = False,
     reference: tuple[str, Any] = ("gloo", None),
     device: torch.device = torch.device("cpu"),
 ) -> None:
     """Runs the collective on ``xdev`` and on the reference group (name, group; None: the
     default Gloo group) with the same inputs on ``device`` and asserts equal results."""
-    count = size // torch.tensor([], dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(rank)
+    collective, count, dtype = call.collective, call.count, call.dtype
+    g = torch.Generator().manual_seed(call.rank)
     full = torch.randn(count, generator=g).to(dtype).to(device)
-    block = full[: count // world].clone()
+    block = full[: count // call.world].clone()
     results = []
     for group in (reference[1], xdev):
         f, b = full.clone(), block.clone()
         if group is xdev and heap:
-            f, b = make_tensors(collective, count, dtype, rank, world, xdev)
-            f.copy_(full)
-            if collective != "all_gather_in_place":
-                b.copy_(block)
+            f, b = heap_copies(call, full, block, xdev)
         if collective == "all_gather_in_place":
-            b = f.narrow(0, rank * (count // world), count // world)
+            b = call.own_block(f)
         run_op(collective, f, b, group)
         results.append(b if collective == "reduce_scatter" else f)
     # A reduction of 3 or more ranks may add in another order than the reference: allreduce.py's
@@ -181,7 +197,7 @@ def check(
         results[0],
         rtol=rtol,
         atol=atol,
-        msg=lambda why: f"{collective} {size} ({dtype}): xdev != {reference[0]}\n{why}",
+        msg=lambda why: f"{collective} {call.nbytes} ({dtype}): xdev != {reference[0]}\n{why}",
     )
 
 
@@ -227,27 +243,25 @@ def timed_calls(
     }
 
 
-def one_host_variants(
-    collective: str,
-    count: int,
-    dtype: torch.dtype,
-    rank: int,
-    world: int,
-    groups: dict[str, Any],
-) -> dict[str, Callable[[], None]]:
+def cpu_inputs(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, block) of random data for the timed CPU calls."""
+    full = torch.randn(call.count).to(call.dtype)
+    block = torch.empty(call.count // call.world, dtype=call.dtype)
+    if call.collective == "all_gather_in_place":
+        block = call.own_block(full)
+    return full, block
+
+
+def one_host_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """Gloo, xdev, xdev with single copy and xdev on heap tensors, after checking each."""
     xdev, xdev_sc = groups["xdev"], groups["xdev_sc"]
-    esize = torch.tensor([], dtype=dtype).element_size()
-    full = torch.randn(count).to(dtype)
-    block = torch.empty(count // world, dtype=dtype)
-    if collective == "all_gather_in_place":
-        block = full.narrow(0, rank * (count // world), count // world)
+    full, block = cpu_inputs(call)
     for group in (xdev, xdev_sc):
-        check(collective, count * esize, dtype, group, rank, world)
-    check(collective, count * esize, dtype, xdev, rank, world, heap=True)
-    heap_full, heap_block = heap_copies(collective, full, block, rank, world, xdev)
+        check(call, group)
+    check(call, xdev, heap=True)
+    heap_full, heap_block = heap_copies(call, full, block, xdev)
     return timed_calls(
-        collective,
+        call.collective,
         [
             ("gloo", full, block, None),
             ("xdev", full, block, xdev),
@@ -257,41 +271,24 @@ def one_host_variants(
     )
 
 
-def cuda_variants(
-    collective: str,
-    count: int,
-    dtype: torch.dtype,
-    rank: int,
-    world: int,
-    groups: dict[str, Any],
-) -> dict[str, Callable[[], None]]:
+def cuda_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """The engine (NCCL, or Gloo where ranks share a GPU) and xdev's native CUDA path on the
     same CUDA tensors, after checking xdev's result against the engine's."""
     device = torch.device("cuda", torch.cuda.current_device())
     engine_name, engine = groups["engine"]
-    esize = torch.tensor([], dtype=dtype).element_size()
-    check(
-        collective,
-        count * esize,
-        dtype,
-        groups["xdev"],
-        rank,
-        world,
-        reference=groups["engine"],
-        device=device,
-    )
-    full = torch.randn(count, device=device).to(dtype)
-    block = torch.randn(count // world, device=device).to(dtype)
+    check(call, groups["xdev"], reference=groups["engine"], device=device)
+    full = torch.randn(call.count, device=device).to(call.dtype)
+    block = torch.randn(call.count // call.world, device=device).to(call.dtype)
 
     def tensors() -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh copies; FSDP2's in-place all-gather takes its block from its output."""
         f = full.clone()
-        if collective == "all_gather_in_place":
-            return f, f.narrow(0, rank * (count // world), count // world)
+        if call.collective == "all_gather_in_place":
+            return f, call.own_block(f)
         return f, block.clone()
 
     return timed_calls(
-        collective,
+        call.collective,
         [(engine_name, *tensors(), engine), ("xdev", *tensors(), groups["xdev"])],
     )
 
@@ -306,32 +303,23 @@ def cuda_groups(rank: int, world: int) -> dict[str, Any]:
     return {"engine": engine, "xdev": xdev}
 
 
-def hosts_variants(
-    collective: str,
-    count: int,
-    dtype: torch.dtype,
-    rank: int,
-    world: int,
-    groups: dict[str, Any],
-) -> dict[str, Callable[[], None]]:
+def hosts_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """Gloo over all ranks, xdev's auto across the fake hosts and the two-level group on
     ordinary and heap tensors, after checking xdev."""
-    esize = torch.tensor([], dtype=dtype).element_size()
-    full = torch.randn(count).to(dtype)
-    block = torch.empty(count // world, dtype=dtype)
-    if collective == "broadcast":  # timed on the default group alone
-        check(collective, count * esize, dtype, groups["xdev"], rank, world)
+    full, block = cpu_inputs(call)
+    if call.collective == "broadcast":  # timed on the default group alone
+        check(call, groups["xdev"])
         return {
-            name: functools.partial(run_op, collective, full, block, group)
+            name: functools.partial(run_op, call.collective, full, block, group)
             for name, group in (("gloo", None), ("xdev", groups["xdev"]))
         }
     two_level = groups["xdev_2lvl"]
     for name in ("xdev", "xdev_2lvl"):
-        check(collective, count * esize, dtype, groups[name], rank, world)
-    check(collective, count * esize, dtype, two_level, rank, world, heap=True)
-    heap_full, heap_block = heap_copies(collective, full, block, rank, world, two_level)
+        check(call, groups[name])
+    check(call, two_level, heap=True)
+    heap_full, heap_block = heap_copies(call, full, block, two_level)
     return timed_calls(
-        collective,
+        call.collective,
         [
             ("gloo", full, block, None),
             ("xdev", full, block.clone(), groups["xdev"]),
@@ -435,7 +423,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 if args.device == "cuda"
                 else hosts_variants if args.hosts > 1 else one_host_variants
             )
-            fns = variants(collective, count, dtype, rank, world, groups)
+            fns = variants(Call(collective, count, dtype, rank, world), groups)
             iters = {}
             for name, fn in fns.items():
                 fn()  # warm up
