@@ -9,7 +9,6 @@ checked against what was asked.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,11 +23,11 @@ import pytest
 import torch
 
 import torch_xdev
+from benchmark_modules import BENCHMARKS, load_benchmark
 
 # The ranks must import the torch_xdev this process tested (an in-place build or the installed
-# one); the scripts import their siblings from benchmarks/ of the source tree.
+# one); the scripts import their siblings from benchmarks/ (BENCHMARKS) of the source tree.
 PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run_benchmark(
@@ -262,17 +261,6 @@ def test_ddp_step_rows_match_gloo(tmp_path: Path) -> None:
     }
     assert "# Gloo check: largest |parameter - Gloo's|" in proc.stdout
     assert "BROKEN" not in proc.stdout and "NOT CHECKED" not in proc.stdout
-
-
-def load_benchmark(name: str) -> ModuleType:
-    if str(BENCHMARKS) not in sys.path:  # the scripts import their siblings
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,16 @@ value), so the test compares predictions, not parameters.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_modules import load_benchmark
+
 MIB = 1 << 20
 SIZES = [MIB << k for k in range(5)]  # 1 .. 16 MiB
 ALGORITHMS = ["flat", "reduce_to_one"]
@@ -36,24 +35,9 @@ TRUTH = {
 }
 
 
-def load_calibrate() -> ModuleType:
-    try:
-        import torch_xdev._C  # noqa: F401
-    except ImportError as e:  # not built, or torch missing
-        pytest.skip(f"torch_xdev._C cannot be imported: {e}")
-    if str(BENCHMARKS) not in sys.path:  # calibrate.py imports its sibling model_fit.py
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("calibrate", BENCHMARKS / "calibrate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibrate"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def calibrate() -> ModuleType:
-    return load_calibrate()
+    return load_benchmark("calibrate", needs_build=True)
 
 
 def synthetic(calibrate: ModuleType, truth: dict) -> list[dict]:

@@ -4,18 +4,17 @@ model's own times, refuses runs it must not be fitted to, and meets the H100 mea
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from benchmark_modules import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = REPO / "benchmarks"
 H100_MPS = REPO / "docs" / "results" / "h100" / "cuda_allreduce_2ranks_mps.json"
 H100_TIME_SLICED = REPO / "docs" / "results" / "h100" / "cuda_allreduce_2ranks.json"
 MIB = 1 << 20
@@ -24,24 +23,9 @@ ALGORITHMS = ["direct", "reduce_to_one", "flat", "hierarchical_copy", "hierarchi
 TRUTH = {"window_bytes": 32 << 20, "memory_gbps": 2500.0, "launch_us": 6.0, "step_us": 3.0}
 
 
-def load_module() -> ModuleType:
-    try:
-        import torch_xdev._C  # noqa: F401
-    except ImportError as e:  # not built, or torch missing
-        pytest.skip(f"torch_xdev._C cannot be imported: {e}")
-    if str(BENCHMARKS) not in sys.path:  # calibrate_gpu.py imports its sibling model_fit.py
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("calibrate_gpu", BENCHMARKS / "calibrate_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibrate_gpu"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def cg() -> ModuleType:
-    return load_module()
+    return load_benchmark("calibrate_gpu", needs_build=True)
 
 
 def synthetic(cg: ModuleType, noise: float = 0.0) -> list[dict[str, Any]]:

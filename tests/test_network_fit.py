@@ -8,27 +8,21 @@ loader.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_modules import load_benchmark
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 
 
 @pytest.fixture(scope="module")
 def network_fit() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("network_fit", BENCHMARKS / "network_fit.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["network_fit"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("network_fit")
 
 
 def ring_seconds(hosts: int, per_host: int, nbytes: int, latency_us: float, gbps: float) -> float:
