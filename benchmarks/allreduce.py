@@ -70,7 +70,7 @@ import torch.multiprocessing as mp
 import deepspeed_shm
 import network_fit
 import torch_xdev
-from run_record import XDEV_PATH, environment, write_results
+from run_record import XDEV_PATH, environment, write_results, xdev_environment_line
 from step_common import refused_under_torchrun
 from allreduce_common import (
     DTYPES,
@@ -489,6 +489,7 @@ def make_cpu_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         f"# torch {torch.__version__}  torch_xdev {torch_xdev.__version__}  cpus {os.cpu_count()}"
     )
     print(f"# torch_xdev from {XDEV_PATH}")
+    print(xdev_environment_line())
     print(f"# single-core memcpy ({format_size(MEMCPY_BYTES)} copy_): {memcpy_gbps:.2f} GB/s")
     print(
         f"# iters {iters_text(cfg)}  warmup {cfg.warmup}  rounds {cfg.rounds}  slot_bytes"

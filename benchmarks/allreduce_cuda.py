@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
-from run_record import XDEV_PATH, environment, write_results
+from run_record import XDEV_PATH, environment, write_results, xdev_environment_line
 from allreduce_common import (
     DTYPES,
     Config,
@@ -378,6 +378,7 @@ def make_cuda_config(args: argparse.Namespace, algorithms: list[str]) -> Config:
         f" {torch_xdev.__version__}  GPUs {torch.cuda.device_count()}"
     )
     print(f"# torch_xdev from {XDEV_PATH}")
+    print(xdev_environment_line())
     print(f"# reference: {cfg.reference_note}")
     if cfg.ranks_share_gpu:
         mps = mps_pipe_directory()

@@ -65,7 +65,7 @@ import torch.multiprocessing as mp
 
 import torch_xdev
 from allreduce_common import TOLERANCES
-from run_record import environment, write_results
+from run_record import environment, write_results, xdev_environment_line
 from step_common import refused_under_torchrun
 
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -201,17 +201,23 @@ def check(
     )
 
 
-def format_table(rows: list[dict[str, Any]], world: int, baseline: str) -> list[str]:
+def header(world: int, baseline: str) -> list[str]:
+    """The lines above the table: what ran, and what a row's numbers are."""
+    return [
+        f"# {world} ranks, torch_xdev from {Path(torch_xdev.__file__).parent}",
+        xdev_environment_line(),
+        "# time = median over rounds of the slowest rank's mean per call. size/count: the whole",
+        "# tensor (a reduce-scatter's input, an all-gather's output: world x the block);",
+        "# algbw = size / time, busbw = algbw * (n-1)/n (broadcast: algbw) as nccl-tests;"
+        f" vs_{baseline} = {baseline}'s time / this",
+    ]
+
+
+def format_table(rows: list[dict[str, Any]], baseline: str) -> list[str]:
     """nccl-tests' layout: size (B) and count (elements) of the whole tensor, type, redop,
     then time and bandwidths; one block per collective, a row per backend."""
     vs = f"vs_{baseline}"
-    lines = [
-        f"# {world} ranks, torch_xdev from {Path(torch_xdev.__file__).parent}",
-        "# time = median over rounds of the slowest rank's mean per call. size/count: the whole",
-        "# tensor (a reduce-scatter's input, an all-gather's output: world x the block);",
-        f"# algbw = size / time, busbw = algbw * (n-1)/n (broadcast: algbw) as nccl-tests; {vs} ="
-        f" {baseline}'s time / this",
-    ]
+    lines: list[str] = []
     columns = (
         f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'backend':>25} {'time':>10}"
         f" {'algbw':>8} {'busbw':>8} {vs:>8}"
@@ -465,13 +471,16 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                     }
                 )
     if rank == 0:
-        lines = format_table(rows, world, baseline)
         traffic = (
             traffic_rows(args.hosts, world, args.sizes, esize, args.collectives)
             if args.hosts > 1
             else []
         )
-        for line in lines[:4] + format_traffic(traffic, args.hosts, world) + lines[4:]:
+        for line in (
+            header(world, baseline)
+            + format_traffic(traffic, args.hosts, world)
+            + format_table(rows, baseline)
+        ):
             print(line)
         if args.json:
             meta = {

@@ -332,6 +332,5 @@ def metadata(
         "warmup": args.warmup,
         "threads": args.threads,
         "variants": args.variants,
-        "xdev_environment": {k: v for k, v in os.environ.items() if k.startswith("XDEV_")},
         **environment(),
     }

@@ -65,6 +65,12 @@ def read_rows(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return data["metadata"], data["rows"]
 
 
+# An XDEV_* variable that changes nothing measured (WARN: no plan logging, as unset) but must
+# still be recorded: the header and the JSON name every XDEV_* a run had.
+QUIET_DEBUG = {"XDEV_DEBUG": "WARN"}
+QUIET_DEBUG_LINE = "# XDEV_* in the environment: XDEV_DEBUG=WARN"
+
+
 def test_allreduce_cpu_rows(tmp_path: Path) -> None:
     out = tmp_path / "allreduce.json"
     proc = run_benchmark(
@@ -72,10 +78,12 @@ def test_allreduce_cpu_rows(tmp_path: Path) -> None:
         *("--nproc", "2", "--sizes", "4KiB,64KiB", "--iters", "2", "--warmup", "1"),
         *("--algorithms", "auto,flat,shared_empty", "--no-deepspeed", "--json", str(out)),
         *("--rounds", "2"),  # the rounds take turns; 2 calls each, so cheap
+        extra_env=QUIET_DEBUG,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta, rows = read_rows(out)
     assert meta["nproc"] == 2 and meta["sizes"] == [4096, 65536] and meta["rounds"] == 2
+    assert meta["xdev_environment"] == QUIET_DEBUG and QUIET_DEBUG_LINE in proc.stdout
     assert meta["deepspeed"]["skipped"]
     backends = {(r["size_bytes"], r["backend_base"], r["algorithm"]) for r in rows}
     for size in (4096, 65536):
@@ -115,10 +123,14 @@ def test_allreduce_across_fake_hosts_fits_the_network(tmp_path: Path) -> None:
 def test_gather_scatter_rows(tmp_path: Path) -> None:
     out = tmp_path / "gs.json"
     proc = run_benchmark(
-        "gather_scatter.py", "--nproc", "2", "--sizes", "4KiB", "--rounds", "1", "--json", str(out)
-    )
+        "gather_scatter.py", "--nproc", "2", "--sizes", "4KiB", "--rounds", "1", "--json", str(out),
+        extra_env=QUIET_DEBUG,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text())  # written, and JSON
+    meta, rows = read_rows(out)
+    assert rows and meta["xdev_environment"] == QUIET_DEBUG
+    lines = proc.stdout.splitlines()
+    assert QUIET_DEBUG_LINE in lines[: lines.index("#")]  # in the header, above the tables
 
 
 def test_gather_scatter_float16_reduce_scatter_at_three_ranks(tmp_path: Path) -> None:
