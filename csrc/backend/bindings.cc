@@ -119,6 +119,7 @@ py::dict describe(const XdevBackend& b) {
   d["world_size"] = b.getSize();
   d["local_world_size"] = b.local_world_size();
   d["host_cores"] = b.host_cores();
+  d["worker_has_own_core"] = b.worker_has_own_core();
   d["num_hosts"] = b.num_hosts();
   d["hostname"] = c.hostname;
   d["shared_memory"] = b.has_shared_memory();
@@ -252,7 +253,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return tensor;
           },
           py::arg("sizes"), py::arg("dtype"))
-      .def_property_readonly("shm_name", &XdevBackend::shm_name);
+      .def_property_readonly("shm_name", &XdevBackend::shm_name)
+      .def_property_readonly("worker_has_own_core", &XdevBackend::worker_has_own_core);
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");

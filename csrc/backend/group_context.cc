@@ -225,7 +225,7 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
 void GroupContext::choose_spin_budgets() {
   const transport::Clock::duration none(0);
   spin_while_caller_waits_ = local_world_size_ <= host_cores_ ? kBarrierSpin : none;
-  spin_while_caller_runs_ = 2 * local_world_size_ <= host_cores_ ? kBarrierSpin : none;
+  spin_while_caller_runs_ = worker_has_own_core() ? kBarrierSpin : none;
 }
 
 void GroupContext::check_with_peers(Collective collective, const char* name,

@@ -101,6 +101,12 @@ class GroupContext {
   // the least over the group's hosts, so that every rank weighs plans alike.
   // At least 1.
   int host_cores() const { return host_cores_; }
+  // Whether a collective on the worker thread has a core of its own while its
+  // caller computes (every rank of the host has two). Where it has not, the
+  // two take turns on one core: a rank's worker may be off its core while a
+  // peer's waits for it at a barrier, so waiting for the collective beats
+  // overlapping it (torch_xdev.avg_comm_hook does).
+  bool worker_has_own_core() const { return 2 * local_world_size_ <= host_cores_; }
   // The fewest cores of any machine of the group's ranks, for the model of
   // the shared-memory path inside a host: alike on every rank.
   int machine_cores() const { return machine_cores_; }

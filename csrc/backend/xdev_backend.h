@@ -152,6 +152,7 @@ class XdevBackend : public c10d::Backend {
   int num_hosts() const { return group_.num_hosts(); }
   int local_world_size() const { return group_.local_world_size(); }
   int host_cores() const { return group_.host_cores(); }
+  bool worker_has_own_core() const { return group_.worker_has_own_core(); }
   bool has_shared_memory() const { return cpu_ != nullptr; }
   bool single_copy_available() const { return cpu_ && cpu_->single_copy_available(); }
   std::string single_copy_note() const;

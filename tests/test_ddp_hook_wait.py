@@ -1,0 +1,88 @@
+"""avg_comm_hook waits for a CPU bucket's allreduce where the ranks lack a core each for xdev's
+worker, and overlaps it with backward where they have one.
+
+The choice follows ``describe()["worker_has_own_core"]``: every rank of the host has two cores
+(this machine's, shared by the host's ranks). The test computes that from ``os.cpu_count()``
+itself, runs DDP with the hook on a group of the test's ranks and on a group of one rank each,
+and checks, for each, that the hook waited exactly where the ranks lack the cores (its futures
+were done when it returned) and that training matches the same DDP on Gloo with DDP's own hook.
+"""
+
+# No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's
+# annotations against dist.GradBucket and Future[Tensor] themselves, not strings.
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torch_xdev
+from harness import run_ranks
+from torch_xdev.ddp import waits_for_cpu_buckets
+
+STEPS = 3
+
+
+def _train(group: dist.ProcessGroup, rank: int, hook: Any) -> tuple[torch.Tensor, list[bool]]:
+    """Parameters after STEPS of DDP (buckets of about 64 KB: several per step), and for each
+    bucket whether the future the hook returned was done when it returned."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    model = DDP(net, process_group=group, bucket_cap_mb=0.06, gradient_as_bucket_view=True)
+    done_at_return: list[bool] = []
+    if hook is not None:
+
+        def recording_hook(
+            state: Any, bucket: dist.GradBucket
+        ) -> torch.futures.Future[torch.Tensor]:
+            future = hook(state, bucket)
+            done_at_return.append(future.done())
+            return future
+
+        model.register_comm_hook(group, recording_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=g)).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), done_at_return
+
+
+def _ranks(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cores = os.cpu_count() or 1
+    groups = {
+        "all ranks": (dist.new_group(backend="xdev"), world),
+        "one rank": (dist.new_subgroups(group_size=1, backend="xdev")[0], 1),
+    }
+    gloo_groups = {
+        "all ranks": dist.new_group(backend="gloo"),
+        "one rank": dist.new_subgroups(group_size=1, backend="gloo")[0],
+    }
+    out: dict[str, Any] = {}
+    for name, (group, ranks_on_host) in groups.items():
+        has_core = 2 * ranks_on_host <= cores
+        assert torch_xdev.describe(group)["worker_has_own_core"] == has_core, (name, cores)
+        assert waits_for_cpu_buckets(group) == (not has_core), (name, cores)
+        assert not waits_for_cpu_buckets(gloo_groups[name])  # never on another backend
+        ours, done = _train(group, rank, torch_xdev.avg_comm_hook)
+        theirs, _ = _train(gloo_groups[name], rank, None)  # DDP's own SUM of divided grads
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        assert len(done) > STEPS, done  # several buckets a step after the first
+        if not has_core:
+            assert all(done), f"{name}: the hook returned before its allreduce was done"
+        out[name] = {"waited": not has_core, "buckets": len(done)}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_avg_comm_hook_waits_only_where_the_worker_lacks_a_core(world: int) -> None:
+    results = run_ranks(_ranks, world)
+    cores = os.cpu_count() or 1
+    for result in results:
+        assert result["all ranks"]["waited"] == (2 * world > cores)
+        assert result["one rank"]["waited"] == (2 > cores)
