@@ -67,6 +67,7 @@ class TrainConfig:
     algorithm: str = "auto"
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
+    avg_hook: bool = False  # DDP with torch_xdev.avg_comm_hook (AVG in the allreduce)
     shared_grads: bool = False  # no DDP: gradients in one shared_empty buffer (xdev, CPU)
     hidden: int = HIDDEN
     depth: int = 1
@@ -153,6 +154,11 @@ def train(
             f" CPU tensors of an xdev group); got backend {config.backend!r}, device"
             f" {config.device!r}"
         )
+    if config.avg_hook and (config.shared_grads or config.backend == "gloo"):
+        raise ValueError(
+            "avg_hook registers a DDP comm hook that allreduces with ReduceOp.AVG: it needs DDP"
+            " (not shared_grads) and a backend with AVG (xdev, nccl; Gloo has none)"
+        )
     device = resolve_device(config.device)
     pg_options = None
     if config.backend == torch_xdev.BACKEND_NAME:
@@ -216,6 +222,8 @@ def _train_loop(
             find_unused_parameters=config.find_unused_parameters,
             gradient_as_bucket_view=config.gradient_as_bucket_view,
         )
+        if config.avg_hook:
+            net.register_comm_hook(None, torch_xdev.avg_comm_hook)
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr)
     teacher = make_teacher()
     losses: list[float] = []
@@ -315,6 +323,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--find-unused-parameters", action="store_true")
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
     parser.add_argument(
+        "--avg-hook",
+        action="store_true",
+        help="register torch_xdev.avg_comm_hook: the average folded into the allreduce",
+    )
+    parser.add_argument(
         "--shared-grads",
         action="store_true",
         help="no DDP: gradients in one torch_xdev.shared_empty buffer, allreduced in place",
@@ -351,6 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         algorithm=args.algorithm,
         find_unused_parameters=args.find_unused_parameters,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
+        avg_hook=args.avg_hook,
         shared_grads=args.shared_grads,
         hidden=args.hidden,
         depth=args.depth,

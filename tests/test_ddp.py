@@ -48,6 +48,8 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "xdev-unused": ("xdev", {"find_unused_parameters": True}),
     "gloo-bucketview": ("gloo", {"gradient_as_bucket_view": True}),
     "xdev-bucketview": ("xdev", {"gradient_as_bucket_view": True}),
+    # torch_xdev.avg_comm_hook: AVG in the allreduce, against DDP's SUM of divided gradients.
+    "xdev-avg_hook": ("xdev", {"gradient_as_bucket_view": True, "avg_hook": True}),
     # No DDP: gradients in a torch_xdev.shared_empty buffer, compared with Gloo's plain DDP.
     "xdev-shared_grads": ("xdev", {"shared_grads": True}),
 }
@@ -56,7 +58,8 @@ XDEV_RUNS = [name for name, (backend, _) in RUNS.items() if backend == "xdev"]
 
 def gloo_twin(name: str) -> str:
     """The Gloo run with the same DDP flags as the xdev run ``name``."""
-    overrides = {k: v for k, v in RUNS[name][1].items() if k not in ("algorithm", "shared_grads")}
+    xdev_only = ("algorithm", "shared_grads", "avg_hook")
+    overrides = {k: v for k, v in RUNS[name][1].items() if k not in xdev_only}
     for other, (backend, other_overrides) in RUNS.items():
         if backend == "gloo" and other_overrides == overrides:
             return other
