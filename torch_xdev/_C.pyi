@@ -28,6 +28,7 @@ class BackendConfig:
     timeout: timedelta  # per-collective timeout
     shm_slot_bytes: int  # staging bytes per rank and slot set; larger payloads run in windows
     cuda_slot_bytes: int  # GPU staging bytes per rank and slot set (two sets per rank)
+    cuda_host_check: bool  # check each CUDA collective against the peers' on the host before its kernels are queued
     single_copy: bool  # let peers read large tensors in place (process_vm_readv)
     shared_buckets: bool  # give DDP its gradient buckets in memory every rank maps
     two_level_pieces: int  # pieces a two-level allreduce is pipelined in; 0: the model's choice

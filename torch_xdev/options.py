@@ -203,6 +203,11 @@ class Options:
         cuda_slot_bytes: GPU staging bytes per rank and slot set (each rank
             allocates two); larger CUDA payloads run in windows of this size.
             A multiple of 256, at least 4096.
+        cuda_host_check: before queuing a CUDA collective's kernels, check on the host that
+            every rank runs the same call (a mismatch raises on every rank and the group stays
+            usable). False: only the kernels' GPU barrier checks, which saves the host barrier
+            per call; a mismatch then stops every rank's kernels and breaks the group, and heap
+            tensors stage (running in place needs the host's agreement on their places).
         single_copy: let ranks read each other's tensors in place
             (process_vm_readv) for large CPU allreduces, when the host allows it.
         shared_buckets: let DDP allocate its gradient buckets (and other callers of c10d's
@@ -234,6 +239,7 @@ class Options:
     )
     shm_slot_bytes: int = _option(256 << 10, "XDEV_SHM_SLOT_BYTES", _parse_int, _check_int)
     cuda_slot_bytes: int = _option(32 << 20, "XDEV_CUDA_SLOT_BYTES", _parse_int, _check_int)
+    cuda_host_check: bool = _option(True, "XDEV_CUDA_HOST_CHECK", _parse_bool, _check_bool)
     single_copy: bool = _option(False, "XDEV_SINGLE_COPY", _parse_bool, _check_bool)
     shared_buckets: bool = _option(True, "XDEV_SHARED_BUCKETS", _parse_bool, _check_bool)
     two_level_pieces: int = _option(0, "XDEV_TWO_LEVEL_PIECES", _parse_int, _check_count)

@@ -42,6 +42,9 @@
     "staging bytes per rank and slot set; larger payloads run in windows", "shm_slot_bytes")     \
   X(int64_t, cuda_slot_bytes, int64_t{32} << 20,                                                 \
     "GPU staging bytes per rank and slot set (two sets per rank)", "")                           \
+  X(bool, cuda_host_check, true,                                                                 \
+    "check each CUDA collective against the peers' on the host before its kernels are queued",   \
+    "")                                                                                          \
   X(bool, single_copy, false, "let peers read large tensors in place (process_vm_readv)", "")    \
   X(bool, shared_buckets, true, "give DDP its gradient buckets in memory every rank maps", "")   \
   X(int64_t, two_level_pieces, 0,                                                                \

@@ -61,6 +61,7 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["built"] = cuda != nullptr;
   d["initialized"] = info != nullptr;
   d["cuda_slot_bytes"] = b.config().cuda_slot_bytes;
+  d["cuda_host_check"] = b.config().cuda_host_check;
   const std::string fallback = b.cuda_fallback_name();
   d["fallback_backend"] = fallback.empty() ? py::object(py::none()) : py::object(py::str(fallback));
   if (info == nullptr) {

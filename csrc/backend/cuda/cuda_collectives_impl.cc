@@ -358,7 +358,9 @@ class CudaCollectivesImpl : public CudaCollectives {
     executor_->prepare(program, stream_->stream());
     const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
     // As for the allreduce: every rank runs this very collective before any GPU waits.
-    g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
+    if (g_.config().cuda_host_check) {
+      g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
+    }
     if (plan.num_windows() == 0) return;
 
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
@@ -403,8 +405,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       g_.number(call.descriptor);
       call.descriptor.device = 1;
       // One contiguous tensor in the heap: every rank reads its peers' copies
-      // in place if all lie at one place (compared after the first barrier).
-      transport::HeapLocation where = sel.in_place_shared && in_place && heap_
+      // in place if all lie at one place, which the host barrier compares (so
+      // never without it: cuda_host_check off).
+      const bool host_check = g_.config().cuda_host_check;
+      transport::HeapLocation where = host_check && sel.in_place_shared && in_place && heap_
                                           ? heap_->locate(flat)
                                           : transport::HeapLocation{};
       // A peer's arena this rank cannot open (yet): say the tensor is
@@ -424,7 +428,10 @@ class CudaCollectivesImpl : public CudaCollectives {
 
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
-      g_.channel()->open_collective(g_.make_context(call.descriptor, "allreduce", deadline));
+      // Without it (cuda_host_check off) the kernels' GPU barrier compares the calls' hashes.
+      if (host_check) {
+        g_.channel()->open_collective(g_.make_context(call.descriptor, "allreduce", deadline));
+      }
       if (total == 0) continue;
       const uint32_t hash = transport::call_hash(call.descriptor);
       if (where.arena >= 0 &&
