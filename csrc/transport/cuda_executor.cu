@@ -263,20 +263,8 @@ std::string CudaExecutor::device_error() const {
   return gpu_barrier::describe_error(__atomic_load_n(error_host_, __ATOMIC_ACQUIRE));
 }
 
-const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::windows_of(const Program& program,
-                                                                        cudaStream_t stream) {
-  auto it = cache_.find(program.key);
-  if (it != cache_.end()) return it->second;
-  // Bounded: a job with ever-changing sizes rebuilds instead of growing.
-  constexpr size_t kMaxCachedWindows = 4096;
-  if (cached_windows_ + static_cast<size_t>(program.num_windows) > kMaxCachedWindows) {
-    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
-    for (auto& entry : cache_) {
-      for (DeviceWindow& w : entry.second) cudaFree(w.ops);
-    }
-    cache_.clear();
-    cached_windows_ = 0;
-  }
+std::vector<CudaExecutor::DeviceWindow> CudaExecutor::compile(const Program& program,
+                                                              cudaStream_t stream) const {
   std::vector<DeviceWindow> windows;
   try {
     for (int64_t k = 0; k < program.num_windows; ++k) {
@@ -300,8 +288,16 @@ const std::vector<CudaExecutor::DeviceWindow>& CudaExecutor::windows_of(const Pr
     for (DeviceWindow& w : windows) cudaFree(w.ops);
     throw;
   }
-  cached_windows_ += windows.size();
-  return cache_.emplace(program.key, std::move(windows)).first->second;
+  return windows;
+}
+
+void CudaExecutor::free_cache() {
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
+  for (auto& entry : cache_) {
+    for (DeviceWindow& w : entry.second) cudaFree(w.ops);
+  }
+  cache_.clear();
+  cached_windows_ = 0;
 }
 
 CudaExecutor::Program CudaExecutor::allreduce_program(const CudaPlanKey& key,
@@ -329,11 +325,23 @@ CudaExecutor::Program CudaExecutor::gather_scatter_program(
           [&plan, rank](int64_t k) { return plan::compile_gather_scatter_program(plan, k, rank); }};
 }
 
-void CudaExecutor::prepare(const Program& program, cudaStream_t stream) {
+void CudaExecutor::prepare(const std::vector<const Program*>& programs, cudaStream_t stream) {
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
   CudaDeviceGuard guard(channel_.device());
-  windows_of(program, stream);
+  size_t missing = 0;
+  for (const Program* p : programs) {
+    if (cache_.count(p->key) == 0) missing += static_cast<size_t>(p->num_windows);
+  }
+  // Bounded: a job with ever-changing sizes rebuilds instead of growing.
+  constexpr size_t kMaxCachedWindows = 4096;
+  if (missing > 0 && cached_windows_ + missing > kMaxCachedWindows) free_cache();
+  for (const Program* p : programs) {
+    if (cache_.count(p->key) != 0) continue;
+    std::vector<DeviceWindow> windows = compile(*p, stream);
+    cached_windows_ += windows.size();
+    cache_.emplace(p->key, std::move(windows));
+  }
 }
 
 void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void* input,
@@ -345,8 +353,12 @@ void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void
         "CudaExecutor::launch: one copy per rank for the in-place "
         "program, none otherwise");
   }
+  const auto cached = cache_.find(program.key);
+  if (cached == cache_.end()) {
+    throw std::logic_error("CudaExecutor::launch: a program that prepare() did not make ready");
+  }
+  const std::vector<DeviceWindow>& windows = cached->second;
   CudaDeviceGuard guard(channel_.device());
-  const std::vector<DeviceWindow>& windows = windows_of(program, stream);
   WindowParams p{};
   p.rank = channel_.rank();
   p.world_size = channel_.world_size();

@@ -90,14 +90,17 @@ class CudaExecutor {
   Program gather_scatter_program(const CudaPlanKey& key, const plan::GatherScatterPlan& plan) const;
 
   // Everything that can fail on this rank alone before a launch: compiles and
-  // uploads program on a cache miss, and throws if an earlier kernel of this
-  // rank gave up (device_error). Callers run it before the collective's host
-  // barrier: a rank that throws after it leaves its peers waiting in the GPU
-  // barrier until the timeout.
-  void prepare(const Program& program, cudaStream_t stream);
+  // uploads every program of a call that the cache lacks, and throws if an
+  // earlier kernel of this rank gave up (device_error). Callers run it before
+  // the collective's host barrier, with every program the call may launch: a
+  // rank that throws after the barrier leaves its peers waiting in the GPU
+  // barrier until the timeout. A full cache is emptied here, before any of
+  // them is compiled, so that all of them stay until their launch.
+  void prepare(const std::vector<const Program*>& programs, cudaStream_t stream);
 
-  // Enqueues every window of program on stream and returns; prepares it
-  // first if prepare() was not called (or its cache entry was evicted since).
+  // Enqueues every window of program, which prepare() made ready since the
+  // last call's launch, on stream and returns (std::logic_error if it did
+  // not: launching compiles nothing, since nothing may fail here alone).
   // call_hash (call_hash() of the call's descriptor) goes with every barrier's
   // epoch: a peer whose differs stops every rank's kernel (device_error).
   // copies: every rank's copy of the tensor for in_place_program, else empty.
@@ -118,8 +121,9 @@ class CudaExecutor {
     int32_t num_phases = 0;
     std::vector<int32_t> phase_begin;
   };
-  // The cached windows of program, compiling each on a miss.
-  const std::vector<DeviceWindow>& windows_of(const Program& program, cudaStream_t stream);
+  // Compiles program's windows and uploads them on stream.
+  std::vector<DeviceWindow> compile(const Program& program, cudaStream_t stream) const;
+  void free_cache();
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;

@@ -355,7 +355,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     key.window_elems = slot_units;
     key.pack_bounds = {block_units};
     const auto program = executor_->gather_scatter_program(key, plan);
-    executor_->prepare(program, stream_->stream());
+    executor_->prepare({&program}, stream_->stream());
     const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
     // As for the allreduce: every rank runs this very collective before any GPU waits.
     if (g_.config().cuda_host_check) {
@@ -423,8 +423,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       const auto staged = executor_->allreduce_program(
           allreduce_key(sel, call, g_.config().reduce_to_rank, window_elems), cp);
       const auto in_heap = executor_->in_place_program(total, call.dtype);
-      if (total > 0) executor_->prepare(staged, stream_->stream());
-      if (total > 0 && where.arena >= 0) executor_->prepare(in_heap, stream_->stream());
+      std::vector<const transport::CudaExecutor::Program*> programs;
+      if (total > 0) programs.push_back(&staged);
+      if (total > 0 && where.arena >= 0) programs.push_back(&in_heap);
+      executor_->prepare(programs, stream_->stream());
 
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.
