@@ -17,8 +17,8 @@ in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per 
 - ``xdev_shared_view`` and ``xdev_shared_avg_noview``: its two halves apart, the bucket view
   with DDP's own hook, and the AVG hook without the view.
 - ``xdev_shared_avg_overlap``: ``xdev_shared_avg`` with a hook that never waits for its
-  allreduce, as ``avg_comm_hook`` does where the ranks have fewer than two cores each
-  (``torch_xdev.ddp.waits_for_cpu_buckets``): what that wait gains.
+  allreduce. ``avg_comm_hook`` waits where the ranks have fewer than two cores each
+  (``torch_xdev.ddp.waits_for_cpu_buckets``); this variant shows what that wait gains.
 - ``xdev_staged``: DDP on an xdev group with ``Options(shared_buckets=False)``: ordinary
   buckets, allreduced through xdev's staging slots.
 - ``gloo``: DDP on a Gloo group.

@@ -6,6 +6,8 @@ The choice follows ``describe()["worker_has_own_core"]``: every rank of the host
 itself, runs DDP with the hook on a group of the test's ranks and on a group of one rank each,
 and checks, for each, that the hook waited exactly where the ranks lack the cores (its futures
 were done when it returned) and that training matches the same DDP on Gloo with DDP's own hook.
+Then it forces each of the two ways (``waits_for_cpu_buckets`` replaced), so that both run and
+match Gloo whatever this machine's cores.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's
@@ -75,6 +77,19 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         if not has_core:
             assert all(done), f"{name}: the hook returned before its allreduce was done"
         out[name] = {"waited": not has_core, "buckets": len(done)}
+
+    group, _ = groups["all ranks"]
+    theirs, _ = _train(gloo_groups["all ranks"], rank, None)
+    real_choice = torch_xdev.ddp.waits_for_cpu_buckets
+    try:
+        for forced in (True, False):
+            torch_xdev.ddp.waits_for_cpu_buckets = lambda _group, forced=forced: forced
+            ours, done = _train(group, rank, torch_xdev.avg_comm_hook)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+            if forced:
+                assert all(done), "forced to wait, the hook returned before its allreduce"
+    finally:
+        torch_xdev.ddp.waits_for_cpu_buckets = real_choice
     dist.destroy_process_group()
     return out
 

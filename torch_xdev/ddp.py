@@ -86,9 +86,9 @@ def waits_for_cpu_buckets(process_group: Optional[dist.ProcessGroup]) -> bool:
     (``describe()["worker_has_own_core"]`` is False). The allreduce runs on the group's worker
     thread; without a core of its own it takes turns with backward on the rank's core, and a
     rank's worker may be off its core while a peer's waits for it at a barrier. Measured with 2
-    ranks on 2 cores (``benchmarks/ddp_step.py``, 67 MB of gradients): a step's communication
-    cost 9.0-9.4 ms overlapped with backward, 5.1-5.2 ms waited for. With a core to spare the
-    overlap pays and the hook does not wait.
+    ranks on 2 cores (``benchmarks/ddp_step.py``, 67 MB of gradients, the README's run): a
+    step's communication cost 8.4 ms overlapped with backward, 3.5 ms waited for. With a core
+    to spare the overlap pays and the hook does not wait.
     """
     backend = backends_by_device(process_group).get("cpu")
     return isinstance(backend, _C.XdevBackend) and not backend.worker_has_own_core
