@@ -1,5 +1,7 @@
-"""avg_comm_hook waits for a CPU bucket's allreduce where the ranks lack a core each for xdev's
-worker, and overlaps it with backward where they have one.
+"""Where the ranks lack a second core each for xdev's worker thread, DDP's buckets are reduced
+as if waited for: avg_comm_hook waits for a CPU bucket's allreduce, and the backend runs an
+asynchronous allreduce of a tensor of the group's heap (DDP's buckets, with DDP's own hook) on
+the calling thread. Where they have one, both overlap the allreduce with backward.
 
 The choice follows ``describe()["worker_has_own_core"]``: every rank of the host has two cores
 (this machine's, shared by the host's ranks). The test computes that from ``os.cpu_count()``
@@ -13,7 +15,7 @@ match Gloo whatever this machine's cores.
 # No `from __future__ import annotations`: DDP's register_comm_hook checks the hook's
 # annotations against dist.GradBucket and Future[Tensor] themselves, not strings.
 import os
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -83,15 +85,47 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     real_choice = torch_xdev.ddp.waits_for_cpu_buckets
     try:
         for forced in (True, False):
-            torch_xdev.ddp.waits_for_cpu_buckets = lambda _group, forced=forced: forced
+
+            def choice(_group: Optional[dist.ProcessGroup], forced: bool = forced) -> bool:
+                return forced
+
+            setattr(torch_xdev.ddp, "waits_for_cpu_buckets", choice)
             ours, done = _train(group, rank, torch_xdev.avg_comm_hook)
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
             if forced:
                 assert all(done), "forced to wait, the hook returned before its allreduce"
     finally:
-        torch_xdev.ddp.waits_for_cpu_buckets = real_choice
+        setattr(torch_xdev.ddp, "waits_for_cpu_buckets", real_choice)
     dist.destroy_process_group()
     return out
+
+
+def _heap_buckets(rank: int, world: int) -> dict[str, Any]:
+    """Async allreduces of heap tensors (as DDP's Reducer issues them), and of one that is not."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="xdev")
+    has_core = bool(torch_xdev.describe(group)["worker_has_own_core"])
+    backend = group._get_backend(torch.device("cpu"))
+    completed_at_return = []
+    for numel in (1000, 300_001):
+        bucket = backend.allocate_tensor(numel, dtype=torch.float32, device=torch.device("cpu"))
+        bucket.fill_(float(rank + 1))
+        work = dist.all_reduce(bucket, group=group, async_op=True)
+        assert work is not None
+        completed_at_return.append(work.is_completed())
+        work.wait()
+        assert torch.equal(bucket, torch.full((numel,), float(world * (world + 1) // 2)))
+    dist.destroy_process_group()
+    return {"has_core": has_core, "completed_at_return": completed_at_return}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_heap_allreduce_runs_on_the_caller_where_the_worker_lacks_a_core(world: int) -> None:
+    cores = os.cpu_count() or 1
+    for result in run_ranks(_heap_buckets, world):
+        assert result["has_core"] == (2 * world <= cores)
+        if not result["has_core"]:  # nothing queued ahead: run before the call returned
+            assert all(result["completed_at_return"]), result
 
 
 @pytest.mark.parametrize("world", [2, 3])
