@@ -1,7 +1,6 @@
-"""Where the ranks lack a second core each for xdev's worker thread, DDP's buckets are reduced
-as if waited for: avg_comm_hook waits for a CPU bucket's allreduce, and the backend runs an
-asynchronous allreduce of a tensor of the group's heap (DDP's buckets, with DDP's own hook) on
-the calling thread. Where they have one, both overlap the allreduce with backward.
+"""Where the ranks lack a second core each for xdev's worker thread, avg_comm_hook waits for a
+CPU bucket's allreduce instead of overlapping it with backward; where they have one, it
+overlaps.
 
 The choice follows ``describe()["worker_has_own_core"]``: every rank of the host has two cores
 (this machine's, shared by the host's ranks). The test computes that from ``os.cpu_count()``
@@ -98,34 +97,6 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         setattr(torch_xdev.ddp, "waits_for_cpu_buckets", real_choice)
     dist.destroy_process_group()
     return out
-
-
-def _heap_buckets(rank: int, world: int) -> dict[str, Any]:
-    """Async allreduces of heap tensors (as DDP's Reducer issues them), and of one that is not."""
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    group = dist.new_group(backend="xdev")
-    has_core = bool(torch_xdev.describe(group)["worker_has_own_core"])
-    backend = group._get_backend(torch.device("cpu"))
-    completed_at_return = []
-    for numel in (1000, 300_001):
-        bucket = backend.allocate_tensor(numel, dtype=torch.float32, device=torch.device("cpu"))
-        bucket.fill_(float(rank + 1))
-        work = dist.all_reduce(bucket, group=group, async_op=True)
-        assert work is not None
-        completed_at_return.append(work.is_completed())
-        work.wait()
-        assert torch.equal(bucket, torch.full((numel,), float(world * (world + 1) // 2)))
-    dist.destroy_process_group()
-    return {"has_core": has_core, "completed_at_return": completed_at_return}
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_heap_allreduce_runs_on_the_caller_where_the_worker_lacks_a_core(world: int) -> None:
-    cores = os.cpu_count() or 1
-    for result in run_ranks(_heap_buckets, world):
-        assert result["has_core"] == (2 * world <= cores)
-        if not result["has_core"]:  # nothing queued ahead: run before the call returned
-            assert all(result["completed_at_return"]), result
 
 
 @pytest.mark.parametrize("world", [2, 3])

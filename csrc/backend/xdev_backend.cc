@@ -238,21 +238,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   }
   const plan::Selection sel = plan::select_allreduce(in);
   if (!sel.in_place_shared) shared = {};
-  // A CPU tensor of the group's heap is, in practice, one of DDP's buckets,
-  // which its Reducer allreduces asynchronously to overlap the rest of
-  // backward. Where the group's worker has no core of its own, that overlap
-  // costs more than it hides: the worker takes turns with backward on the
-  // rank's core, and the peers wait for it at every barrier. Such a call runs
-  // on the calling thread (unless work is queued ahead of it), as if waited for.
-  const bool async_op =
-      opts.asyncOp && !(in.in_symmetric_heap && !device.is_cuda() && !group_.worker_has_own_core());
   log_choice(sel, device.is_cuda());
   if (sel.algorithm == plan::Algorithm::kFallback) {
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   if (sel.two_level) {
     return two_level_->allreduce(tensors, *native_op(opts.reduceOp), sel.two_level_pieces,
-                                 sel.two_level_leader, opts.timeout, async_op);
+                                 sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (device.is_cuda()) {
     TORCH_CHECK(cuda_ != nullptr, "xdev: this build has no CUDA support");  // selection prevents it
@@ -261,7 +253,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (size_ == 1) {  // a world of one already holds its result
     return group_.enqueue(c10d::OpType::ALLREDUCE, "xdev:all_reduce", tensors, [] {}, opts.asyncOp);
   }
-  return cpu_->allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, async_op,
+  return cpu_->allreduce(tensors, *native_op(opts.reduceOp), sel, opts.timeout, opts.asyncOp,
                          std::move(shared));
 }
 
