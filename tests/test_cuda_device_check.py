@@ -2,8 +2,8 @@
 GPU barrier checks that every rank runs the same call (csrc/transport/gpu_barrier_word.h).
 
 - ``test_collectives_without_the_host_check``: allreduce (several windows), reduce-scatter and
-  all-gather against references computed here, and a heap tensor's allreduce, which stages
-  (nothing runs in place without the host's agreement on places).
+  all-gather against references computed here; no CUDA heap (running in place needs the host's
+  agreement on places), so DDP gets ordinary buckets.
 - ``test_a_mismatch_stops_every_rank_at_the_gpu_barrier``: ranks whose calls differ in shape
   queue their kernels, which stop at the call's first barrier; the group's next CUDA
   collective raises on every rank, naming the peer that ran a different collective.
@@ -72,15 +72,12 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
         dist.all_gather_into_tensor(gathered, inputs[rank].to(device), group=group)
         assert torch.equal(gathered.cpu(), torch.cat(inputs)), f"all_gather n={numel}"
 
-    heap = torch_xdev.describe(group)["cuda"].get("heap")
-    if heap is not None:  # the group's CUDA heap: its tensors stage here
-        backend = group._get_backend(device)
-        t = backend.allocate_tensor(4099, dtype=torch.float32, device=device)
-        t.fill_(float(rank + 1))
-        dist.all_reduce(t, group=group)
-        assert torch.equal(t.cpu(), torch.full((4099,), float(world * (world + 1) // 2)))
-        heap = torch_xdev.describe(group)["cuda"]["heap"]
-        assert heap["in_place_allreduces"] == 0, heap
+    # No CUDA heap (DDP's buckets are ordinary tensors): running in place needs the host
+    # barrier's agreement on places.
+    cuda = torch_xdev.describe(group)["cuda"]
+    assert cuda["heap"] is None and not cuda["ddp_shared_buckets"], cuda
+    assert "cuda_host_check" in cuda["ddp_shared_buckets_note"], cuda
+    assert not group._get_backend(device).supports_tensor_alloc(device)
     close_group(group)
     dist.destroy_process_group()
     return {}

@@ -206,8 +206,8 @@ class Options:
         cuda_host_check: before queuing a CUDA collective's kernels, check on the host that
             every rank runs the same call (a mismatch raises on every rank and the group stays
             usable). False: only the kernels' GPU barrier checks, which saves the host barrier
-            per call; a mismatch then stops every rank's kernels and breaks the group, and heap
-            tensors stage (running in place needs the host's agreement on their places).
+            per call; a mismatch then stops every rank's kernels and breaks the group, and the
+            group has no CUDA heap (running in place needs the host's agreement on places).
         single_copy: let ranks read each other's tensors in place
             (process_vm_readv) for large CPU allreduces, when the host allows it.
         shared_buckets: let DDP allocate its gradient buckets (and other callers of c10d's

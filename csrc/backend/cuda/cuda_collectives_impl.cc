@@ -255,6 +255,14 @@ class CudaCollectivesImpl : public CudaCollectives {
       info->heap_note = "off: Options.shared_buckets / XDEV_SHARED_BUCKETS is off";
       return;
     }
+    // Running in place needs the ranks' agreement on places, which the host
+    // barrier carries: without it a heap tensor would only stage.
+    if (!g_.config().cuda_host_check) {
+      info->heap_note =
+          "off: Options.cuda_host_check / XDEV_CUDA_HOST_CHECK is off (running in "
+          "place needs the host barrier's agreement on places)";
+      return;
+    }
     // A Work's future records its CUDA tensors on the waiting streams through
     // the allocator, and the cudaMallocAsync backend asserts on memory it did
     // not allocate. (Ranks may differ here: a collective then stages.)
@@ -405,10 +413,10 @@ class CudaCollectivesImpl : public CudaCollectives {
       g_.number(call.descriptor);
       call.descriptor.device = 1;
       // One contiguous tensor in the heap: every rank reads its peers' copies
-      // in place if all lie at one place, which the host barrier compares (so
-      // never without it: cuda_host_check off).
+      // in place if all lie at one place, which the host barrier compares
+      // (there is no heap without it: open_heap).
       const bool host_check = g_.config().cuda_host_check;
-      transport::HeapLocation where = host_check && sel.in_place_shared && in_place && heap_
+      transport::HeapLocation where = sel.in_place_shared && in_place && heap_
                                           ? heap_->locate(flat)
                                           : transport::HeapLocation{};
       // A peer's arena this rank cannot open (yet): say the tensor is
