@@ -16,6 +16,9 @@ in DDP's default buckets of 25 MiB) with SGD on synthetic data that differs per 
   allreduce) and ``gradient_as_bucket_view=True`` (no copy of the gradients into buckets).
 - ``xdev_shared_view`` and ``xdev_shared_avg_noview``: its two halves apart, the bucket view
   with DDP's own hook, and the AVG hook without the view.
+- ``xdev_shared_avg_overlap``: ``xdev_shared_avg`` with a hook that never waits for its
+  allreduce. ``avg_comm_hook`` waits where the ranks have fewer than two cores each
+  (``torch_xdev.ddp.waits_for_cpu_buckets``); this variant shows what that wait gains.
 - ``xdev_staged``: DDP on an xdev group with ``Options(shared_buckets=False)``: ordinary
   buckets, allreduced through xdev's staging slots.
 - ``gloo``: DDP on a Gloo group.
@@ -110,7 +113,7 @@ class Variant:
     name: str
     backend: Optional[str]  # of the variant's process group; None: no DDP, no group
     shared_buckets: Optional[bool] = None  # xdev's Options(shared_buckets=...)
-    comm_hook: Optional[str] = None  # "avg" (torch_xdev.avg_comm_hook), "fp16" or "noop"
+    comm_hook: Optional[str] = None  # "avg" (avg_comm_hook), "avg_overlap", "fp16" or "noop"
     gradient_as_bucket_view: bool = False
 
     @property
@@ -131,6 +134,13 @@ VARIANTS = (
     # The two halves of xdev_shared_avg apart: the bucket view alone, the AVG hook alone.
     Variant("xdev_shared_view", "xdev", shared_buckets=True, gradient_as_bucket_view=True),
     Variant("xdev_shared_avg_noview", "xdev", shared_buckets=True, comm_hook="avg"),
+    Variant(
+        "xdev_shared_avg_overlap",
+        "xdev",
+        shared_buckets=True,
+        comm_hook="avg_overlap",
+        gradient_as_bucket_view=True,
+    ),
     Variant("xdev_staged", "xdev", shared_buckets=False),
     Variant("gloo", "gloo"),
     Variant("xdev_fp16_hook", "xdev", shared_buckets=True, comm_hook="fp16"),
@@ -156,6 +166,15 @@ NO_COMM_BASELINE = {False: "noop_hook", True: "noop_hook_view"}
 # gloo_fp16_hook with 4 ranks (0 with 2). Ten times fp32's atol leaves them 18 times inside
 # it; the broadcast above would still be 4 times this bound at the defaults.
 FP16_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+
+
+def avg_overlap_hook(
+    state: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """``avg_comm_hook`` without its wait: the AVG allreduce overlaps the rest of backward."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=state, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def noop_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -208,6 +227,8 @@ def make_runner(variant: Variant, args: argparse.Namespace) -> Runner:
         )
         if variant.comm_hook == "avg":
             ddp.register_comm_hook(group, torch_xdev.avg_comm_hook)
+        elif variant.comm_hook == "avg_overlap":
+            ddp.register_comm_hook(group, avg_overlap_hook)
         elif variant.comm_hook == "fp16":
             ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         elif variant.comm_hook == "noop":
