@@ -102,15 +102,15 @@ class CudaExecutor {
   // last call's launch, on stream and returns (std::logic_error if it did
   // not: launching compiles nothing, since nothing may fail here alone).
   // call_hash (call_hash() of the call's descriptor) goes with every barrier's
-  // epoch: a peer whose differs stops every rank's kernel (device_error).
+  // epoch: a peer whose hash differs stops every rank's kernel (device_error).
   // copies: every rank's copy of the tensor for in_place_program, else empty.
   void launch(const Program& program, uint32_t call_hash, const void* input, void* output,
               kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
               const std::vector<char*>& copies = {});
 
   // Empty while healthy; otherwise what a kernel reported (which peer it gave
-  // up waiting for, or found running another call). Once set, the channel's barrier counters
-  // disagree across ranks: the group must be recreated.
+  // up waiting for, or found running another call). Once set, the channel's
+  // barrier counters disagree across ranks: the group must be recreated.
   std::string device_error() const;
 
   int num_blocks() const { return num_blocks_; }
