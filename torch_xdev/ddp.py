@@ -85,12 +85,12 @@ def waits_for_cpu_buckets(process_group: Optional[dist.ProcessGroup]) -> bool:
     True on an xdev group whose ranks have fewer than two cores each on their host
     (``describe()["worker_has_own_core"]`` is False). The allreduce runs on the group's worker
     thread; without a core of its own it takes turns with backward on the rank's core, and a
-    rank's worker may be off its core while a peer's waits for it at a barrier. (The backend
-    applies the same rule to DDP's buckets in the group's heap with any hook; this covers the
-    hook's other CPU buckets.) Measured with 2 ranks on 2 cores (``benchmarks/ddp_step.py``,
-    67 MB of gradients, see the README): a step's communication cost 8.4 ms overlapped with
-    backward, 3.5 ms waited for, in one run; less apart in others. With a core to spare the
-    overlap pays and the hook does not wait.
+    rank's worker may be off its core while a peer's waits for it at a barrier. (DDP's own hook
+    stays asynchronous: the backend does not block an async call.) Measured with 2 ranks on 2
+    cores (``benchmarks/ddp_step.py``, 67 MB of gradients, see the README): a step's
+    communication cost 8.4 ms overlapped with backward, 3.5 ms waited for, in one run; 5.1-5.7
+    ms against 9.0-10.4 ms in later ones. With a core to spare the overlap pays and the hook
+    does not wait.
     """
     backend = backends_by_device(process_group).get("cpu")
     return isinstance(backend, _C.XdevBackend) and not backend.worker_has_own_core
