@@ -250,9 +250,7 @@ CudaExecutor::~CudaExecutor() {
   int previous = -1;
   cudaGetDevice(&previous);
   cudaSetDevice(channel_.device());
-  for (auto& entry : cache_) {
-    for (DeviceWindow& w : entry.second) cudaFree(w.ops);
-  }
+  release_cache();
   if (grid_sync_ != nullptr) cudaFree(grid_sync_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   cudaGetLastError();
@@ -291,8 +289,7 @@ std::vector<CudaExecutor::DeviceWindow> CudaExecutor::compile(const Program& pro
   return windows;
 }
 
-void CudaExecutor::free_cache() {
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
+void CudaExecutor::release_cache() noexcept {
   for (auto& entry : cache_) {
     for (DeviceWindow& w : entry.second) cudaFree(w.ops);
   }
@@ -335,7 +332,10 @@ void CudaExecutor::prepare(const std::vector<const Program*>& programs, cudaStre
   }
   // Bounded: a job with ever-changing sizes rebuilds instead of growing.
   constexpr size_t kMaxCachedWindows = 4096;
-  if (missing > 0 && cached_windows_ + missing > kMaxCachedWindows) free_cache();
+  if (missing > 0 && cached_windows_ + missing > kMaxCachedWindows) {
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // kernels may still read them
+    release_cache();
+  }
   for (const Program* p : programs) {
     if (cache_.count(p->key) != 0) continue;
     std::vector<DeviceWindow> windows = compile(*p, stream);

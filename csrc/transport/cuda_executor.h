@@ -123,7 +123,8 @@ class CudaExecutor {
   };
   // Compiles program's windows and uploads them on stream.
   std::vector<DeviceWindow> compile(const Program& program, cudaStream_t stream) const;
-  void free_cache();
+  // Frees every cached window (the caller knows no kernel still reads them).
+  void release_cache() noexcept;
 
   CudaIpcChannel& channel_;
   uint64_t timeout_ns_ = 0;
