@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,59 @@ def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
         assert "different numbers of ranks" in reason, reason
         path, reason = result["broadcast"]
         assert path == "fallback" and "different numbers of ranks" in reason, result
+
+
+def _uneven_list_refusals(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    sizes = [j + 1 for j in range(world)]  # rank j's entry holds j + 1 elements
+
+    def gather(entry_sizes: list[int], numel: int) -> list[torch.Tensor]:
+        out = [torch.full((n,), -1, dtype=torch.int32) for n in entry_sizes]
+        dist.all_gather(out, torch.arange(numel, dtype=torch.int32) + 10 * rank)
+        return out
+
+    bad: dict[str, Any] = {
+        # Rank 3's input does not match its own entry: it alone can tell.
+        "own_entry": lambda: gather(sizes, sizes[rank] + (rank == 3)),
+        # Rank 1 believes rank 2 sends 2 elements: the same largest entry, so the pads agree.
+        "same_pad": lambda: gather([1, 2, 2, 4] if rank == 1 else sizes, sizes[rank]),
+        # Rank 0 believes rank 3 sends 5: its pad is longer than its peers'.
+        "longer_pad": lambda: gather([1, 2, 3, 5] if rank == 0 else sizes, sizes[rank]),
+        # Rank 2's list misses an entry.
+        "short_list": lambda: gather(sizes[:-1] if rank == 2 else sizes, sizes[rank]),
+    }
+    errors: dict[str, str] = {}
+    for name, call in bad.items():
+        try:
+            call()
+            errors[name] = ""
+        except ValueError as e:
+            errors[name] = str(e)
+        # The group stays usable: the next (good) uneven all-gather is exact.
+        got = gather(sizes, sizes[rank])
+        for j, n in enumerate(sizes):
+            assert torch.equal(got[j], torch.arange(n, dtype=torch.int32) + 10 * j), (name, j)
+    path = torch_xdev.describe()["last_gather_scatter"][1]
+    dist.destroy_process_group()
+    return {"errors": errors, "path": path}
+
+
+def test_uneven_list_across_hosts_refused_on_every_rank() -> None:
+    """An uneven all-gather list goes to Gloo padded to its largest entry. A rank whose input or
+    list is wrong must fail every rank at once, with nothing moved, where it would leave its
+    peers in Gloo until the timeout, abort the process (a pad longer than the peer's buffer) or
+    copy out the wrong elements (a pad of the same length)."""
+    hosts = [{"XDEV_HOSTNAME": h} for h in LAYOUTS["2x2"]]
+    results = run_ranks(_uneven_list_refusals, 4, per_rank_env=hosts, timeout=200)
+    for rank, result in enumerate(results):
+        assert result["path"] == "fallback", result
+        errors = result["errors"]
+        own = errors["own_entry"]
+        assert ("its own tensor" if rank == 3 else "rank 3 refused the call") in own, (rank, own)
+        for name in ("same_pad", "longer_pad"):
+            assert "output lists differ" in errors[name], (rank, name, errors[name])
+        short = errors["short_list"]
+        assert ("one tensor per rank" if rank == 2 else "rank 2 refused") in short, (rank, short)
 
 
 @pytest.mark.slow
