@@ -546,10 +546,10 @@ def fit_and_write_network(cfg: Config, rows: list[dict[str, Any]]) -> None:
     for line in network_fit.format_fit(fit):
         print(line)
     for size, t in zip(sizes, seconds):
-        fitted = network_fit.predict_ring_s(
+        fitted = network_fit.model_ring_s(
             cfg.hosts, per_host, size, fit["net_latency_us"], fit["net_stream_gbps"], host_cores
         )
-        default = network_fit.predict_ring_s(
+        default = network_fit.model_ring_s(
             cfg.hosts,
             per_host,
             size,

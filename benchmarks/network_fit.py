@@ -15,6 +15,9 @@ counts alike, whatever its time), and reads the latency and the per-stream rate 
 host link's rate (``net_host_gbps``) is not seen by a ring that sends one stream per host, so
 it keeps its default.
 
+``model_ring_s`` asks the backend itself for its prediction with given parameters, the
+caps on a stream (the host's link and memory) included, which the line leaves out.
+
 ``write_model`` writes the result in the XDEV_CPU_MODEL file format (a JSON object whose
 ``params`` set ``net_latency_us``, ``net_stream_gbps``, ``net_host_gbps`` and, where the fit
 saw it, ``net_host_cores``), so that the fitted values can be fed back to xdev; into an
@@ -27,10 +30,13 @@ import json
 from pathlib import Path
 from typing import Any, Sequence, TypedDict
 
-# The model's defaults (csrc/plan/two_level.h, network_default).
-DEFAULT_HOST_GBPS = 12.5
-DEFAULT_STREAM_GBPS = 3.0
-DEFAULT_LATENCY_US = 30.0
+import torch_xdev
+
+# The model's defaults, as the backend declares them (csrc/plan/two_level.h, network_default).
+_DEFAULTS = torch_xdev._C.BackendConfig()
+DEFAULT_HOST_GBPS: float = _DEFAULTS.net_host_gbps
+DEFAULT_STREAM_GBPS: float = _DEFAULTS.net_stream_gbps
+DEFAULT_LATENCY_US: float = _DEFAULTS.net_latency_us
 
 
 class NetworkFit(TypedDict):
@@ -106,7 +112,7 @@ def fit_network(
     }
 
 
-def predict_ring_s(
+def model_ring_s(
     num_hosts: int,
     ranks_per_host: int,
     nbytes: int,
@@ -114,10 +120,18 @@ def predict_ring_s(
     stream_gbps: float,
     host_cores: int = 0,
 ) -> float:
-    """The model's ring over all ranks with these parameters (no host link or memory limit)."""
-    p = num_hosts * ranks_per_host
-    share = core_share(ranks_per_host, host_cores)
-    return 2 * (p - 1) * (latency_us * 1e-6 / share + nbytes / p / (stream_gbps * 1e9 * share))
+    """The backend's own prediction of the ring over all ranks with these parameters
+    (csrc/plan/two_level.cc), its other parameters at their defaults. Unlike the line above it
+    caps each stream by the host's link and memory, so where a cap binds it predicts more than
+    the line, and the fit's rms error understates the model's."""
+    config = torch_xdev._C.BackendConfig()
+    config.net_latency_us = latency_us
+    config.net_stream_gbps = stream_gbps
+    config.net_host_cores = host_cores
+    cores = host_cores if host_cores > 0 else ranks_per_host  # 0: a core per stream, as above
+    return torch_xdev._C.plan.predict_flat_ring_across_hosts(
+        config, num_hosts, ranks_per_host, nbytes, cores
+    )
 
 
 def format_fit(fit: NetworkFit) -> list[str]:

@@ -48,10 +48,22 @@ def test_fit_undoes_the_share_of_a_core(network_fit: ModuleType) -> None:
     assert math.isclose(fit["net_latency_us"], 45.0, rel_tol=1e-9)
     assert math.isclose(fit["net_stream_gbps"], 1.7, rel_tol=1e-9)
     assert fit["host_cores"] == 2
-    predicted = network_fit.predict_ring_s(2, 4, SIZES[-1], 45.0, 1.7, host_cores=2)
-    assert math.isclose(predicted, times[-1], rel_tol=1e-12)
+    # The backend's model (no cap binds at these rates) predicts what the fit inverted.
+    for size, t in zip(SIZES, times):
+        predicted = network_fit.model_ring_s(2, 4, size, 45.0, 1.7, host_cores=2)
+        assert math.isclose(predicted, t, rel_tol=1e-9), size
     # A core per stream: no share to undo.
     assert network_fit.fit_network(2, 4, SIZES, times, host_cores=4)["net_latency_us"] > 89
+
+
+def test_backend_model_caps_what_the_line_does_not(network_fit: ModuleType) -> None:
+    # A stream faster than the host's memory allows (27.5 GB/s by default, crossed 4 times by
+    # every socket byte, shared by 2 streams: 3.4 GB/s each): the line goes on, the model not.
+    size = 16 << 20
+    line = ring_seconds(2, 2, size, 10.0, 100.0)
+    capped = 2 * 3 / 4 * size / (27.5e9 / 4 / 2) + 6 * 10e-6
+    assert math.isclose(network_fit.model_ring_s(2, 2, size, 10.0, 100.0), capped, rel_tol=1e-9)
+    assert capped > 5 * line
 
 
 def test_fit_with_noise_stays_close(network_fit: ModuleType) -> None:

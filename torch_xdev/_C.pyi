@@ -149,6 +149,10 @@ class plan:
         str, plan.Traffic
     ]: ...  # keys "two_level" and "flat_ring"; or all_gather/reduce_scatter
     @staticmethod
+    def predict_flat_ring_across_hosts(
+        config: BackendConfig, num_hosts: int, ranks_per_host: int, nbytes: int, cores: int
+    ) -> float: ...
+    @staticmethod
     def builtin_machine(name: str) -> plan.MachineModel: ...
     @staticmethod
     def builtin_machine_names() -> list[str]: ...

@@ -16,6 +16,7 @@
 #include "../plan/schedule.h"
 #include "../plan/topology.h"
 #include "../plan/two_level.h"
+#include "backend_config.h"
 
 namespace py = pybind11;
 
@@ -334,6 +335,22 @@ void bind_plan(py::module_& parent) {
       "inside each host, NCCL across hosts among the ranks of each local index, an all-gather "
       "inside: 'reduce_scatter', 'across', 'all_gather', 'two_level_seconds'), "
       "'two_level_faster' and 'reason'.");
+
+  m.def(
+      "predict_flat_ring_across_hosts",
+      [](const BackendConfig& config, int num_hosts, int ranks_per_host, int64_t nbytes,
+         int cores) {
+        check_bytes(nbytes, 1);
+        const plan::NetworkParams net = network_model(config, cores);
+        py::gil_scoped_release no_gil;
+        return plan::predict_flat_ring_s({num_hosts, ranks_per_host}, nbytes, net);
+      },
+      py::arg("config"), py::arg("num_hosts"), py::arg("ranks_per_host"), py::arg("nbytes"),
+      py::arg("cores"),
+      "Seconds the engine's ring over all ranks takes for an allreduce of nbytes across "
+      "num_hosts hosts of ranks_per_host ranks, as the backend predicts it with this config's "
+      "network model (net_* fields, and the host memory of cpu_memory_gbps) on hosts of `cores` "
+      "cores where net_host_cores is 0.");
 
   m.def(
       "across_hosts_traffic",
