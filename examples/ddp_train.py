@@ -10,7 +10,7 @@ Run it as a user would::
 The last trains a 17M-parameter model, big enough that the gradient allreduce shows: rank 0
 prints steps per second and the share of the step that communication takes (the step against
 the same DDP step with a no-op comm hook, timed after training). On xdev DDP's buckets live in
-memory every rank maps (see the README, "DDP's buckets in shared memory").
+memory every rank maps (see the README, "DDP's buckets in shared memory", and docs/ddp_fsdp.md).
 
 ``--shared-grads`` trains the same model without the DDP wrapper: every parameter's
 ``.grad`` is a view into one ``torch_xdev.shared_empty`` buffer, which every rank maps, so

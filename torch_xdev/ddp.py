@@ -87,7 +87,7 @@ def waits_for_cpu_buckets(process_group: Optional[dist.ProcessGroup]) -> bool:
     thread; without a core of its own it takes turns with backward on the rank's core, and a
     rank's worker may be off its core while a peer's waits for it at a barrier. (DDP's own hook
     stays asynchronous: the backend does not block an async call.) Measured with 2 ranks on 2
-    cores (``benchmarks/ddp_step.py``, 67 MB of gradients, see the README): a step's
+    cores (``benchmarks/ddp_step.py``, 67 MB of gradients, see docs/performance.md): a step's
     communication cost 8.4 ms overlapped with backward, 3.5 ms waited for, in one run; 5.1-5.7
     ms against 9.0-10.4 ms in later ones. With a core to spare the overlap pays and the hook
     does not wait.

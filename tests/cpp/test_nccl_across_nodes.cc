@@ -171,9 +171,9 @@ TEST(cuda_across_hosts_adds_up_its_steps) {
 }
 
 TEST(cuda_across_hosts_window_as_the_readme_states) {
-  // The README's table: on 2 x 8 H100s two levels win between 64 KiB and 1 MiB (by up to about
-  // 1.5x, at 256 KiB) and lose from 16 MiB; on 2 DGX-1s with four 100 Gb/s NICs the two stay
-  // within 15% of each other from 64 KiB to 256 MiB.
+  // The table in docs/multi_host.md: on 2 x 8 H100s two levels win between 64 KiB and 1 MiB (by
+  // up to about 1.5x, at 256 KiB) and lose from 16 MiB; on 2 DGX-1s with four 100 Gb/s NICs the
+  // two stay within 15% of each other from 64 KiB to 256 MiB.
   const MachineModel h100 = hgx_h100();
   const CudaAcrossHostsPrediction mid =
       predict_cuda_across_hosts(h100, dgx_h100_network(2), 256 << 10);

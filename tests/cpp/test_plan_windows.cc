@@ -386,8 +386,8 @@ TEST(model_choice_is_never_slower_than_a_candidate) {
 }
 
 TEST(balanced_plan_meets_its_targets_against_ring_on_dgx1_v100) {
-  // The model's claims in the README: at 64 MiB and above the balanced plan's busbw is at least
-  // ring's; at 256 KiB and below the hierarchical plans are at least 2x faster than ring.
+  // The model's claims in docs/gpu_model.md: at 64 MiB and above the balanced plan's busbw is at
+  // least ring's; at 256 KiB and below the hierarchical plans are at least 2x faster than ring.
   const MachineModel m = dgx1_v100();
   Candidate ring;
   ring.ring_reference = true;
