@@ -35,6 +35,7 @@ TRANSPORT_SOURCES = [
         "shared_buffer.cc",
         "heap_placement.cc",
         "symmetric_heap.cc",
+        "peer_watch.cc",
     )
 ]
 

@@ -490,9 +490,9 @@ def _peer_dies_mid_collective(rank: int, world: int, timeout_s: float) -> dict[s
     # The first window gives up after the timeout and the 15 queued behind it return at once,
     # instead of each waiting out a timeout of its own.
     assert elapsed < 3 * timeout_s, elapsed
-    with pytest.raises(dist.DistBackendError, match="exited|GPU barrier timed out"):
+    with pytest.raises(dist.DistBackendError, match="exited|GPU barrier timed out") as failure:
         dist.all_reduce(torch.ones(4, device=device))
-    return {"elapsed": elapsed}
+    return {"elapsed": elapsed, "error": str(failure.value)}
 
 
 def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
@@ -500,6 +500,17 @@ def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
     results = run_ranks(_peer_dies_mid_collective, 2, timeout_s, timeout=300, expect_dead=(1,))
     if "skip" in results[0]:
         skip_or_fail(results[0]["skip"])
+
+
+def test_peer_exiting_stops_the_kernels_long_before_the_timeout() -> None:
+    """The host watches the peers while kernels wait for them (PeerWatch): with a timeout of
+    two minutes, the kernels waiting for a peer that exited stop within seconds, and the next
+    call names the peer."""
+    results = run_ranks(_peer_dies_mid_collective, 2, 120.0, timeout=300, expect_dead=(1,))
+    if "skip" in results[0]:
+        skip_or_fail(results[0]["skip"])
+    assert results[0]["elapsed"] < 15.0, results[0]
+    assert "rank 1" in results[0]["error"] and "exited" in results[0]["error"], results[0]
 
 
 # ---------------------------------------------------------------------------------------

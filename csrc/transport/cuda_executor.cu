@@ -73,18 +73,30 @@ __device__ __forceinline__ bool aborted(const GridSync* g) {
   return *reinterpret_cast<const volatile unsigned int*>(&g->aborted) != 0u;
 }
 
-enum class Wait { kReady, kTimedOut, kAborted };
+// Whether the error word (host memory) holds a cause: a kernel's, or the
+// host's, which writes one when it sees a peer exit or leave (PeerWatch).
+__device__ __forceinline__ bool error_reported(const WindowParams& p) {
+  return *reinterpret_cast<const volatile unsigned int*>(p.error) != 0u;
+}
+
+// Each read of the error word crosses the bus to host memory: waits read it
+// once every this many polls (every 64 us or so at the longest sleep).
+constexpr unsigned int kPollsPerErrorCheck = 64;
+
+enum class Wait { kReady, kTimedOut, kAborted, kStopped };
 
 // Spins (with a growing sleep, so ranks sharing a GPU leave it some issue
-// slots) until ready(), the timeout, or another block's abort (a kernel of
-// this rank gave up: nothing it waits for may come any more).
+// slots) until ready(), the timeout, another block's abort (a kernel of this
+// rank gave up: nothing it waits for may come any more), or a cause in the
+// error word (the host saw a peer go: kStopped).
 template <typename Ready>
-__device__ Wait wait_until(Ready ready, const GridSync* g, uint64_t timeout_ns) {
+__device__ Wait wait_until(Ready ready, const WindowParams& p, uint64_t timeout_ns) {
   if (ready()) return Wait::kReady;
   const uint64_t start = now_ns();
   unsigned int sleep_ns = 32;
-  while (!ready()) {
-    if (aborted(g)) return Wait::kAborted;
+  for (unsigned int polls = 1; !ready(); ++polls) {
+    if (aborted(p.grid)) return Wait::kAborted;
+    if (polls % kPollsPerErrorCheck == 0 && error_reported(p)) return Wait::kStopped;
     __nanosleep(sleep_ns);
     if (sleep_ns < 1024) sleep_ns *= 2;
     if (now_ns() - start > timeout_ns) return Wait::kTimedOut;
@@ -98,6 +110,14 @@ __device__ void abort_kernel(const WindowParams& p, unsigned int code) {
   atomicCAS_system(p.error, 0u, code);
   atomicExch(&p.grid->aborted, 1u);
   store_release_gpu(&p.grid->released, ~0ull);  // frees blocks waiting for block 0
+}
+
+// After a wait that did not end ready: a timeout reports `code`; a cause
+// already in the error word stays there, and the kernel stops all the same;
+// another block's abort has done both.
+__device__ void give_up(const WindowParams& p, Wait w, unsigned int code) {
+  if (w == Wait::kTimedOut) abort_kernel(p, code);
+  if (w == Wait::kStopped) abort_kernel(p, 0u);  // 0: leaves the cause there as it is
 }
 
 // Barrier of every block of every rank. Memory ordering:
@@ -135,8 +155,8 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       };
       const unsigned long long all_blocks = epoch * gridDim.x;
       Wait w =
-          wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, g, time_left());
-      if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::kOwnBlocksTimedOut);
+          wait_until([&] { return load_acquire_gpu(&g->arrived) >= all_blocks; }, p, time_left());
+      give_up(p, w, gpu_barrier::kOwnBlocksTimedOut);
       ok = w == Wait::kReady;
       const uint64_t mine = gpu_barrier::announce(epoch, p.call_hash);
       for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, mine);
@@ -148,8 +168,8 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
               peer = gpu_barrier::judge(load_acquire_sys(word), epoch, p.call_hash);
               return peer != gpu_barrier::Peer::kNotYet;
             },
-            g, time_left());
-        if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::peer_timed_out(r));
+            p, time_left());
+        give_up(p, w, gpu_barrier::peer_timed_out(r));
         ok = w == Wait::kReady;
         if (ok && peer == gpu_barrier::Peer::kDiffers) {
           abort_kernel(p, gpu_barrier::peer_differs(r));
@@ -162,8 +182,8 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       // this wait; twice the timeout only catches a block 0 that never ran,
       // so that the report names the missing peer where there is one.
       const Wait w =
-          wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, g, 2 * p.timeout_ns);
-      if (w == Wait::kTimedOut) abort_kernel(p, gpu_barrier::kOwnBlocksTimedOut);
+          wait_until([&] { return load_acquire_gpu(&g->released) >= epoch; }, p, 2 * p.timeout_ns);
+      give_up(p, w, gpu_barrier::kOwnBlocksTimedOut);
       ok = w == Wait::kReady;
     }
     keep_going = ok && atomicAdd(&g->aborted, 0u) == 0u;
@@ -179,6 +199,8 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   // Thread 0 reads the flag for its block: every thread must return, or none
   // (the barrier's __syncthreads needs the whole block).
   __shared__ int stop;
+  // (The error word is not read here: it lies across the bus, and a kernel
+  // started after the host's report stops at its first barrier's wait.)
   if (threadIdx.x == 0) stop = aborted(p.grid) ? 1 : 0;
   __syncthreads();
   if (stop != 0) return;
@@ -255,6 +277,11 @@ CudaExecutor::~CudaExecutor() {
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   cudaGetLastError();
   if (previous >= 0) cudaSetDevice(previous);
+}
+
+void CudaExecutor::stop_kernels(unsigned int code) {
+  unsigned int none = 0;
+  __atomic_compare_exchange_n(error_host_, &none, code, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
 std::string CudaExecutor::device_error() const {

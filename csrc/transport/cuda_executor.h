@@ -112,6 +112,11 @@ class CudaExecutor {
   // up waiting for, or found running another call). Once set, the channel's
   // barrier counters disagree across ranks: the group must be recreated.
   std::string device_error() const;
+  // Leaves `code` (gpu_barrier::peer_gone) in the error word unless a cause is
+  // there already: every kernel of this rank waiting at a barrier stops within
+  // a few tens of microseconds, and later ones return at once. For the host's
+  // watch of the peers (PeerWatch), from any thread.
+  void stop_kernels(unsigned int code);
 
   int num_blocks() const { return num_blocks_; }
 

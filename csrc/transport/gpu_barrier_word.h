@@ -47,11 +47,15 @@ XDEV_HOST_DEVICE constexpr Peer judge(uint64_t word, uint64_t epoch, uint32_t ca
 }
 
 // The codes a kernel that gives up leaves in the executor's error word (the
-// first one wins; 0: none).
+// first one wins; 0: none). The host leaves one of its own there, kPeerGone,
+// when it sees a peer exit or leave the group while kernels may wait for it
+// (PeerWatch): kernels poll the word as they wait and stop.
 constexpr unsigned int kOwnBlocksTimedOut = 1;
 constexpr unsigned int kPeerTimedOutBase = 2;        // + the peer's rank
 constexpr unsigned int kPeerDiffersBase = 1u << 16;  // + the peer's rank
+constexpr unsigned int kPeerGoneBase = 1u << 17;     // + the peer's rank
 static_assert(kPeerTimedOutBase + 4096 < kPeerDiffersBase, "codes overlap");
+static_assert(kPeerDiffersBase + 4096 < kPeerGoneBase, "codes overlap");
 
 XDEV_HOST_DEVICE constexpr unsigned int peer_timed_out(int rank) {
   return kPeerTimedOutBase + static_cast<unsigned int>(rank);
@@ -59,12 +63,20 @@ XDEV_HOST_DEVICE constexpr unsigned int peer_timed_out(int rank) {
 XDEV_HOST_DEVICE constexpr unsigned int peer_differs(int rank) {
   return kPeerDiffersBase + static_cast<unsigned int>(rank);
 }
+constexpr unsigned int peer_gone(int rank) {
+  return kPeerGoneBase + static_cast<unsigned int>(rank);
+}
 
 // The error word in words ("" for 0).
 inline std::string describe_error(unsigned int code) {
   if (code == 0) return {};
   if (code == kOwnBlocksTimedOut) {
     return "a GPU barrier timed out waiting for this rank's own thread blocks";
+  }
+  if (code >= kPeerGoneBase) {
+    return "rank " + std::to_string(code - kPeerGoneBase) +
+           " exited or left the group while this rank's GPU collectives could wait for it; "
+           "they stopped";
   }
   if (code >= kPeerDiffersBase) {
     return "rank " + std::to_string(code - kPeerDiffersBase) +

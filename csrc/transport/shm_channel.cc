@@ -231,12 +231,15 @@ std::string ShmChannel::gone_rank(uint64_t epoch) const {
 }
 
 std::string ShmChannel::gone_peer() const {
+  const int r = gone_peer_rank();
+  return r < 0 ? std::string() : gone(r);  // a peer gone stays gone
+}
+
+int ShmChannel::gone_peer_rank() const {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_) continue;
-    std::string why = gone(r);
-    if (!why.empty()) return why;
+    if (r != rank_ && !gone(r).empty()) return r;
   }
-  return "";
+  return -1;
 }
 
 bool ShmChannel::shares_pid_namespace(int rank) const {
@@ -288,7 +291,7 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
     std::atomic<uint32_t>* sleepers;
     ~Unregister() { sleepers->fetch_sub(1, std::memory_order_seq_cst); }
   } unregister{sleepers};
-  auto next_liveness_check = Clock::now() + std::chrono::milliseconds(200);
+  auto next_liveness_check = Clock::now() + kLivenessCheckPeriod;
   for (;;) {
     const uint32_t seen = wake->load(std::memory_order_seq_cst);
     if (all_arrived(epoch)) return;
@@ -301,7 +304,7 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
     if (now >= next_liveness_check) {
       const std::string gone = gone_rank(epoch);
       if (!gone.empty()) throw PeerError("xdev: " + gone + " during " + what);
-      next_liveness_check = now + std::chrono::milliseconds(200);
+      next_liveness_check = now + kLivenessCheckPeriod;
     }
     const auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100));
     futex_wait(wake, seen, std::chrono::duration_cast<std::chrono::nanoseconds>(slice));

@@ -175,6 +175,11 @@ class ShmChannel {
   // A peer whose process has exited or that has left the group, said in
   // words ("" if none): it takes part in nothing more.
   std::string gone_peer() const;
+  // The rank of such a peer (the lowest), or -1. Safe to call from any thread.
+  int gone_peer_rank() const;
+  // How often a wait asks whether the ranks it waits for are gone (it reads
+  // /proc for each): a dead peer is reported within about this long.
+  static constexpr std::chrono::milliseconds kLivenessCheckPeriod{200};
 
   // Whether rank's pid names its process here (the same pid namespace). A
   // container that shares /dev/shm but not its pids does not: its liveness

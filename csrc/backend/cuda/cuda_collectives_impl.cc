@@ -20,6 +20,8 @@
 #include "../../plan/machines.h"
 #include "../../transport/cuda_executor.h"
 #include "../../transport/cuda_ipc_channel.h"
+#include "../../transport/gpu_barrier_word.h"
+#include "../../transport/peer_watch.h"
 #include "../../transport/shared_buffer.h"
 #include "../allreduce_call.h"
 #include "../cuda_collectives.h"
@@ -161,6 +163,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
     }
+    watch_.reset();
     if (running) {
       // A kernel still waits for the peer that is gone, and reads and writes
       // these buffers until its GPU barrier times out: leave them allocated
@@ -211,6 +214,21 @@ class CudaCollectivesImpl : public CudaCollectives {
     return info;
   }
 
+  // A kernel waiting at a GPU barrier for a peer that has exited would wait
+  // out the group's timeout (30 minutes by default), and the caller's stream
+  // behind it: the host watches the peers instead, as its own waits do, and
+  // stops the kernels within about kLivenessCheckPeriod. Their error reaches
+  // the group's next call, as a timeout's does.
+  void watch_peers() {
+    transport::ShmChannel* host = g_.channel();
+    if (host == nullptr) return;  // (the transport needs the channel: not reached)
+    transport::CudaExecutor* executor = executor_.get();
+    watch_ = std::make_unique<transport::PeerWatch>(
+        [host] { return host->gone_peer_rank(); },
+        [executor](int rank) { executor->stop_kernels(transport::gpu_barrier::peer_gone(rank)); },
+        transport::ShmChannel::kLivenessCheckPeriod);
+  }
+
   // Every rank opens its channel, then all vote: one failure anywhere turns
   // the transport off everywhere, so the ranks always choose alike.
   void open_transport(c10d::Store& store, const std::string& key, int device, CudaGroupInfo* info) {
@@ -230,6 +248,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     const int64_t failures =
         count_failures_across_ranks(store, key, !why.empty(), g_.size(), g_.config().timeout);
     if (failures == 0) {
+      watch_peers();
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
                              std::to_string(g_.config().cuda_slot_bytes) + " bytes per slot";
@@ -477,6 +496,8 @@ class CudaCollectivesImpl : public CudaCollectives {
   std::optional<AllreducePlanner> planner_;
   std::unique_ptr<transport::CudaIpcChannel> channel_;
   std::unique_ptr<transport::CudaExecutor> executor_;
+  // Stops executor_'s kernels once a peer exits or leaves; gone before executor_.
+  std::unique_ptr<transport::PeerWatch> watch_;
   std::unique_ptr<CudaHeapTensors> heap_;  // null without the transport or shared_buckets
   std::atomic<int64_t> in_place_allreduces_{0};
 };
