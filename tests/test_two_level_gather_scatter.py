@@ -255,18 +255,16 @@ def _uneven_list_refusals(rank: int, world: int) -> dict[str, Any]:
         # Rank 3's input does not match its own entry: it alone can tell.
         "own_entry": lambda: gather(sizes, sizes[rank] + (rank == 3)),
         # Rank 1 believes rank 2 sends 2 elements: the same largest entry, so the pads agree.
-        "same_pad": lambda: gather([1, 2, 2, 4] if rank == 1 else sizes, sizes[rank]),
-        # Rank 0 believes rank 3 sends 5: its pad is longer than its peers'.
-        "longer_pad": lambda: gather([1, 2, 3, 5] if rank == 0 else sizes, sizes[rank]),
-        # Rank 2's list misses an entry.
-        "short_list": lambda: gather(sizes[:-1] if rank == 2 else sizes, sizes[rank]),
+        "lists_differ": lambda: gather([1, 2, 2, 4] if rank == 1 else sizes, sizes[rank]),
+        # Rank 2's list misses its first entry (the largest stays).
+        "short_list": lambda: gather(sizes[1:] if rank == 2 else sizes, sizes[rank]),
     }
     errors: dict[str, str] = {}
     for name, call in bad.items():
         try:
             call()
             errors[name] = ""
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             errors[name] = str(e)
         # The group stays usable: the next (good) uneven all-gather is exact.
         got = gather(sizes, sizes[rank])
@@ -278,10 +276,10 @@ def _uneven_list_refusals(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_uneven_list_across_hosts_refused_on_every_rank() -> None:
-    """An uneven all-gather list goes to Gloo padded to its largest entry. A rank whose input or
-    list is wrong must fail every rank at once, with nothing moved, where it would leave its
-    peers in Gloo until the timeout, abort the process (a pad longer than the peer's buffer) or
-    copy out the wrong elements (a pad of the same length)."""
+    """An uneven all-gather list goes to Gloo padded to its largest entry, behind a header
+    every rank reads. A rank whose input or list is wrong must fail every rank, with the group
+    usable, where it would leave its peers in Gloo until the timeout, or copy out the wrong
+    elements (lists that differ under pads of one length)."""
     hosts = [{"XDEV_HOSTNAME": h} for h in LAYOUTS["2x2"]]
     results = run_ranks(_uneven_list_refusals, 4, per_rank_env=hosts, timeout=200)
     for rank, result in enumerate(results):
@@ -289,10 +287,45 @@ def test_uneven_list_across_hosts_refused_on_every_rank() -> None:
         errors = result["errors"]
         own = errors["own_entry"]
         assert ("its own tensor" if rank == 3 else "rank 3 refused the call") in own, (rank, own)
-        for name in ("same_pad", "longer_pad"):
-            assert "output lists differ" in errors[name], (rank, name, errors[name])
+        assert "output lists differ" in errors["lists_differ"], (rank, errors["lists_differ"])
         short = errors["short_list"]
         assert ("one tensor per rank" if rank == 2 else "rank 2 refused") in short, (rank, short)
+
+
+def _uneven_list_asynchronous(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    sizes = [j + 1 for j in range(world)]
+    out = [torch.full((n,), -1, dtype=torch.int32) for n in sizes]
+    mine = torch.arange(sizes[rank], dtype=torch.int32) + 10 * rank
+    token = torch.tensor([7 + rank])
+    # An async all-gather, then a send its peer waits for before it joins the all-gather:
+    # legal, and it must not wait for the peers when it is issued.
+    if rank == 0:
+        work = dist.all_gather(out, mine, async_op=True)
+        dist.send(token, 1)
+        work.wait()
+    else:
+        if rank == 1:
+            dist.recv(token, 0)
+        dist.all_gather(out, mine)
+    for j, n in enumerate(sizes):
+        assert torch.equal(out[j], torch.arange(n, dtype=torch.int32) + 10 * j), j
+    # Entries of one size, shaped differently on one rank: the same bytes on every rank.
+    shapes = [(2, 3)] + [(6,)] * (world - 1) if rank == 0 else [(6,)] * world
+    same = [torch.full(s, -1, dtype=torch.int32) for s in shapes]
+    dist.all_gather(same, torch.arange(6, dtype=torch.int32) + 10 * rank)
+    for j in range(world):
+        assert torch.equal(same[j].reshape(-1), torch.arange(6, dtype=torch.int32) + 10 * j), j
+    path = torch_xdev.describe()["last_gather_scatter"][1]
+    dist.destroy_process_group()
+    return {"token": int(token), "path": path}
+
+
+def test_uneven_list_across_hosts_stays_asynchronous() -> None:
+    hosts = [{"XDEV_HOSTNAME": f"host-{r}"} for r in range(3)]  # one rank per host: the engine's
+    results = run_ranks(_uneven_list_asynchronous, 3, per_rank_env=hosts, timeout=200)
+    assert results[1]["token"] == 7, results
+    assert all(result["path"] == "fallback" for result in results), results
 
 
 @pytest.mark.slow

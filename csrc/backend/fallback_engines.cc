@@ -5,93 +5,17 @@
 #include <algorithm>
 
 #include "tensor_helpers.h"
+#include "uneven_all_gather.h"
 
 namespace xdev::backend {
 namespace {
 
-// What a rank states of its list before an all-gather of padded entries:
-// whether it refuses the call (and why), then its list's shape.
-enum ListRefusal : int64_t { kListAccepted = 0, kListLength, kListDtypes, kListOwnEntry };
-enum ListField : int64_t { kRefusal = 0, kEntries, kElements, kLargest, kFingerprint, kFields };
-
-const char* refusal_reason(int64_t refusal) {
-  switch (refusal) {
-    case kListLength:
-      return "its output list does not hold one tensor per rank";
-    case kListDtypes:
-      return "its output list mixes dtypes";
-    case kListOwnEntry:
-      return "its input's size differs from its own entry of the output list";
-    default:
-      return "an unknown reason";
-  }
-}
-
-std::string describe_list(const int64_t* fields) {
-  return std::to_string(fields[kEntries]) + " entries of " + std::to_string(fields[kElements]) +
-         " elements in all, the largest " + std::to_string(fields[kLargest]);
+template <typename Pred>
+bool all_of_entries(const std::vector<at::Tensor>& entries, Pred pred) {
+  return std::all_of(entries.begin(), entries.end(), pred);
 }
 
 }  // namespace
-
-std::vector<int64_t> FallbackEngines::agree_on_uneven_list(c10d::Backend& engine,
-                                                           const std::vector<at::Tensor>& entries,
-                                                           const at::Tensor& mine, int world,
-                                                           int rank,
-                                                           const c10d::AllgatherOptions& opts) {
-  int64_t refusal = kListAccepted;
-  if (static_cast<int>(entries.size()) != world) {
-    refusal = kListLength;
-  } else if (std::any_of(entries.begin(), entries.end(), [&](const at::Tensor& t) {
-               return t.scalar_type() != mine.scalar_type();
-             })) {
-    refusal = kListDtypes;
-  } else if (entries[static_cast<size_t>(rank)].numel() != mine.numel()) {
-    refusal = kListOwnEntry;
-  }
-  // FNV-1a over the dtype and every entry's element count: the shapes may
-  // differ between ranks, the sizes may not.
-  uint64_t fingerprint = 1469598103934665603ull;
-  const auto mix = [&](int64_t v) {
-    fingerprint = (fingerprint ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  };
-  mix(static_cast<int64_t>(mine.scalar_type()));
-  at::Tensor stated = at::empty({kFields}, at::kLong);
-  int64_t* fields = stated.data_ptr<int64_t>();
-  fields[kRefusal] = refusal;
-  fields[kEntries] = static_cast<int64_t>(entries.size());
-  fields[kElements] = fields[kLargest] = 0;
-  for (const at::Tensor& t : entries) {
-    mix(t.numel());
-    fields[kElements] += t.numel();
-    fields[kLargest] = std::max(fields[kLargest], t.numel());
-  }
-  fields[kFingerprint] = static_cast<int64_t>(fingerprint);
-
-  std::vector<std::vector<at::Tensor>> everyone(1);
-  for (int r = 0; r < world; ++r) everyone[0].push_back(at::empty({kFields}, at::kLong));
-  std::vector<at::Tensor> input{stated};
-  engine.allgather(everyone, input, opts)->wait();
-
-  if (refusal != kListAccepted) {  // this rank's own error, which says more than its peers'
-    list_sizes("all_gather", entries, mine, world, rank);
-  }
-  for (int r = 0; r < world; ++r) {
-    const int64_t* theirs = everyone[0][static_cast<size_t>(r)].data_ptr<int64_t>();
-    TORCH_CHECK_VALUE(theirs[kRefusal] == kListAccepted, "xdev all_gather: rank ", r,
-                      " refused the call: ", refusal_reason(theirs[kRefusal]),
-                      " (its own error says more). No data moved; the group stays usable.");
-  }
-  for (int r = 0; r < world; ++r) {
-    const int64_t* theirs = everyone[0][static_cast<size_t>(r)].data_ptr<int64_t>();
-    TORCH_CHECK_VALUE(theirs[kFingerprint] == fields[kFingerprint], "xdev all_gather: the ranks'",
-                      " output lists differ: rank ", rank, " has ", describe_list(fields),
-                      ", rank ", r, " ", describe_list(theirs),
-                      ". Every rank must pass entries of the same sizes, in the same order. No "
-                      "data moved; the group stays usable.");
-  }
-  return list_sizes("all_gather", entries, mine, world, rank);
-}
 
 FallbackEngines::FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo,
                                  c10::intrusive_ptr<c10d::Backend> nccl, CudaCollectives* cuda)
@@ -184,30 +108,35 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
     GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   c10d::Backend* engine = for_tensors(inputs);
-  const auto same_sizes = [](const std::vector<at::Tensor>& entries) {
-    return std::all_of(entries.begin(), entries.end(),
-                       [&](const at::Tensor& t) { return t.sizes() == entries[0].sizes(); });
-  };
   if (engine != gloo_.get() || inputs.size() != 1 || outputs.size() != 1 || outputs[0].empty() ||
-      same_sizes(outputs[0])) {
+      all_of_entries(outputs[0],
+                     [&](const at::Tensor& t) { return t.sizes() == outputs[0][0].sizes(); })) {
     return track(engine->allgather(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> entries = outputs[0];
-  const std::vector<int64_t> sizes =
-      agree_on_uneven_list(*engine, entries, inputs[0], group.size(), group.rank(), opts);
-  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
-  std::vector<at::Tensor> padded_input{at::zeros({largest}, inputs[0].options())};
-  padded_input[0].narrow(0, 0, inputs[0].numel()).copy_(inputs[0].reshape({-1}));
-  std::vector<std::vector<at::Tensor>> padded(1);
-  for (const at::Tensor& t : entries) padded[0].push_back(at::empty({largest}, t.options()));
-  c10::intrusive_ptr<c10d::Work> work = track(engine->allgather(padded, padded_input, opts));
-  return then(group, work, entries, c10d::OpType::ALLGATHER, "xdev:all_gather",
-              "all-gather of entries padded to one size", [entries, padded, padded_input] {
-                for (size_t j = 0; j < entries.size(); ++j) {
-                  const at::Tensor& t = entries[j];
-                  t.copy_(padded[0][j].narrow(0, 0, t.numel()).view(t.sizes()));
-                }
-              });
+  const auto padded = [&](std::vector<std::vector<at::Tensor>>& gathered,
+                          std::vector<at::Tensor>& input, std::function<void()> finish) {
+    c10::intrusive_ptr<c10d::Work> work = track(engine->allgather(gathered, input, opts));
+    return then(group, work, entries, c10d::OpType::ALLGATHER, "xdev:all_gather",
+                "all-gather of entries padded to one size", std::move(finish));
+  };
+  if (all_of_entries(entries,
+                     [&](const at::Tensor& t) { return t.numel() == entries[0].numel(); })) {
+    // One size, several shapes: Gloo wants each entry shaped as the input.
+    // The same bytes travel as flat copies (what a rank whose entries share
+    // one shape sends), with no header, so ranks may pass either.
+    list_sizes("all_gather", entries, inputs[0], group.size(), group.rank());
+    std::vector<at::Tensor> flat{inputs[0].reshape({-1}).contiguous()};
+    std::vector<std::vector<at::Tensor>> gathered(1);
+    for (size_t j = 0; j < entries.size(); ++j) gathered[0].push_back(at::empty_like(flat[0]));
+    return padded(gathered, flat, [entries, gathered] {
+      for (size_t j = 0; j < entries.size(); ++j) {
+        entries[j].copy_(gathered[0][j].view(entries[j].sizes()));
+      }
+    });
+  }
+  PaddedAllGather call = pad_uneven_all_gather(entries, inputs[0], group.size(), group.rank());
+  return padded(call.gathered, call.input, std::move(call.finish));
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(GroupContext& group,

@@ -51,10 +51,10 @@ class FallbackEngines {
 
   // An all-gather (list form) through the engine for these tensors. Gloo
   // gathers entries of one size only (NCCL any): where the entries' sizes
-  // differ, each rank's input travels padded to the largest entry, once every
-  // rank has agreed on the list (agree_on_uneven_list, which blocks the caller
-  // for one small exchange), and the returned Work covers copying the entries
-  // out of the padded ones.
+  // differ, each rank's input travels padded to the largest entry, behind a
+  // header that lets every rank check every rank's list
+  // (pad_uneven_all_gather), and the returned Work covers the check and
+  // copying the entries out of the padded ones.
   c10::intrusive_ptr<c10d::Work> allgather(GroupContext& group,
                                            std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
@@ -110,18 +110,6 @@ class FallbackEngines {
   void shutdown();
 
  private:
-  // Before an all-gather of entries padded to one size: every rank states its
-  // list (a refusal of its own input, the entries' sizes) in a message of one
-  // size whatever the call, then all check all, so that a wrong input on one
-  // rank, or lists that differ between ranks, fail on every rank with nothing
-  // moved. Without it, pads of different lengths make Gloo abort the process
-  // (a message longer than the buffer its receiver posted), equal pads over
-  // different lists copy out the wrong elements, and a rank that refuses alone
-  // leaves its peers in Gloo until the timeout. Returns the entries' sizes.
-  static std::vector<int64_t> agree_on_uneven_list(c10d::Backend& engine,
-                                                   const std::vector<at::Tensor>& entries,
-                                                   const at::Tensor& mine, int world, int rank,
-                                                   const c10d::AllgatherOptions& opts);
   // An AVG of integer tensors on an engine without AVG (Gloo averages in
   // floating point and cannot write the quotient into integer tensors).
   bool integer_avg_without_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,
