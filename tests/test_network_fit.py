@@ -66,6 +66,22 @@ def test_backend_model_caps_what_the_line_does_not(network_fit: ModuleType) -> N
     assert capped > 5 * line
 
 
+def test_backend_model_refuses_what_it_cannot_predict(network_fit: ModuleType) -> None:
+    import torch_xdev
+
+    predict = torch_xdev._C.plan.predict_flat_ring_across_hosts
+    for field, value in [("net_stream_gbps", 0.0), ("net_host_gbps", -1.0), ("net_latency_us", -5)]:
+        config = torch_xdev._C.BackendConfig()
+        setattr(config, field, value)
+        with pytest.raises(ValueError, match=field):
+            predict(config, 2, 2, 1 << 20, 2)
+    config = torch_xdev._C.BackendConfig()
+    with pytest.raises(ValueError, match="cores"):
+        predict(config, 2, 2, 1 << 20, -1)
+    with pytest.raises(ValueError, match="2\\^20"):
+        predict(config, 1 << 16, 1 << 16, 1 << 20, 2)
+
+
 def test_fit_with_noise_stays_close(network_fit: ModuleType) -> None:
     # +-8% alternating: each size off by as much, the line still near the truth.
     noise = [1.08, 0.92, 1.08, 0.92]

@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -341,6 +342,16 @@ void bind_plan(py::module_& parent) {
       [](const BackendConfig& config, int num_hosts, int ranks_per_host, int64_t nbytes,
          int cores) {
         check_bytes(nbytes, 1);
+        positive_gbps(config.net_stream_gbps, "net_stream_gbps");
+        positive_gbps(config.net_host_gbps, "net_host_gbps");
+        non_negative_us(config.net_latency_us, "net_latency_us");
+        if (!(config.cpu_memory_gbps >= 0) || !(config.net_host_cores >= 0) || cores < 0) {
+          throw std::invalid_argument("cpu_memory_gbps, net_host_cores and cores must be >= 0");
+        }
+        constexpr int kMostRanks = 1 << 20;
+        if (num_hosts > kMostRanks || ranks_per_host > kMostRanks / std::max(1, num_hosts)) {
+          throw std::invalid_argument("num_hosts x ranks_per_host must be at most 2^20");
+        }
         const plan::NetworkParams net = network_model(config, cores);
         py::gil_scoped_release no_gil;
         return plan::predict_flat_ring_s({num_hosts, ranks_per_host}, nbytes, net);

@@ -74,7 +74,7 @@ __device__ __forceinline__ bool aborted(const GridSync* g) {
 }
 
 // Whether the error word (host memory) holds a cause: a kernel's, or the
-// host's, which writes one when it sees a peer exit or leave (PeerWatch).
+// host's, which writes one when it sees a peer's process exit (PeerWatch).
 __device__ __forceinline__ bool error_reported(const WindowParams& p) {
   return *reinterpret_cast<const volatile unsigned int*>(p.error) != 0u;
 }

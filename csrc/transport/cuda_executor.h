@@ -114,8 +114,9 @@ class CudaExecutor {
   std::string device_error() const;
   // Leaves `code` (gpu_barrier::peer_gone) in the error word unless a cause is
   // there already: every kernel of this rank waiting at a barrier stops within
-  // a few tens of microseconds, and later ones return at once. For the host's
-  // watch of the peers (PeerWatch), from any thread.
+  // a few tens of microseconds, and so does each later one at its first wait
+  // that is not ready at once. For the host's watch of the peers (PeerWatch),
+  // from any thread.
   void stop_kernels(unsigned int code);
 
   int num_blocks() const { return num_blocks_; }

@@ -48,7 +48,7 @@ XDEV_HOST_DEVICE constexpr Peer judge(uint64_t word, uint64_t epoch, uint32_t ca
 
 // The codes a kernel that gives up leaves in the executor's error word (the
 // first one wins; 0: none). The host leaves one of its own there, kPeerGone,
-// when it sees a peer exit or leave the group while kernels may wait for it
+// when it sees a peer's process exit while kernels may wait for it
 // (PeerWatch): kernels poll the word as they wait and stop.
 constexpr unsigned int kOwnBlocksTimedOut = 1;
 constexpr unsigned int kPeerTimedOutBase = 2;        // + the peer's rank
@@ -75,8 +75,7 @@ inline std::string describe_error(unsigned int code) {
   }
   if (code >= kPeerGoneBase) {
     return "rank " + std::to_string(code - kPeerGoneBase) +
-           " exited or left the group while this rank's GPU collectives could wait for it; "
-           "they stopped";
+           " exited while this rank's GPU collectives could wait for it; they stopped";
   }
   if (code >= kPeerDiffersBase) {
     return "rank " + std::to_string(code - kPeerDiffersBase) +

@@ -217,8 +217,13 @@ std::string ShmChannel::gone(int r) const {
   if (control(r)->left.load() != 0) {
     return who + " has left the group (destroy_process_group, or an error there)";
   }
-  if (pid > 0 && shares_pid_namespace(r) && process_exited(pid)) return who + " exited";
+  if (exited(r)) return who + " exited";
   return "";
+}
+
+bool ShmChannel::exited(int r) const {
+  const pid_t pid = control(r)->pid.load();
+  return pid > 0 && shares_pid_namespace(r) && process_exited(pid);
 }
 
 std::string ShmChannel::gone_rank(uint64_t epoch) const {
@@ -238,6 +243,13 @@ std::string ShmChannel::gone_peer() const {
 int ShmChannel::gone_peer_rank() const {
   for (int r = 0; r < world_size_; ++r) {
     if (r != rank_ && !gone(r).empty()) return r;
+  }
+  return -1;
+}
+
+int ShmChannel::exited_peer_rank() const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r != rank_ && exited(r)) return r;
   }
   return -1;
 }

@@ -177,6 +177,10 @@ class ShmChannel {
   std::string gone_peer() const;
   // The rank of such a peer (the lowest), or -1. Safe to call from any thread.
   int gone_peer_rank() const;
+  // The rank of a peer whose process has exited (the lowest), or -1: unlike
+  // one that has left, its GPU work queued before it went never runs. Safe to
+  // call from any thread. Peers in another pid namespace are never found.
+  int exited_peer_rank() const;
   // How often a wait asks whether the ranks it waits for are gone (it reads
   // /proc for each): a dead peer is reported within about this long.
   static constexpr std::chrono::milliseconds kLivenessCheckPeriod{200};
@@ -213,6 +217,7 @@ class ShmChannel {
   std::string gone_rank(uint64_t epoch) const;
   // Rank r's process has exited or it has left the group, said in words ("" if not).
   std::string gone(int r) const;
+  bool exited(int r) const;
 
   ShmSegment segment_;
   int world_size_ = 0;

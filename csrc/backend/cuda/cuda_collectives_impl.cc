@@ -146,12 +146,23 @@ class CudaCollectivesImpl : public CudaCollectives {
     try {
       // The stream's device: info_ is empty when the rendezvous failed after making it.
       c10::cuda::CUDAGuard guard(stream_->device_index());
-      // A kernel of ours waiting for a peer that has exited or left would
-      // hold destroy_process_group until its GPU barrier's timeout (the
-      // group's, 30 min by default): stop waiting once a peer is gone.
+      // A kernel of ours waiting for a peer that has exited would hold
+      // destroy_process_group until its GPU barrier's timeout (the group's,
+      // 30 min by default): stop it, as the peer watch does, and give the
+      // stream a moment to drain. A peer that has left without exiting (in
+      // another pid namespace, say): stop waiting at once, as before.
       transport::ShmChannel* host = g_.channel();
-      running = !wait_for_stream(stream_->stream(),
-                                 [host] { return host != nullptr && !host->gone_peer().empty(); });
+      std::optional<transport::Clock::time_point> stopped_at;
+      running = !wait_for_stream(stream_->stream(), [&] {
+        if (host == nullptr) return false;
+        if (!stopped_at) {
+          const int exited = host->exited_peer_rank();
+          if (exited < 0) return !host->gone_peer().empty();
+          if (executor_) executor_->stop_kernels(transport::gpu_barrier::peer_gone(exited));
+          stopped_at = transport::Clock::now();
+        }
+        return transport::Clock::now() - *stopped_at > std::chrono::seconds(2);
+      });
       // Peers may still be reading our slots in their last phase: free the
       // buffer only once every rank's GPU work is done (bounded wait; a dead
       // peer reads nothing).
@@ -218,13 +229,15 @@ class CudaCollectivesImpl : public CudaCollectives {
   // out the group's timeout (30 minutes by default), and the caller's stream
   // behind it: the host watches the peers instead, as its own waits do, and
   // stops the kernels within about kLivenessCheckPeriod. Their error reaches
-  // the group's next call, as a timeout's does.
+  // the group's next call, as a timeout's does. Only an exit counts: a peer
+  // that has left the group (its error, or destroy_process_group) still runs
+  // the GPU work it queued before, which ours may be waiting for.
   void watch_peers() {
     transport::ShmChannel* host = g_.channel();
     if (host == nullptr) return;  // (the transport needs the channel: not reached)
     transport::CudaExecutor* executor = executor_.get();
     watch_ = std::make_unique<transport::PeerWatch>(
-        [host] { return host->gone_peer_rank(); },
+        [host] { return host->exited_peer_rank(); },
         [executor](int rank) { executor->stop_kernels(transport::gpu_barrier::peer_gone(rank)); },
         transport::ShmChannel::kLivenessCheckPeriod);
   }
