@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -569,3 +570,27 @@ def test_debug_log_says_two_levels_ran(tmp_path: Path, capfd: pytest.CaptureFixt
     lines = [line for line in err.splitlines() if "allreduce on CPU tensors ->" in line]
     assert len(lines) == 4, err
     assert all("-> two_level, flat inside each host (" in line for line in lines), lines
+
+
+def _async_barrier_then_engine_call(rank: int, world: int) -> list[float]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(1 << 22))  # opens the two-level path's groups
+    # A two-level allreduce keeps the queue busy; the async barrier queues behind it. Rank 0
+    # hands an all-to-all to Gloo at once, the others only once their queue has long passed the
+    # barrier: both must meet Gloo's barrier before its all-to-all, as issued.
+    pending = dist.all_reduce(torch.ones(1 << 22), async_op=True)
+    barrier = dist.barrier(async_op=True)
+    if rank != 0:
+        time.sleep(0.5)
+    out = torch.empty(world)
+    dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32) + 10 * rank)
+    pending.wait()
+    barrier.wait()
+    dist.destroy_process_group()
+    return out.tolist()
+
+
+def test_async_barrier_and_an_engine_call_reach_gloo_in_program_order() -> None:
+    results = run_ranks(_async_barrier_then_engine_call, 4, per_rank_env=_hosts_env([2, 2]))
+    for rank, got in enumerate(results):
+        assert got == [10.0 * r + rank for r in range(4)], (rank, got)

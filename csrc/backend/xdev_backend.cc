@@ -372,15 +372,22 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
     return group_.enqueue(c10d::OpType::BARRIER, "xdev:barrier", {}, before, opts.asyncOp);
   }
   // No shared memory over the whole group (ranks on several hosts): Gloo's
-  // barrier, from the queue, after the two-level collectives queued before it.
+  // barrier. It is handed to Gloo here, on the caller's thread, as every
+  // collective xdev hands on is: Gloo pairs its calls across ranks in the
+  // order they reach it, so a barrier handed on later, from the queue, could
+  // cross a collective this thread hands on meanwhile (an async barrier, then
+  // an all-to-all) on one rank and not on another. Gloo's barrier waits for
+  // the work handed to Gloo before it; the returned Work waits, on the queue,
+  // for the two-level collectives queued before it too.
   c10d::Backend* gloo = fallbacks_.cpu();
+  c10d::BarrierOptions engine_opts = opts;
+  engine_opts.asyncOp = true;
+  c10::intrusive_ptr<c10d::Work> engine_barrier = fallbacks_.track(gloo->barrier(engine_opts));
   return group_.enqueue(
       c10d::OpType::BARRIER, "xdev:barrier", {},
-      [before, gloo, opts] {
+      [before, engine_barrier] {
         before();
-        c10d::BarrierOptions engine_opts = opts;
-        engine_opts.asyncOp = false;
-        gloo->barrier(engine_opts)->wait();
+        engine_barrier->wait();
       },
       opts.asyncOp);
 }
