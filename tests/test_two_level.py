@@ -575,6 +575,7 @@ def test_debug_log_says_two_levels_ran(tmp_path: Path, capfd: pytest.CaptureFixt
 def _async_barrier_then_engine_call(rank: int, world: int) -> list[float]:
     dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     dist.all_reduce(torch.ones(1 << 22))  # opens the two-level path's groups
+    assert "two-level" in str(torch_xdev.describe()["last_allreduce"]), "the queue stays idle"
     # A two-level allreduce keeps the queue busy; the async barrier queues behind it. Rank 0
     # hands an all-to-all to Gloo at once, the others only once their queue has long passed the
     # barrier: both must meet Gloo's barrier before its all-to-all, as issued.

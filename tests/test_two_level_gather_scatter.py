@@ -310,8 +310,13 @@ def _uneven_list_asynchronous(rank: int, world: int) -> dict[str, Any]:
         dist.all_gather(out, mine)
     for j, n in enumerate(sizes):
         assert torch.equal(out[j], torch.arange(n, dtype=torch.int32) + 10 * j), j
-    # Entries of one size, shaped differently on one rank: the same bytes on every rank.
-    shapes = [(2, 3)] + [(6,)] * (world - 1) if rank == 0 else [(6,)] * world
+    # Entries of one size, shaped otherwise than the input on some ranks (mixed on rank 0, all
+    # alike on rank 1): the same bytes on every rank.
+    by_rank: dict[int, list[tuple[int, ...]]] = {
+        0: [(2, 3)] + [(6,)] * (world - 1),
+        1: [(3, 2)] * world,
+    }
+    shapes = by_rank.get(rank, [(6,)] * world)
     same = [torch.full(s, -1, dtype=torch.int32) for s in shapes]
     dist.all_gather(same, torch.arange(6, dtype=torch.int32) + 10 * rank)
     for j in range(world):

@@ -108,9 +108,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
     GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   c10d::Backend* engine = for_tensors(inputs);
+  // Gloo wants every entry shaped as the input; NCCL, and xdev, only sized alike.
   if (engine != gloo_.get() || inputs.size() != 1 || outputs.size() != 1 || outputs[0].empty() ||
       all_of_entries(outputs[0],
-                     [&](const at::Tensor& t) { return t.sizes() == outputs[0][0].sizes(); })) {
+                     [&](const at::Tensor& t) { return t.sizes() == inputs[0].sizes(); })) {
     return track(engine->allgather(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> entries = outputs[0];
@@ -122,9 +123,9 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
   };
   if (all_of_entries(entries,
                      [&](const at::Tensor& t) { return t.numel() == entries[0].numel(); })) {
-    // One size, several shapes: Gloo wants each entry shaped as the input.
-    // The same bytes travel as flat copies (what a rank whose entries share
-    // one shape sends), with no header, so ranks may pass either.
+    // One size, other shapes than the input's: the same bytes travel as flat
+    // copies (what a rank whose entries are shaped as its input sends), with
+    // no header, so ranks may pass either.
     list_sizes("all_gather", entries, inputs[0], group.size(), group.rank());
     std::vector<at::Tensor> flat{inputs[0].reshape({-1}).contiguous()};
     std::vector<std::vector<at::Tensor>> gathered(1);

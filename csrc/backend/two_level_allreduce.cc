@@ -234,6 +234,14 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
   finish(pieces.back());
 }
 
+void TwoLevelAllreduce::barrier(transport::Clock::time_point deadline) {
+  group_.host_channel()->barrier(deadline, "barrier (the ranks of this host" + where_);
+  c10d::BarrierOptions opts;
+  opts.timeout = engine_timeout(deadline);
+  wait_for_engine(engine_->barrier(opts), opts.timeout,
+                  "barrier: the engine's barrier across hosts");
+}
+
 void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
                                    transport::OpDescriptor call,
                                    transport::Clock::time_point deadline,

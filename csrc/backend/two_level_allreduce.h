@@ -108,6 +108,13 @@ class TwoLevelAllreduce {
                   transport::Clock::time_point deadline, const SharedPlacement& placement,
                   const char* what);
 
+  // On the op thread, at a barrier of the group: returns once every rank of
+  // the group has got there, and so has finished the collectives it queued
+  // before it. This host's ranks meet on the host channel, then the ranks of
+  // this local index on every host meet on the engine (each having passed its
+  // own host's barrier first).
+  void barrier(transport::Clock::time_point deadline);
+
   // Drops the engine (its destructor joins its threads).
   void shutdown() {
     engine_.reset();

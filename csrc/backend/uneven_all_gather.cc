@@ -77,21 +77,27 @@ PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
   }
   fields[kFingerprint] = static_cast<int64_t>(fingerprint);
 
-  const int64_t element = static_cast<int64_t>(input.element_size());
-  const int64_t message = kHeaderBytes + fields[kLargest] * element;
+  // The message's length comes from the list alone, as on every rank that
+  // passes the same list, whatever this rank's input (a refused one too).
+  int64_t largest_bytes = 0;
+  for (const at::Tensor& t : entries) {
+    largest_bytes = std::max(largest_bytes, t.numel() * static_cast<int64_t>(t.element_size()));
+  }
+  const int64_t message = kHeaderBytes + largest_bytes;
   const at::TensorOptions bytes = input.options().dtype(at::kByte);
   PaddedAllGather call;
   call.input.push_back(at::zeros({message}, bytes));
   at::Tensor& mine = call.input[0];
   mine.narrow(0, 0, kHeaderBytes).copy_(contiguous_bytes(header));
   if (refusal == kAccepted) {
-    mine.narrow(0, kHeaderBytes, input.numel() * element)
+    mine.narrow(0, kHeaderBytes, input.numel() * static_cast<int64_t>(input.element_size()))
         .copy_(contiguous_bytes(input.contiguous()));
   }
   call.gathered.resize(1);
   for (int r = 0; r < world; ++r) call.gathered[0].push_back(at::empty({message}, bytes));
 
-  call.finish = [entries, gathered = call.gathered[0], mine = header, own_error, rank, world] {
+  call.finish = [entries, gathered = call.gathered[0], own_header = header, own_error, rank,
+                 world] {
     std::vector<at::Tensor> headers;
     for (const at::Tensor& m : gathered) {
       headers.push_back(m.narrow(0, 0, kHeaderBytes).to(at::kCPU).view(at::kLong));
@@ -105,7 +111,7 @@ PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
                                     " (its own error says more). The group stays usable.");
       }
     }
-    const int64_t* own = mine.data_ptr<int64_t>();
+    const int64_t* own = own_header.data_ptr<int64_t>();
     for (int r = 0; r < world; ++r) {
       const int64_t* theirs = headers[static_cast<size_t>(r)].data_ptr<int64_t>();
       if (theirs[kFingerprint] != own[kFingerprint]) {

@@ -10,9 +10,10 @@
 // fail the call on every rank, with the group usable, instead of leaving the
 // peers in the engine until the timeout or copying out the wrong elements.
 // Nothing waits for the peers before the engine's call: the call stays
-// asynchronous. (Lists whose largest entries differ still make messages of
-// different lengths, which Gloo refuses by aborting the process, as it does
-// for any all-gather whose sizes differ between ranks.)
+// asynchronous (on CPU tensors; CUDA tensors of ranks sharing a GPU wait for
+// the engine, as every call FallbackEngines finishes on them does). (Lists whose largest entries
+// differ still make messages of different lengths, which Gloo refuses by aborting the process, as
+// it does for any all-gather whose sizes differ between ranks.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,7 +28,8 @@ struct PaddedAllGather {
   std::vector<std::vector<at::Tensor>> gathered;  // one list: every rank's message
   // After the engine's all-gather: checks every rank's header, then copies
   // the entries out. Throws std::invalid_argument where a rank refused the
-  // call (this rank: its own reason) or the lists differ.
+  // call (this rank: its own reason) or the lists differ; the caller sees it
+  // as the call's failure (DistBackendError at wait() on CPU tensors).
   std::function<void()> finish;
 };
 

@@ -377,16 +377,19 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   // order they reach it, so a barrier handed on later, from the queue, could
   // cross a collective this thread hands on meanwhile (an async barrier, then
   // an all-to-all) on one rank and not on another. Gloo's barrier waits for
-  // the work handed to Gloo before it; the returned Work waits, on the queue,
-  // for the two-level collectives queued before it too.
+  // the work handed to Gloo before it. On the queue, behind this rank's
+  // two-level collectives, the ranks then meet again over the paths those
+  // use, so that no rank leaves the barrier while another still runs one.
   c10d::Backend* gloo = fallbacks_.cpu();
   c10d::BarrierOptions engine_opts = opts;
   engine_opts.asyncOp = true;
   c10::intrusive_ptr<c10d::Work> engine_barrier = fallbacks_.track(gloo->barrier(engine_opts));
+  TwoLevelAllreduce* two_level = two_level_.get();
   return group_.enqueue(
       c10d::OpType::BARRIER, "xdev:barrier", {},
-      [before, engine_barrier] {
+      [this, before, engine_barrier, two_level, timeout = opts.timeout] {
         before();
+        if (two_level != nullptr) two_level->barrier(group_.deadline_for(timeout));
         engine_barrier->wait();
       },
       opts.asyncOp);
