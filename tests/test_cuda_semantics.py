@@ -468,7 +468,7 @@ def test_bad_input() -> None:
     run_or_skip(_bad_input, 2, timeout=300)
 
 
-def _peer_dies_mid_collective(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+def _peer_goes_mid_collective(rank: int, world: int, timeout_s: float, how: str) -> dict[str, Any]:
     device = setup_rank(rank)
     options = torch_xdev.Options(algorithm=SHARED_GPU_PLAN, cuda_slot_bytes=SLOT, timeout=timeout_s)
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
@@ -478,43 +478,15 @@ def _peer_dies_mid_collective(rank: int, world: int, timeout_s: float) -> dict[s
         return {"skip": f"no CUDA transport: {info['transport_note']}"}
     t = torch.ones(16 * SLOT // 4, device=device)  # 16 windows, one kernel each
     if rank == 1:
-        # Past the host barrier, its kernels wait behind the sleep; the process ends before
-        # they run, so rank 0's kernels wait for a peer that never arrives on the GPU.
-        torch.cuda._sleep(SLEEP_CYCLES)
-        dist.all_reduce(t)
-        os._exit(0)
-    dist.all_reduce(t)
-    start = time.monotonic()
-    torch.cuda.synchronize(device)
-    elapsed = time.monotonic() - start
-    # The first window gives up after the timeout and the 15 queued behind it return at once,
-    # instead of each waiting out a timeout of its own.
-    assert elapsed < 3 * timeout_s, elapsed
-    with pytest.raises(dist.DistBackendError, match="exited|GPU barrier timed out") as failure:
-        dist.all_reduce(torch.ones(4, device=device))
-    return {"elapsed": elapsed, "error": str(failure.value)}
-
-
-def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
-    timeout_s = 3.0
-    results = run_ranks(_peer_dies_mid_collective, 2, timeout_s, timeout=300, expect_dead=(1,))
-    if "skip" in results[0]:
-        skip_or_fail(results[0]["skip"])
-
-
-def _peer_stalls_mid_collective(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
-    device = setup_rank(rank)
-    options = torch_xdev.Options(algorithm=SHARED_GPU_PLAN, cuda_slot_bytes=SLOT, timeout=timeout_s)
-    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
-    info = first_cuda_collective(device)
-    if not info["transport"]:
-        dist.destroy_process_group()
-        return {"skip": f"no CUDA transport: {info['transport_note']}"}
-    t = torch.ones(16 * SLOT // 4, device=device)  # 16 windows, one kernel each
-    if rank == 1:
-        # Alive, past the host barrier, its kernels queued behind a GPU sleep of about twice
-        # rank 0's timeout: nothing for the peer watch to see, so rank 0's first window gives
-        # up at the timeout itself.
+        # Past the host barrier, its kernels wait behind a GPU sleep.
+        if how == "exits":
+            # The process ends before they run, so rank 0's kernels wait for a peer that never
+            # arrives on the GPU; the host's peer watch sees the exit.
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dist.all_reduce(t)
+            os._exit(0)
+        # Alive, its kernels behind a sleep of about twice rank 0's timeout: nothing for the
+        # peer watch to see, so rank 0's first window gives up at the timeout itself.
         torch.cuda._sleep(int(4e9 * timeout_s))
         dist.all_reduce(t)
         time.sleep(3 * timeout_s)
@@ -523,30 +495,39 @@ def _peer_stalls_mid_collective(rank: int, world: int, timeout_s: float) -> dict
     start = time.monotonic()
     torch.cuda.synchronize(device)
     elapsed = time.monotonic() - start
-    with pytest.raises(dist.DistBackendError, match="timed out") as failure:
+    with pytest.raises(dist.DistBackendError, match="exited|GPU barrier timed out") as failure:
         dist.all_reduce(torch.ones(4, device=device))
     return {"elapsed": elapsed, "error": str(failure.value)}
 
 
-def test_peer_stalling_mid_collective_times_out_and_stops_every_queued_window() -> None:
-    timeout_s = 3.0
-    results = run_ranks(_peer_stalls_mid_collective, 2, timeout_s, timeout=300, expect_dead=(1,))
+def _peer_goes(timeout_s: float, how: str) -> dict[str, Any]:
+    results = run_ranks(_peer_goes_mid_collective, 2, timeout_s, how, timeout=300, expect_dead=(1,))
     if "skip" in results[0]:
         skip_or_fail(results[0]["skip"])
+    return results[0]
+
+
+def test_peer_dying_mid_collective_stops_every_queued_window() -> None:
+    # The first window stops, and the 15 queued behind it return at once, instead of each
+    # waiting out a timeout of its own.
+    result = _peer_goes(3.0, "exits")
+    assert result["elapsed"] < 9.0, result
+
+
+def test_peer_stalling_mid_collective_times_out_and_stops_every_queued_window() -> None:
     # The first window waits out the timeout; the 15 queued behind it return at once.
-    assert 0.9 * timeout_s < results[0]["elapsed"] < 3 * timeout_s, results[0]
-    assert "waiting for rank 1" in results[0]["error"], results[0]
+    result = _peer_goes(3.0, "stalls")
+    assert 2.7 < result["elapsed"] < 9.0, result
+    assert "timed out waiting for rank 1" in result["error"], result
 
 
 def test_peer_exiting_stops_the_kernels_long_before_the_timeout() -> None:
     """The host watches the peers while kernels wait for them (PeerWatch): with a timeout of
     two minutes, the kernels waiting for a peer that exited stop within seconds, and the next
     call names the peer."""
-    results = run_ranks(_peer_dies_mid_collective, 2, 120.0, timeout=300, expect_dead=(1,))
-    if "skip" in results[0]:
-        skip_or_fail(results[0]["skip"])
-    assert results[0]["elapsed"] < 15.0, results[0]
-    assert "rank 1" in results[0]["error"] and "exited" in results[0]["error"], results[0]
+    result = _peer_goes(120.0, "exits")
+    assert result["elapsed"] < 15.0, result
+    assert "rank 1" in result["error"] and "exited" in result["error"], result
 
 
 # ---------------------------------------------------------------------------------------
