@@ -63,8 +63,8 @@ PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
   int64_t* fields = header.data_ptr<int64_t>();
   fields[kRefusal] = refusal;
   fields[kEntries] = static_cast<int64_t>(entries.size());
-  // FNV-1a over the dtype and every entry's element count: the shapes may
-  // differ between ranks, the sizes may not.
+  // An FNV-style hash (a word at a time) of the dtype and every entry's
+  // element count: the shapes may differ between ranks, the sizes may not.
   uint64_t fingerprint = 1469598103934665603ull;
   const auto mix = [&](int64_t v) {
     fingerprint = (fingerprint ^ static_cast<uint64_t>(v)) * 1099511628211ull;
