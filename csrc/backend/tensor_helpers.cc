@@ -275,20 +275,33 @@ void check_pairs(const char* what, const std::vector<at::Tensor>& full,
   }
 }
 
+ListProblem check_list(const char* what, const std::vector<at::Tensor>& list,
+                       const at::Tensor& mine, int world, int rank) {
+  if (static_cast<int>(list.size()) != world) {
+    return {ListProblem::kLength, c10::str("xdev ", what, ": a list needs one tensor per rank (",
+                                           world, "); got ", list.size())};
+  }
+  for (const at::Tensor& t : list) {
+    if (t.scalar_type() != mine.scalar_type()) {
+      return {ListProblem::kDtypes,
+              c10::str("xdev ", what, ": every tensor must have one dtype; got ", t.scalar_type(),
+                       " and ", mine.scalar_type())};
+    }
+  }
+  const int64_t own = list[static_cast<size_t>(rank)].numel();
+  if (own != mine.numel()) {
+    return {ListProblem::kOwnEntry, c10::str("xdev ", what, ": this rank's entry of the list has ",
+                                             own, " element(s), its own tensor ", mine.numel())};
+  }
+  return {};
+}
+
 std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
                                 const at::Tensor& mine, int world, int rank) {
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world, "xdev ", what,
-                    ": a list needs one tensor per rank (", world, "); got ", list.size());
+  const ListProblem problem = check_list(what, list, mine, world, rank);
+  TORCH_CHECK_VALUE(problem.kind == ListProblem::kNone, problem.message);
   std::vector<int64_t> sizes;
-  for (const at::Tensor& t : list) {
-    TORCH_CHECK_VALUE(t.scalar_type() == mine.scalar_type(), "xdev ", what,
-                      ": every tensor must have one dtype; got ", t.scalar_type(), " and ",
-                      mine.scalar_type());
-    sizes.push_back(t.numel());
-  }
-  TORCH_CHECK_VALUE(sizes[static_cast<size_t>(rank)] == mine.numel(), "xdev ", what,
-                    ": this rank's entry of the list has ", sizes[static_cast<size_t>(rank)],
-                    " element(s), its own tensor ", mine.numel());
+  for (const at::Tensor& t : list) sizes.push_back(t.numel());
   return sizes;
 }
 

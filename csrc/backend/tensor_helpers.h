@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
@@ -101,9 +102,19 @@ void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensor
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                  const std::vector<at::Tensor>& block, int world);
 
-// Each rank's block size in a list form (one tensor per rank), after checking
-// that the list has one tensor per rank, of one dtype with `mine`, and that
-// this rank's entry has the size of `mine` (ValueError naming `what` otherwise).
+// What is wrong with a list form's list, if anything: it must hold one tensor
+// per rank, of one dtype with `mine`, and this rank's entry must have the size
+// of `mine`. `message` says so in words, naming `what`.
+struct ListProblem {
+  enum Kind : int64_t { kNone = 0, kLength, kDtypes, kOwnEntry };
+  Kind kind = kNone;
+  std::string message;
+};
+ListProblem check_list(const char* what, const std::vector<at::Tensor>& list,
+                       const at::Tensor& mine, int world, int rank);
+
+// Each rank's block size in a list form (one tensor per rank), after
+// check_list (ValueError with its message otherwise).
 std::vector<int64_t> list_sizes(const char* what, const std::vector<at::Tensor>& list,
                                 const at::Tensor& mine, int world, int rank);
 

@@ -11,7 +11,6 @@
 namespace xdev::backend {
 namespace {
 
-enum Refusal : int64_t { kAccepted = 0, kListLength, kListDtypes, kOwnEntry };
 enum HeaderField : int64_t { kRefusal = 0, kEntries, kElements, kLargest, kFingerprint, kFields };
 // The payload starts on a 64-byte boundary of the message, so that entries of
 // any dtype can be read out of it in place.
@@ -20,11 +19,11 @@ static_assert(kFields * 8 <= kHeaderBytes, "the header outgrew its room");
 
 const char* refusal_reason(int64_t refusal) {
   switch (refusal) {
-    case kListLength:
+    case ListProblem::kLength:
       return "its output list does not hold one tensor per rank";
-    case kListDtypes:
+    case ListProblem::kDtypes:
       return "its output list mixes dtypes";
-    case kOwnEntry:
+    case ListProblem::kOwnEntry:
       return "its input's size differs from its own entry of the output list";
     default:
       return "a reason this build does not know";
@@ -40,28 +39,10 @@ std::string describe_list(const int64_t* fields) {
 
 PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
                                       const at::Tensor& input, int world, int rank) {
-  int64_t refusal = kAccepted;
-  if (static_cast<int>(entries.size()) != world) {
-    refusal = kListLength;
-  } else if (std::any_of(entries.begin(), entries.end(), [&](const at::Tensor& t) {
-               return t.scalar_type() != input.scalar_type();
-             })) {
-    refusal = kListDtypes;
-  } else if (entries[static_cast<size_t>(rank)].numel() != input.numel()) {
-    refusal = kOwnEntry;
-  }
-  std::string own_error;
-  if (refusal != kAccepted) {
-    try {
-      list_sizes("all_gather", entries, input, world, rank);  // throws, in this rank's words
-    } catch (const std::exception& e) {
-      own_error = e.what();
-    }
-  }
-
+  const ListProblem problem = check_list("all_gather", entries, input, world, rank);
   at::Tensor header = at::zeros({kHeaderBytes / 8}, at::kLong);
   int64_t* fields = header.data_ptr<int64_t>();
-  fields[kRefusal] = refusal;
+  fields[kRefusal] = problem.kind;
   fields[kEntries] = static_cast<int64_t>(entries.size());
   // An FNV-style hash (a word at a time) of the dtype and every entry's
   // element count: the shapes may differ between ranks, the sizes may not.
@@ -89,15 +70,15 @@ PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
   call.input.push_back(at::zeros({message}, bytes));
   at::Tensor& mine = call.input[0];
   mine.narrow(0, 0, kHeaderBytes).copy_(contiguous_bytes(header));
-  if (refusal == kAccepted) {
+  if (problem.kind == ListProblem::kNone) {
     mine.narrow(0, kHeaderBytes, input.numel() * static_cast<int64_t>(input.element_size()))
         .copy_(contiguous_bytes(input.contiguous()));
   }
   call.gathered.resize(1);
   for (int r = 0; r < world; ++r) call.gathered[0].push_back(at::empty({message}, bytes));
 
-  call.finish = [entries, gathered = call.gathered[0], own_header = header, own_error, rank,
-                 world] {
+  call.finish = [entries, gathered = call.gathered[0], own_header = header,
+                 own_error = problem.message, rank, world] {
     std::vector<at::Tensor> headers;
     for (const at::Tensor& m : gathered) {
       headers.push_back(m.narrow(0, 0, kHeaderBytes).to(at::kCPU).view(at::kLong));
@@ -105,7 +86,7 @@ PaddedAllGather pad_uneven_all_gather(const std::vector<at::Tensor>& entries,
     if (!own_error.empty()) throw std::invalid_argument(own_error);
     for (int r = 0; r < world; ++r) {
       const int64_t theirs = headers[static_cast<size_t>(r)].data_ptr<int64_t>()[kRefusal];
-      if (theirs != kAccepted) {
+      if (theirs != ListProblem::kNone) {
         throw std::invalid_argument("xdev all_gather: rank " + std::to_string(r) +
                                     " refused the call: " + refusal_reason(theirs) +
                                     " (its own error says more). The group stays usable.");

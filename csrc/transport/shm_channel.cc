@@ -236,15 +236,12 @@ std::string ShmChannel::gone_rank(uint64_t epoch) const {
 }
 
 std::string ShmChannel::gone_peer() const {
-  const int r = gone_peer_rank();
-  return r < 0 ? std::string() : gone(r);  // a peer gone stays gone
-}
-
-int ShmChannel::gone_peer_rank() const {
   for (int r = 0; r < world_size_; ++r) {
-    if (r != rank_ && !gone(r).empty()) return r;
+    if (r == rank_) continue;
+    std::string why = gone(r);
+    if (!why.empty()) return why;
   }
-  return -1;
+  return "";
 }
 
 int ShmChannel::exited_peer_rank() const {

@@ -175,8 +175,6 @@ class ShmChannel {
   // A peer whose process has exited or that has left the group, said in
   // words ("" if none): it takes part in nothing more.
   std::string gone_peer() const;
-  // The rank of such a peer (the lowest), or -1. Safe to call from any thread.
-  int gone_peer_rank() const;
   // The rank of a peer whose process has exited (the lowest), or -1: unlike
   // one that has left, its GPU work queued before it went never runs. Safe to
   // call from any thread. Peers in another pid namespace are never found.

@@ -509,7 +509,7 @@ class CudaCollectivesImpl : public CudaCollectives {
   std::optional<AllreducePlanner> planner_;
   std::unique_ptr<transport::CudaIpcChannel> channel_;
   std::unique_ptr<transport::CudaExecutor> executor_;
-  // Stops executor_'s kernels once a peer exits or leaves; gone before executor_.
+  // Stops executor_'s kernels once a peer's process exits; gone before executor_.
   std::unique_ptr<transport::PeerWatch> watch_;
   std::unique_ptr<CudaHeapTensors> heap_;  // null without the transport or shared_buckets
   std::atomic<int64_t> in_place_allreduces_{0};
