@@ -316,6 +316,15 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
         with pytest.raises(dist.DistBackendError) as info:
             dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(world * numel), op=op)
         messages.append(str(info.value))
+    # Hosts that agree among themselves and differ from each other, at a size the engine
+    # sends: the check leaves once a host's ranks agree, and travels while they reduce.
+    numel = 40000 + 7 * (rank >= 2)
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.all_reduce(torch.ones(numel))
+    messages.append(str(info.value))
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.reduce_scatter_tensor(torch.empty(numel), torch.ones(world * numel))
+    messages.append(str(info.value))
     # Every rank stopped with an error, none waited for the timeout, and the group goes on.
     assert time.monotonic() - start < TIMEOUT_S / 2
     t = torch.full((1000,), float(rank + 1))
@@ -338,6 +347,7 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
         crossed = not leader or rank % 2 == 0
         calls = ["allreduce", "allreduce", "reduce_scatter", "all_gather", "broadcast", "broadcast"]
         calls += ["allreduce AVG/SUM", "reduce_scatter AVG/SUM"] * 2
+        calls += ["allreduce across hosts", "reduce_scatter across hosts"]
         assert len(messages) == len(calls)
         for call, message in zip(calls, messages):
             assert "mismatched collectives" in message, (rank, call, message)
@@ -360,6 +370,9 @@ def test_mismatch_across_hosts_fails_every_rank(leader: bool, tmp_path: Path) ->
             assert "on different hosts" in messages[1] and "1007 element(s)" in messages[1]
         else:
             assert "differs from a rank's on another host" in messages[1], messages[1]
+        # At 40007 elements every rank crosses hosts in slices, in either parametrization.
+        for message, elements in zip(messages[-2:], ("40007", "160028")):
+            assert "on different hosts" in message and f"{elements} element(s)" in message, message
         # In slices the all-gather starts across hosts: local index 1 (ranks 1 and 3)
         # exchanged the differing calls; ranks 0 and 2 learn of it through their host's check.
         # In the leader form it starts inside each host, where host 0's ranks see rank 1's

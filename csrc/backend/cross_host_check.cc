@@ -78,33 +78,51 @@ void CrossHostCheck::reduce_payloads(const at::Tensor& messages, int64_t offset_
                   out.numel(), op == kernels::ReduceOp::kAvg ? group_.size() : 0);
 }
 
-at::Tensor CrossHostCheck::all_gather(const at::Tensor& message,
-                                      transport::Clock::time_point deadline) {
+c10::intrusive_ptr<c10d::Work> CrossHostCheck::start_all_gather(
+    const at::Tensor& message, const at::Tensor& all, transport::Clock::time_point deadline) {
   at::Tensor in = message;
-  at::Tensor all = at::empty({group_.num_hosts() * message.numel()}, at::kByte);
+  at::Tensor out = all;
   c10d::AllgatherOptions opts;
   opts.timeout = engine_timeout(deadline);
-  wait_for_engine(engine_->_allgather_base(all, in, opts), opts.timeout,
+  return engine_->_allgather_base(out, in, opts);
+}
+
+void CrossHostCheck::wait_all_gather(const c10::intrusive_ptr<c10d::Work>& work,
+                                     transport::Clock::time_point deadline) {
+  wait_for_engine(work, engine_timeout(deadline),
                   "two-level collective: the engine's exchange of calls across hosts");
-  return all;
 }
 
 void CrossHostCheck::refuse(transport::Clock::time_point deadline) {
   std::vector<int64_t> fields(kFields, 0);
   fields[4] = kRefused;
-  all_gather(message_with(fields), deadline);
+  const at::Tensor all = at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
+  wait_all_gather(start_all_gather(message_with(fields), all, deadline), deadline);
 }
 
-at::Tensor CrossHostCheck::exchange(const transport::OpDescriptor& call, const void* payload,
-                                    int64_t payload_bytes, bool host_step_follows, const char* what,
-                                    transport::Clock::time_point deadline) {
-  const std::vector<int64_t> mine = fields_of(call, payload_bytes);
-  at::Tensor message = message_with(mine);
+CrossHostCheck::Exchange CrossHostCheck::start(const transport::OpDescriptor& call,
+                                               const void* payload, int64_t payload_bytes,
+                                               transport::Clock::time_point deadline) {
+  Exchange sent;
+  sent.call = call;
+  sent.fields = fields_of(call, payload_bytes);
+  at::Tensor message = message_with(sent.fields);
   if (payload != nullptr && plan::carried_across_hosts(payload_bytes) && payload_bytes > 0) {
     std::memcpy(static_cast<char*>(message.data_ptr()) + plan::kCrossHostHeaderBytes, payload,
                 static_cast<size_t>(payload_bytes));
   }
-  const at::Tensor all = all_gather(message, deadline);
+  sent.all = at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
+  sent.work = start_all_gather(message, sent.all, deadline);
+  return sent;
+}
+
+at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const char* what,
+                                  transport::Clock::time_point deadline) {
+  wait_all_gather(sent.work, deadline);
+  sent.work.reset();
+  const transport::OpDescriptor& call = sent.call;
+  const std::vector<int64_t>& mine = sent.fields;
+  const at::Tensor& all = sent.all;
   const int hosts = group_.num_hosts();
   bool same = true;
   for (int h = 0; h < hosts && same; ++h)

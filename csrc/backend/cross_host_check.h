@@ -30,6 +30,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <string>
+#include <vector>
 
 #include "../kernels/cpu_reduce.h"
 #include "../transport/shm_channel.h"
@@ -51,7 +52,27 @@ class CrossHostCheck {
   // `host_step_follows`) and 3 above and throws transport::MismatchError.
   at::Tensor exchange(const transport::OpDescriptor& call, const void* payload,
                       int64_t payload_bytes, bool host_step_follows, const char* what,
-                      transport::Clock::time_point deadline);
+                      transport::Clock::time_point deadline) {
+    Exchange sent = start(call, payload, payload_bytes, deadline);
+    return finish(sent, host_step_follows, what, deadline);
+  }
+
+  // exchange() in two halves, for a call whose payload does not ride along:
+  // start() sends this rank's message and returns at once, so that it travels
+  // while the host's ranks move their data (once the host's own check has
+  // passed: a rank that sent its call can no longer refuse); finish() waits
+  // for every host's and compares them as exchange() does. A rank that
+  // started one must finish it, or fail the group.
+  struct Exchange {
+    transport::OpDescriptor call;
+    std::vector<int64_t> fields;  // this rank's header
+    at::Tensor all;               // every host's message, host by host
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  Exchange start(const transport::OpDescriptor& call, const void* payload, int64_t payload_bytes,
+                 transport::Clock::time_point deadline);
+  at::Tensor finish(Exchange& sent, bool host_step_follows, const char* what,
+                    transport::Clock::time_point deadline);
 
   // exchange() without a payload, before the collective's first step.
   void check(const transport::OpDescriptor& call, const char* what,
@@ -77,7 +98,11 @@ class CrossHostCheck {
   void shutdown() { engine_.reset(); }
 
  private:
-  at::Tensor all_gather(const at::Tensor& message, transport::Clock::time_point deadline);
+  // Starts the engine's all-gather of every host's message; `all` receives them.
+  c10::intrusive_ptr<c10d::Work> start_all_gather(const at::Tensor& message, const at::Tensor& all,
+                                                  transport::Clock::time_point deadline);
+  static void wait_all_gather(const c10::intrusive_ptr<c10d::Work>& work,
+                              transport::Clock::time_point deadline);
 
   GroupContext& group_;
   c10::intrusive_ptr<c10d::Backend> engine_;

@@ -182,9 +182,9 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     pieces.push_back(std::move(p));
     start += n;
   }
-  const auto reduce_scatter = [&](Piece& p) {
+  const auto reduce_scatter = [&](Piece& p, std::function<void()> after_check = {}) {
     run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, ops.in_host, call,
-                deadline, p.placement, kAllreduceName);
+                deadline, p.placement, kAllreduceName, std::move(after_check));
   };
   const auto start_engine = [&](Piece& p) {
     std::vector<at::Tensor> engine_tensors{p.slice};
@@ -203,21 +203,30 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
                 deadline, p.placement, kAllreduceName);
   };
 
-  try {
-    reduce_scatter(pieces[0]);
-  } catch (const transport::MismatchError&) {
-    check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
-    throw;
-  }
-
-  // The check across hosts; a small slice rides in it, and every rank then
-  // sums the hosts' partial sums in host order (the same bits everywhere).
+  // The check across hosts. A small slice rides in it once reduced, and
+  // every rank then sums the hosts' partial sums in host order (the same bits
+  // everywhere). Otherwise it leaves as soon as this host's ranks agree on
+  // the call, and travels while they reduce-scatter the first piece.
   const at::Tensor& first_slice = pieces[0].slice;
   const int64_t slice_bytes = first_slice.numel() * first_slice.element_size();
   const bool carried = num_pieces == 1 && plan::carried_across_hosts(slice_bytes);
+  std::optional<CrossHostCheck::Exchange> check;
+  try {
+    if (carried) {
+      reduce_scatter(pieces[0]);
+    } else {
+      reduce_scatter(pieces[0], [&] { check = check_.start(call, nullptr, 0, deadline); });
+    }
+  } catch (const transport::MismatchError&) {
+    // The other hosts' ranks of this local index must not wait. (A rank that
+    // sent its call had passed the host's check: nothing after it refuses.)
+    if (!check) check_.refuse(deadline);
+    throw;
+  }
   const at::Tensor messages =
-      check_.exchange(call, carried ? first_slice.data_ptr() : nullptr, slice_bytes,
-                      /*host_step_follows=*/true, kAllreduceName, deadline);
+      check ? check_.finish(*check, /*host_step_follows=*/true, kAllreduceName, deadline)
+            : check_.exchange(call, first_slice.data_ptr(), slice_bytes,
+                              /*host_step_follows=*/true, kAllreduceName, deadline);
   if (carried) {
     check_.reduce_payloads(messages, 0, ops.across, first_slice);
     finish(pieces[0]);
@@ -287,7 +296,8 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
                                     const at::Tensor& slice, kernels::ReduceOp op,
                                     const transport::OpDescriptor& call,
                                     transport::Clock::time_point deadline,
-                                    const SharedPlacement& placement, const char* what) {
+                                    const SharedPlacement& placement, const char* what,
+                                    std::function<void()> after_check) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   // A reduce-scatter reduces elements; an all-gather moves bytes.
   const int64_t unit = reduce_scatter ? 1 : flat.element_size();
@@ -329,6 +339,7 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.shape_hash = call.shape_hash;
   const std::string step = reduce_scatter ? " (reduce-scatter" : " (all-gather";
   req.ctx = group_.make_context(d, (what + step + where_).c_str(), deadline);
+  req.after_check = std::move(after_check);
   run_in_host_step(group_, executor_, req, placement,
                    reduce_scatter ? "two-level reduce-scatter" : "two-level all-gather");
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "../plan/two_level.h"
 #include "staged_broadcast.h"
@@ -333,24 +334,34 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     }
   }
   const TwoLevelOps ops = two_level_ops(op, inputs[0].scalar_type());
-  try {
-    run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
-                plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
-                ops.in_host, op, hash, deadline, heap_placement(full));
-  } catch (const transport::MismatchError&) {
-    check_.refuse(deadline);  // the other hosts' ranks of this local index must not wait
-    throw;
-  }
-  // The check across hosts; small partial sums ride in it, and the rank then
-  // sums its block from every host's, in host order, as the engine would not.
-  // No step inside the host follows: the host's ranks made the same call (its
-  // check above compares the call's shapes), so every cross-host group of a
-  // host sees the same difference, and all of them fail here.
+  // The check across hosts; small partial sums ride in it once reduced, and
+  // the rank then sums its block from every host's, in host order, as the
+  // engine would not. Otherwise it leaves as soon as this host's ranks agree
+  // on the call and travels while they reduce-scatter. No step inside the
+  // host follows it: the host's ranks made the same call (their check
+  // compares the call's shapes), so every cross-host group of a host sees the
+  // same difference, and all of them fail there.
   const int64_t packed_bytes = packed.numel() * elem_size;
   const bool carried = plan::carried_across_hosts(packed_bytes);
+  std::optional<CrossHostCheck::Exchange> check;
+  try {
+    run_in_host(
+        plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs, plan::FlatLayout(layout),
+        *native_dtype(inputs[0].scalar_type()), elem_size, ops.in_host, op, hash, deadline,
+        heap_placement(full), carried ? std::function<void()>{} : [&] {
+          check = check_.start(call, nullptr, 0, deadline);
+        });
+  } catch (const transport::MismatchError&) {
+    // The other hosts' ranks of this local index must not wait. (A rank that
+    // sent its call had passed the host's check: nothing after it refuses.)
+    if (!check) check_.refuse(deadline);
+    throw;
+  }
+  const char* const what = "two-level reduce_scatter";
   const at::Tensor messages =
-      check_.exchange(call, carried ? packed.data_ptr() : nullptr, packed_bytes,
-                      /*host_step_follows=*/false, "two-level reduce_scatter", deadline);
+      check ? check_.finish(*check, /*host_step_follows=*/false, what, deadline)
+            : check_.exchange(call, packed.data_ptr(), packed_bytes,
+                              /*host_step_follows=*/false, what, deadline);
   const at::Tensor mine =
       outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
   if (carried) {
@@ -373,7 +384,7 @@ void TwoLevelGatherScatter::run_in_host(
     plan::GatherScatterKind kind, const std::vector<char*>& full, const std::vector<char*>& block,
     const plan::FlatLayout& layout, kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,
     kernels::ReduceOp asked, uint64_t hash, transport::Clock::time_point deadline,
-    const SharedPlacement& placement) {
+    const SharedPlacement& placement, std::function<void()> after_check) {
   const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   const plan::GatherScatterPlan plan(kind, group_.local_world_size(), layout.total(),
@@ -395,6 +406,7 @@ void TwoLevelGatherScatter::run_in_host(
   d.shape_hash = hash;
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
+  req.after_check = std::move(after_check);
   run_in_host_step(group_, executor_, req, placement,
                    reduce_scatter ? "two-level reduce_scatter" : "two-level all_gather");
 }

@@ -52,6 +52,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -126,12 +127,13 @@ class TwoLevelGatherScatter {
   // (every full[t] then lies within that one heap tensor), if it does. A
   // reduce-scatter runs `op` inside the host; the host's ranks check the op
   // the call asked for, `asked` (an AVG runs as a SUM here, so a rank asking
-  // SUM would otherwise pass).
+  // SUM would otherwise pass). `after_check`, if set, runs once the host's
+  // check has passed, before any data moves.
   void run_in_host(plan::GatherScatterKind kind, const std::vector<char*>& full,
                    const std::vector<char*>& block, const plan::FlatLayout& layout,
                    kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,
                    kernels::ReduceOp asked, uint64_t hash, transport::Clock::time_point deadline,
-                   const SharedPlacement& placement);
+                   const SharedPlacement& placement, std::function<void()> after_check = {});
   // Where the one full tensor of a call lies in the host's heap, when the step
   // inside the host may read it in place there (ranks in host-major order).
   SharedPlacement heap_placement(const std::vector<at::Tensor>& full) const;

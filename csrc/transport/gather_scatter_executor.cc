@@ -98,6 +98,7 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
   if (plan.num_windows() == 0) {
     // Nothing to move, but peers may disagree: take part in the descriptor check.
     channel_.open_collective(req.ctx);
+    if (req.after_check) req.after_check();
     return false;
   }
   const bool in_heap = static_cast<bool>(req.full_copies);
@@ -135,6 +136,7 @@ bool GatherScatterExecutor::run(const GatherScatterRequest& req) {
     // The first window's barrier also checks every rank's descriptor.
     const int64_t parity = k == 0 ? channel_.open_collective(req.ctx, stage_mine)
                                   : channel_.open_window(req.ctx, stage_mine);
+    if (k == 0 && req.after_check) req.after_check();
     // Every rank has passed the first barrier and published where its full
     // tensor lies; all reach the same answer here (window 0's staging, done
     // in case, goes unused).
@@ -237,6 +239,7 @@ void GatherScatterExecutor::run_single_copy(const GatherScatterRequest& req) {
   channel_.open_collective(req.ctx, [&](int64_t) {
     channel_.publish_buffer(seq, lent, static_cast<uint64_t>(lent_elems * es));
   });
+  if (req.after_check) req.after_check();
   const WindowMap map(req, w.block, me);
   const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / es);
   std::vector<const void*> sources;

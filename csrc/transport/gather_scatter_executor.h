@@ -68,6 +68,11 @@ struct GatherScatterRequest {
   // Called only after the first barrier, once every rank's place is known to
   // agree (a peer's arena is mapped on first use).
   std::function<std::vector<char*>()> full_copies;
+  // Called on this rank once the first barrier has found every rank's
+  // descriptor equal, before any data moves: a collective of several hosts
+  // sends its check across hosts from here, so that it travels while this
+  // host's ranks move their data.
+  std::function<void()> after_check;
 };
 
 class GatherScatterExecutor {
