@@ -147,14 +147,27 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
   const double rate = stream_rate(net, streams, streams);
   const double across =
       ring_s(hosts.num_hosts, static_cast<double>(slice), rate, message_latency(net, streams));
-  const double serial = exchange + pieces * (intra + across);
+  // Work inside the host and the engine's overlap as far as the host's cores
+  // allow: a core per local rank for the steps inside the host and another
+  // for its engine's stream. Where they do not, the engine's side waits.
+  double overlap = 1.0;
+  if (net.host_cores > 0) {
+    const int spare = net.host_cores - hosts.ranks_per_host;
+    overlap = std::clamp(static_cast<double>(spare) / hosts.ranks_per_host, 0.0, 1.0);
+  }
+  // The exchange of the call leaves once the host's ranks agree on it, and
+  // travels while they reduce-scatter the first piece.
+  const double first =
+      overlap * std::max(exchange, reduce_scatter) + (1 - overlap) * (exchange + reduce_scatter);
+  const double serial = first + all_gather + across + (pieces - 1) * (intra + across);
   if (pieces == 1) return serial;
 
-  // The pipeline as the backend runs it: this rank reduce-scatters piece 0,
-  // exchanges the call, starts the engine on it; then for each later piece
-  // reduce-scatters it, starts the engine on it (which runs one piece at a
-  // time), and all-gathers the previous piece once the engine is done with it.
-  double t = reduce_scatter + exchange;
+  // The pipeline as the backend runs it: this rank reduce-scatters piece 0
+  // (the exchange on its way), starts the engine on it; then for each later
+  // piece reduce-scatters it, starts the engine on it (which runs one piece
+  // at a time), and all-gathers the previous piece once the engine is done
+  // with it.
+  double t = first;
   double engine_done = t + across;
   for (int k = 1; k < pieces; ++k) {
     t += reduce_scatter;
@@ -163,13 +176,6 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
     engine_done = next_engine_done;
   }
   const double pipelined = std::max(t, engine_done) + all_gather;
-  // The share of that overlap the host's cores allow: a core per local rank
-  // for the steps inside the host and another for its engine's stream.
-  double overlap = 1.0;
-  if (net.host_cores > 0) {
-    const int spare = net.host_cores - hosts.ranks_per_host;
-    overlap = std::clamp(static_cast<double>(spare) / hosts.ranks_per_host, 0.0, 1.0);
-  }
   return overlap * pipelined + (1 - overlap) * serial;
 }
 

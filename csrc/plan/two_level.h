@@ -135,9 +135,10 @@ double predict_two_level_leader_s(const HostLayout& hosts, int64_t bytes, const 
 // half its flat allreduce). The two-level plans include the exchange of
 // calls above, and the engine's steps only for a payload it does not carry
 // (the reduction of carried payloads is left out: H small sums in memory).
-// Pieces overlap as far as the host has cores for both the engine's streams
-// and the steps inside it (NetworkParams::host_cores); where it has not, the
-// pieces run one after another.
+// The exchange for a payload the engine sends travels while the host
+// reduce-scatters the first piece, and pieces overlap, as far as the host
+// has cores for both the engine's streams and the steps inside it
+// (NetworkParams::host_cores); where it has not, one waits for the other.
 double predict_flat_ring_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net);
 double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net,
                            const MachineModel& host, int pieces = 1);
