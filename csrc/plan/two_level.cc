@@ -45,6 +45,21 @@ double core_share(const NetworkParams& net, int streams) {
   return static_cast<double>(net.host_cores) / streams;
 }
 
+// The share of the work inside a host that overlaps the engine's: that needs
+// a core per local rank for the steps inside the host and another for its
+// engine's stream (1: cores not modelled).
+double overlap_share(const HostLayout& hosts, const NetworkParams& net) {
+  if (net.host_cores <= 0) return 1.0;
+  const int spare = net.host_cores - hosts.ranks_per_host;
+  return std::clamp(static_cast<double>(spare) / hosts.ranks_per_host, 0.0, 1.0);
+}
+
+// The exchange of calls sent as the host's ranks agree on the call, beside
+// the reduce-scatter inside the host it travels during, as far as `overlap`.
+double check_beside(double exchange, double reduce_scatter, double overlap) {
+  return overlap * std::max(exchange, reduce_scatter) + (1 - overlap) * (exchange + reduce_scatter);
+}
+
 // The latency of each of `streams` messages a host sends at once.
 double message_latency(const NetworkParams& net, int streams) {
   return net.latency_s / core_share(net, streams);
@@ -148,17 +163,10 @@ double predict_two_level_s(const HostLayout& hosts, int64_t bytes, const Network
   const double across =
       ring_s(hosts.num_hosts, static_cast<double>(slice), rate, message_latency(net, streams));
   // Work inside the host and the engine's overlap as far as the host's cores
-  // allow: a core per local rank for the steps inside the host and another
-  // for its engine's stream. Where they do not, the engine's side waits.
-  double overlap = 1.0;
-  if (net.host_cores > 0) {
-    const int spare = net.host_cores - hosts.ranks_per_host;
-    overlap = std::clamp(static_cast<double>(spare) / hosts.ranks_per_host, 0.0, 1.0);
-  }
-  // The exchange of the call leaves once the host's ranks agree on it, and
-  // travels while they reduce-scatter the first piece.
-  const double first =
-      overlap * std::max(exchange, reduce_scatter) + (1 - overlap) * (exchange + reduce_scatter);
+  // allow; where they do not, one waits for the other. The exchange of the
+  // call travels while the host's ranks reduce-scatter the first piece.
+  const double overlap = overlap_share(hosts, net);
+  const double first = check_beside(exchange, reduce_scatter, overlap);
   const double serial = first + all_gather + across + (pieces - 1) * (intra + across);
   if (pieces == 1) return serial;
 
@@ -297,7 +305,13 @@ double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayo
                             ? 0.0
                             : half_ring_s(hosts.num_hosts, per_ring, rate,
                                           message_latency(net, hosts.ranks_per_host));
-  return cross_host_check_s(hosts, net, hosts.ranks_per_host) + intra + across;
+  const double exchange = cross_host_check_s(hosts, net, hosts.ranks_per_host);
+  // A reduce-scatter whose partial sums do not ride sends its call while its
+  // host reduces (an all-gather's exchange comes first: nothing to overlap).
+  if (kind == GatherScatterKind::kReduceScatter && across > 0) {
+    return check_beside(exchange, intra, overlap_share(hosts, net)) + across;
+  }
+  return exchange + intra + across;
 }
 
 bool gather_scatter_leader_fits(GatherScatterKind kind, const HostLayout& hosts, int64_t bytes) {

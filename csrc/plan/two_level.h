@@ -199,6 +199,9 @@ Traffic two_level_gather_scatter_traffic(const HostLayout& hosts, int64_t bytes)
 // Predicted seconds. `host` models one host's shared-memory path for
 // ranks_per_host ranks; its staged form runs the half inside the host (a
 // reduce-scatter reducing elements of elem_bytes, an all-gather moving bytes).
+// The two-level forms include the exchange of calls, which a reduce-scatter
+// whose partial sums the engine sends overlaps with its step inside the host
+// as the allreduce's first piece does.
 double predict_flat_ring_gather_scatter_s(const HostLayout& hosts, int64_t bytes,
                                           const NetworkParams& net);
 double predict_two_level_gather_scatter_s(GatherScatterKind kind, const HostLayout& hosts,
