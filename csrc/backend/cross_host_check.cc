@@ -151,8 +151,9 @@ at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const 
     const int64_t* f = fields_in(all, h);
     if (f[4] == kRefused) {
       msg += "\n  host " + std::to_string(h) +
-             ": nothing (its ranks called different collectives among themselves; their "
-             "error names the calls)";
+             ": nothing (its ranks stopped before crossing hosts: they called different "
+             "collectives among themselves, or, in the leader form, a host's call differed "
+             "from theirs; their errors name the calls)";
       continue;
     }
     transport::OpDescriptor d = from_fields(f);

@@ -57,11 +57,11 @@ class CrossHostCheck {
     return finish(sent, host_step_follows, what, deadline);
   }
 
-  // exchange() in two halves, for a call whose payload does not ride along:
-  // start() sends this rank's message and returns at once, so that it travels
-  // while the host's ranks move their data (once the host's own check has
-  // passed: a rank that sent its call can no longer refuse); finish() waits
-  // for every host's and compares them as exchange() does. A rank that
+  // exchange() in two halves: start() sends this rank's message and returns
+  // at once; finish() waits for every host's and compares them. A call whose
+  // payload does not ride along starts as soon as the host's own check has
+  // passed (a rank that sent its call can no longer refuse), so that the
+  // message travels while the host's ranks move their data. A rank that
   // started one must finish it, or fail the group.
   struct Exchange {
     transport::OpDescriptor call;

@@ -215,7 +215,8 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     if (carried) {
       reduce_scatter(pieces[0]);
     } else {
-      reduce_scatter(pieces[0], [&] { check = check_.start(call, nullptr, 0, deadline); });
+      reduce_scatter(pieces[0],
+                     [&] { check = check_.start(call, nullptr, slice_bytes, deadline); });
     }
   } catch (const transport::MismatchError&) {
     // The other hosts' ranks of this local index must not wait. (A rank that
@@ -223,6 +224,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     if (!check) check_.refuse(deadline);
     throw;
   }
+  TORCH_INTERNAL_ASSERT(carried || check, "two-level allreduce: the check was not started");
   const at::Tensor messages =
       check ? check_.finish(*check, /*host_step_follows=*/true, kAllreduceName, deadline)
             : check_.exchange(call, first_slice.data_ptr(), slice_bytes,

@@ -135,8 +135,8 @@ class TwoLevelAllreduce {
   // (this local rank's), or all-gather the slices back into `flat`. The
   // host's ranks check that they all make `call` (`what` names it). In place
   // (nothing staged) when flat lies at one place of every local rank's heap.
-  // `after_check`, if set, runs once the host's check has passed, before any
-  // data moves (GatherScatterRequest::after_check).
+  // `after_check`, if set, runs once the host's check has passed, before
+  // this rank reads any peer's data (GatherScatterRequest::after_check).
   void run_in_host(plan::GatherScatterKind kind, const at::Tensor& flat, const at::Tensor& slice,
                    kernels::ReduceOp op, const transport::OpDescriptor& call,
                    transport::Clock::time_point deadline, const SharedPlacement& placement,

@@ -349,7 +349,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
         plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs, plan::FlatLayout(layout),
         *native_dtype(inputs[0].scalar_type()), elem_size, ops.in_host, op, hash, deadline,
         heap_placement(full), carried ? std::function<void()>{} : [&] {
-          check = check_.start(call, nullptr, 0, deadline);
+          check = check_.start(call, nullptr, packed_bytes, deadline);
         });
   } catch (const transport::MismatchError&) {
     // The other hosts' ranks of this local index must not wait. (A rank that
@@ -358,6 +358,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     throw;
   }
   const char* const what = "two-level reduce_scatter";
+  TORCH_INTERNAL_ASSERT(carried || check, "two-level reduce_scatter: the check was not started");
   const at::Tensor messages =
       check ? check_.finish(*check, /*host_step_follows=*/false, what, deadline)
             : check_.exchange(call, packed.data_ptr(), packed_bytes,

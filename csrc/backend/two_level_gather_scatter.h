@@ -128,7 +128,7 @@ class TwoLevelGatherScatter {
   // reduce-scatter runs `op` inside the host; the host's ranks check the op
   // the call asked for, `asked` (an AVG runs as a SUM here, so a rank asking
   // SUM would otherwise pass). `after_check`, if set, runs once the host's
-  // check has passed, before any data moves.
+  // check has passed, before this rank reads any peer's data.
   void run_in_host(plan::GatherScatterKind kind, const std::vector<char*>& full,
                    const std::vector<char*>& block, const plan::FlatLayout& layout,
                    kernels::DType dtype, int64_t elem_size, kernels::ReduceOp op,

@@ -69,9 +69,10 @@ struct GatherScatterRequest {
   // agree (a peer's arena is mapped on first use).
   std::function<std::vector<char*>()> full_copies;
   // Called on this rank once the first barrier has found every rank's
-  // descriptor equal, before any data moves: a collective of several hosts
-  // sends its check across hosts from here, so that it travels while this
-  // host's ranks move their data.
+  // descriptor equal, before it reads any peer's data: a collective of
+  // several hosts sends its check across hosts from here, so that it travels
+  // while this host's ranks move their data. It must not throw: a rank that
+  // left here would leave its peers waiting in the step.
   std::function<void()> after_check;
 };
 
