@@ -151,6 +151,39 @@ def test_killed_rank_mid_pipeline_fails_every_rank_of_every_host(tmp_path: Path)
     assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
 
 
+def _mismatched_in_pieces(rank: int, world: int) -> list[str]:
+    """Mismatched allreduces in 4 pieces: every rank fails, and the group goes on."""
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    messages = []
+    # Rank 3 alone differs: host 1's check fails before its ranks send their calls across
+    # hosts, and they refuse instead. Then both hosts agree among themselves and differ from
+    # each other: their calls leave during the first piece's reduce-scatter and differ.
+    for numel in (80000 + (rank == 3), 80000 + 7 * (rank >= 2)):
+        with pytest.raises(dist.DistBackendError) as info:
+            dist.all_reduce(torch.ones(numel))
+        messages.append(str(info.value))
+    t = torch.full((80000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((80000,), float(sum(range(1, world + 1)))))
+    assert "4 pipelined pieces" in torch_xdev.describe()["last_allreduce"][1]
+    dist.destroy_process_group()
+    return messages
+
+
+def test_mismatch_in_pieces_fails_every_rank_of_every_host(tmp_path: Path) -> None:
+    # Slow streams: two levels at these sizes, forced into 4 pieces of 80 KB slices.
+    model = _network_model(tmp_path, net_stream_gbps=0.01)
+    env = [{**e, "XDEV_CPU_MODEL": model, "XDEV_TWO_LEVEL_PIECES": "4"} for e in _hosts_env([2, 2])]
+    for rank, (own_host, hosts) in enumerate(
+        run_ranks(_mismatched_in_pieces, 4, per_rank_env=env, timeout=180)
+    ):
+        assert "mismatched collectives" in own_host and "timed out" not in own_host, own_host
+        # Host 0's ranks learn of rank 3's call from host 1's refusal across hosts.
+        assert (rank < 2) == ("on different hosts" in own_host), (rank, own_host)
+        assert "on different hosts" in hosts and "80007 element(s)" in hosts, (rank, hosts)
+        assert "cut in 4 pieces" in hosts, (rank, hosts)
+
+
 def _auto_pieces(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     t = torch.ones(1 << 20)
