@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "../plan/two_level.h"
@@ -114,6 +115,25 @@ CrossHostCheck::Exchange CrossHostCheck::start(const transport::OpDescriptor& ca
   sent.all = at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
   sent.work = start_all_gather(message, sent.all, deadline);
   return sent;
+}
+
+at::Tensor CrossHostCheck::exchange_around_host_step(
+    const transport::OpDescriptor& call, bool carried, const void* payload, int64_t payload_bytes,
+    bool host_step_follows, const char* what, transport::Clock::time_point deadline,
+    const std::function<void(std::function<void()> after_check)>& host_step) {
+  std::optional<Exchange> sent;
+  try {
+    host_step(carried ? std::function<void()>{}
+                      : [&] { sent = start(call, nullptr, payload_bytes, deadline); });
+  } catch (const transport::MismatchError&) {
+    // The other hosts' ranks of this local index must not wait. (A rank that
+    // sent its call had passed the host's check: nothing after it refuses.)
+    if (!sent) refuse(deadline);
+    throw;
+  }
+  if (carried) return exchange(call, payload, payload_bytes, host_step_follows, what, deadline);
+  TORCH_INTERNAL_ASSERT(sent, "xdev ", what, ": the check across hosts was not started");
+  return finish(*sent, host_step_follows, what, deadline);
 }
 
 at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const char* what,

@@ -29,6 +29,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,22 +58,18 @@ class CrossHostCheck {
     return finish(sent, host_step_follows, what, deadline);
   }
 
-  // exchange() in two halves: start() sends this rank's message and returns
-  // at once; finish() waits for every host's and compares them. A call whose
-  // payload does not ride along starts as soon as the host's own check has
-  // passed (a rank that sent its call can no longer refuse), so that the
-  // message travels while the host's ranks move their data. A rank that
-  // started one must finish it, or fail the group.
-  struct Exchange {
-    transport::OpDescriptor call;
-    std::vector<int64_t> fields;  // this rank's header
-    at::Tensor all;               // every host's message, host by host
-    c10::intrusive_ptr<c10d::Work> work;
-  };
-  Exchange start(const transport::OpDescriptor& call, const void* payload, int64_t payload_bytes,
-                 transport::Clock::time_point deadline);
-  at::Tensor finish(Exchange& sent, bool host_step_follows, const char* what,
-                    transport::Clock::time_point deadline);
+  // exchange() around a collective's first step, inside the host (a
+  // reduce-scatter): calls `host_step` with the after_check it must hand that
+  // step (GatherScatterRequest::after_check). Where the payload rides along
+  // (`carried`: what `payload` holds once the step is done), the exchange
+  // follows the step. Otherwise the call leaves from after_check, once the
+  // host's ranks agree on it, and travels while they move their data. Where
+  // the host's own check fails before the call left, sends a refusal
+  // (refuse()) and rethrows, so that every rank crosses hosts once.
+  at::Tensor exchange_around_host_step(
+      const transport::OpDescriptor& call, bool carried, const void* payload, int64_t payload_bytes,
+      bool host_step_follows, const char* what, transport::Clock::time_point deadline,
+      const std::function<void(std::function<void()> after_check)>& host_step);
 
   // exchange() without a payload, before the collective's first step.
   void check(const transport::OpDescriptor& call, const char* what,
@@ -98,6 +95,20 @@ class CrossHostCheck {
   void shutdown() { engine_.reset(); }
 
  private:
+  // exchange() in two halves: start() sends this rank's message and returns
+  // at once; finish() waits for every host's and compares them. A rank that
+  // started one must finish it, or fail the group.
+  struct Exchange {
+    transport::OpDescriptor call;
+    std::vector<int64_t> fields;  // this rank's header
+    at::Tensor all;               // every host's message, host by host
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  Exchange start(const transport::OpDescriptor& call, const void* payload, int64_t payload_bytes,
+                 transport::Clock::time_point deadline);
+  at::Tensor finish(Exchange& sent, bool host_step_follows, const char* what,
+                    transport::Clock::time_point deadline);
+
   // Starts the engine's all-gather of every host's message; `all` receives them.
   c10::intrusive_ptr<c10d::Work> start_all_gather(const at::Tensor& message, const at::Tensor& all,
                                                   transport::Clock::time_point deadline);

@@ -210,25 +210,11 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
   const at::Tensor& first_slice = pieces[0].slice;
   const int64_t slice_bytes = first_slice.numel() * first_slice.element_size();
   const bool carried = num_pieces == 1 && plan::carried_across_hosts(slice_bytes);
-  std::optional<CrossHostCheck::Exchange> check;
-  try {
-    if (carried) {
-      reduce_scatter(pieces[0]);
-    } else {
-      reduce_scatter(pieces[0],
-                     [&] { check = check_.start(call, nullptr, slice_bytes, deadline); });
-    }
-  } catch (const transport::MismatchError&) {
-    // The other hosts' ranks of this local index must not wait. (A rank that
-    // sent its call had passed the host's check: nothing after it refuses.)
-    if (!check) check_.refuse(deadline);
-    throw;
-  }
-  TORCH_INTERNAL_ASSERT(carried || check, "two-level allreduce: the check was not started");
-  const at::Tensor messages =
-      check ? check_.finish(*check, /*host_step_follows=*/true, kAllreduceName, deadline)
-            : check_.exchange(call, first_slice.data_ptr(), slice_bytes,
-                              /*host_step_follows=*/true, kAllreduceName, deadline);
+  const at::Tensor messages = check_.exchange_around_host_step(
+      call, carried, first_slice.data_ptr(), slice_bytes, /*host_step_follows=*/true,
+      kAllreduceName, deadline, [&](std::function<void()> after_check) {
+        reduce_scatter(pieces[0], std::move(after_check));
+      });
   if (carried) {
     check_.reduce_payloads(messages, 0, ops.across, first_slice);
     finish(pieces[0]);

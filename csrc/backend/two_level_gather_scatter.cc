@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <optional>
 
 #include "../plan/two_level.h"
 #include "staged_broadcast.h"
@@ -343,26 +342,13 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   // same difference, and all of them fail there.
   const int64_t packed_bytes = packed.numel() * elem_size;
   const bool carried = plan::carried_across_hosts(packed_bytes);
-  std::optional<CrossHostCheck::Exchange> check;
-  try {
-    run_in_host(
-        plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs, plan::FlatLayout(layout),
-        *native_dtype(inputs[0].scalar_type()), elem_size, ops.in_host, op, hash, deadline,
-        heap_placement(full), carried ? std::function<void()>{} : [&] {
-          check = check_.start(call, nullptr, packed_bytes, deadline);
-        });
-  } catch (const transport::MismatchError&) {
-    // The other hosts' ranks of this local index must not wait. (A rank that
-    // sent its call had passed the host's check: nothing after it refuses.)
-    if (!check) check_.refuse(deadline);
-    throw;
-  }
-  const char* const what = "two-level reduce_scatter";
-  TORCH_INTERNAL_ASSERT(carried || check, "two-level reduce_scatter: the check was not started");
-  const at::Tensor messages =
-      check ? check_.finish(*check, /*host_step_follows=*/false, what, deadline)
-            : check_.exchange(call, packed.data_ptr(), packed_bytes,
-                              /*host_step_follows=*/false, what, deadline);
+  const at::Tensor messages = check_.exchange_around_host_step(
+      call, carried, packed.data_ptr(), packed_bytes, /*host_step_follows=*/false,
+      "two-level reduce_scatter", deadline, [&](std::function<void()> after_check) {
+        run_in_host(plan::GatherScatterKind::kReduceScatter, full_ptrs, block_ptrs,
+                    plan::FlatLayout(layout), *native_dtype(inputs[0].scalar_type()), elem_size,
+                    ops.in_host, op, hash, deadline, heap_placement(full), std::move(after_check));
+      });
   const at::Tensor mine =
       outputs.size() == 1 ? outputs[0].view({-1}) : at::empty({total}, inputs[0].options());
   if (carried) {
