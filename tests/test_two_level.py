@@ -52,6 +52,15 @@ def _hosts_env(ranks_per_host: list[int]) -> list[dict[str, str]]:
     ]
 
 
+def _assert_sums(numel: int) -> None:
+    """An allreduce of every rank's rank + 1 gives their sum on this rank (after failed calls:
+    the group is still usable)."""
+    t = torch.full((numel,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    total = float(sum(range(1, dist.get_world_size() + 1)))
+    assert torch.equal(t, torch.full((numel,), total))
+
+
 def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
     group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(shm_slot_bytes=SMALL_SLOT))
@@ -139,9 +148,7 @@ def test_two_level_grid(
 
 def _uneven(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("xdev", rank=rank, world_size=world)
-    t = torch.full((1000,), float(rank + 1))
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    _assert_sums(1000)
     info = torch_xdev.describe()
     dist.destroy_process_group()
     return info
@@ -327,9 +334,7 @@ def _mismatched_across_hosts(rank: int, world: int) -> list[str]:
     messages.append(str(info.value))
     # Every rank stopped with an error, none waited for the timeout, and the group goes on.
     assert time.monotonic() - start < TIMEOUT_S / 2
-    t = torch.full((1000,), float(rank + 1))
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    _assert_sums(1000)
     assert "two-level" in torch_xdev.describe()["last_allreduce"][1]
     dist.destroy_process_group()
     return messages
@@ -427,9 +432,7 @@ def _forms_differ_across_hosts(rank: int, world: int) -> list[str]:
         plan = " ".join(torch_xdev.describe()[key])
         assert ("leader form" in plan) == (not large), plan
     assert time.monotonic() - start < TIMEOUT_S / 2
-    t = torch.full((1000,), float(rank + 1))
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((1000,), float(sum(range(1, world + 1)))))
+    _assert_sums(1000)
     dist.destroy_process_group()
     return messages
 
