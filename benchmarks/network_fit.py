@@ -18,6 +18,12 @@ it keeps its default.
 ``model_ring_s`` asks the backend itself for its prediction with given parameters, the
 caps on a stream (the host's link and memory) included, which the line leaves out.
 
+``fit_host_link`` reads the host's link off the step across hosts of the two-level allreduce
+(``benchmarks/network.py`` times it): L rings of H ranks at once, L streams leaving each host.
+Where those streams run slower than one stream on its share of a core, the link is what they
+share: ``net_host_gbps`` is L times their rate. Where they do not, the link carried all L at
+full rate, and only a lower bound is known.
+
 ``write_model`` writes the result in the XDEV_CPU_MODEL file format (a JSON object whose
 ``params`` set ``net_latency_us``, ``net_stream_gbps``, ``net_host_gbps`` and, where the fit
 saw it, ``net_host_cores``), so that the fitted values can be fed back to xdev; into an
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence, TypedDict
+from typing import Any, Optional, Sequence, TypedDict
 
 import torch_xdev
 
@@ -37,6 +43,9 @@ _DEFAULTS = torch_xdev._C.BackendConfig()
 DEFAULT_HOST_GBPS: float = _DEFAULTS.net_host_gbps
 DEFAULT_STREAM_GBPS: float = _DEFAULTS.net_stream_gbps
 DEFAULT_LATENCY_US: float = _DEFAULTS.net_latency_us
+
+# Streams slower than this share of what their cores allow are held back by the host's link.
+LINK_BOUND_FRACTION = 0.8
 
 
 class NetworkFit(TypedDict):
@@ -112,6 +121,50 @@ def fit_network(
     }
 
 
+class HostLinkFit(TypedDict):
+    net_host_gbps: Optional[float]  # L streams' rate where the link held them back; else None
+    stream_gbps: float  # what each of the L streams achieved
+    expected_stream_gbps: float  # what one stream's fitted rate on its share of a core allows
+    link_bound: bool
+
+
+def fit_host_link(
+    num_hosts: int,
+    streams_per_host: int,
+    sizes_bytes: Sequence[int],
+    seconds: Sequence[float],
+    stream_gbps: float,
+    host_cores: int = 0,
+) -> HostLinkFit:
+    """The host link's rate from L = ``streams_per_host`` rings of H = ``num_hosts`` ranks
+    running at once, each allreducing ``sizes_bytes`` (the step across hosts of the two-level
+    allreduce), against ``stream_gbps``, one stream's rate on a core of its own (from
+    ``fit_network`` on a ring of one stream per host)."""
+    if num_hosts < 2 or streams_per_host < 1:
+        raise ValueError(
+            f"fit_host_link: needs streams across several hosts; got {num_hosts} hosts of"
+            f" {streams_per_host} stream(s)"
+        )
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError("fit_host_link: needs one time per size, of at least two sizes")
+    if any(t <= 0 for t in seconds) or any(s <= 0 for s in sizes_bytes) or stream_gbps <= 0:
+        raise ValueError("fit_host_link: sizes, times and the stream's rate must be positive")
+    a, slope = _line([float(s) for s in sizes_bytes], seconds, through_origin=False)
+    if a < 0:
+        a, slope = _line([float(s) for s in sizes_bytes], seconds, through_origin=True)
+    if slope <= 0:
+        raise ValueError("fit_host_link: time does not grow with size; no rate to fit")
+    achieved = 2 * (num_hosts - 1) / num_hosts / slope / 1e9
+    expected = stream_gbps * core_share(streams_per_host, host_cores)
+    bound = achieved < LINK_BOUND_FRACTION * expected
+    return {
+        "net_host_gbps": streams_per_host * achieved if bound else None,
+        "stream_gbps": achieved,
+        "expected_stream_gbps": expected,
+        "link_bound": bound,
+    }
+
+
 def model_ring_s(
     num_hosts: int,
     ranks_per_host: int,
@@ -153,9 +206,12 @@ def format_fit(fit: NetworkFit) -> list[str]:
     return lines
 
 
-def write_model(path: Path, fit: NetworkFit, source: dict[str, Any]) -> dict[str, Any]:
-    """Writes the fit as an XDEV_CPU_MODEL file: its params set the network model. An existing
-    model file (benchmarks/calibrate.py's, say) keeps its other parameters and entries."""
+def write_model(
+    path: Path, fit: NetworkFit, source: dict[str, Any], host_gbps: Optional[float] = None
+) -> dict[str, Any]:
+    """Writes the fit as an XDEV_CPU_MODEL file: its params set the network model (the host's
+    link too, where ``host_gbps`` is given). An existing model file (benchmarks/calibrate.py's,
+    say) keeps its other parameters and entries."""
     out: dict[str, Any] = {}
     if path.exists():
         try:
@@ -168,7 +224,9 @@ def write_model(path: Path, fit: NetworkFit, source: dict[str, Any]) -> dict[str
     params.update(
         net_latency_us=fit["net_latency_us"],
         net_stream_gbps=fit["net_stream_gbps"],
-        net_host_gbps=params.get("net_host_gbps", DEFAULT_HOST_GBPS),
+        net_host_gbps=(
+            host_gbps if host_gbps is not None else params.get("net_host_gbps", DEFAULT_HOST_GBPS)
+        ),
     )
     if fit["host_cores"] > 0:
         params["net_host_cores"] = fit["host_cores"]

@@ -1,5 +1,5 @@
-"""The benchmarks run: tiny runs of benchmarks/allreduce.py, gather_scatter.py, fsdp_step.py and
-ddp_step.py, and ddp_step.py's check against Gloo fed parameters that differ.
+"""The benchmarks run: tiny runs of benchmarks/allreduce.py, gather_scatter.py, fsdp_step.py,
+ddp_step.py and network.py, and ddp_step.py's check against Gloo fed parameters that differ.
 
 Not timings (these runs are too short to mean anything), but the scripts themselves: each
 checks xdev's results against Gloo's before timing and exits non-zero on a difference, so a
@@ -118,6 +118,44 @@ def test_allreduce_across_fake_hosts_fits_the_network(tmp_path: Path) -> None:
     if "network fit: not written: " not in proc.stdout:
         params = json.loads(model.read_text())["params"]
         assert params["net_latency_us"] > 0 and params["net_stream_gbps"] > 0
+
+
+def test_network_fits_the_model_on_fake_hosts(tmp_path: Path) -> None:
+    """benchmarks/network.py under torchrun, 2 fake hosts of 2 ranks: every variant timed at
+    every size, a model file xdev loads, and xdev timed again with it."""
+    out, model = tmp_path / "network.json", tmp_path / "net.json"
+    proc = run_benchmark(
+        "network.py",
+        *("--fake-hosts", "2", "--sizes", "64KiB,16MiB", "--rounds", "1", "--iters", "4"),
+        *("--out", str(model), "--json", str(out)),
+        launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta, rows = read_rows(out)
+    assert meta["hosts"] == ["fake-host-0", "fake-host-1"] and meta["ranks_per_host"] == 2
+    variants = ("ring", "one", "all", "xdev", "xdev_fitted")
+    assert {(r["size_bytes"], r["variant"]) for r in rows} == {
+        (s, v) for s in (65536, 16 << 20) for v in variants
+    }
+    assert all(r["time_us"] > 0 for r in rows)
+    for row in rows:  # auto's choice, with the model's predictions
+        assert (row["reason"] is not None) == row["variant"].startswith("xdev"), row
+    config = torch_xdev._C.BackendConfig()
+    torch_xdev._registration.apply_cpu_model_file(config, str(model))
+    fit = meta["network_fit"]
+    assert config.net_latency_us == fit["net_latency_us"] and config.net_stream_gbps > 0
+    assert "xdev_fitted at 16MiB: 2 hosts x 2 ranks" in proc.stdout
+
+
+def test_network_needs_torchrun_and_several_hosts() -> None:
+    proc = run_benchmark("network.py", "--rounds", "1")
+    assert proc.returncode == 2 and "run this under torchrun" in proc.stderr, proc.stderr
+    proc = run_benchmark(
+        "network.py",
+        *("--sizes", "4KiB,8KiB"),
+        launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+    )
+    assert proc.returncode != 0 and "every rank is on host" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_gather_scatter_rows(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Times come from the model's formula for the engine's ring over all ranks (2(P-1) steps of a
 latency plus bytes/P at one stream's rate), computed here independently of the module; the
 fit must give back the latency and rate, and its file must set them through XDEV_CPU_MODEL's
-loader.
+loader. The host link's rate is read off rings that run at once, several streams per host.
 """
 
 from __future__ import annotations
@@ -135,3 +135,46 @@ def test_written_model_feeds_xdev_and_keeps_other_params(
     network_fit.write_model(path, network_fit.fit_network(2, 2, SIZES, times, host_cores=1), {})
     registration.apply_cpu_model_file(config, str(path))
     assert config.net_host_cores == 1
+
+
+def across_seconds(hosts: int, nbytes: int, latency_us: float, gbps: float) -> float:
+    """One ring of `hosts` ranks (one per host) allreducing nbytes at `gbps` per stream."""
+    return 2 * (hosts - 1) * (latency_us * 1e-6 + nbytes / hosts / (gbps * 1e9))
+
+
+def test_host_link_read_off_streams_it_holds_back(network_fit: ModuleType) -> None:
+    # 4 streams per host on 8 cores (a core each) would run at 2.5 GB/s; a 6 GB/s link holds
+    # each to 1.5 GB/s.
+    times = [across_seconds(3, s, 40.0, 6.0 / 4) for s in SIZES]
+    link = network_fit.fit_host_link(3, 4, SIZES, times, stream_gbps=2.5, host_cores=8)
+    assert link["link_bound"] and math.isclose(link["net_host_gbps"], 6.0, rel_tol=1e-9)
+    assert math.isclose(link["stream_gbps"], 1.5, rel_tol=1e-9)
+    assert link["expected_stream_gbps"] == 2.5
+
+
+def test_host_link_unseen_where_cores_explain_the_streams(network_fit: ModuleType) -> None:
+    # 2 streams on 1 core: half a core each, 1.25 of 2.5 GB/s; the link holds nothing back.
+    times = [across_seconds(2, s, 40.0, 1.25) for s in SIZES]
+    link = network_fit.fit_host_link(2, 2, SIZES, times, stream_gbps=2.5, host_cores=1)
+    assert not link["link_bound"] and link["net_host_gbps"] is None
+    assert math.isclose(link["expected_stream_gbps"], 1.25, rel_tol=1e-9)
+    # The same times with a core per stream: the streams ran at half their rate, so the link
+    # (2 x 1.25 GB/s) is what held them.
+    link = network_fit.fit_host_link(2, 2, SIZES, times, stream_gbps=2.5, host_cores=2)
+    assert link["link_bound"] and math.isclose(link["net_host_gbps"], 2.5, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="several hosts"):
+        network_fit.fit_host_link(1, 2, SIZES, times, stream_gbps=2.5)
+    with pytest.raises(ValueError, match="positive"):
+        network_fit.fit_host_link(2, 2, SIZES, times, stream_gbps=0.0)
+
+
+def test_written_host_link_feeds_xdev(network_fit: ModuleType, tmp_path: Path) -> None:
+    registration = pytest.importorskip("torch_xdev._registration", exc_type=ImportError)
+    fit = network_fit.fit_network(2, 1, SIZES, [across_seconds(2, s, 50.0, 2.0) for s in SIZES])
+    path = tmp_path / "model.json"
+    network_fit.write_model(path, fit, {}, host_gbps=3.5)
+    config = SimpleNamespace()
+    registration.apply_cpu_model_file(config, str(path))
+    assert config.net_host_gbps == 3.5
+    assert math.isclose(config.net_latency_us, 50.0, rel_tol=1e-9)
+    assert math.isclose(config.net_stream_gbps, 2.0, rel_tol=1e-9)
