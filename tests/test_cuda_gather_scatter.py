@@ -233,6 +233,21 @@ def _mismatch_and_auto(rank: int, world: int) -> dict[str, Any]:
     with pytest.raises(dist.DistBackendError, match="mismatched collectives at reduce_scatter"):
         dist.reduce_scatter_tensor(out, torch.ones(world * n, device=device), group=group)
         torch.cuda.synchronize()
+    # Arguments only the last rank gets wrong (one element too many): it raises ValueError
+    # before anything runs, and the others fail at the same call instead of waiting for it.
+    last = rank == world - 1
+    for bad_call in [
+        lambda: dist.all_gather_into_tensor(
+            torch.empty(world * 4 + last, device=device), torch.ones(4, device=device), group=group
+        ),
+        lambda: dist.reduce_scatter_tensor(
+            torch.empty(4, device=device), torch.ones(world * 4 + last, device=device), group=group
+        ),
+    ]:
+        expected: Any = ValueError if last else dist.DistBackendError
+        with pytest.raises(expected, match="" if last else "refused its own arguments"):
+            bad_call()
+            torch.cuda.synchronize()
     # The group is still usable, and auto ran the native path (no NCCL on a shared GPU).
     out = torch.empty(16, device=device)
     dist.reduce_scatter_tensor(out, torch.ones(world * 16, device=device), group=group)

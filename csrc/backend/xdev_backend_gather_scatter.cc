@@ -52,12 +52,23 @@ ListCall list_call(const std::vector<at::Tensor>& mine,
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
     plan::GatherScatterKind kind, std::vector<at::Tensor> full, const at::Tensor& block,
     const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
-  // Checked as the CPU paths check them, on the rank that made the call.
+  // Checked as the CPU paths check them. A rank that refuses its arguments
+  // still meets its peers at the host barrier, so that they fail at this call
+  // too instead of waiting for it; without that barrier (cuda_host_check off)
+  // they wait in the GPU barrier until the timeout, as for any mismatch there.
   const char* what = op == nullptr ? "all_gather" : "reduce_scatter";
-  if (full.size() == 1) {  // the tensor form (the CUDA path has at least two ranks)
-    check_pairs(what, full, {block}, size_);
+  auto check = [&] {
+    if (full.size() == 1) {  // the tensor form (the CUDA path has at least two ranks)
+      check_pairs(what, full, {block}, size_);
+    } else {
+      list_sizes(what, full, block, size_, rank_);  // one dtype; the selection refused uneven
+    }
+  };
+  if (group_.config().cuda_host_check) {
+    group_.check_with_peers(op == nullptr ? Collective::kAllGather : Collective::kReduceScatter,
+                            what, timeout, check);
   } else {
-    list_sizes(what, full, block, size_, rank_);  // one dtype; the selection refused uneven sizes
+    check();
   }
   return cuda_->gather_scatter(kind, std::move(full), block,
                                op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type,
