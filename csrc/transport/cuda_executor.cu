@@ -352,6 +352,9 @@ CudaExecutor::Program CudaExecutor::gather_scatter_program(
 void CudaExecutor::prepare(const std::vector<const Program*>& programs, cudaStream_t stream) {
   const std::string failed = device_error();
   if (!failed.empty()) throw CudaError("an earlier xdev GPU collective failed: " + failed);
+  // An error left pending by earlier work on this thread would otherwise be
+  // read after this call's launch as the launch's own, past the host barrier.
+  check_cuda(cudaGetLastError(), "a CUDA error pending before an xdev collective");
   CudaDeviceGuard guard(channel_.device());
   size_t missing = 0;
   for (const Program* p : programs) {
@@ -411,7 +414,14 @@ void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void
       constexpr kernels::ReduceOp kOp = decltype(op_tag)::value;
       window_kernel<T, kOp><<<num_blocks_, kThreads, 0, stream>>>(p);
     });
-    check_cuda(cudaGetLastError(), "launching the xdev collective kernel");
+    const cudaError_t launched = cudaGetLastError();
+    if (launched != cudaSuccess) {
+      // This rank's epoch is now past a barrier its peers wait at, so no later
+      // call could meet theirs: stop its queued kernels and refuse every later
+      // call (prepare reads the word).
+      stop_kernels(gpu_barrier::kLaunchFailed);
+      check_cuda(launched, "launching the xdev collective kernel");
+    }
   }
 }
 

@@ -49,13 +49,17 @@ XDEV_HOST_DEVICE constexpr Peer judge(uint64_t word, uint64_t epoch, uint32_t ca
 // The codes a kernel that gives up leaves in the executor's error word (the
 // first one wins; 0: none). The host leaves one of its own there, kPeerGone,
 // when it sees a peer's process exit while kernels may wait for it
-// (PeerWatch): kernels poll the word as they wait and stop.
+// (PeerWatch), and kLaunchFailed: kernels poll the word as they wait and stop.
 constexpr unsigned int kOwnBlocksTimedOut = 1;
 constexpr unsigned int kPeerTimedOutBase = 2;        // + the peer's rank
 constexpr unsigned int kPeerDiffersBase = 1u << 16;  // + the peer's rank
 constexpr unsigned int kPeerGoneBase = 1u << 17;     // + the peer's rank
+// The host's too: one of this rank's kernels failed to launch, after the
+// windows before it had spent their barriers.
+constexpr unsigned int kLaunchFailed = 1u << 18;
 static_assert(kPeerTimedOutBase + 4096 < kPeerDiffersBase, "codes overlap");
 static_assert(kPeerDiffersBase + 4096 < kPeerGoneBase, "codes overlap");
+static_assert(kPeerGoneBase + 4096 < kLaunchFailed, "codes overlap");
 
 XDEV_HOST_DEVICE constexpr unsigned int peer_timed_out(int rank) {
   return kPeerTimedOutBase + static_cast<unsigned int>(rank);
@@ -72,6 +76,10 @@ inline std::string describe_error(unsigned int code) {
   if (code == 0) return {};
   if (code == kOwnBlocksTimedOut) {
     return "a GPU barrier timed out waiting for this rank's own thread blocks";
+  }
+  if (code == kLaunchFailed) {
+    return "one of this rank's collective kernels failed to launch; its peers wait for it at a "
+           "GPU barrier until their timeout";
   }
   if (code >= kPeerGoneBase) {
     return "rank " + std::to_string(code - kPeerGoneBase) +

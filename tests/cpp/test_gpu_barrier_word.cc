@@ -56,6 +56,8 @@ TEST(gpu_barrier_error_codes_name_the_cause) {
   CHECK(gb::describe_error(gb::peer_timed_out(3)).find("waiting for rank 3") != std::string::npos);
   const std::string differs = gb::describe_error(gb::peer_differs(15));
   CHECK(differs.find("rank 15 ran a different collective") != std::string::npos);
+  CHECK(gb::describe_error(gb::peer_gone(2)).find("rank 2 exited") != std::string::npos);
+  CHECK(gb::describe_error(gb::kLaunchFailed).find("failed to launch") != std::string::npos);
 }
 
 // One rank's block 0 at the barriers of a run of calls, as the kernel plays it.

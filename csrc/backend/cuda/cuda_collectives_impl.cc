@@ -336,7 +336,17 @@ class CudaCollectivesImpl : public CudaCollectives {
           c10::cuda::CUDAGuard guard(info_->device);
           c10::cuda::CUDAStreamGuard stream_guard(*stream_);
           ready->block(*stream_);
-          run();
+          try {
+            run();
+          } catch (...) {
+            // Kernels this call launched before it failed (an earlier dtype's,
+            // say) still write the caller's tensors, which the caller, told
+            // the call failed, may touch at once: let them finish first. Each
+            // passed its host barrier with every rank, or stops at its GPU
+            // barrier's timeout. Their own error is not this call's.
+            if (cudaStreamSynchronize(stream_->stream()) != cudaSuccess) (void)cudaGetLastError();
+            throw;
+          }
           work->record_done();
         },
         /*async_op=*/false);  // inline unless CPU work is queued: launching is quick
