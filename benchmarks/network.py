@@ -321,6 +321,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.iters is not None and args.iters < 1):
         parser.error("--rounds and --iters must be at least 1")
+    if min(args.sizes) < 4096:
+        parser.error("--sizes: each at least 4KiB (a slice of float32 per local rank)")
     if len(set(args.sizes)) < 2:
         parser.error("--sizes needs at least two sizes to fit a line")
     return args
