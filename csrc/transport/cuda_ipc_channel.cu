@@ -77,11 +77,16 @@ CudaIpcChannel::CudaIpcChannel(int rank, int world_size, int device, size_t slot
     check_cuda(cudaIpcGetMemHandle(&handle, local_), "cudaIpcGetMemHandle");
     handle_hex = to_hex(&handle, sizeof(handle));
   } catch (...) {
+    release();            // first: publishing may throw too (a store gone)
     publish(my_key, "");  // peers waiting for our handle fail instead of hanging
+    throw;
+  }
+  try {
+    publish(my_key, handle_hex);
+  } catch (...) {
     release();
     throw;
   }
-  publish(my_key, handle_hex);
   try {
     bases_.assign(static_cast<size_t>(world_size), nullptr);
     bases_[rank] = local_;

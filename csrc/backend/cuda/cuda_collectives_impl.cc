@@ -265,7 +265,16 @@ class CudaCollectivesImpl : public CudaCollectives {
       info->transport = true;
       info->transport_note = "on: CUDA IPC staging buffers, " +
                              std::to_string(g_.config().cuda_slot_bytes) + " bytes per slot";
-      open_heap(device, info);
+      // The transport is open and watched: a failure now must not fail the
+      // rendezvous, whose retry would replace the channel under the watch.
+      // Ranks may differ in their heaps (a collective then stages).
+      try {
+        open_heap(device, info);
+      } catch (const std::exception& e) {
+        heap_.reset();
+        info->heap = false;
+        info->heap_note = std::string("off: ") + e.what();
+      }
       return;
     }
     executor_.reset();
