@@ -233,13 +233,17 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   }
 }
 
+// A kernel's wait for a peer, in the globaltimer's nanoseconds.
+uint64_t kernel_timeout_ns(std::chrono::milliseconds timeout) {
+  return static_cast<uint64_t>(std::max<int64_t>(1, bounded_timeout(timeout).count())) * 1000000ull;
+}
+
 }  // namespace
 
 CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
                            int ranks_on_this_gpu)
     : channel_(channel) {
-  timeout_ns_ = static_cast<uint64_t>(std::max<int64_t>(1, bounded_timeout(peer_timeout).count())) *
-                1000000ull;
+  timeout_ns_ = kernel_timeout_ns(peer_timeout);
   CudaDeviceGuard guard(channel.device());
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),
@@ -376,7 +380,8 @@ void CudaExecutor::prepare(const std::vector<const Program*>& programs, cudaStre
 
 void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void* input,
                           void* output, kernels::DType dtype, kernels::ReduceOp op,
-                          cudaStream_t stream, const std::vector<char*>& copies) {
+                          std::chrono::milliseconds timeout, cudaStream_t stream,
+                          const std::vector<char*>& copies) {
   const bool in_place = program.key.collective == CudaPlanKey::kAllreduceInPlace;
   if (static_cast<int>(copies.size()) != (in_place ? channel_.world_size() : 0)) {
     throw std::invalid_argument(
@@ -398,7 +403,7 @@ void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void
   p.input = static_cast<const char*>(input);
   p.output = static_cast<char*>(output);
   p.avg_divisor = op == kernels::ReduceOp::kAvg ? p.world_size : 0;
-  p.timeout_ns = timeout_ns_;
+  p.timeout_ns = timeout.count() > 0 ? kernel_timeout_ns(timeout) : timeout_ns_;
   p.error = error_device_;
   p.call_hash = call_hash;
   for (const DeviceWindow& w : windows) {

@@ -53,8 +53,9 @@ struct CudaPlanKey {
 
 class CudaExecutor {
  public:
-  // peer_timeout bounds every wait of a kernel for a peer; a kernel that gives
-  // up records it (device_error) and exits. ranks_on_this_gpu counts the
+  // peer_timeout bounds every wait of a kernel for a peer, where a launch
+  // gives none of its own; a kernel that gives up records it (device_error)
+  // and exits. ranks_on_this_gpu counts the
   // group's ranks whose kernels run on this rank's GPU (itself included): they
   // split its SMs (plan::device_blocks_per_rank).
   CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
@@ -103,10 +104,12 @@ class CudaExecutor {
   // not: launching compiles nothing, since nothing may fail here alone).
   // call_hash (call_hash() of the call's descriptor) goes with every barrier's
   // epoch: a peer whose hash differs stops every rank's kernel (device_error).
-  // copies: every rank's copy of the tensor for in_place_program, else empty.
+  // timeout: the call's, which bounds each of its kernels' waits for a peer
+  // (0: peer_timeout). copies: every rank's copy of the tensor for
+  // in_place_program, else empty.
   void launch(const Program& program, uint32_t call_hash, const void* input, void* output,
-              kernels::DType dtype, kernels::ReduceOp op, cudaStream_t stream,
-              const std::vector<char*>& copies = {});
+              kernels::DType dtype, kernels::ReduceOp op, std::chrono::milliseconds timeout,
+              cudaStream_t stream, const std::vector<char*>& copies = {});
 
   // Empty while healthy; otherwise what a kernel reported (which peer it gave
   // up waiting for, or found running another call). Once set, the channel's
