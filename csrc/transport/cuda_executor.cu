@@ -112,6 +112,19 @@ __device__ void abort_kernel(const WindowParams& p, unsigned int code) {
   store_release_gpu(&p.grid->released, ~0ull);  // frees blocks waiting for block 0
 }
 
+// Leaves this rank's stop word, with the cause in its error word, in every
+// peer's inbox (gpu_barrier_word.h), unless a peer differed: peers waiting at
+// any barrier stop too. Block 0's thread 0 alone writes inbox words, so this
+// comes after its last announcement.
+__device__ void tell_peers_stopped(const WindowParams& p) {
+  const unsigned int code = *reinterpret_cast<const volatile unsigned int*>(p.error);
+  if (!gpu_barrier::tells_peers(code)) return;
+  const uint64_t word = gpu_barrier::stop_word(code);
+  for (int r = 0; r < p.world_size; ++r) {
+    if (r != p.rank) store_release_sys(p.inboxes[r] + p.rank, word);
+  }
+}
+
 // After a wait that did not end ready: a timeout reports `code`; a cause
 // already in the error word stays there, and the kernel stops all the same;
 // another block's abort has done both.
@@ -138,7 +151,8 @@ __device__ void give_up(const WindowParams& p, Wait w, unsigned int code) {
 //     (The in-place program reads peers' copies of the tensor the same way:
 //     its phase 0 is empty, so its first reads follow a barrier too, and its
 //     last barrier keeps each copy unchanged until every peer has read it.)
-// Returns false when the kernel must stop (a wait timed out).
+// Returns false when the kernel must stop (a wait timed out, a peer differed
+// or stopped), having left this rank's stop word with its peers.
 __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
   __shared__ int keep_going;
   __syncthreads();
@@ -162,10 +176,12 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       for (int r = 0; ok && r < p.world_size; ++r) store_release_sys(p.inboxes[r] + p.rank, mine);
       for (int r = 0; ok && r < p.world_size; ++r) {
         const uint64_t* word = p.inboxes[p.rank] + r;
+        uint64_t seen = 0;
         gpu_barrier::Peer peer = gpu_barrier::Peer::kNotYet;
         w = wait_until(
             [&] {
-              peer = gpu_barrier::judge(load_acquire_sys(word), epoch, p.call_hash);
+              seen = load_acquire_sys(word);
+              peer = gpu_barrier::judge(seen, epoch, p.call_hash);
               return peer != gpu_barrier::Peer::kNotYet;
             },
             p, time_left());
@@ -173,6 +189,10 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
         ok = w == Wait::kReady;
         if (ok && peer == gpu_barrier::Peer::kDiffers) {
           abort_kernel(p, gpu_barrier::peer_differs(r));
+          ok = false;
+        }
+        if (ok && peer == gpu_barrier::Peer::kStopped) {
+          abort_kernel(p, gpu_barrier::adopt(seen, p.rank, r));
           ok = false;
         }
       }
@@ -187,6 +207,7 @@ __device__ bool barrier_all_ranks(const WindowParams& p, uint64_t epoch) {
       ok = w == Wait::kReady;
     }
     keep_going = ok && atomicAdd(&g->aborted, 0u) == 0u;
+    if (blockIdx.x == 0 && keep_going == 0) tell_peers_stopped(p);
   }
   __syncthreads();
   return keep_going != 0;

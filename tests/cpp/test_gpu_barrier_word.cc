@@ -62,9 +62,13 @@ TEST(gpu_barrier_error_codes_name_the_cause) {
 
 // One rank's block 0 at the barriers of a run of calls, as the kernel plays it.
 struct Outcome {
-  uint64_t stopped_at = 0;  // the epoch where a peer differed; 0: passed every barrier
-  int differing_peer = -1;
+  uint64_t stopped_at = 0;  // the epoch where it stopped; 0: passed every barrier
+  unsigned int code = 0;    // what its error word would hold
   bool timed_out = false;
+  int differing_peer() const {
+    const bool differs = code >= gb::kPeerDiffersBase && code < gb::kPeerGoneBase;
+    return differs ? static_cast<int>(code - gb::kPeerDiffersBase) : -1;
+  }
 };
 
 class SimulatedRanks {
@@ -75,20 +79,36 @@ class SimulatedRanks {
     for (int i = 0; i < world * world; ++i) inbox_[i].store(gb::announce(first_epoch - 1, 0));
   }
 
-  // hashes[k]: the call hash rank announces at epoch first_epoch + k.
-  Outcome run(int rank, uint64_t first_epoch, const std::vector<uint32_t>& hashes) {
+  // hashes[k]: the call hash rank announces at epoch first_epoch + k. At
+  // epoch stop_at (0: never) the rank stops with stop_code right after
+  // announcing it, as a rank whose wait there timed out.
+  Outcome run(int rank, uint64_t first_epoch, const std::vector<uint32_t>& hashes,
+              uint64_t stop_at = 0, unsigned int stop_code = 0) {
     Outcome out;
+    const auto stop = [&](uint64_t epoch, unsigned int code) {
+      out.stopped_at = epoch;
+      out.code = code;
+      if (!gb::tells_peers(code)) return;
+      for (int r = 0; r < world_; ++r) {
+        if (r != rank) word(r, rank).store(gb::stop_word(code), std::memory_order_release);
+      }
+    };
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     for (size_t k = 0; k < hashes.size(); ++k) {
       const uint64_t epoch = first_epoch + k;
       const uint64_t mine = gb::announce(epoch, hashes[k]);
       for (int r = 0; r < world_; ++r) word(r, rank).store(mine, std::memory_order_release);
+      if (epoch == stop_at) {
+        stop(epoch, stop_code);
+        return out;
+      }
       for (int r = 0; r < world_; ++r) {
         gb::Peer peer = gb::Peer::kNotYet;
+        uint64_t seen = 0;
         // Backs off to short sleeps: the ranks outnumber this machine's cores.
-        for (int tries = 0; (peer = gb::judge(word(rank, r).load(std::memory_order_acquire), epoch,
-                                              hashes[k])) == gb::Peer::kNotYet;
-             ++tries) {
+        for (int tries = 0;; ++tries) {
+          seen = word(rank, r).load(std::memory_order_acquire);
+          if ((peer = gb::judge(seen, epoch, hashes[k])) != gb::Peer::kNotYet) break;
           if (std::chrono::steady_clock::now() > deadline) {
             out.timed_out = true;
             return out;
@@ -100,8 +120,11 @@ class SimulatedRanks {
           }
         }
         if (peer == gb::Peer::kDiffers) {
-          out.stopped_at = epoch;
-          out.differing_peer = r;
+          stop(epoch, gb::peer_differs(r));
+          return out;
+        }
+        if (peer == gb::Peer::kStopped) {
+          stop(epoch, gb::adopt(seen, rank, r));
           return out;
         }
       }
@@ -119,8 +142,10 @@ class SimulatedRanks {
 
 // Every rank's outcome for calls of `phases` barriers each; calls[r][c] is rank r's hash for call
 // c.
+// rank `stopper` (-1: none) stops at epoch stop_at with stop_code (SimulatedRanks::run).
 std::vector<Outcome> play(const std::vector<std::vector<uint32_t>>& calls, int phases,
-                          uint64_t first_epoch) {
+                          uint64_t first_epoch, int stopper = -1, uint64_t stop_at = 0,
+                          unsigned int stop_code = 0) {
   const int world = static_cast<int>(calls.size());
   SimulatedRanks ranks(world, first_epoch);
   std::vector<Outcome> outcomes(static_cast<size_t>(world));
@@ -128,8 +153,10 @@ std::vector<Outcome> play(const std::vector<std::vector<uint32_t>>& calls, int p
   for (int r = 0; r < world; ++r) {
     std::vector<uint32_t> hashes;
     for (uint32_t h : calls[static_cast<size_t>(r)]) hashes.insert(hashes.end(), phases, h);
-    threads.emplace_back([&ranks, &outcomes, r, first_epoch, hashes] {
-      outcomes[static_cast<size_t>(r)] = ranks.run(r, first_epoch, hashes);
+    threads.emplace_back([&, r, hashes] {
+      outcomes[static_cast<size_t>(r)] = r == stopper
+                                             ? ranks.run(r, first_epoch, hashes, stop_at, stop_code)
+                                             : ranks.run(r, first_epoch, hashes);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -170,7 +197,8 @@ TEST(gpu_barrier_a_differing_call_stops_every_rank_at_its_first_barrier) {
             CHECK(!o.timed_out);
             CHECK_EQ(o.stopped_at, first_barrier);
             // The odd rank finds any peer differing; every other rank finds the odd one.
-            CHECK(r == odd ? o.differing_peer != odd : o.differing_peer == odd);
+            CHECK(r == odd ? o.differing_peer() >= 0 && o.differing_peer() != odd
+                           : o.differing_peer() == odd);
           }
         }
       }
@@ -187,8 +215,67 @@ TEST(gpu_barrier_two_camps_of_calls_stop_every_rank) {
     const Outcome& o = outcomes[static_cast<size_t>(r)];
     CHECK(!o.timed_out);
     CHECK_EQ(o.stopped_at, uint64_t{1 + 3 * 2});
-    CHECK_EQ(o.differing_peer / 2, 1 - r / 2);
+    CHECK_EQ(o.differing_peer() / 2, 1 - r / 2);
   }
+}
+
+TEST(gpu_barrier_a_stopped_rank_stops_its_peers_at_once) {
+  // Rank 0 gives up at a barrier it has announced (its wait for the last rank timed out); the
+  // others, running on, must not pass the barrier after it and wait out their own timeouts.
+  const uint64_t wrap = uint64_t{1} << gb::kEpochBits;
+  for (const uint64_t first : {uint64_t{1}, wrap - 3}) {
+    for (int world : {2, 3, 4}) {
+      const int last = world - 1;
+      for (int round = 0; round < 3; ++round) {
+        const uint64_t stop_at = first + 5;
+        const std::vector<Outcome> outcomes =
+            play(same_calls(world, 6), 2, first, 0, stop_at, gb::peer_timed_out(last));
+        CHECK_EQ(outcomes[0].code, gb::peer_timed_out(last));
+        for (int r = 1; r < world; ++r) {
+          const Outcome& o = outcomes[static_cast<size_t>(r)];
+          CHECK(!o.timed_out);
+          // Rank 0 announced stop_at, so every rank had announced the barrier before; one
+          // that was still judging it stops there.
+          CHECK(o.stopped_at + 1 >= stop_at && o.stopped_at <= stop_at + 1);
+          // Another rank's stop, but never one that names this rank as the cause.
+          const bool stopped_by_peer =
+              o.code >= gb::kPeerStoppedBase && o.code - gb::kPeerStoppedBase != unsigned(r);
+          CHECK(r == last ? stopped_by_peer
+                          : stopped_by_peer || o.code == gb::peer_timed_out(last));
+          CHECK(!gb::describe_error(o.code).empty());
+        }
+      }
+    }
+  }
+}
+
+TEST(gpu_barrier_stop_words_and_the_causes_peers_adopt) {
+  // No call's hash reads as a stop word: the reserved value folds onto its neighbour.
+  CHECK_EQ(gb::hash_bits(gb::kStopHash), gb::kStopHash - 1);
+  CHECK(!gb::is_stop_word(gb::announce(gb::kEpochMask, gb::kStopHash)));
+  CHECK(gb::judge(gb::announce(7, gb::kStopHash), 7, gb::kStopHash) == gb::Peer::kAgrees);
+  // A stop word stops a rank at whatever barrier it waits.
+  for (uint64_t epoch : {uint64_t{1}, uint64_t{123456}, gb::kEpochMask}) {
+    CHECK(gb::judge(gb::stop_word(gb::kOwnBlocksTimedOut), epoch, 5) == gb::Peer::kStopped);
+    CHECK(gb::judge(gb::stop_word(0), epoch, 5) == gb::Peer::kStopped);
+  }
+  CHECK(gb::judge(0, 1, 5) == gb::Peer::kNotYet);  // an inbox no barrier has reached
+  // Rank 1 adopts from rank 3: causes that read the same from rank 1 stay, others become
+  // "rank 3 stopped".
+  const auto adopt = [](unsigned int code) { return gb::adopt(gb::stop_word(code), 1, 3); };
+  CHECK_EQ(adopt(gb::peer_timed_out(2)), gb::peer_timed_out(2));
+  CHECK_EQ(adopt(gb::peer_timed_out(1)), gb::peer_stopped(3));  // it waited for this rank
+  CHECK_EQ(adopt(gb::peer_gone(0)), gb::peer_gone(0));
+  CHECK_EQ(adopt(gb::peer_stopped(0)), gb::peer_stopped(0));
+  CHECK_EQ(adopt(gb::peer_stopped(1)), gb::peer_stopped(3));
+  CHECK_EQ(adopt(gb::kOwnBlocksTimedOut), gb::peer_stopped(3));
+  CHECK_EQ(adopt(gb::kLaunchFailed), gb::peer_stopped(3));
+  CHECK_EQ(adopt(0), gb::peer_stopped(3));
+  CHECK(gb::describe_error(gb::peer_stopped(3)).find("rank 3 stopped") != std::string::npos);
+  // A rank stopped by a differing call says nothing: each finds the call itself.
+  CHECK(!gb::tells_peers(gb::peer_differs(2)));
+  CHECK(gb::tells_peers(gb::peer_timed_out(2)) && gb::tells_peers(gb::peer_gone(2)));
+  CHECK(gb::tells_peers(gb::kLaunchFailed) && gb::tells_peers(gb::peer_stopped(2)));
 }
 
 TEST(call_hash_covers_exactly_the_compared_fields) {
