@@ -305,6 +305,10 @@ CudaExecutor::~CudaExecutor() {
 }
 
 void CudaExecutor::stop_kernels(unsigned int code) {
+  // Where the host and the GPU cannot make atomics on host memory atomic with
+  // each other (hostNativeAtomicSupported 0, as on many PCIe hosts), this and
+  // a kernel's report may overwrite each other: the word then names either
+  // cause, but never reads 0, so the kernels stop all the same.
   unsigned int none = 0;
   __atomic_compare_exchange_n(error_host_, &none, code, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
