@@ -145,7 +145,7 @@ class Runner:
             for i in range(layout.per_host)
         ]
         self.xdev = dist.new_group(backend="xdev")
-        self.reasons: dict[tuple[str, int], str] = {}
+        self.choices: dict[tuple[str, int], tuple[str, str]] = {}  # (what ran, why)
 
     def calls(self, size: int, xdev_groups: dict[str, dist.ProcessGroup]) -> dict[str, Any]:
         layout = self.layout
@@ -178,8 +178,10 @@ class Runner:
                     seconds = timed(calls[name], iters[name])
                     samples.setdefault((name, size), []).append(seconds)
             for name, group in xdev_groups.items():
-                # What auto ran (two levels or Gloo) and why: its predictions.
-                self.reasons[(name, size)] = str(torch_xdev.describe(group)["last_allreduce"][1])
+                # What auto ran (two levels, or Gloo's ring: "fallback") and why: its predictions.
+                path, reason = torch_xdev.describe(group)["last_allreduce"]
+                ran = "Gloo's ring" if path == "fallback" else "two levels"
+                self.choices[(name, size)] = (ran, str(reason))
         return {key: statistics.median(values) for key, values in samples.items()}
 
 
@@ -260,7 +262,7 @@ def report(
     layout: Layout,
     sizes: list[int],
     times: dict[tuple[str, int], float],
-    reasons: dict[tuple[str, int], str],
+    choices: dict[tuple[str, int], tuple[str, str]],
 ) -> list[dict[str, Any]]:
     names = [n for n in (*VARIANTS, "xdev_fitted") if (n, sizes[0]) in times]
     xdev_names = [n for n in names if n.startswith("xdev")]
@@ -282,12 +284,14 @@ def report(
                     "variant": n,
                     "time_us": times[(n, size)] * 1e6,
                     "vs_ring": ring / times[(n, size)],
-                    "reason": reasons.get((n, size)),
+                    "ran": choices[(n, size)][0] if (n, size) in choices else None,
+                    "reason": choices[(n, size)][1] if (n, size) in choices else None,
                 }
             )
     for size in sizes:
         for n in xdev_names:
-            print(f"# {n} at {format_size(size)}: {reasons[(n, size)]}")
+            ran, reason = choices[(n, size)]
+            print(f"# {n} at {format_size(size)} ran {ran}: {reason}")
     return rows
 
 
@@ -355,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         stream = fit_stream(layout, args.sizes, times, host_cores)
     except ValueError as e:  # every rank fits the same times (the slowest rank's): all stop
         if rank == 0:
-            report(layout, args.sizes, times, runner.reasons)
+            report(layout, args.sizes, times, runner.choices)
             print(
                 f"network.py: no model written: {e}. Time sizes far enough apart for the"
                 " network's rate to show (the default, 64KiB:64MiB), or more --rounds.",
@@ -371,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     fitted = fitted_group(model)
     times.update(runner.measure(args.sizes, args.rounds, {"xdev_fitted": fitted}))
     if rank == 0:
-        rows = report(layout, args.sizes, times, runner.reasons)
+        rows = report(layout, args.sizes, times, runner.choices)
         network_fit.write_model(
             args.out,
             stream,

@@ -140,11 +140,12 @@ def test_network_fits_the_model_on_fake_hosts(tmp_path: Path) -> None:
     assert all(r["time_us"] > 0 for r in rows)
     for row in rows:  # auto's choice, with the model's predictions
         assert (row["reason"] is not None) == row["variant"].startswith("xdev"), row
+        assert row["ran"] in ((None,) if row["reason"] is None else ("two levels", "Gloo's ring"))
     config = torch_xdev._C.BackendConfig()
     torch_xdev._registration.apply_cpu_model_file(config, str(model))
     fit = meta["network_fit"]
     assert config.net_latency_us == fit["net_latency_us"] and config.net_stream_gbps > 0
-    assert "xdev_fitted at 16MiB: 2 hosts x 2 ranks" in proc.stdout
+    assert "xdev_fitted at 16MiB ran " in proc.stdout and ": 2 hosts x 2 ranks" in proc.stdout
 
 
 def test_network_needs_torchrun_and_several_hosts() -> None:
