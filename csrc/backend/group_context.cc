@@ -263,8 +263,7 @@ transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
 }
 
 transport::Clock::time_point GroupContext::deadline_for(std::chrono::milliseconds timeout) const {
-  const auto t = timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
-  return transport::Clock::now() + transport::bounded_timeout(t);
+  return transport::Clock::now() + transport::bounded_timeout(timeout_for(timeout));
 }
 
 std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {

@@ -128,7 +128,10 @@ class GroupContext {
   void number(transport::OpDescriptor& d) { d.seq = ++next_seq_; }
   transport::OpContext make_context(const transport::OpDescriptor& desc, const char* name,
                                     transport::Clock::time_point deadline) const;
-  // kUnsetTimeout means the group's timeout.
+  // A call's timeout: the group's where the call sets none (kUnsetTimeout).
+  std::chrono::milliseconds timeout_for(std::chrono::milliseconds timeout) const {
+    return timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
+  }
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
   // How errors and logs name a collective: "allreduce sum float32 via flat (staged), ...".
   std::string describe_op(const transport::OpDescriptor& d) const;

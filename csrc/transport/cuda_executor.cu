@@ -261,10 +261,7 @@ uint64_t kernel_timeout_ns(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-CudaExecutor::CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
-                           int ranks_on_this_gpu)
-    : channel_(channel) {
-  timeout_ns_ = kernel_timeout_ns(peer_timeout);
+CudaExecutor::CudaExecutor(CudaIpcChannel& channel, int ranks_on_this_gpu) : channel_(channel) {
   CudaDeviceGuard guard(channel.device());
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, channel.device()),
@@ -428,7 +425,7 @@ void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void
   p.input = static_cast<const char*>(input);
   p.output = static_cast<char*>(output);
   p.avg_divisor = op == kernels::ReduceOp::kAvg ? p.world_size : 0;
-  p.timeout_ns = timeout.count() > 0 ? kernel_timeout_ns(timeout) : timeout_ns_;
+  p.timeout_ns = kernel_timeout_ns(timeout);
   p.error = error_device_;
   p.call_hash = call_hash;
   for (const DeviceWindow& w : windows) {

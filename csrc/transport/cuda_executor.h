@@ -53,13 +53,10 @@ struct CudaPlanKey {
 
 class CudaExecutor {
  public:
-  // peer_timeout bounds every wait of a kernel for a peer, where a launch
-  // gives none of its own; a kernel that gives up records it (device_error)
-  // and exits. ranks_on_this_gpu counts the
-  // group's ranks whose kernels run on this rank's GPU (itself included): they
-  // split its SMs (plan::device_blocks_per_rank).
-  CudaExecutor(CudaIpcChannel& channel, std::chrono::milliseconds peer_timeout,
-               int ranks_on_this_gpu);
+  // ranks_on_this_gpu counts the group's ranks whose kernels run on this
+  // rank's GPU (itself included): they split its SMs
+  // (plan::device_blocks_per_rank).
+  CudaExecutor(CudaIpcChannel& channel, int ranks_on_this_gpu);
   ~CudaExecutor();  // never throws
   CudaExecutor(const CudaExecutor&) = delete;
   CudaExecutor& operator=(const CudaExecutor&) = delete;
@@ -104,9 +101,9 @@ class CudaExecutor {
   // not: launching compiles nothing, since nothing may fail here alone).
   // call_hash (call_hash() of the call's descriptor) goes with every barrier's
   // epoch: a peer whose hash differs stops every rank's kernel (device_error).
-  // timeout: the call's, which bounds each of its kernels' waits for a peer
-  // (0: peer_timeout). copies: every rank's copy of the tensor for
-  // in_place_program, else empty.
+  // timeout: the call's, which bounds each of its kernels' waits for a peer;
+  // a kernel that gives up records it (device_error) and exits. copies: every
+  // rank's copy of the tensor for in_place_program, else empty.
   void launch(const Program& program, uint32_t call_hash, const void* input, void* output,
               kernels::DType dtype, kernels::ReduceOp op, std::chrono::milliseconds timeout,
               cudaStream_t stream, const std::vector<char*>& copies = {});
@@ -136,7 +133,6 @@ class CudaExecutor {
   void release_cache() noexcept;
 
   CudaIpcChannel& channel_;
-  uint64_t timeout_ns_ = 0;
   int num_blocks_ = 0;
   void* grid_sync_ = nullptr;             // device: this rank's block counters
   unsigned int* error_host_ = nullptr;    // pinned, mapped: a kernel's report

@@ -251,8 +251,7 @@ class CudaCollectivesImpl : public CudaCollectives {
           g_.rank(), g_.size(), device, static_cast<size_t>(g_.config().cuda_slot_bytes),
           key + "ipc/", [&store](const std::string& k, const std::string& v) { store.set(k, v); },
           [&store](const std::string& k) { return store.get_to_str(k); });
-      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, g_.config().timeout,
-                                                            info->ranks_on_this_gpu);
+      executor_ = std::make_unique<transport::CudaExecutor>(*channel_, info->ranks_on_this_gpu);
     } catch (const std::exception& e) {
       why = e.what();
       executor_.reset();
@@ -425,7 +424,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
     const at::Tensor& output = reduce_scatter ? block_c : full_c;
     executor_->launch(program, transport::call_hash(d), input.data_ptr(), output.data_ptr(), dtype,
-                      op, timeout, stream_->stream());
+                      op, g_.timeout_for(timeout), stream_->stream());
     if (reduce_scatter) {
       if (!output.is_same(block)) block.copy_(output);
     } else if (!list) {
@@ -497,8 +496,8 @@ class CudaCollectivesImpl : public CudaCollectives {
       const uint32_t hash = transport::call_hash(call.descriptor);
       if (where.arena >= 0 &&
           transport::same_heap_place_on_every_rank(*g_.channel(), call.descriptor)) {
-        executor_->launch(in_heap, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op, timeout,
-                          stream_->stream(), heap_->copies(where));
+        executor_->launch(in_heap, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+                          g_.timeout_for(timeout), stream_->stream(), heap_->copies(where));
         ++in_place_allreduces_;
         continue;
       }
@@ -507,8 +506,8 @@ class CudaCollectivesImpl : public CudaCollectives {
                     "a tensor of the CUDA heap is not at the same place on every rank (ranks "
                     "allocated in different orders): its allreduce stages instead");
       }
-      executor_->launch(staged, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op, timeout,
-                        stream_->stream());
+      executor_->launch(staged, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+                        g_.timeout_for(timeout), stream_->stream());
       if (in_place) continue;
       int64_t offset = 0;
       for (const at::Tensor& t : members) {
