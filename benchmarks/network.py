@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -46,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import network_fit
-from allreduce_common import format_size, parse_sizes
+from allreduce_common import format_size, max_over_ranks, parse_sizes
 from run_record import environment, write_results, xdev_environment_line
 from step_common import under_torchrun
 
@@ -85,12 +84,6 @@ class Layout:
 
     def local_index_ranks(self, index: int) -> list[int]:
         return [ranks[index] for ranks in self.ranks]
-
-
-def max_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # the default group: Gloo
-    return float(tensor.item())
 
 
 def timed(call: Optional[Callable[[], Any]], iters: int) -> float:
@@ -185,13 +178,18 @@ class Runner:
         return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def fitted_group(model: dict[str, Any]) -> dist.ProcessGroup:
-    """An xdev group over all ranks whose cost model is ``model``: each rank writes it to a
-    private file for the group's creation (XDEV_CPU_MODEL is read then) and removes it."""
+def fitted_group(
+    stream: network_fit.NetworkFit, host_gbps: Optional[float]
+) -> tuple[dist.ProcessGroup, dict[str, Any]]:
+    """An xdev group over all ranks whose cost model is XDEV_CPU_MODEL's (where set) with the
+    fitted network, and that model: each rank writes it to a private file for the group's
+    creation (XDEV_CPU_MODEL is read then) and removes it."""
     previous = os.environ.get("XDEV_CPU_MODEL")
     with tempfile.TemporaryDirectory(prefix="xdev-network-") as folder:
         path = Path(folder) / "model.json"
-        path.write_text(json.dumps(model))
+        if previous:
+            shutil.copyfile(previous, path)
+        model = network_fit.write_model(path, stream, {}, host_gbps)
         os.environ["XDEV_CPU_MODEL"] = str(path)
         try:
             group = dist.new_group(backend="xdev")
@@ -201,7 +199,7 @@ def fitted_group(model: dict[str, Any]) -> dist.ProcessGroup:
                 del os.environ["XDEV_CPU_MODEL"]
             else:
                 os.environ["XDEV_CPU_MODEL"] = previous
-    return group
+    return group, model
 
 
 def fit_stream(
@@ -221,41 +219,22 @@ def fit_link(
     host_cores: int,
 ) -> tuple[Optional[float], str]:
     """The host link's rate from ``all`` (None: not what held the streams, or no rate seen),
-    and the header's line about it."""
+    and what the header says of it."""
     parts = [4 * slice_count(size, layout.per_host) for size in sizes]
     every = [times[("all", size)] for size in sizes]
     streams = layout.per_host
-    kept = f"#   net_host_gbps   kept   {host_gbps_in_effect():10.3f}"
     try:
         link = network_fit.fit_host_link(
             layout.num_hosts, streams, parts, every, stream["net_stream_gbps"], host_cores
         )
     except ValueError as e:
-        return None, f"{kept}   ({streams} streams at once: {e})"
+        return None, f"{streams} streams at once: {e}"
     rates = f"{streams} streams at {link['stream_gbps']:.3f} GB/s each"
     if link["link_bound"]:
         return link["net_host_gbps"], (
-            f"#   net_host_gbps   fitted {link['net_host_gbps']:10.3f}   ({rates}, where their"
-            f" cores allow {link['expected_stream_gbps']:.3f})"
+            f"{rates}, where their cores allow {link['expected_stream_gbps']:.3f}"
         )
-    return None, f"{kept}   ({rates}: the link did not hold them back)"
-
-
-def host_gbps_in_effect() -> float:
-    """The host link's rate of XDEV_CPU_MODEL's file, where it sets one, or xdev's default."""
-    path = os.environ.get("XDEV_CPU_MODEL")
-    params = json.loads(Path(path).read_text()).get("params", {}) if path else {}
-    return float(params.get("net_host_gbps", network_fit.DEFAULT_HOST_GBPS))
-
-
-def model_with(stream: network_fit.NetworkFit, host_gbps: Optional[float]) -> dict[str, Any]:
-    """The model file's content: XDEV_CPU_MODEL's, where set, with the fit's network."""
-    with tempfile.TemporaryDirectory(prefix="xdev-network-") as folder:
-        path = Path(folder) / "model.json"
-        existing = os.environ.get("XDEV_CPU_MODEL")
-        if existing:
-            shutil.copyfile(existing, path)
-        return network_fit.write_model(path, stream, {}, host_gbps)
+    return None, f"{rates}: the link did not hold them back"
 
 
 def report(
@@ -367,12 +346,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
         dist.destroy_process_group()
         return 1
-    host_gbps, link_line = fit_link(layout, args.sizes, times, stream, host_cores)
-    model = model_with(stream, host_gbps)
+    host_gbps, link_note = fit_link(layout, args.sizes, times, stream, host_cores)
+    fitted, model = fitted_group(stream, host_gbps)
     for line in network_fit.format_fit(stream)[:3]:
         say(line)
-    say(link_line)
-    fitted = fitted_group(model)
+    how = "kept  " if host_gbps is None else "fitted"
+    say(f"#   net_host_gbps   {how} {model['params']['net_host_gbps']:10.3f}   ({link_note})")
     times.update(runner.measure(args.sizes, args.rounds, {"xdev_fitted": fitted}))
     if rank == 0:
         rows = report(layout, args.sizes, times, runner.choices)

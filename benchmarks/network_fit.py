@@ -75,6 +75,25 @@ def _line(xs: Sequence[float], ys: Sequence[float], through_origin: bool) -> tup
     return (swxx * swy - swx * swxy) / det, (sw * swxy - swx * swy) / det
 
 
+def _fit_times(
+    who: str, sizes_bytes: Sequence[int], seconds: Sequence[float]
+) -> tuple[float, float, bool]:
+    """(a, slope, clamped): the line through the times per call, refitted through the origin
+    where its intercept came out negative; raises where no rate can be read off it."""
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError(f"{who}: needs one time per size, of at least two sizes")
+    if any(t <= 0 for t in seconds) or any(s <= 0 for s in sizes_bytes):
+        raise ValueError(f"{who}: sizes and times must be positive")
+    xs = [float(s) for s in sizes_bytes]
+    a, slope = _line(xs, seconds, through_origin=False)
+    clamped = a < 0
+    if clamped:
+        a, slope = _line(xs, seconds, through_origin=True)
+    if slope <= 0:
+        raise ValueError(f"{who}: time does not grow with size; no rate to fit")
+    return a, slope, clamped
+
+
 def core_share(ranks_per_host: int, host_cores: int) -> float:
     """The share of a core each of a host's streams gets (0 cores: not modelled)."""
     if host_cores <= 0 or ranks_per_host <= host_cores:
@@ -94,17 +113,8 @@ def fit_network(
         raise ValueError(
             f"fit_network: needs ranks on several hosts; got {num_hosts} x {ranks_per_host}"
         )
-    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
-        raise ValueError("fit_network: needs one time per size, of at least two sizes")
-    if any(t <= 0 for t in seconds) or any(s <= 0 for s in sizes_bytes):
-        raise ValueError("fit_network: sizes and times must be positive")
+    a, slope, clamped = _fit_times("fit_network", sizes_bytes, seconds)
     xs = [float(s) for s in sizes_bytes]
-    a, slope = _line(xs, seconds, through_origin=False)
-    clamped = a < 0
-    if clamped:
-        a, slope = _line(xs, seconds, through_origin=True)
-    if slope <= 0:
-        raise ValueError("fit_network: time does not grow with size; no rate to fit")
     p = num_hosts * ranks_per_host
     steps = 2 * (p - 1)
     share = core_share(ranks_per_host, host_cores)
@@ -145,15 +155,9 @@ def fit_host_link(
             f"fit_host_link: needs streams across several hosts; got {num_hosts} hosts of"
             f" {streams_per_host} stream(s)"
         )
-    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
-        raise ValueError("fit_host_link: needs one time per size, of at least two sizes")
-    if any(t <= 0 for t in seconds) or any(s <= 0 for s in sizes_bytes) or stream_gbps <= 0:
-        raise ValueError("fit_host_link: sizes, times and the stream's rate must be positive")
-    a, slope = _line([float(s) for s in sizes_bytes], seconds, through_origin=False)
-    if a < 0:
-        a, slope = _line([float(s) for s in sizes_bytes], seconds, through_origin=True)
-    if slope <= 0:
-        raise ValueError("fit_host_link: time does not grow with size; no rate to fit")
+    if stream_gbps <= 0:
+        raise ValueError("fit_host_link: the stream's rate must be positive")
+    _, slope, _ = _fit_times("fit_host_link", sizes_bytes, seconds)
     achieved = 2 * (num_hosts - 1) / num_hosts / slope / 1e9
     expected = stream_gbps * core_share(streams_per_host, host_cores)
     bound = achieved < LINK_BOUND_FRACTION * expected
