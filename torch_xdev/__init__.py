@@ -52,6 +52,7 @@ __all__ = [
     "default_comm_mem",
     "describe",
     "host_identity",
+    "prepare_cuda_graph_capture",
     "shared_empty",
 ]
 __version__ = "0.1.0"
@@ -125,6 +126,26 @@ def shared_empty(
         ) from None
     tensor: torch.Tensor = backend_of(group).shared_empty(shape, dtype or torch.get_default_dtype())
     return tensor
+
+
+def prepare_cuda_graph_capture(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Opens what ``group``'s CUDA collectives need, so that they can be captured in CUDA graphs.
+
+    Collective: every rank of the group calls it, outside any capture, on the GPU it will
+    capture on (``torch.cuda.current_device()``). A CUDA collective captured in a graph goes
+    to NCCL (xdev's own GPU barriers count calls on the host, which a replay would not do),
+    and two things cannot be made inside a capture: xdev's CUDA transport, which the group's
+    first CUDA collective opens, and NCCL's communicator, which NCCL makes at its first
+    collective on the device; xdev's own calls do not reach NCCL, so warm-up steps alone may
+    leave it unmade. This makes both, with a one-element allreduce each. A captured call
+    before it raises an error that names this function where xdev can tell (the group's
+    first CUDA call); where it cannot (NCCL's communicator), NCCL's own error comes from
+    inside the capture.
+    """
+    backend = backend_of(group, ("cuda",))
+    if not torch.cuda.is_available():
+        raise RuntimeError("prepare_cuda_graph_capture: this process sees no GPU")
+    backend.prepare_cuda_graph_capture(torch.cuda.current_device())
 
 
 register()

@@ -254,6 +254,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return tensor;
           },
           py::arg("sizes"), py::arg("dtype"))
+      .def("prepare_cuda_graph_capture", &XdevBackend::prepare_cuda_graph_capture,
+           py::arg("device"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_name", &XdevBackend::shm_name)
       .def_property_readonly("worker_has_own_core", &XdevBackend::worker_has_own_core);
 

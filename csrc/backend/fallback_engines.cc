@@ -35,9 +35,25 @@ c10d::Backend* FallbackEngines::for_tensor(const at::Tensor& tensor) {
   if (cuda_ != nullptr) {
     // NCCL refuses two ranks on one GPU; the first CUDA collective finds out.
     const CudaGroupInfo& info = cuda_->ensure_ready(tensor.get_device());
-    if (info.ranks_share_gpu) return gloo;
+    if (info.ranks_share_gpu) {
+      // Gloo copies through host memory and waits for it, which a capture forbids.
+      TORCH_CHECK(cuda_->stream_refusal(tensor.get_device()).empty(),
+                  "xdev: a CUDA collective captured in a CUDA graph must go to NCCL, and these "
+                  "ranks share a GPU, which NCCL refuses (Gloo, their engine, cannot be "
+                  "captured). Capture collectives with one GPU per rank.");
+      return gloo;
+    }
   }
   return nccl_.get();
+}
+
+void FallbackEngines::open_cuda_engine(int device) {
+  at::Tensor probe = at::zeros({1}, at::TensorOptions().device(at::kCUDA, device));
+  c10d::Backend* engine = for_tensor(probe);
+  if (engine != nccl_.get()) return;
+  // NCCL makes a device's communicator at its first collective there.
+  std::vector<at::Tensor> probes{probe};
+  engine->allreduce(probes)->wait();
 }
 
 c10d::Backend* FallbackEngines::for_tensors(const std::vector<at::Tensor>& tensors) {

@@ -29,6 +29,11 @@ class FallbackEngines {
   // first CUDA tensor (the CUDA side learns whether ranks share a GPU).
   c10d::Backend* for_tensors(const std::vector<at::Tensor>& tensors);
   c10d::Backend* for_tensor(const at::Tensor& tensor);
+  // Opens the engine of CUDA tensors on `device` for calls captured in CUDA
+  // graphs: NCCL makes its communicator at its first collective, which cannot
+  // happen inside a capture. Collective: a one-element allreduce on NCCL
+  // (nothing where CUDA tensors go to Gloo, which a capture refuses anyway).
+  void open_cuda_engine(int device);
   // The same for send/recv, which only two ranks call: no group rendezvous, so
   // before the first CUDA collective it assumes one GPU per rank.
   c10d::Backend* for_point_to_point(const std::vector<at::Tensor>& tensors);

@@ -291,6 +291,13 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
   }
 }
 
+void XdevBackend::prepare_cuda_graph_capture(int device) {
+  TORCH_CHECK_VALUE(cuda_ != nullptr, "xdev: this build of torch_xdev has no CUDA path");
+  if (size_ == 1) return;  // nothing to open: a world of one never leaves the rank
+  cuda_->ensure_ready(device);
+  fallbacks_.open_cuda_engine(device);
+}
+
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   return dispatch_allreduce(tensors, opts, false);

@@ -137,6 +137,11 @@ class XdevBackend : public c10d::Backend {
   // and broadcast at construction do), so that their allreduce runs in place.
   bool supportsTensorAlloc(c10::DeviceIndex device) override;
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  // torch_xdev.prepare_cuda_graph_capture: opens, outside any capture, what
+  // the group's first CUDA call would open (xdev's CUDA transport and NCCL's
+  // communicator on `device`), so that calls captured later find them.
+  // Collective.
+  void prepare_cuda_graph_capture(int device);
   bool heap_available() const { return shared_.heap_available(); }
   const std::string& heap_note() const { return shared_.heap_note(); }
   const transport::SymmetricHeap* heap() const { return shared_.heap(); }

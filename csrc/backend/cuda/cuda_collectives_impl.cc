@@ -70,6 +70,14 @@ class CudaCollectivesImpl : public CudaCollectives {
                         ". Use one GPU per rank (torch.cuda.set_device(local_rank)).");
       return *info_;
     }
+    // The rendezvous allocates and maps device memory and waits on the store:
+    // calls a capture in CUDA's default (global) mode forbids, which would
+    // spoil the user's graph with an error that names none of this.
+    TORCH_CHECK(stream_refusal(device).empty(),
+                "xdev: the first CUDA collective of a group opens its CUDA transport, which "
+                "cannot happen while a CUDA graph is being captured. Call "
+                "torch_xdev.prepare_cuda_graph_capture(group) on every rank before capturing: "
+                "it opens the transport and NCCL's communicator, which runs captured calls.");
     info_ = rendezvous(device);
     return *info_;
   }
