@@ -2,7 +2,8 @@
 
 - ``test_stream_semantics``: a kernel queued on the current stream just before the call is
   seen; Work.wait() makes the current (side) stream wait without blocking the host, and
-  Work.block_current_stream() makes it wait too;
+  Work.block_current_stream() makes it wait too; Work.wait(timeout) blocks the host until
+  the GPU work is done and raises when that takes longer than the timeout;
   several allreduces in flight; get_future() and then(); the caching allocator does not
   hand out an in-flight input.
 - ``test_layouts_coalesced_mixed_dtypes``: non-contiguous views, a slice at a storage
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -117,6 +119,23 @@ def _streams(rank: int, world: int) -> dict[str, Any]:
         out = t.clone()
     side.synchronize()
     assert torch.equal(out.cpu(), torch.full((n,), total)), "block_current_stream: stale result"
+
+    # 2c. Work.wait(timeout): the host waits for the GPU work too (ProcessGroupNCCL's rule), and
+    #     a timeout shorter than that work raises; the call itself goes on and completes.
+    t = torch.full((n,), float(rank + 1), device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    work = dist.all_reduce(t, async_op=True)
+    raised = ""
+    try:
+        work.wait(timeout=timedelta(milliseconds=20))
+    except dist.DistBackendError as e:
+        raised = str(e)
+    assert "not done within the timeout" in raised, f"wait(20 ms) raised {raised!r}"
+    work.wait(timeout=timedelta(seconds=XDEV_TIMEOUT_S))
+    assert work.is_completed(), "wait(timeout) returned before the GPU work was done"
+    assert torch.equal(t.cpu(), torch.full((n,), total)), "wait(timeout): wrong result"
 
     # 3. Several allreduces in flight at once (queued behind a sleep), waited for in reverse.
     ops = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG, dist.ReduceOp.MIN)

@@ -197,6 +197,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       info_->heap = false;
       info_->heap_note = "off: the group has shut down";
     }
+    device_error_->detach();
     executor_.reset();
     channel_.reset();
     stream_.reset();
@@ -260,8 +261,10 @@ class CudaCollectivesImpl : public CudaCollectives {
           key + "ipc/", [&store](const std::string& k, const std::string& v) { store.set(k, v); },
           [&store](const std::string& k) { return store.get_to_str(k); });
       executor_ = std::make_unique<transport::CudaExecutor>(*channel_, info->ranks_on_this_gpu);
+      device_error_->attach([executor = executor_.get()] { return executor->device_error(); });
     } catch (const std::exception& e) {
       why = e.what();
+      device_error_->detach();
       executor_.reset();
       channel_.reset();
     }
@@ -284,6 +287,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       }
       return;
     }
+    device_error_->detach();
     executor_.reset();
     channel_.reset();
     info->transport_note = why.empty() ? "off: " + std::to_string(failures) +
@@ -345,7 +349,8 @@ class CudaCollectivesImpl : public CudaCollectives {
       if (heap_ && heap_->owns_storage(t)) continue;
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     }
-    auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_);
+    auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_,
+                                              device_error_);
     g_.enqueue_work(
         work,
         [this, work, ready, run = std::move(run)]() {
@@ -538,6 +543,8 @@ class CudaCollectivesImpl : public CudaCollectives {
   // Stops executor_'s kernels once a peer's process exits; gone before executor_.
   std::unique_ptr<transport::PeerWatch> watch_;
   std::unique_ptr<CudaHeapTensors> heap_;  // null without the transport or shared_buckets
+  // executor_'s device_error() for the Works, which may outlive it.
+  std::shared_ptr<DeviceErrorProbe> device_error_ = std::make_shared<DeviceErrorProbe>();
   std::atomic<int64_t> in_place_allreduces_{0};
 };
 

@@ -10,6 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -61,22 +64,56 @@ class StreamEvent {
   std::atomic<bool> recorded_{false};
 };
 
-// Polls `stream` with a growing sleep (up to 10 ms) until its work is done
-// (true), or until give_up() says to stop waiting (false).
-inline bool wait_for_stream(cudaStream_t stream, const std::function<bool()>& give_up) {
+// Polls done() with a growing sleep (up to 10 ms) until it says the work is
+// done (true), or until give_up() says to stop waiting (false).
+inline bool poll_until_done(const std::function<bool()>& done,
+                            const std::function<bool()>& give_up) {
   auto pause = std::chrono::microseconds(50);
-  while (true) {
-    const cudaError_t status = cudaStreamQuery(stream);
-    if (status != cudaErrorNotReady) {
-      transport::check_cuda(status, "cudaStreamQuery");
-      return true;
-    }
-    cudaGetLastError();  // cudaErrorNotReady is not an error to keep
+  while (!done()) {
     if (give_up()) return false;
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
   }
+  return true;
 }
+
+// The same for everything queued on `stream`.
+inline bool wait_for_stream(cudaStream_t stream, const std::function<bool()>& give_up) {
+  return poll_until_done(
+      [stream] {
+        const cudaError_t status = cudaStreamQuery(stream);
+        if (status == cudaErrorNotReady) {
+          cudaGetLastError();  // not an error to keep
+          return false;
+        }
+        transport::check_cuda(status, "cudaStreamQuery");
+        return true;
+      },
+      give_up);
+}
+
+// What a kernel of the group reported when it gave up
+// (CudaExecutor::device_error), for Works that may outlive the group: it
+// reports nothing once the group has shut down its executor.
+class DeviceErrorProbe {
+ public:
+  void attach(std::function<std::string()> read) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    read_ = std::move(read);
+  }
+  void detach() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    read_ = nullptr;
+  }
+  std::string read() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return read_ ? read_() : std::string();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::function<std::string()> read_;
+};
 
 // The Work of a native CUDA collective. The host part (the barrier that checks
 // every rank runs the same collective, and the launches) completes it; the GPU
@@ -84,9 +121,35 @@ inline bool wait_for_stream(cudaStream_t stream, const std::function<bool()>& gi
 class CudaWork : public XdevWork {
  public:
   CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-           c10::cuda::CUDAStream stream)
+           c10::cuda::CUDAStream stream, std::shared_ptr<const DeviceErrorProbe> device_error)
       : XdevWork(rank, type, title, outputs, {c10::Device(c10::kCUDA, stream.device_index())}),
-        stream_(stream) {}
+        stream_(stream),
+        device_error_(std::move(device_error)) {}
+
+  // Without a timeout, as ProcessGroupNCCL: the host part, then the caller's
+  // stream waits for the GPU work (synchronize). With one
+  // (work.wait(timeout=...)), as ProcessGroupNCCL and as c10d asks of a
+  // backend: the host also waits until the GPU work is done, and raises here
+  // if it is not done within the timeout or a kernel gave up, instead of
+  // leaving that to the group's next call.
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
+    const auto start = std::chrono::steady_clock::now();
+    XdevWork::wait(timeout);
+    if (timeout == ::kNoTimeout) return true;
+    const bool done =
+        poll_until_done([this] { return done_.query(); },
+                        [&] { return std::chrono::steady_clock::now() - start > timeout; });
+    if (!done) {
+      C10_THROW_ERROR(DistBackendError,
+                      "xdev: " + std::string(c10d::opTypeToString(retrieveOpType())) +
+                          ": the GPU work was not done within the timeout given to wait() (" +
+                          std::to_string(timeout.count()) + " ms); it goes on, and the group " +
+                          "reports its outcome at its next call");
+    }
+    const std::string failed = device_error_ ? device_error_->read() : std::string();
+    if (!failed.empty()) C10_THROW_ERROR(DistBackendError, "xdev: " + failed);
+    return true;
+  }
 
   // The future records its CUDA events on the current stream: make it ours.
   void complete() override {
@@ -126,6 +189,7 @@ class CudaWork : public XdevWork {
 
  private:
   c10::cuda::CUDAStream stream_;
+  std::shared_ptr<const DeviceErrorProbe> device_error_;
   StreamEvent done_;
 };
 
