@@ -10,8 +10,11 @@ capture; ``torch_xdev.prepare_cuda_graph_capture`` makes both beforehand.
   before anything is opened; the group then works.
 - ``test_captured_allreduce_replays``: after ``prepare_cuda_graph_capture``, an allreduce
   captured on a side stream replays with new inputs and sums them right on every rank (one
-  GPU per rank). Where the ranks share a GPU, which NCCL refuses, the capture raises the
-  error that says so, and the group still sums outside it.
+  GPU per rank). Where the ranks share a GPU, which NCCL refuses, the preparation and the
+  capture raise errors that say so, and the group still sums outside a capture.
+- ``test_world_of_one_captures_many_calls``: one rank (NCCL runs it on a machine with one
+  GPU) captures 70 allreduces in one graph, more than the group tracks between barriers,
+  and the replays leave each tensor as it was.
 
 The module skips, with the reason, where torch sees no GPU or torch_xdev was built without
 its CUDA path (cuda_ranks.why_skip).
@@ -88,7 +91,11 @@ def test_first_collective_during_capture_names_the_fix() -> None:
 
 def _captured_allreduce(rank: int, world: int) -> dict[str, Any]:
     device = _init(rank, world)
-    torch_xdev.prepare_cuda_graph_capture()
+    prepare_error = ""
+    try:
+        torch_xdev.prepare_cuda_graph_capture()
+    except RuntimeError as e:
+        prepare_error = str(e)
     shares_gpu = bool(torch_xdev.describe()["cuda"]["ranks_share_gpu"])
     x = torch.zeros(40_000, device=device)
     graph, error = _capture(lambda: dist.all_reduce(x))
@@ -105,7 +112,13 @@ def _captured_allreduce(rank: int, world: int) -> dict[str, Any]:
     dist.all_reduce(y)
     torch.cuda.synchronize(device)
     dist.destroy_process_group()
-    return {"shares_gpu": shares_gpu, "error": error, "sums": sums, "after": y.cpu()}
+    return {
+        "shares_gpu": shares_gpu,
+        "prepare_error": prepare_error,
+        "error": error,
+        "sums": sums,
+        "after": y.cpu(),
+    }
 
 
 def test_captured_allreduce_replays() -> None:
@@ -115,10 +128,42 @@ def test_captured_allreduce_replays() -> None:
     for rank, r in enumerate(results):
         assert torch.equal(r["after"], torch.full((1021,), float(ranks_total))), rank
         if r["shares_gpu"]:
-            assert "share a GPU" in r["error"] and "NCCL" in r["error"], (rank, r["error"])
+            # One GPU for both ranks (the CI machine): NCCL refuses them, and both the
+            # preparation and the capture say so.
+            for said in (r["prepare_error"], r["error"]):
+                assert "share a GPU" in said and "NCCL" in said, (rank, said)
             continue
-        assert r["error"] == "", (rank, r["error"])
+        assert r["prepare_error"] == "" and r["error"] == "", (rank, r)
         base = torch.arange(40_000, dtype=torch.float32)
         for step, got in enumerate(r["sums"]):
             expected = base * ranks_total + step * world
             assert torch.equal(got, expected), (rank, step)
+
+
+def _world_of_one_captures_many_calls(rank: int, world: int) -> dict[str, Any]:
+    device = _init(rank, world)
+    torch_xdev.prepare_cuda_graph_capture()
+    # More calls than the group keeps track of between barriers (64), in one graph.
+    xs = [torch.zeros(257 + i, device=device) for i in range(70)]
+    graph, error = _capture(lambda: [dist.all_reduce(x) for x in xs])
+    replayed = []
+    if not error:
+        for step in range(2):
+            for i, x in enumerate(xs):
+                x.fill_(float(i + 10 * step))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            replayed.append([x.cpu() for x in xs])
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"error": error, "replayed": replayed}
+
+
+def test_world_of_one_captures_many_calls() -> None:
+    """One rank: NCCL runs the captured calls even on a machine with one GPU."""
+    r = run_ranks(_world_of_one_captures_many_calls, 1, timeout=300)[0]
+    assert r["error"] == "", r["error"]
+    assert len(r["replayed"]) == 2
+    for step, xs in enumerate(r["replayed"]):
+        for i, x in enumerate(xs):
+            assert torch.equal(x, torch.full((257 + i,), float(i + 10 * step))), (step, i)

@@ -137,10 +137,12 @@ def prepare_cuda_graph_capture(group: Optional[dist.ProcessGroup] = None) -> Non
     and two things cannot be made inside a capture: xdev's CUDA transport, which the group's
     first CUDA collective opens, and NCCL's communicator, which NCCL makes at its first
     collective on the device; xdev's own calls do not reach NCCL, so warm-up steps alone may
-    leave it unmade. This makes both, with a one-element allreduce each. A captured call
-    before it raises an error that names this function where xdev can tell (the group's
-    first CUDA call); where it cannot (NCCL's communicator), NCCL's own error comes from
-    inside the capture.
+    leave it unmade. This makes both, with a one-element allreduce each. A group's first CUDA
+    collective made inside a capture raises an error naming this function.
+
+    Raises RuntimeError where captured calls could not run: ranks that share a GPU (NCCL
+    refuses them, and Gloo cannot be captured), or no NCCL. Send and recv are not covered:
+    NCCL makes a communicator per pair of ranks at their first send or recv.
     """
     backend = backend_of(group, ("cuda",))
     if not torch.cuda.is_available():

@@ -36,21 +36,35 @@ c10d::Backend* FallbackEngines::for_tensor(const at::Tensor& tensor) {
     // NCCL refuses two ranks on one GPU; the first CUDA collective finds out.
     const CudaGroupInfo& info = cuda_->ensure_ready(tensor.get_device());
     if (info.ranks_share_gpu) {
-      // Gloo copies through host memory and waits for it, which a capture forbids.
-      TORCH_CHECK(cuda_->stream_refusal(tensor.get_device()).empty(),
-                  "xdev: a CUDA collective captured in a CUDA graph must go to NCCL, and these "
-                  "ranks share a GPU, which NCCL refuses (Gloo, their engine, cannot be "
-                  "captured). Capture collectives with one GPU per rank.");
+      refuse_gloo_during_capture(tensor.get_device());
       return gloo;
     }
   }
   return nccl_.get();
 }
 
+void FallbackEngines::refuse_gloo_during_capture(int device) const {
+  // Gloo copies through host memory and waits for it, which a capture forbids.
+  TORCH_CHECK(cuda_ == nullptr || cuda_->stream_refusal(device).empty(),
+              "xdev: a CUDA call captured in a CUDA graph must go to NCCL, and these ranks "
+              "share a GPU, which NCCL refuses (Gloo, their engine, cannot be captured). "
+              "Capture collectives with one GPU per rank.");
+}
+
+bool FallbackEngines::capturing() const {
+  const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
+  return info != nullptr && !cuda_->stream_refusal(info->device).empty();
+}
+
 void FallbackEngines::open_cuda_engine(int device) {
   at::Tensor probe = at::zeros({1}, at::TensorOptions().device(at::kCUDA, device));
   c10d::Backend* engine = for_tensor(probe);
-  if (engine != nccl_.get()) return;
+  TORCH_CHECK(engine == nccl_.get(),
+              "xdev: these ranks cannot capture CUDA collectives in CUDA graphs: captured calls "
+              "must go to NCCL, and ",
+              nccl_ ? "these ranks share a GPU, which NCCL refuses"
+                    : "this process has no NCCL (torch without it, or no GPU seen)",
+              ".");
   // NCCL makes a device's communicator at its first collective there.
   std::vector<at::Tensor> probes{probe};
   engine->allreduce(probes)->wait();
@@ -68,7 +82,9 @@ c10d::Backend* FallbackEngines::for_point_to_point(const std::vector<at::Tensor>
       std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
   if (!any_cuda || !nccl_) return cpu();
   const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
-  return info != nullptr && info->ranks_share_gpu ? cpu() : nccl_.get();
+  if (info == nullptr || !info->ranks_share_gpu) return nccl_.get();
+  refuse_gloo_during_capture(info->device);
+  return cpu();
 }
 
 std::string FallbackEngines::cuda_name() const {
@@ -260,6 +276,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::Work> work) {
+  // A call captured in a CUDA graph runs at its replays, not now: nothing to
+  // wait for. And asking the tracked ones whether they are done queries CUDA
+  // events, which a capture forbids.
+  if (capturing()) return work;
   std::lock_guard<std::mutex> lock(in_flight_mutex_);
   // Forget the finished ones now and then, so the list stays short.
   if (in_flight_.size() >= 64) {

@@ -31,8 +31,9 @@ class FallbackEngines {
   c10d::Backend* for_tensor(const at::Tensor& tensor);
   // Opens the engine of CUDA tensors on `device` for calls captured in CUDA
   // graphs: NCCL makes its communicator at its first collective, which cannot
-  // happen inside a capture. Collective: a one-element allreduce on NCCL
-  // (nothing where CUDA tensors go to Gloo, which a capture refuses anyway).
+  // happen inside a capture. Collective: a one-element allreduce on NCCL.
+  // Throws where CUDA tensors go to Gloo (ranks sharing a GPU), which a
+  // capture refuses.
   void open_cuda_engine(int device);
   // The same for send/recv, which only two ranks call: no group rendezvous, so
   // before the first CUDA collective it assumes one GPU per rank.
@@ -115,6 +116,12 @@ class FallbackEngines {
   void shutdown();
 
  private:
+  // Throws where the current stream of `device` is capturing a CUDA graph:
+  // for a call that would go to Gloo.
+  void refuse_gloo_during_capture(int device) const;
+  // Whether the current stream of the group's GPU is capturing a CUDA graph
+  // (false before the group's first CUDA collective).
+  bool capturing() const;
   // An AVG of integer tensors on an engine without AVG (Gloo averages in
   // floating point and cannot write the quotient into integer tensors).
   bool integer_avg_without_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,

@@ -293,7 +293,6 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
 
 void XdevBackend::prepare_cuda_graph_capture(int device) {
   TORCH_CHECK_VALUE(cuda_ != nullptr, "xdev: this build of torch_xdev has no CUDA path");
-  if (size_ == 1) return;  // nothing to open: a world of one never leaves the rank
   cuda_->ensure_ready(device);
   fallbacks_.open_cuda_engine(device);
 }

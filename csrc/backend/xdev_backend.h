@@ -140,7 +140,8 @@ class XdevBackend : public c10d::Backend {
   // torch_xdev.prepare_cuda_graph_capture: opens, outside any capture, what
   // the group's first CUDA call would open (xdev's CUDA transport and NCCL's
   // communicator on `device`), so that calls captured later find them.
-  // Collective.
+  // Collective. Throws where captured calls could not run (ranks sharing a
+  // GPU, which NCCL refuses; no NCCL).
   void prepare_cuda_graph_capture(int device);
   bool heap_available() const { return shared_.heap_available(); }
   const std::string& heap_note() const { return shared_.heap_note(); }

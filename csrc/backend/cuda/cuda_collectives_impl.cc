@@ -77,7 +77,8 @@ class CudaCollectivesImpl : public CudaCollectives {
                 "xdev: the first CUDA collective of a group opens its CUDA transport, which "
                 "cannot happen while a CUDA graph is being captured. Call "
                 "torch_xdev.prepare_cuda_graph_capture(group) on every rank before capturing: "
-                "it opens the transport and NCCL's communicator, which runs captured calls.");
+                "it opens the transport and NCCL's communicator, which runs captured calls "
+                "(ranks that share a GPU cannot capture collectives: NCCL refuses them).");
     info_ = rendezvous(device);
     return *info_;
   }
