@@ -118,6 +118,66 @@ def test_mismatched_calls_fail_everywhere_and_group_survives() -> None:
     run_ranks(_mismatch, 2, timeout=120)
 
 
+def _elements_sharing_memory(rank: int, world: int) -> None:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    total = float(sum(range(1, world + 1)))
+
+    def aliased(n: int) -> torch.Tensor:  # n elements, one memory location
+        return torch.full((1,), float(rank + 1)).expand(n)
+
+    def assert_group_sums() -> None:
+        ok = torch.full((1 << 15,), float(rank + 1))
+        dist.all_reduce(ok)
+        assert torch.equal(ok, torch.full((1 << 15,), total))
+
+    # Written tensors whose elements alias: a ValueError on every rank, before anything moves.
+    calls = {
+        "all_reduce small": lambda: dist.all_reduce(aliased(8)),
+        "all_reduce of several windows": lambda: dist.all_reduce(aliased(1 << 20)),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            aliased(4 * world), torch.ones(4)
+        ),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            aliased(4), torch.ones(4 * world)
+        ),
+        "all_gather (list)": lambda: dist.all_gather(
+            [aliased(4)] + [torch.empty(4) for _ in range(world - 1)], torch.ones(4)
+        ),
+        "reduce_scatter (list)": lambda: dist.reduce_scatter(
+            aliased(4), [torch.ones(4) for _ in range(world)]
+        ),
+        "broadcast": lambda: dist.broadcast(aliased(8), 0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="share memory"):
+            call()
+        assert_group_sums()
+
+    # One rank alone passes such a tensor: it refuses, and its peers fail at once at the same
+    # call (not at the timeout), naming the refusal.
+    start = time.monotonic()
+    with pytest.raises((ValueError, dist.DistBackendError)) as info:
+        dist.all_reduce(aliased(8) if rank == 1 else torch.ones(8))
+    if rank == 1:
+        assert info.type is ValueError, info
+    else:
+        assert "refused its own arguments" in str(info.value), info
+    assert time.monotonic() - start < TIMEOUT_S, "a peer waited for the refusing rank"
+    assert_group_sums()
+
+    # An aliased tensor that is only read stays fine: an all-gather's input.
+    out = torch.empty(4 * world)
+    dist.all_gather_into_tensor(out, aliased(4))
+    assert torch.equal(out, torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(4))
+    dist.destroy_process_group()
+
+
+def test_written_tensors_whose_elements_share_memory_are_refused() -> None:
+    run_ranks(_elements_sharing_memory, 2, timeout=120)
+
+
 def _late_peer_after_timeout(rank: int, world: int) -> float:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))

@@ -51,8 +51,10 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
     c10d::OpType type, std::chrono::milliseconds timeout, bool async_op,
     const plan::GatherScatterSelection& how) {
-  group_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout,
-                          [&] { check_pairs("reduce_scatter", inputs, outputs, group_.size()); });
+  group_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
+    check_pairs("reduce_scatter", inputs, outputs, group_.size());
+    check_written("reduce_scatter", outputs);
+  });
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, timeout, how] {
@@ -67,8 +69,10 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
     std::chrono::milliseconds timeout, bool async_op, const plan::GatherScatterSelection& how) {
-  group_.check_with_peers(Collective::kAllGather, "all_gather", timeout,
-                          [&] { check_pairs("all_gather", outputs, inputs, group_.size()); });
+  group_.check_with_peers(Collective::kAllGather, "all_gather", timeout, [&] {
+    check_pairs("all_gather", outputs, inputs, group_.size());
+    check_written("all_gather", outputs);
+  });
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, timeout, how] {
@@ -90,6 +94,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
   group_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
     TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
                       " input list(s) for ", outputs.size(), " output(s)");
+    check_written("reduce_scatter", outputs);
     for (size_t i = 0; i < outputs.size(); ++i) {
       sizes.push_back(
           list_sizes("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
@@ -130,6 +135,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
   group_.check_with_peers(Collective::kAllGather, "all_gather", timeout, [&] {
     TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
                       " output list(s) for ", inputs.size(), " input(s)");
+    for (const std::vector<at::Tensor>& list : outputs) check_written("all_gather", list);
     for (size_t i = 0; i < inputs.size(); ++i) {
       sizes.push_back(
           list_sizes("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));

@@ -97,6 +97,13 @@ void divide_for_avg(const at::Tensor& t, int64_t divisor);
 // the inverse of concatenating the tensors' flattened forms.
 void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors);
 
+// Checks, on the calling thread, that no tensor a collective writes has
+// elements that share memory (an expand()ed or as_strided view): each would
+// receive its own result, which no copy into such a tensor can hold, and the
+// staged paths' copy back refuses it only after the data has moved
+// (ValueError naming `what` otherwise).
+void check_written(const char* what, const std::vector<at::Tensor>& written);
+
 // Checks, on the calling thread, that full[i] holds world blocks the size of
 // block[i], of its dtype (ValueError naming `what` otherwise).
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,

@@ -242,6 +242,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (sel.algorithm == plan::Algorithm::kFallback) {
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
+  check_native_call(Collective::kAllreduce, "all_reduce", device.is_cuda(), opts.timeout,
+                    [&] { check_written("all_reduce", tensors); });
   if (sel.two_level) {
     return two_level_->allreduce(tensors, *native_op(opts.reduceOp), sel.two_level_pieces,
                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
@@ -289,6 +291,18 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+}
+
+void XdevBackend::check_native_call(Collective collective, const char* name, bool cuda,
+                                    std::chrono::milliseconds timeout,
+                                    const std::function<void()>& check) {
+  // Without the host's check of each CUDA call its peers meet in the GPU
+  // barrier, where a refusal here leaves them waiting until the timeout.
+  if (cuda && !group_.config().cuda_host_check) {
+    check();
+    return;
+  }
+  group_.check_with_peers(collective, name, timeout, check);
 }
 
 void XdevBackend::prepare_cuda_graph_capture(int device) {
@@ -339,6 +353,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   }
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
+  // The root's tensor too: the staged paths copy every rank's result back.
+  const auto check_tensors = [&] { check_written("broadcast", tensors); };
   if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
     const plan::AcrossHostsChoice c =
         plan::choose_broadcast_across_hosts({group_.num_hosts(), group_.local_world_size()},
@@ -354,10 +370,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
           group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
           [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
     }
+    check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check_tensors);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
   record("native", "one host: staged through shared memory");
+  check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check_tensors);
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 

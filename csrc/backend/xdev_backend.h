@@ -199,6 +199,11 @@ class XdevBackend : public c10d::Backend {
     transport_available = false;
     note = std::move(why);
   }
+  // This rank's own checks of a call its peers run natively: a refusal still
+  // meets the peers (GroupContext::check_with_peers) where they check each
+  // call on the host, so that they fail at this call too.
+  void check_native_call(Collective collective, const char* name, bool cuda,
+                         std::chrono::milliseconds timeout, const std::function<void()>& check);
   // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then
   // run as a SUM: wherever their engine lacks it (Gloo), so that the native
   // paths and Gloo run it alike. NCCL runs its own.
@@ -221,11 +226,12 @@ class XdevBackend : public c10d::Backend {
                                                      bool one_list = false);
   // The native CUDA reduce-scatter (op given; full in, block out) or all-gather
   // (op null; block in, full out): `full` is one tensor, or one list entry per
-  // rank of the block's size. After the checks the CPU path makes. Async by
+  // rank of the block's size; `blocks` must hold one tensor (the caller's
+  // other side, checked as the CPU path checks its arguments). Async by
   // nature, as every CUDA collective.
   c10::intrusive_ptr<c10d::Work> cuda_gather_scatter(plan::GatherScatterKind kind,
                                                      std::vector<at::Tensor> full,
-                                                     const at::Tensor& block,
+                                                     const std::vector<at::Tensor>& blocks,
                                                      const c10d::ReduceOp* op, c10d::OpType type,
                                                      std::chrono::milliseconds timeout);
   // The engine of a delegated collective on these tensors; counts the call.

@@ -50,8 +50,9 @@ ListCall list_call(const std::vector<at::Tensor>& mine,
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
-    plan::GatherScatterKind kind, std::vector<at::Tensor> full, const at::Tensor& block,
-    const c10d::ReduceOp* op, c10d::OpType type, std::chrono::milliseconds timeout) {
+    plan::GatherScatterKind kind, std::vector<at::Tensor> full,
+    const std::vector<at::Tensor>& blocks, const c10d::ReduceOp* op, c10d::OpType type,
+    std::chrono::milliseconds timeout) {
   // Checked as the CPU paths check them. A rank that refuses its arguments
   // still meets its peers at the host barrier, so that they fail at this call
   // too instead of waiting for it; without that barrier (cuda_host_check off)
@@ -59,10 +60,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
   const char* what = op == nullptr ? "all_gather" : "reduce_scatter";
   auto check = [&] {
     if (full.size() == 1) {  // the tensor form (the CUDA path has at least two ranks)
-      check_pairs(what, full, {block}, size_);
+      check_pairs(what, full, blocks, size_);
     } else {
-      list_sizes(what, full, block, size_, rank_);  // one dtype; the selection refused uneven
+      TORCH_CHECK_VALUE(blocks.size() == 1, "xdev ", what, ": one list takes one ",
+                        op == nullptr ? "input" : "output", "; got ", blocks.size());
+      list_sizes(what, full, blocks[0], size_, rank_);  // one dtype; the selection refused uneven
     }
+    check_written(what, op == nullptr ? full : blocks);
   };
   if (group_.config().cuda_host_check) {
     group_.check_with_peers(op == nullptr ? Collective::kAllGather : Collective::kReduceScatter,
@@ -70,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
   } else {
     check();
   }
-  return cuda_->gather_scatter(kind, std::move(full), block,
+  return cuda_->gather_scatter(kind, std::move(full), blocks[0],
                                op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type,
                                timeout);
 }
@@ -183,8 +187,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
     return fallbacks_.allgather(group_, outputs, inputs, opts);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs.at(0),
-                               nullptr, c10d::OpType::ALLGATHER, opts.timeout);
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs, nullptr,
+                               c10d::OpType::ALLGATHER, opts.timeout);
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather_list(
@@ -204,7 +208,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {
-    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {output}, input, nullptr,
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {output}, {input}, nullptr,
                                c10d::OpType::_ALLGATHER_BASE, opts.timeout);
   }
   return gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE, opts.timeout,
@@ -234,6 +238,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
             out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
             inputs[i].sizes(), ")");
       }
+      check_written("all_gather_coalesced", outputs[r]);
     }
   };
   std::vector<at::Tensor> all = inputs;
@@ -277,7 +282,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
                                                  sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {outputs.at(0)}, inputs.at(0),
+    return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, {outputs.at(0)}, inputs,
                                nullptr, c10d::OpType::COALESCED, opts.timeout);
   }
   return gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED, opts.timeout,
@@ -322,7 +327,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
         opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, inputs.at(0), outputs.at(0),
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, inputs.at(0), outputs,
                                &opts.reduceOp, c10d::OpType::REDUCE_SCATTER, opts.timeout);
   }
   return gather_scatter_->reduce_scatter_list(outputs, inputs, *native_op(opts.reduceOp),
@@ -351,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {
-    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {input}, output,
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {input}, {output},
                                &opts.reduceOp, c10d::OpType::_REDUCE_SCATTER_BASE, opts.timeout);
   }
   return gather_scatter_->reduce_scatter({output}, {input}, *native_op(opts.reduceOp),
@@ -384,9 +389,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
         sel.two_level_leader, opts.timeout, opts.asyncOp);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one pair (the selection's condition)
-    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {inputs.at(0)},
-                               outputs.at(0), &opts.reduceOp, reduce_scatter_coalesced_op_type(),
-                               opts.timeout);
+    return cuda_gather_scatter(plan::GatherScatterKind::kReduceScatter, {inputs.at(0)}, outputs,
+                               &opts.reduceOp, reduce_scatter_coalesced_op_type(), opts.timeout);
   }
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          reduce_scatter_coalesced_op_type(), opts.timeout,
