@@ -58,6 +58,10 @@ struct GatherScatterWindow {
   Schedule schedule;  // rank j's piece at slot offsets [j*p, j*p + its length), p = block.size()
 };
 
+// A reduce-scatter's piece (what one window moves per rank) is a multiple of
+// this many elements where it exceeds it.
+inline constexpr int64_t kPieceAlignElems = 16;
+
 class GatherScatterPlan {
  public:
   // block_elems: C, the elements of every rank's block (all tensors together).

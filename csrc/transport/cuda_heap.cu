@@ -119,7 +119,10 @@ CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t 
     }
     block_stream_[{where->arena, where->offset}] = stream;
   } catch (...) {
-    placement_.free(*where);  // as if never placed, so that later places stay the peers'
+    // As if never placed. Peers whose allocation succeeded keep theirs, so
+    // this rank's later places may differ from theirs: calls on those
+    // tensors then stage (slower, never wrong) until the places agree again.
+    placement_.free(*where);
     throw;
   }
   return Block{own_[static_cast<size_t>(where->arena)] + where->offset, *where};

@@ -33,6 +33,14 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   const int device = heap_->device();
   const auto index = static_cast<c10::DeviceIndex>(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  transport::check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    // The heap waits on events and may cudaMalloc an arena, which a capture
+    // forbids; the caching allocator serves captures from the graph's pool.
+    // Captured collectives go to NCCL anyway, which reads no heap in place.
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+  }
   transport::CudaSymmetricHeap::Block block;
   try {
     block = heap_->allocate(bytes, stream);
