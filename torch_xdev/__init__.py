@@ -141,7 +141,8 @@ def prepare_cuda_graph_capture(group: Optional[dist.ProcessGroup] = None) -> Non
     collective made inside a capture raises an error naming this function.
 
     Raises RuntimeError where captured calls could not run: ranks that share a GPU (NCCL
-    refuses them, and Gloo cannot be captured), or no NCCL. Send and recv are not covered:
+    refuses them, and Gloo cannot be captured), or no NCCL; ValueError where ``group`` is
+    not an xdev group or this build of torch_xdev has no CUDA path. Send and recv are not covered:
     NCCL makes a communicator per pair of ranks at their first send or recv.
     """
     backend = backend_of(group, ("cuda",))

@@ -245,6 +245,13 @@ void GroupContext::check_with_peers(Collective collective, const char* name,
   }
 }
 
+void GroupContext::pass_turn(Collective collective, const char* name) {
+  enqueue(
+      c10d::OpType::UNKNOWN, name, {}, [this, collective] { next_descriptor(collective); },
+      /*async_op=*/false)
+      ->wait();
+}
+
 void GroupContext::meet_peers(Collective collective, const char* name,
                               std::chrono::milliseconds timeout, bool refused) {
   auto meet = [this, collective, name, timeout, refused] {

@@ -152,6 +152,10 @@ class GroupContext {
   // raises its own error. Only for a call its peers run natively.
   void check_with_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
                         const std::function<void()>& check);
+  // Takes the sequence number of a call this rank refused, in order with its
+  // other collectives, without meeting anyone: its next call then carries
+  // the number after the one its peers run.
+  void pass_turn(Collective collective, const char* name);
   // A collective that moves nothing through the host's channel (single-host
   // groups): returns once every rank has made the same call, in order with
   // this rank's other collectives. A peer that is gone or in another call

@@ -63,7 +63,6 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
                                                                  std::chrono::milliseconds timeout,
                                                                  bool async_op) {
   check_pairs("all_gather", outputs, inputs, group_.size());
-  check_written("all_gather", outputs);
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, leader, timeout] {
@@ -82,7 +81,6 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
     c10d::OpType type, bool leader, std::chrono::milliseconds timeout, bool async_op) {
   check_pairs("reduce_scatter", inputs, outputs, group_.size());
-  check_written("reduce_scatter", outputs);
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, leader, timeout] {
@@ -102,7 +100,6 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
     bool leader, std::chrono::milliseconds timeout, bool async_op) {
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
                     " output list(s) for ", inputs.size(), " input(s)");
-  for (const std::vector<at::Tensor>& list : outputs) check_written("all_gather", list);
   std::vector<at::Tensor> full;
   std::vector<at::Tensor> work_outputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -127,7 +124,6 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
     kernels::ReduceOp op, bool leader, std::chrono::milliseconds timeout, bool async_op) {
   TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
                     " input list(s) for ", outputs.size(), " output(s)");
-  check_written("reduce_scatter", outputs);
   std::vector<at::Tensor> full;
   for (size_t i = 0; i < outputs.size(); ++i) {
     full.push_back(

@@ -296,10 +296,22 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
 void XdevBackend::check_native_call(Collective collective, const char* name, bool cuda,
                                     std::chrono::milliseconds timeout,
                                     const std::function<void()>& check) {
-  // Without the host's check of each CUDA call its peers meet in the GPU
-  // barrier, where a refusal here leaves them waiting until the timeout.
+  // Across hosts a refusal here would meet no peer (the hosts' checks run
+  // inside the two-level collectives), and a rank that skips a call pairs its
+  // next call with its peers' current one: the call runs, and a written
+  // tensor that cannot take the result fails it at the copy back instead.
+  if (group_.channel() == nullptr) return;
   if (cuda && !group_.config().cuda_host_check) {
-    check();
+    // Without the host's check the peers meet in the GPU barrier, which
+    // compares call hashes that include the sequence number: a refusal
+    // still takes its number, so this rank's next call cannot pass for the
+    // one its peers wait in (they stop at a mismatch, or at the timeout).
+    try {
+      check();
+    } catch (const std::exception&) {
+      group_.pass_turn(collective, name);
+      throw;
+    }
     return;
   }
   group_.check_with_peers(collective, name, timeout, check);

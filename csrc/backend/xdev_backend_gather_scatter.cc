@@ -56,7 +56,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
   // Checked as the CPU paths check them. A rank that refuses its arguments
   // still meets its peers at the host barrier, so that they fail at this call
   // too instead of waiting for it; without that barrier (cuda_host_check off)
-  // they wait in the GPU barrier until the timeout, as for any mismatch there.
+  // it takes the call's sequence number, and they stop in the GPU barrier at
+  // its next call or at the timeout (check_native_call).
   const char* what = op == nullptr ? "all_gather" : "reduce_scatter";
   auto check = [&] {
     if (full.size() == 1) {  // the tensor form (the CUDA path has at least two ranks)
@@ -68,12 +69,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
     }
     check_written(what, op == nullptr ? full : blocks);
   };
-  if (group_.config().cuda_host_check) {
-    group_.check_with_peers(op == nullptr ? Collective::kAllGather : Collective::kReduceScatter,
-                            what, timeout, check);
-  } else {
-    check();
-  }
+  check_native_call(op == nullptr ? Collective::kAllGather : Collective::kReduceScatter, what, true,
+                    timeout, check);
   return cuda_->gather_scatter(kind, std::move(full), blocks[0],
                                op == nullptr ? kernels::ReduceOp::kSum : *native_op(*op), type,
                                timeout);
@@ -238,7 +235,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
             out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
             inputs[i].sizes(), ")");
       }
-      check_written("all_gather_coalesced", outputs[r]);
+      // Across hosts a refusal meets no peer: such a tensor fails at the copy back.
+      if (group_.channel() != nullptr) check_written("all_gather_coalesced", outputs[r]);
     }
   };
   std::vector<at::Tensor> all = inputs;

@@ -112,10 +112,15 @@ GatherScatterPlan::GatherScatterPlan(GatherScatterKind kind, std::vector<int64_t
   piece_elems_ = kind == GatherScatterKind::kAllGather || world_size_ == 1
                      ? slot_elems
                      : slot_elems / (world_size_ - 1);
-  // Windows and the pieces in a slot then start at multiples of 16 elements
-  // (16 bytes at least, given aligned slots and tensors), which the vector
-  // loops of the reductions need to run whole.
-  if (piece_elems_ > kPieceAlignElems) piece_elems_ -= piece_elems_ % kPieceAlignElems;
+  // A reduce-scatter of several windows: windows and the pieces in a slot
+  // then start at multiples of 16 elements (16 bytes at least, given aligned
+  // slots and tensors), which the vector loops of the reductions need to run
+  // whole. A block that fits one window keeps it (the single-copy form needs
+  // exactly one).
+  if (kind == GatherScatterKind::kReduceScatter && piece_elems_ < block_elems_ &&
+      piece_elems_ > kPieceAlignElems) {
+    piece_elems_ -= piece_elems_ % kPieceAlignElems;
+  }
   num_windows_ = (block_elems_ + piece_elems_ - 1) / piece_elems_;
 }
 

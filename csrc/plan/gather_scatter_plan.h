@@ -59,7 +59,7 @@ struct GatherScatterWindow {
 };
 
 // A reduce-scatter's piece (what one window moves per rank) is a multiple of
-// this many elements where it exceeds it.
+// this many elements where it exceeds it and the block takes several windows.
 inline constexpr int64_t kPieceAlignElems = 16;
 
 class GatherScatterPlan {

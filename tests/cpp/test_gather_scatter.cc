@@ -153,6 +153,10 @@ TEST(gather_scatter_schedules_are_hazard_free_and_stage_what_peers_read) {
 }
 
 TEST(gather_scatter_plan_windows_tile_the_block) {
+  // A block that fits one window stays one window (the single-copy form asks for exactly one),
+  // whatever rounding would make of its piece: 48 ranks, 689 elements, a slot of 48 blocks.
+  CHECK_EQ(GatherScatterPlan(GatherScatterKind::kReduceScatter, 48, 689, 689 * 48).num_windows(),
+           1);
   CHECK_THROWS((GatherScatterPlan(GatherScatterKind::kAllGather, 4, 10, 3)), std::invalid_argument,
                "cannot hold");
   CHECK_THROWS((GatherScatterPlan(GatherScatterKind::kAllGather, 0, 10, 3)), std::invalid_argument,
@@ -161,10 +165,12 @@ TEST(gather_scatter_plan_windows_tile_the_block) {
   for (const int world : {2, 3, 4, 8}) {
     for (const int64_t block : {1, 5, 100, 1001}) {
       const GatherScatterPlan p(GatherScatterKind::kReduceScatter, world, block, 64);
-      // The N-1 pieces peers reduce, packed, each a multiple of 16 elements above 16 (world
-      // 4: 21 elements would fit, 16 are taken), so that windows start aligned.
+      // The N-1 pieces peers reduce, packed; where the block takes several windows, each a
+      // multiple of 16 elements above 16 (world 4: 21 elements would fit, 16 are taken), so
+      // that windows start aligned. A block that fits one window keeps it whole.
       const int64_t fits = 64 / (world - 1);
-      CHECK_EQ(p.piece_elems(), fits > plan::kPieceAlignElems ? fits - fits % 16 : fits);
+      const bool rounds = fits > plan::kPieceAlignElems && fits < block;
+      CHECK_EQ(p.piece_elems(), rounds ? fits - fits % 16 : fits);
       int64_t next = 0;
       for (int64_t k = 0; k < p.num_windows(); ++k) {
         const plan::GatherScatterWindow w = p.window(k);
