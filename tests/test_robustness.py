@@ -167,6 +167,18 @@ def _elements_sharing_memory(rank: int, world: int) -> None:
     assert time.monotonic() - start < TIMEOUT_S, "a peer waited for the refusing rank"
     assert_group_sums()
 
+    # PREMUL_SUM scales the tensors before the call: a rank whose tensor is aliased takes part
+    # with a scaled copy, so its peers' sums are right, then raises.
+    premul = dist._make_nccl_premul_sum(2.0)
+    got = aliased(8) if rank == 1 else torch.full((8,), float(rank + 1))
+    if rank == 1:
+        with pytest.raises(ValueError, match="share memory"):
+            dist.all_reduce(got, op=premul)
+    else:
+        dist.all_reduce(got, op=premul)
+        assert torch.equal(got, torch.full((8,), 2.0 * total)), got
+    assert_group_sums()
+
     # An aliased tensor that is only read stays fine: an all-gather's input.
     out = torch.empty(4 * world)
     dist.all_gather_into_tensor(out, aliased(4))

@@ -1,5 +1,6 @@
 #include "xdev_backend.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
@@ -180,6 +181,16 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
   if (premultiplies_here(opts.reduceOp, tensors)) {
+    if (std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+          return at::has_internal_overlap(t) == at::MemOverlap::Yes;
+        })) {
+      // Scaling such a tensor in place fails on this rank alone, which would
+      // leave its peers in this call and pair its next call with it. It takes
+      // part with scaled copies, so every rank's sums stay right, then fails.
+      std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
+      dispatch_allreduce(scaled, with_sum(opts), coalesced)->wait();
+      check_written("all_reduce", tensors);
+    }
     premultiply_(tensors, opts.reduceOp);  // the result overwrites them
     return dispatch_allreduce(tensors, with_sum(opts), coalesced);
   }
