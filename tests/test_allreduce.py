@@ -218,6 +218,54 @@ def test_single_copy_large_payloads(world: int) -> None:
     assert all(used)
 
 
+def _guarded_tensors(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    total = float(sum(range(1, world + 1)))
+
+    def leaf_view(rows: int, cols: int, value: float) -> torch.Tensor:
+        # A non-contiguous view of a leaf that requires grad (staged, then copied back).
+        return torch.full((cols, rows), value, requires_grad=True).t()
+
+    def inference_view(rows: int, cols: int, value: float) -> torch.Tensor:
+        with torch.inference_mode():
+            made = torch.full((cols, rows), value)
+        return made.t()
+
+    # Tensors that autograd or inference mode guard against in-place ops are written as the
+    # engines write them (Gloo writes raw memory), sums and all.
+    for make in (leaf_view, inference_view):
+        x = make(8, 3, float(rank + 1))
+        dist.all_reduce(x)
+        assert torch.equal(x.detach(), torch.full((8, 3), total)), make.__name__
+        big = make(1 << 12, 33, float(rank + 1))  # several windows
+        dist.all_reduce(big)
+        assert torch.equal(big.detach(), torch.full((1 << 12, 33), total)), make.__name__
+        b = make(8, 3, float(rank + 1))
+        dist.broadcast(b, src=world - 1)
+        assert torch.equal(b.detach(), torch.full((8, 3), float(world))), make.__name__
+        gathered = make(4 * world, 2, 0.0)
+        dist.all_gather_into_tensor(gathered, torch.full((4, 2), float(rank + 1)))
+        expected = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(4)
+        assert torch.equal(gathered.detach(), expected[:, None].expand(-1, 2)), make.__name__
+        scattered = make(4, 2, 0.0)
+        dist.reduce_scatter_tensor(scattered, torch.full((4 * world, 2), float(rank + 1)))
+        assert torch.equal(scattered.detach(), torch.full((4, 2), total)), make.__name__
+    # A tensor autograd saved for backward: the write bumps its version, so backward says so
+    # instead of using the overwritten values.
+    leaf = torch.ones(8, 3, requires_grad=True)
+    saved = (leaf * 2).t()
+    out = saved.sin()
+    dist.all_reduce(saved.detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensors_autograd_or_inference_mode_guard_are_written(world: int) -> None:
+    run_ranks(_guarded_tensors, world, timeout=180)
+
+
 def _async_then_sync(rank: int, world: int) -> None:
     """Synchronous calls queue behind the asynchronous ones before them, on every path.
 

@@ -1,5 +1,6 @@
 #include "group_context.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
 
@@ -375,7 +376,17 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
       return;
     }
     try {
-      fn();
+      {
+        // The body writes the caller's tensors with ATen ops (a staged
+        // result copied back, a division), where the engines write raw
+        // memory. Autograd refuses those on a view of a leaf that requires
+        // grad, and inference mode on a tensor made under it: that would fail
+        // this rank after its peers have moved the data. Writes still bump
+        // the tensors' version counters. Only the body: callbacks run by
+        // complete() are the user's code, in the user's modes.
+        c10::InferenceMode writes_as_the_engines_do;
+        fn();
+      }
       work->complete();
     } catch (const transport::MismatchError& e) {
       work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
