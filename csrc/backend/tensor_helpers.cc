@@ -261,10 +261,14 @@ void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensor
   }
 }
 
+bool elements_share_memory(const at::Tensor& t) {
+  return at::has_internal_overlap(t) == at::MemOverlap::Yes;
+}
+
 void check_written(const char* what, const std::vector<at::Tensor>& written) {
   for (size_t i = 0; i < written.size(); ++i) {
-    TORCH_CHECK_VALUE(at::has_internal_overlap(written[i]) != at::MemOverlap::Yes, "xdev ", what,
-                      ": tensor ", i, " (", written[i].sizes(), ", strides ", written[i].strides(),
+    TORCH_CHECK_VALUE(!elements_share_memory(written[i]), "xdev ", what, ": tensor ", i, " (",
+                      written[i].sizes(), ", strides ", written[i].strides(),
                       ") has elements that share memory (an expand()ed or as_strided view), and "
                       "the collective writes every element; pass a tensor whose elements are "
                       "distinct, e.g. its clone(). The group stays usable.");

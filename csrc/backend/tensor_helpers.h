@@ -97,8 +97,11 @@ void divide_for_avg(const at::Tensor& t, int64_t divisor);
 // the inverse of concatenating the tensors' flattened forms.
 void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors);
 
+// Whether some elements of t share memory (an expand()ed or as_strided view).
+bool elements_share_memory(const at::Tensor& t);
+
 // Checks, on the calling thread, that no tensor a collective writes has
-// elements that share memory (an expand()ed or as_strided view): each would
+// elements that share memory (elements_share_memory): each would
 // receive its own result, which no copy into such a tensor can hold, and the
 // staged paths' copy back refuses it only after the data has moved
 // (ValueError naming `what` otherwise).

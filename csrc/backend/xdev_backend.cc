@@ -1,6 +1,5 @@
 #include "xdev_backend.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 
@@ -181,9 +180,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
   if (premultiplies_here(opts.reduceOp, tensors)) {
-    if (std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-          return at::has_internal_overlap(t) == at::MemOverlap::Yes;
-        })) {
+    if (std::any_of(tensors.begin(), tensors.end(), elements_share_memory)) {
       // Scaling such a tensor in place fails on this rank alone, which would
       // leave its peers in this call and pair its next call with it. It takes
       // part with scaled copies, so every rank's sums stay right, then fails.
@@ -376,8 +373,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   }
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
                     opts.rootRank, " is outside the group of ", size_);
-  // The root's tensor too: the staged paths copy every rank's result back.
-  const auto check_tensors = [&] { check_written("broadcast", tensors); };
   if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
     const plan::AcrossHostsChoice c =
         plan::choose_broadcast_across_hosts({group_.num_hosts(), group_.local_world_size()},
@@ -393,12 +388,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
           group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
           [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
     }
-    check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check_tensors);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
   record("native", "one host: staged through shared memory");
-  check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check_tensors);
+  // The root's tensor too: the staged path copies every rank's result back.
+  check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout,
+                    [&] { check_written("broadcast", tensors); });
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 
