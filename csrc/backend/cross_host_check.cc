@@ -101,6 +101,32 @@ void CrossHostCheck::refuse(transport::Clock::time_point deadline) {
   wait_all_gather(start_all_gather(message_with(fields), all, deadline), deadline);
 }
 
+void CrossHostCheck::check_with_peers(Collective collective, const char* name,
+                                      std::chrono::milliseconds timeout,
+                                      const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const std::exception&) {
+    auto take_part = [this, collective, name, timeout] {
+      const auto deadline = group_.deadline_for(timeout);
+      transport::OpDescriptor refused = group_.next_descriptor(collective);
+      refused.num_tensors = kRefusedCall;
+      try {
+        group_.host_channel()->open_collective(group_.make_context(refused, name, deadline));
+      } catch (const transport::MismatchError&) {
+        // Expected where a local peer called validly: it fails here as well.
+      }
+      refuse(deadline);
+    };
+    try {
+      group_.enqueue(c10d::OpType::UNKNOWN, name, {}, take_part, /*async_op=*/false)->wait();
+    } catch (const std::exception&) {
+      // A peer gone meanwhile: this rank's own error says more.
+    }
+    throw;
+  }
+}
+
 CrossHostCheck::Exchange CrossHostCheck::start(const transport::OpDescriptor& call,
                                                const void* payload, int64_t payload_bytes,
                                                transport::Clock::time_point deadline) {
@@ -172,8 +198,9 @@ at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const 
     if (f[4] == kRefused) {
       msg += "\n  host " + std::to_string(h) +
              ": nothing (its ranks stopped before crossing hosts: they called different "
-             "collectives among themselves, or, in the leader form, a host's call differed "
-             "from theirs; their errors name the calls)";
+             "collectives among themselves, a rank there refused its own arguments, or, in "
+             "the leader form, a host's call differed from theirs; their errors name the "
+             "calls)";
       continue;
     }
     transport::OpDescriptor d = from_fields(f);

@@ -29,6 +29,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
@@ -81,6 +82,19 @@ class CrossHostCheck {
   // exchange as a refusal, so that the other hosts' ranks of its local index
   // fail instead of waiting for it. The caller then rethrows its error.
   void refuse(transport::Clock::time_point deadline);
+
+  // Runs `check` (this rank's own checks of its arguments) before a two-level
+  // collective is queued, as GroupContext::check_with_peers does on one host.
+  // When it throws, this rank still takes its part in the call, in order with
+  // its other collectives: it opens its host's check with a descriptor saying
+  // it refused (kRefusedCall), which fails every local peer that called
+  // validly, and then crosses hosts once with a refusal (refuse()), as a rank
+  // a mismatch stops does in every two-level collective. So the peers on
+  // every host fail at this call instead of pairing it with this rank's next
+  // one; ranks that all refused pass alike and each raises its own error.
+  // Then the check's error goes up.
+  void check_with_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
+                        const std::function<void()>& check);
 
   // Host h's payload in exchange()'s result.
   static const char* payload_of(const at::Tensor& messages, int host);

@@ -116,6 +116,13 @@ class TwoLevelAllreduce {
   // own host's barrier first).
   void barrier(transport::Clock::time_point deadline);
 
+  // This rank's own checks of a call its peers run in two levels
+  // (CrossHostCheck::check_with_peers).
+  void check_with_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
+                        const std::function<void()>& check) {
+    check_.check_with_peers(collective, name, timeout, check);
+  }
+
   // Drops the engine (its destructor joins its threads).
   void shutdown() {
     engine_.reset();

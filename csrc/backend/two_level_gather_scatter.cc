@@ -62,7 +62,10 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
                                                                  c10d::OpType type, bool leader,
                                                                  std::chrono::milliseconds timeout,
                                                                  bool async_op) {
-  check_pairs("all_gather", outputs, inputs, group_.size());
+  check_.check_with_peers(Collective::kAllGather, "all_gather", timeout, [&] {
+    check_pairs("all_gather", outputs, inputs, group_.size());
+    check_written("all_gather", outputs);
+  });
   return group_.enqueue(
       type, "xdev:all_gather", outputs,
       [this, outputs, inputs, leader, timeout] {
@@ -80,7 +83,10 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
     std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs, kernels::ReduceOp op,
     c10d::OpType type, bool leader, std::chrono::milliseconds timeout, bool async_op) {
-  check_pairs("reduce_scatter", inputs, outputs, group_.size());
+  check_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
+    check_pairs("reduce_scatter", inputs, outputs, group_.size());
+    check_written("reduce_scatter", outputs);
+  });
   return group_.enqueue(
       type, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, op, leader, timeout] {
@@ -98,15 +104,18 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
     std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs, c10d::OpType type,
     bool leader, std::chrono::milliseconds timeout, bool async_op) {
-  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
-                    " output list(s) for ", inputs.size(), " input(s)");
   std::vector<at::Tensor> full;
   std::vector<at::Tensor> work_outputs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    full.push_back(
-        flat_for_list("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
-    work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
-  }
+  check_.check_with_peers(Collective::kAllGather, "all_gather", timeout, [&] {
+    TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev all_gather: ", outputs.size(),
+                      " output list(s) for ", inputs.size(), " input(s)");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      full.push_back(
+          flat_for_list("all_gather", outputs[i], inputs[i], group_.size(), group_.rank()));
+      check_written("all_gather", outputs[i]);
+      work_outputs.insert(work_outputs.end(), outputs[i].begin(), outputs[i].end());
+    }
+  });
   return group_.enqueue(
       type, "xdev:all_gather", work_outputs,
       [this, outputs, inputs, full, leader, timeout] {
@@ -122,13 +131,16 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
 c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
     std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
     kernels::ReduceOp op, bool leader, std::chrono::milliseconds timeout, bool async_op) {
-  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
-                    " input list(s) for ", outputs.size(), " output(s)");
   std::vector<at::Tensor> full;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    full.push_back(
-        flat_for_list("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
-  }
+  check_.check_with_peers(Collective::kReduceScatter, "reduce_scatter", timeout, [&] {
+    TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xdev reduce_scatter: ", inputs.size(),
+                      " input list(s) for ", outputs.size(), " output(s)");
+    check_written("reduce_scatter", outputs);
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      full.push_back(
+          flat_for_list("reduce_scatter", inputs[i], outputs[i], group_.size(), group_.rank()));
+    }
+  });
   return group_.enqueue(
       c10d::OpType::REDUCE_SCATTER, "xdev:reduce_scatter", outputs,
       [this, outputs, inputs, full, op, leader, timeout] {

@@ -304,11 +304,11 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
 void XdevBackend::check_native_call(Collective collective, const char* name, bool cuda,
                                     std::chrono::milliseconds timeout,
                                     const std::function<void()>& check) {
-  // Across hosts a refusal here would meet no peer (the hosts' checks run
-  // inside the two-level collectives), and a rank that skips a call pairs its
-  // next call with its peers' current one: the call runs, and a written
-  // tensor that cannot take the result fails it at the copy back instead.
-  if (group_.channel() == nullptr) return;
+  if (group_.channel() == nullptr) {
+    // Across hosts the call runs in two levels; in a world of one nothing is written.
+    if (two_level_ != nullptr) two_level_->check_with_peers(collective, name, timeout, check);
+    return;
+  }
   if (cuda && !group_.config().cuda_host_check) {
     // Without the host's check the peers meet in the GPU barrier, which
     // compares call hashes that include the sequence number: a refusal
@@ -371,8 +371,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
         group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
         [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
   }
-  TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
-                    opts.rootRank, " is outside the group of ", size_);
+  const auto check_root = [&] {
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
+                      opts.rootRank, " is outside the group of ", size_);
+  };
+  const auto check = [&] {
+    check_root();
+    // The root's tensor too: the staged paths copy every rank's result back.
+    check_written("broadcast", tensors);
+  };
   if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
     const plan::AcrossHostsChoice c =
         plan::choose_broadcast_across_hosts({group_.num_hosts(), group_.local_world_size()},
@@ -383,18 +390,18 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
                     std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
     record(path, c.reason);
     if (!c.two_level) {
+      check_root();  // alone: Gloo's peers would not meet a refusal
       c10d::Backend* engine = fallbacks_.cpu();
       return fallbacks_.on_contiguous(
           group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
           [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
     }
+    check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
                                            opts.asyncOp);
   }
   record("native", "one host: staged through shared memory");
-  // The root's tensor too: the staged path copies every rank's result back.
-  check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout,
-                    [&] { check_written("broadcast", tensors); });
+  check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check);
   return cpu_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout, opts.asyncOp);
 }
 

@@ -200,10 +200,10 @@ class XdevBackend : public c10d::Backend {
     note = std::move(why);
   }
   // This rank's own checks of a call its peers run natively: a refusal still
-  // meets the peers (GroupContext::check_with_peers) where they check each
-  // call on the host, so that they fail at this call too; without that check
-  // (cuda_host_check off) it takes its sequence number; across hosts the
-  // checks do not run (see the definition).
+  // meets the peers where they check each call (on one host
+  // GroupContext::check_with_peers; across hosts, in two levels,
+  // CrossHostCheck::check_with_peers), so that they fail at this call too;
+  // without that check (cuda_host_check off) it takes its sequence number.
   void check_native_call(Collective collective, const char* name, bool cuda,
                          std::chrono::milliseconds timeout, const std::function<void()>& check);
   // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then

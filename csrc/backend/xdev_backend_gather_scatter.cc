@@ -235,8 +235,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
             out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
             inputs[i].sizes(), ")");
       }
-      // Across hosts a refusal meets no peer: such a tensor fails at the copy back.
-      if (group_.channel() != nullptr) check_written("all_gather_coalesced", outputs[r]);
+      check_written("all_gather_coalesced", outputs[r]);
     }
   };
   std::vector<at::Tensor> all = inputs;
@@ -250,7 +249,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     check();
     return fallbacks_.track(delegate(inputs)->allgather_coalesced(outputs, inputs, opts));
   }
-  group_.check_with_peers(Collective::kAllGather, "all_gather_coalesced", opts.timeout, check);
+  check_native_call(Collective::kAllGather, "all_gather_coalesced", false, opts.timeout, check);
   // The list form with one list per input (lists[i][r] = outputs[r][i]): one
   // all-gather of every input's bytes, each rank's block the inputs in order.
   std::vector<std::vector<at::Tensor>> lists(inputs.size());
