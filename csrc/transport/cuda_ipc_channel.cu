@@ -41,6 +41,12 @@ void check_cuda(cudaError_t status, const char* call) {
                   cudaGetErrorString(status) + ")");
 }
 
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 CudaDeviceGuard::CudaDeviceGuard(int device) {
   check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
   if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");

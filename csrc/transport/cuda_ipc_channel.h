@@ -30,6 +30,10 @@ class CudaError : public std::runtime_error {
 // Throws CudaError for anything but cudaSuccess (and clears the error state).
 void check_cuda(cudaError_t status, const char* call);
 
+// Whether `stream` is capturing a CUDA graph (a capture forbids allocating,
+// synchronizing and waiting on the host for it).
+bool stream_is_capturing(cudaStream_t stream);
+
 // Makes `device` current for its lifetime and restores the previous one.
 class CudaDeviceGuard {
  public:

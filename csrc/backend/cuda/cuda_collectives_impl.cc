@@ -110,26 +110,29 @@ class CudaCollectivesImpl : public CudaCollectives {
   }
 
   std::string stream_refusal(int device) const override {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device).stream(), &status),
-               "cudaStreamIsCapturing");
-    if (status == cudaStreamCaptureStatusNone) return {};
+    if (!transport::stream_is_capturing(c10::cuda::getCurrentCUDAStream(device).stream())) {
+      return {};
+    }
     // A replay would run the kernels with the barrier epochs and slot sets
     // of the capture, which the host has moved past since.
     return "off for this call: the current stream is capturing a CUDA graph, which xdev's GPU "
            "barriers cannot be replayed in";
   }
 
+  // These three run on the caller's thread, which may race
+  // destroy_process_group (shutdown): they read heap_ under the lock.
   at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     if (!heap_) {
-      const CudaGroupInfo* i = info();
-      throw std::invalid_argument("xdev allocateTensor: this group has no CUDA heap (" +
-                                  (i ? i->heap_note : std::string("no CUDA collective yet")) + ")");
+      throw std::invalid_argument(
+          "xdev allocateTensor: this group has no CUDA heap (" +
+          (info_ ? info_->heap_note : std::string("no CUDA collective yet")) + ")");
     }
     return heap_->allocate(numel, dtype);
   }
 
   std::optional<CudaHeapUsage> heap_usage() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
     if (!heap_) return std::nullopt;
     const transport::CudaSymmetricHeap& h = heap_->heap();
     return CudaHeapUsage{static_cast<int64_t>(h.bytes_reserved()),
@@ -138,6 +141,7 @@ class CudaCollectivesImpl : public CudaCollectives {
   }
 
   bool in_heap(const at::Tensor& t) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
     return heap_ != nullptr && heap_->locate(t).arena >= 0;
   }
 
@@ -375,6 +379,34 @@ class CudaCollectivesImpl : public CudaCollectives {
     return work;
   }
 
+  // Runs `steps`: this rank's work on a call before its host barrier (packing
+  // a list, making programs ready). Where they fail (out of memory, a CUDA
+  // error left pending by earlier work) and the host barrier is on, this rank
+  // still takes the call's place there with `d` (numbered) marked refused, so
+  // that its peers fail at this call with a mismatch that names it instead of
+  // waiting for it, and the group stays usable. After a failed GPU collective
+  // (the executor's device error) the group stays unusable, as before.
+  void before_host_barrier(transport::OpDescriptor d, const char* what,
+                           transport::Clock::time_point deadline,
+                           const std::function<void()>& steps) {
+    try {
+      steps();
+    } catch (const std::exception& e) {
+      if (!g_.config().cuda_host_check || !executor_->device_error().empty()) throw;
+      const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string why = torch_error ? torch_error->what_without_backtrace() : e.what();
+      d.num_tensors = kRefusedCall;
+      try {
+        g_.channel()->open_collective(g_.make_context(d, what, deadline));
+      } catch (const transport::MismatchError&) {
+        // Expected where the peers called validly: they fail here as well.
+      }
+      throw CallError(std::string("xdev ") + what +
+                      ": failed on this rank before it met its peers (" + why +
+                      "); they fail at this call too, and the group stays usable");
+    }
+  }
+
   // On the op's thread, with our stream current. Both sides are made
   // contiguous for the kernel (the output copied back after, if it was not);
   // a list's tensors are packed into one full tensor (an all-gather's
@@ -384,23 +416,6 @@ class CudaCollectivesImpl : public CudaCollectives {
                           std::chrono::milliseconds timeout) {
     const bool reduce_scatter = kind == plan::GatherScatterKind::kReduceScatter;
     const bool list = full.size() != 1;
-    at::Tensor full_c;
-    if (!list) {
-      full_c = full[0].contiguous();
-    } else if (reduce_scatter) {
-      std::vector<at::Tensor> flat;
-      for (const at::Tensor& t : full) flat.push_back(t.reshape({-1}));
-      full_c = at::cat(flat);
-    } else {
-      full_c = at::empty({static_cast<int64_t>(full.size()) * block.numel()}, block.options());
-    }
-    at::Tensor block_c = block.contiguous();
-    // Peers read what this rank lends while it writes, window by window: a lent tensor that
-    // shares memory with the written one other than at this rank's own block is lent as a
-    // copy (all-gather), or the result goes elsewhere first (reduce-scatter).
-    if (!list && overlapping_elsewhere(full, {block_c}, g_.rank())[0]) {
-      block_c = reduce_scatter ? at::empty_like(block_c) : block_c.clone();
-    }
     // A reduce-scatter reduces elements; an all-gather moves bytes.
     const kernels::DType dtype =
         reduce_scatter ? *native_dtype(block.scalar_type()) : kernels::DType::kUInt8;
@@ -427,12 +442,32 @@ class CudaCollectivesImpl : public CudaCollectives {
     key.window_elems = slot_units;
     key.pack_bounds = {block_units};
     const auto program = executor_->gather_scatter_program(key, plan);
-    executor_->prepare({&program}, stream_->stream());
     const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
+    const auto deadline = g_.deadline_for(timeout);
+    at::Tensor full_c;
+    at::Tensor block_c;
+    before_host_barrier(d, what, deadline, [&] {
+      if (!list) {
+        full_c = full[0].contiguous();
+      } else if (reduce_scatter) {
+        std::vector<at::Tensor> flat;
+        for (const at::Tensor& t : full) flat.push_back(t.reshape({-1}));
+        full_c = at::cat(flat);
+      } else {
+        full_c = at::empty({static_cast<int64_t>(full.size()) * block.numel()}, block.options());
+      }
+      block_c = block.contiguous();
+      // Peers read what this rank lends while it writes, window by window: a lent tensor that
+      // shares memory with the written one other than at this rank's own block is lent as a
+      // copy (all-gather), or the result goes elsewhere first (reduce-scatter).
+      if (!list && overlapping_elsewhere(full, {block_c}, g_.rank())[0]) {
+        block_c = reduce_scatter ? at::empty_like(block_c) : block_c.clone();
+      }
+      executor_->prepare({&program}, stream_->stream());
+    });
     // As for the allreduce: every rank runs this very collective before any GPU waits.
-    if (g_.config().cuda_host_check) {
-      g_.channel()->open_collective(g_.make_context(d, what, g_.deadline_for(timeout)));
-    }
+    if (g_.config().cuda_host_check)
+      g_.channel()->open_collective(g_.make_context(d, what, deadline));
     if (plan.num_windows() == 0) return;
 
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
@@ -457,48 +492,48 @@ class CudaCollectivesImpl : public CudaCollectives {
     const auto deadline = g_.deadline_for(timeout);
     for (DtypeAllreduce& call : prepare_allreduce(g_, tensors, op, sel)) {
       const int64_t total = call.total();
-      // One contiguous buffer per dtype: the tensor itself when it is one
-      // contiguous tensor, else a packed copy (copied back at the end).
       std::vector<at::Tensor> members;
       for (size_t idx : call.group.tensor_indices) members.push_back(tensors[idx]);
       const bool in_place = members.size() == 1 && members[0].is_contiguous();
-      at::Tensor flat;
-      if (in_place) {
-        flat = members[0];
-      } else {
-        std::vector<at::Tensor> pieces;
-        for (const at::Tensor& t : members) pieces.push_back(t.reshape({-1}));
-        flat = at::cat(pieces);
-      }
       const int64_t window_elems =
           g_.config().cuda_slot_bytes / static_cast<int64_t>(call.group.elem_size);
       const plan::CollectivePlan cp = planner_->plan(g_, sel, call, window_elems);
 
       g_.number(call.descriptor);
       call.descriptor.device = 1;
-      // One contiguous tensor in the heap: every rank reads its peers' copies
-      // in place if all lie at one place, which the host barrier compares
-      // (there is no heap without it: open_heap).
       const bool host_check = g_.config().cuda_host_check;
-      transport::HeapLocation where = sel.in_place_shared && in_place && heap_
-                                          ? heap_->locate(flat)
-                                          : transport::HeapLocation{};
-      // A peer's arena this rank cannot open (yet): say the tensor is
-      // elsewhere, so that every rank stages.
-      if (where.arena >= 0 && !heap_->open_peers(where)) where = {};
-      call.descriptor.heap_arena = where.arena;
-      call.descriptor.heap_offset = where.offset;
-
       // Both programs the call may run, ready before the host barrier (which
       // of them runs is known only after it): past it, a failure here would
       // leave the peers waiting in the GPU barrier.
       const auto staged = executor_->allreduce_program(
           allreduce_key(sel, call, g_.config().reduce_to_rank, window_elems), cp);
       const auto in_heap = executor_->in_place_program(total, call.dtype);
-      std::vector<const transport::CudaExecutor::Program*> programs;
-      if (total > 0) programs.push_back(&staged);
-      if (total > 0 && where.arena >= 0) programs.push_back(&in_heap);
-      executor_->prepare(programs, stream_->stream());
+      at::Tensor flat;
+      transport::HeapLocation where;
+      before_host_barrier(call.descriptor, "allreduce", deadline, [&] {
+        // One contiguous buffer per dtype: the tensor itself when it is one
+        // contiguous tensor, else a packed copy (copied back at the end).
+        if (in_place) {
+          flat = members[0];
+        } else {
+          std::vector<at::Tensor> pieces;
+          for (const at::Tensor& t : members) pieces.push_back(t.reshape({-1}));
+          flat = at::cat(pieces);
+        }
+        // One contiguous tensor in the heap: every rank reads its peers'
+        // copies in place if all lie at one place, which the host barrier
+        // compares (there is no heap without it: open_heap).
+        if (sel.in_place_shared && in_place && heap_) where = heap_->locate(flat);
+        // A peer's arena this rank cannot open (yet): say the tensor is
+        // elsewhere, so that every rank stages.
+        if (where.arena >= 0 && !heap_->open_peers(where)) where = {};
+        std::vector<const transport::CudaExecutor::Program*> programs;
+        if (total > 0) programs.push_back(&staged);
+        if (total > 0 && where.arena >= 0) programs.push_back(&in_heap);
+        executor_->prepare(programs, stream_->stream());
+      });
+      call.descriptor.heap_arena = where.arena;
+      call.descriptor.heap_offset = where.offset;
 
       // The host barrier checks that every rank runs this very collective
       // before any GPU waits for a peer, and names a missing rank on timeout.

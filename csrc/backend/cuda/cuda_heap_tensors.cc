@@ -33,9 +33,7 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   const int device = heap_->device();
   const auto index = static_cast<c10::DeviceIndex>(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  transport::check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) {
+  if (transport::stream_is_capturing(stream)) {
     // The heap waits on events and may cudaMalloc an arena, which a capture
     // forbids; the caching allocator serves captures from the graph's pool.
     // Captured collectives go to NCCL anyway, which reads no heap in place.
