@@ -447,14 +447,78 @@ def test_leader_form_against_slices_fails_every_rank(tmp_path: Path) -> None:
             assert "timed out" not in message, (rank, message)
 
 
+# The ranks that refuse each call of _refusals_across_hosts, in order.
+REFUSALS: dict[str, tuple[int, ...]] = {
+    # The allreduce starts inside each host: carried across hosts, then sent by the engine.
+    "all_reduce": (1,),
+    "all_reduce by the engine": (2,),
+    # A reduce-scatter starts inside the host; an all-gather in slices across hosts.
+    "reduce_scatter": (3,),
+    "all_gather": (2,),
+    # Refusing ranks on different hosts at different local indices: in slices the all-gather
+    # holds each one's local peer in the exchange with the other's until that one's refusal
+    # has left, so a refusal waits for its host's check only once it has left.
+    "all_gather by two": (0, 3),
+    "all_reduce by two": (0, 3),
+    "all_gather list": (0,),
+    "reduce_scatter list": (1,),
+    "all_gather_coalesced": (3,),
+    "broadcast": (3,),
+    "broadcast root": (1,),
+    # Every rank makes the same mistake: each raises its own error, none a mismatch.
+    "reduce_scatter everywhere": tuple(range(8)),
+}
+
+
 def _refusals_across_hosts(rank: int, world: int, broadcasts: bool) -> list[tuple[str, str, str]]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
     )
     outcomes: list[tuple[str, str, str]] = []
     start = time.monotonic()
+    one = {name: int(rank in ranks) for name, ranks in REFUSALS.items()}  # 1 where it refuses
 
-    def attempt(name: str, call: Any) -> None:
+    def aliased(numel: int, name: str) -> torch.Tensor:
+        """Where this rank refuses, a tensor whose elements share memory (a written one must
+        not)."""
+        return torch.ones(1).expand(numel) if one[name] else torch.ones(numel)
+
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(aliased(1000, "all_reduce")),
+        "all_reduce by the engine": lambda: dist.all_reduce(
+            aliased(40000, "all_reduce by the engine")
+        ),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(
+            torch.empty(32 + one["reduce_scatter"]), torch.ones(world * 32)
+        ),
+        "all_gather": lambda: dist.all_gather_into_tensor(
+            torch.empty(world * 64 + one["all_gather"]), torch.ones(64)
+        ),
+        "all_gather by two": lambda: dist.all_gather_into_tensor(
+            torch.empty(world * 64 + one["all_gather by two"]), torch.ones(64)
+        ),
+        "all_reduce by two": lambda: dist.all_reduce(aliased(40000, "all_reduce by two")),
+        "all_gather list": lambda: dist.all_gather(
+            [torch.empty(16) for _ in range(world - one["all_gather list"])], torch.ones(16)
+        ),
+        "reduce_scatter list": lambda: dist.reduce_scatter(
+            torch.empty(16), [torch.ones(16) for _ in range(world - one["reduce_scatter list"])]
+        ),
+        "all_gather_coalesced": lambda: dist.all_gather_coalesced(
+            [[torch.empty(8 + one["all_gather_coalesced"] * (r == 0))] for r in range(world)],
+            [torch.ones(8)],
+        ),
+        "broadcast": lambda: dist.broadcast(aliased(1000, "broadcast"), src=0),
+        "broadcast root": lambda: dist.broadcast(
+            torch.ones(1000), src=world if one["broadcast root"] else 0
+        ),
+        "reduce_scatter everywhere": lambda: dist.reduce_scatter_tensor(
+            torch.empty(33), torch.ones(world * 32)
+        ),
+    }
+    for name, call in calls.items():
+        if name.startswith("broadcast") and not broadcasts:
+            continue
         try:
             call()
             outcomes.append((name, "ok", ""))
@@ -463,54 +527,8 @@ def _refusals_across_hosts(rank: int, world: int, broadcasts: bool) -> list[tupl
         except dist.DistBackendError as e:
             outcomes.append((name, "error", str(e)))
         _assert_sums(1000)  # the calls after it stay paired, on every rank
-
-    def aliased_on(bad_rank: int, numel: int) -> torch.Tensor:
-        """A tensor whose elements share memory on `bad_rank`, which a written tensor must not."""
-        return torch.ones(1).expand(numel) if rank == bad_rank else torch.ones(numel)
-
-    # The allreduce starts inside each host: carried across hosts, then sent by the engine.
-    attempt("all_reduce", lambda: dist.all_reduce(aliased_on(1, 1000)))
-    attempt("all_reduce by the engine", lambda: dist.all_reduce(aliased_on(2, 40000)))
-    # A reduce-scatter starts inside the host; an all-gather in slices across hosts.
-    attempt(
-        "reduce_scatter",
-        lambda: dist.reduce_scatter_tensor(torch.empty(32 + (rank == 3)), torch.ones(world * 32)),
-    )
-    attempt(
-        "all_gather",
-        lambda: dist.all_gather_into_tensor(torch.empty(world * 64 + (rank == 2)), torch.ones(64)),
-    )
-    attempt(
-        "all_gather list",
-        lambda: dist.all_gather(
-            [torch.empty(16) for _ in range(world - (rank == 0))], torch.ones(16)
-        ),
-    )
-    attempt(
-        "reduce_scatter list",
-        lambda: dist.reduce_scatter(
-            torch.empty(16), [torch.ones(16) for _ in range(world - (rank == 1))]
-        ),
-    )
-    attempt(
-        "all_gather_coalesced",
-        lambda: dist.all_gather_coalesced(
-            [[torch.empty(8 + (rank == 3 and r == 0))] for r in range(world)], [torch.ones(8)]
-        ),
-    )
-    if broadcasts:  # where they run in two levels, not on Gloo's tree
-        attempt("broadcast", lambda: dist.broadcast(aliased_on(3, 1000), src=0))
-        attempt(
-            "broadcast root",
-            lambda: dist.broadcast(torch.ones(1000), src=world if rank == 1 else 0),
-        )
-        assert torch_xdev.describe()["last_broadcast"][0] == "two_level"
-
-    # Every rank makes the same mistake: each raises its own error, none a mismatch.
-    attempt(
-        "reduce_scatter everywhere",
-        lambda: dist.reduce_scatter_tensor(torch.empty(33), torch.ones(world * 32)),
-    )
+        if name.startswith("broadcast"):  # where they run in two levels, not on Gloo's tree
+            assert torch_xdev.describe()["last_broadcast"][0] == "two_level"
     assert time.monotonic() - start < TIMEOUT_S / 2, "a rank waited for a peer's timeout"
     dist.destroy_process_group()
     return outcomes
@@ -527,36 +545,26 @@ def test_a_rank_refusing_its_own_arguments_fails_every_host(
     their call with its next one, and the group stays usable."""
     params = {"net_latency_us": 5000.0, "net_host_cores": 1 if leader else 64}
     env = _with_model(_hosts_env([2] * hosts), params, tmp_path)
-    refusing = {
-        "all_reduce": 1,
-        "all_reduce by the engine": 2,
-        "reduce_scatter": 3,
-        "all_gather": 2,
-        "all_gather list": 0,
-        "reduce_scatter list": 1,
-        "all_gather_coalesced": 3,
-        "broadcast": 3,
-        "broadcast root": 1,
-    }
     # With four hosts the model sends broadcasts to Gloo's tree, which checks nothing.
     broadcasts = hosts == 2
-    if not broadcasts:
-        del refusing["broadcast"], refusing["broadcast root"]
+    expected = [name for name in REFUSALS if broadcasts or not name.startswith("broadcast")]
     results = run_ranks(
         _refusals_across_hosts, 2 * hosts, broadcasts, per_rank_env=env, timeout=180
     )
     for rank, outcomes in enumerate(results):
-        assert [name for name, _, _ in outcomes] == [*refusing, "reduce_scatter everywhere"]
+        assert [name for name, _, _ in outcomes] == expected
         for name, outcome, message in outcomes:
-            if refusing.get(name, rank) == rank:
+            if rank in REFUSALS[name]:
                 assert outcome == "refused", (rank, name, outcome, message)
-            else:
-                assert outcome == "error", (rank, name, outcome, message)
-                assert "mismatched collectives" in message, (rank, name, message)
-                assert "timed out" not in message, (rank, name, message)
-                # The refusing rank's host peers meet its refusal in their host's check.
-                if name in refusing and refusing[name] // 2 == rank // 2:
-                    assert "it refused its own arguments" in message, (rank, name, message)
+                continue
+            assert outcome == "error", (rank, name, outcome, message)
+            assert "mismatched collectives" in message, (rank, name, message)
+            assert "timed out" not in message, (rank, name, message)
+            # A refusing rank's host peers meet its refusal in their host's check (with two
+            # refusing, a peer may first meet the other's refusal across hosts).
+            bad = REFUSALS[name]
+            if len(bad) == 1 and bad[0] // 2 == rank // 2:
+                assert "it refused its own arguments" in message, (rank, name, message)
 
 
 def _broadcast_mismatch_then_allreduces(rank: int, world: int) -> list[str]:

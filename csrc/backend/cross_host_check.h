@@ -88,8 +88,8 @@ class CrossHostCheck {
   // When it throws, this rank still takes its part in the call, in order with
   // its other collectives: it opens its host's check with a descriptor saying
   // it refused (kRefusedCall), which fails every local peer that called
-  // validly, and then crosses hosts once with a refusal (refuse()), as a rank
-  // a mismatch stops does in every two-level collective. So the peers on
+  // validly, and crosses hosts once with a refusal (refuse()), as a rank a
+  // mismatch stops does in every two-level collective. So the peers on
   // every host fail at this call instead of pairing it with this rank's next
   // one; ranks that all refused pass alike and each raises its own error.
   // Then the check's error goes up.
@@ -123,6 +123,9 @@ class CrossHostCheck {
   at::Tensor finish(Exchange& sent, bool host_step_follows, const char* what,
                     transport::Clock::time_point deadline);
 
+  // Starts refuse()'s all-gather; `all` receives every host's message.
+  c10::intrusive_ptr<c10d::Work> start_refusal(const at::Tensor& all,
+                                               transport::Clock::time_point deadline);
   // Starts the engine's all-gather of every host's message; `all` receives them.
   c10::intrusive_ptr<c10d::Work> start_all_gather(const at::Tensor& message, const at::Tensor& all,
                                                   transport::Clock::time_point deadline);
