@@ -254,6 +254,14 @@ __global__ void __launch_bounds__(kThreads, 1) window_kernel(WindowParams p) {
   }
 }
 
+// After a window failed to launch: no kernel of this rank announces its
+// barriers now, so the peers would wait for it until their timeout. This one
+// leaves the rank's stop word in their inboxes instead (the error word holds
+// kLaunchFailed), after the rank's kernels still on the stream.
+__global__ void tell_peers_launch_failed(WindowParams p) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) tell_peers_stopped(p);
+}
+
 // A kernel's wait for a peer, in the globaltimer's nanoseconds.
 uint64_t kernel_timeout_ns(std::chrono::milliseconds timeout) {
   return static_cast<uint64_t>(std::max<int64_t>(1, bounded_timeout(timeout).count())) * 1000000ull;
@@ -447,6 +455,9 @@ void CudaExecutor::launch(const Program& program, uint32_t call_hash, const void
       // call could meet theirs: stop its queued kernels and refuse every later
       // call (prepare reads the word).
       stop_kernels(gpu_barrier::kLaunchFailed);
+      // Best effort: where the context itself is broken this launches nothing either.
+      tell_peers_launch_failed<<<1, 1, 0, stream>>>(p);
+      (void)cudaGetLastError();
       check_cuda(launched, "launching the xdev collective kernel");
     }
   }
