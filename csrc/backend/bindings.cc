@@ -86,8 +86,9 @@ py::dict describe_cuda(const XdevBackend& b) {
   d["gpu_time_sliced"] = info->gpu_time_sliced;
   d["transport"] = info->transport;
   d["transport_note"] = info->transport_note;
-  d["ddp_shared_buckets"] = info->heap;
-  d["ddp_shared_buckets_note"] = info->heap_note;
+  const CudaHeapState heap = cuda->heap_state();
+  d["ddp_shared_buckets"] = heap.on;
+  d["ddp_shared_buckets_note"] = heap.note;
   if (const std::optional<CudaHeapUsage> usage = cuda->heap_usage()) {
     py::dict h;
     h["bytes_reserved"] = usage->bytes_reserved;

@@ -51,6 +51,14 @@ struct CudaGroupInfo {
   std::string heap_note;  // why it is on or off
 };
 
+// Whether allocateTensor gives tensors from the group's CUDA heap, and why
+// (CudaGroupInfo's heap and heap_note, copied under the lock that
+// destroy_process_group takes to turn the heap off).
+struct CudaHeapState {
+  bool on = false;
+  std::string note;
+};
+
 // What the group's CUDA heap holds (describe()).
 struct CudaHeapUsage {
   int64_t bytes_reserved = 0;
@@ -97,9 +105,12 @@ class CudaCollectives {
                                                         std::chrono::milliseconds timeout) = 0;
 
   // c10d's allocateTensor for CUDA tensors on the group's device: numel
-  // elements from the group's CUDA heap (info()->heap must be true), for work
-  // on the current stream. Throws std::invalid_argument on a bad size.
+  // elements from the group's CUDA heap, for work on the current stream.
+  // Throws std::invalid_argument on a bad size, or where the group has no
+  // heap (heap_state's note says why).
   virtual at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) = 0;
+  // Read this, not info()'s heap fields, which destroy_process_group changes.
+  virtual CudaHeapState heap_state() const = 0;
   virtual std::optional<CudaHeapUsage> heap_usage() const = 0;  // nullopt without a heap
   // Whether t is a contiguous tensor lying in this rank's CUDA heap.
   virtual bool in_heap(const at::Tensor& t) const = 0;

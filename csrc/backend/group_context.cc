@@ -279,6 +279,10 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
     return "nothing: it refused its own arguments (see its error) (op #" + std::to_string(d.seq) +
            ")";
   }
+  if (d.num_tensors == kFailedBeforePeers) {
+    return "nothing: it failed before it met its peers (see its error) (op #" +
+           std::to_string(d.seq) + ")";
+  }
   if (d.num_tensors < 0) {  // CrossHostCheck's refusal
     return "nothing: its call differs from a rank's on another host (op #" + std::to_string(d.seq) +
            ")";

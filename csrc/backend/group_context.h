@@ -46,6 +46,9 @@ enum class Collective : int32_t {
 // (it still meets its peers at the descriptor check, which then fails on
 // every rank that called validly). CrossHostCheck's refusal is -1.
 constexpr int64_t kRefusedCall = -2;
+// OpDescriptor::num_tensors of a call its rank could not make ready before
+// meeting its peers (out of memory, a CUDA error): met like a refusal.
+constexpr int64_t kFailedBeforePeers = -3;
 
 // Returns once all world_size ranks have called it with this key prefix (once
 // each); a rank missing at the timeout (the group's) raises the store's error.

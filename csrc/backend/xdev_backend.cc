@@ -270,7 +270,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
 bool XdevBackend::supportsTensorAlloc(c10::DeviceIndex device) {
   if (device < 0) return shared_.heap_available();
   const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
-  return info != nullptr && info->heap && info->device == device;
+  return info != nullptr && info->device == device && cuda_->heap_state().on;
 }
 
 at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
@@ -285,13 +285,13 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
     // "cuda" without an index: the group's GPU.
     const int wanted = options.device().has_index() ? options.device().index()
                                                     : (info != nullptr ? info->device : -1);
-    TORCH_CHECK_VALUE(info != nullptr && info->heap && info->device == wanted,
+    // The heap itself (on or off) is checked under its lock: allocate_tensor.
+    TORCH_CHECK_VALUE(info != nullptr && info->device == wanted,
                       "xdev allocateTensor: this group has no CUDA heap for ", options.device(),
                       " (",
-                      cuda_ == nullptr         ? "this build of torch_xdev has no CUDA path"
-                      : info == nullptr        ? "no CUDA collective has run on it yet"
-                      : info->device != wanted ? "its GPU is cuda:" + std::to_string(info->device)
-                                               : info->heap_note,
+                      cuda_ == nullptr  ? "this build of torch_xdev has no CUDA path"
+                      : info == nullptr ? "no CUDA collective has run on it yet"
+                                        : "its GPU is cuda:" + std::to_string(info->device),
                       ")");
   }
   try {

@@ -119,8 +119,8 @@ class CudaCollectivesImpl : public CudaCollectives {
            "barriers cannot be replayed in";
   }
 
-  // These three run on the caller's thread, which may race
-  // destroy_process_group (shutdown): they read heap_ under the lock.
+  // These run on the caller's thread, which may race destroy_process_group
+  // (shutdown): they read heap_ under the lock.
   at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!heap_) {
@@ -129,6 +129,12 @@ class CudaCollectivesImpl : public CudaCollectives {
           (info_ ? info_->heap_note : std::string("no CUDA collective yet")) + ")");
     }
     return heap_->allocate(numel, dtype);
+  }
+
+  CudaHeapState heap_state() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!info_) return {false, "no CUDA collective has run on it yet"};
+    return {heap_ != nullptr && info_->heap, info_->heap_note};
   }
 
   std::optional<CudaHeapUsage> heap_usage() const override {
@@ -382,24 +388,32 @@ class CudaCollectivesImpl : public CudaCollectives {
   // Runs `steps`: this rank's work on a call before its host barrier (packing
   // a list, making programs ready). Where they fail (out of memory, a CUDA
   // error left pending by earlier work) and the host barrier is on, this rank
-  // still takes the call's place there with `d` (numbered) marked refused, so
-  // that its peers fail at this call with a mismatch that names it instead of
-  // waiting for it, and the group stays usable. After a failed GPU collective
-  // (the executor's device error) the group stays unusable, as before.
+  // still takes the call's place there with `d` (numbered) marked as failed,
+  // so that its peers fail at this call with a mismatch that names it instead
+  // of waiting for it, and the group stays usable. After a failed GPU
+  // collective (the executor's device error), or with the CUDA context in an
+  // error that does not clear (a kernel's illegal access), every later call
+  // would fail the same way: the group becomes unusable, as before.
   void before_host_barrier(transport::OpDescriptor d, const char* what,
                            transport::Clock::time_point deadline,
                            const std::function<void()>& steps) {
     try {
       steps();
     } catch (const std::exception& e) {
-      if (!g_.config().cuda_host_check || !executor_->device_error().empty()) throw;
+      if (!g_.config().cuda_host_check || !executor_->device_error().empty() ||
+          cudaPeekAtLastError() != cudaSuccess) {
+        throw;
+      }
       const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
       const std::string why = torch_error ? torch_error->what_without_backtrace() : e.what();
-      d.num_tensors = kRefusedCall;
+      d.num_tensors = kFailedBeforePeers;
       try {
         g_.channel()->open_collective(g_.make_context(d, what, deadline));
       } catch (const transport::MismatchError&) {
         // Expected where the peers called validly: they fail here as well.
+      } catch (const transport::PeerError& gone) {
+        throw transport::PeerError(std::string(gone.what()) + " (this rank had failed before " +
+                                   "it met its peers: " + why + ")");
       }
       throw CallError(std::string("xdev ") + what +
                       ": failed on this rank before it met its peers (" + why +
@@ -441,12 +455,13 @@ class CudaCollectivesImpl : public CudaCollectives {
     key.total = block_units;
     key.window_elems = slot_units;
     key.pack_bounds = {block_units};
-    const auto program = executor_->gather_scatter_program(key, plan);
     const char* what = reduce_scatter ? "reduce_scatter" : "all_gather";
     const auto deadline = g_.deadline_for(timeout);
+    std::optional<transport::CudaExecutor::Program> program;
     at::Tensor full_c;
     at::Tensor block_c;
     before_host_barrier(d, what, deadline, [&] {
+      program = executor_->gather_scatter_program(key, plan);
       if (!list) {
         full_c = full[0].contiguous();
       } else if (reduce_scatter) {
@@ -463,7 +478,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       if (!list && overlapping_elsewhere(full, {block_c}, g_.rank())[0]) {
         block_c = reduce_scatter ? at::empty_like(block_c) : block_c.clone();
       }
-      executor_->prepare({&program}, stream_->stream());
+      executor_->prepare({&*program}, stream_->stream());
     });
     // As for the allreduce: every rank runs this very collective before any GPU waits.
     if (g_.config().cuda_host_check)
@@ -472,7 +487,7 @@ class CudaCollectivesImpl : public CudaCollectives {
 
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
     const at::Tensor& output = reduce_scatter ? block_c : full_c;
-    executor_->launch(program, transport::call_hash(d), input.data_ptr(), output.data_ptr(), dtype,
+    executor_->launch(*program, transport::call_hash(d), input.data_ptr(), output.data_ptr(), dtype,
                       op, g_.timeout_for(timeout), stream_->stream());
     if (reduce_scatter) {
       if (!output.is_same(block)) block.copy_(output);
@@ -505,12 +520,14 @@ class CudaCollectivesImpl : public CudaCollectives {
       // Both programs the call may run, ready before the host barrier (which
       // of them runs is known only after it): past it, a failure here would
       // leave the peers waiting in the GPU barrier.
-      const auto staged = executor_->allreduce_program(
-          allreduce_key(sel, call, g_.config().reduce_to_rank, window_elems), cp);
-      const auto in_heap = executor_->in_place_program(total, call.dtype);
+      std::optional<transport::CudaExecutor::Program> staged;
+      std::optional<transport::CudaExecutor::Program> in_heap;
       at::Tensor flat;
       transport::HeapLocation where;
       before_host_barrier(call.descriptor, "allreduce", deadline, [&] {
+        staged = executor_->allreduce_program(
+            allreduce_key(sel, call, g_.config().reduce_to_rank, window_elems), cp);
+        in_heap = executor_->in_place_program(total, call.dtype);
         // One contiguous buffer per dtype: the tensor itself when it is one
         // contiguous tensor, else a packed copy (copied back at the end).
         if (in_place) {
@@ -528,8 +545,8 @@ class CudaCollectivesImpl : public CudaCollectives {
         // elsewhere, so that every rank stages.
         if (where.arena >= 0 && !heap_->open_peers(where)) where = {};
         std::vector<const transport::CudaExecutor::Program*> programs;
-        if (total > 0) programs.push_back(&staged);
-        if (total > 0 && where.arena >= 0) programs.push_back(&in_heap);
+        if (total > 0) programs.push_back(&*staged);
+        if (total > 0 && where.arena >= 0) programs.push_back(&*in_heap);
         executor_->prepare(programs, stream_->stream());
       });
       call.descriptor.heap_arena = where.arena;
@@ -545,7 +562,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       const uint32_t hash = transport::call_hash(call.descriptor);
       if (where.arena >= 0 &&
           transport::same_heap_place_on_every_rank(*g_.channel(), call.descriptor)) {
-        executor_->launch(in_heap, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+        executor_->launch(*in_heap, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
                           g_.timeout_for(timeout), stream_->stream(), heap_->copies(where));
         ++in_place_allreduces_;
         continue;
@@ -555,7 +572,7 @@ class CudaCollectivesImpl : public CudaCollectives {
                     "a tensor of the CUDA heap is not at the same place on every rank (ranks "
                     "allocated in different orders): its allreduce stages instead");
       }
-      executor_->launch(staged, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
+      executor_->launch(*staged, hash, flat.data_ptr(), flat.data_ptr(), call.dtype, op,
                         g_.timeout_for(timeout), stream_->stream());
       if (in_place) continue;
       int64_t offset = 0;
