@@ -394,9 +394,9 @@ class CudaCollectivesImpl : public CudaCollectives {
   // collective (the executor's device error), or with the CUDA context in an
   // error that does not clear (a kernel's illegal access), every later call
   // would fail the same way: the group becomes unusable, as before.
+  template <typename Steps>
   void before_host_barrier(transport::OpDescriptor d, const char* what,
-                           transport::Clock::time_point deadline,
-                           const std::function<void()>& steps) {
+                           transport::Clock::time_point deadline, Steps&& steps) {
     try {
       steps();
     } catch (const std::exception& e) {
