@@ -218,7 +218,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   // outputs[r][i] receives rank r's inputs[i]. Checked as Gloo checks it, so a
   // wrong call is a ValueError on the rank that made it; on the native path
   // that rank still meets its peers, which fail at this same call.
-  const auto check = [&] {
+  const auto check_shapes = [&] {
     TORCH_CHECK_VALUE(!inputs.empty(), "xdev all_gather_coalesced: no input tensors given");
     TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_,
                       "xdev all_gather_coalesced: needs one output list per rank (", size_,
@@ -235,7 +235,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
             out.sizes(), ") must match input ", i, " (", inputs[i].scalar_type(), " ",
             inputs[i].sizes(), ")");
       }
-      check_written("all_gather_coalesced", outputs[r]);
+    }
+  };
+  const auto check_outputs_written = [&] {
+    for (const std::vector<at::Tensor>& per_rank : outputs) {
+      check_written("all_gather_coalesced", per_rank);
     }
   };
   std::vector<at::Tensor> all = inputs;
@@ -246,10 +250,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   }
   const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    check();
+    check_shapes();
+    // Across hosts Gloo writes the outputs itself, and a refusal here would
+    // leave the peers in Gloo; on one host such outputs are refused as on
+    // the native path.
+    if (group_.channel() != nullptr) check_outputs_written();
     return fallbacks_.track(delegate(inputs)->allgather_coalesced(outputs, inputs, opts));
   }
-  check_native_call(Collective::kAllGather, "all_gather_coalesced", false, opts.timeout, check);
+  check_native_call(Collective::kAllGather, "all_gather_coalesced", false, opts.timeout, [&] {
+    check_shapes();
+    check_outputs_written();
+  });
   // The list form with one list per input (lists[i][r] = outputs[r][i]): one
   // all-gather of every input's bytes, each rank's block the inputs in order.
   std::vector<std::vector<at::Tensor>> lists(inputs.size());
