@@ -94,16 +94,17 @@ void CrossHostCheck::wait_all_gather(const c10::intrusive_ptr<c10d::Work>& work,
                   "two-level collective: the engine's exchange of calls across hosts");
 }
 
-c10::intrusive_ptr<c10d::Work> CrossHostCheck::start_refusal(
-    const at::Tensor& all, transport::Clock::time_point deadline) {
+CrossHostCheck::Exchange CrossHostCheck::start_refusal(transport::Clock::time_point deadline) {
   std::vector<int64_t> fields(kFields, 0);
   fields[4] = kRefused;
-  return start_all_gather(message_with(fields), all, deadline);
+  Exchange sent;
+  sent.all = at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
+  sent.work = start_all_gather(message_with(fields), sent.all, deadline);
+  return sent;
 }
 
 void CrossHostCheck::refuse(transport::Clock::time_point deadline) {
-  const at::Tensor all = at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
-  wait_all_gather(start_refusal(all, deadline), deadline);
+  wait_all_gather(start_refusal(deadline).work, deadline);
 }
 
 void CrossHostCheck::check_with_peers(Collective collective, const char* name,
@@ -119,9 +120,7 @@ void CrossHostCheck::check_with_peers(Collective collective, const char* name,
       // holds a local peer in the exchange until this rank's partners there
       // have theirs, and they may be refusing ranks of other hosts, held in
       // their own hosts' checks until then.
-      const at::Tensor all =
-          at::empty({group_.num_hosts() * plan::kCrossHostMessageBytes}, at::kByte);
-      const c10::intrusive_ptr<c10d::Work> refusal = start_refusal(all, deadline);
+      const Exchange refusal = start_refusal(deadline);
       transport::OpDescriptor refused = group_.next_descriptor(collective);
       refused.num_tensors = kRefusedCall;
       try {
@@ -129,7 +128,7 @@ void CrossHostCheck::check_with_peers(Collective collective, const char* name,
       } catch (const transport::MismatchError&) {
         // Expected where a local peer called validly: it fails here as well.
       }
-      wait_all_gather(refusal, deadline);
+      wait_all_gather(refusal.work, deadline);
     };
     try {
       group_.enqueue(c10d::OpType::UNKNOWN, name, {}, take_part, /*async_op=*/false)->wait();

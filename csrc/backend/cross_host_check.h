@@ -123,9 +123,8 @@ class CrossHostCheck {
   at::Tensor finish(Exchange& sent, bool host_step_follows, const char* what,
                     transport::Clock::time_point deadline);
 
-  // Starts refuse()'s all-gather; `all` receives every host's message.
-  c10::intrusive_ptr<c10d::Work> start_refusal(const at::Tensor& all,
-                                               transport::Clock::time_point deadline);
+  // Starts refuse()'s all-gather (its `call` and `fields` left empty).
+  Exchange start_refusal(transport::Clock::time_point deadline);
   // Starts the engine's all-gather of every host's message; `all` receives them.
   c10::intrusive_ptr<c10d::Work> start_all_gather(const at::Tensor& message, const at::Tensor& all,
                                                   transport::Clock::time_point deadline);

@@ -45,15 +45,15 @@ struct CudaGroupInfo {
   std::optional<plan::MachineModel> model;
   bool transport = false;      // the CUDA IPC channel is open on every rank
   std::string transport_note;  // why it is on or off
-  // allocateTensor gives tensors of `device` from the group's CUDA heap
-  // (memory every rank maps), whose allreduce runs in place: needs the transport.
-  bool heap = false;
-  std::string heap_note;  // why it is on or off
+  // Why allocateTensor does or does not give tensors of `device` from the
+  // group's CUDA heap (memory every rank maps, whose allreduce runs in place;
+  // needs the transport). Whether it does: CudaCollectives::heap_state.
+  std::string heap_note;
 };
 
 // Whether allocateTensor gives tensors from the group's CUDA heap, and why
-// (CudaGroupInfo's heap and heap_note, copied under the lock that
-// destroy_process_group takes to turn the heap off).
+// (CudaGroupInfo::heap_note), copied under the lock that
+// destroy_process_group takes to turn the heap off.
 struct CudaHeapState {
   bool on = false;
   std::string note;
@@ -109,7 +109,7 @@ class CudaCollectives {
   // Throws std::invalid_argument on a bad size, or where the group has no
   // heap (heap_state's note says why).
   virtual at::Tensor allocate_tensor(int64_t numel, at::ScalarType dtype) = 0;
-  // Read this, not info()'s heap fields, which destroy_process_group changes.
+  // Read this, not info()'s heap_note, which destroy_process_group changes.
   virtual CudaHeapState heap_state() const = 0;
   virtual std::optional<CudaHeapUsage> heap_usage() const = 0;  // nullopt without a heap
   // Whether t is a contiguous tensor lying in this rank's CUDA heap.

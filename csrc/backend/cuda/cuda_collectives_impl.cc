@@ -134,7 +134,7 @@ class CudaCollectivesImpl : public CudaCollectives {
   CudaHeapState heap_state() const override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!info_) return {false, "no CUDA collective has run on it yet"};
-    return {heap_ != nullptr && info_->heap, info_->heap_note};
+    return {heap_ != nullptr, info_->heap_note};
   }
 
   std::optional<CudaHeapUsage> heap_usage() const override {
@@ -204,10 +204,7 @@ class CudaCollectivesImpl : public CudaCollectives {
       (void)channel_.release();
     }
     heap_.reset();  // tensors from it keep its memory until they go
-    if (info_) {
-      info_->heap = false;
-      info_->heap_note = "off: the group has shut down";
-    }
+    if (info_) info_->heap_note = "off: the group has shut down";
     device_error_->detach();
     executor_.reset();
     channel_.reset();
@@ -293,7 +290,6 @@ class CudaCollectivesImpl : public CudaCollectives {
         open_heap(device, info);
       } catch (const std::exception& e) {
         heap_.reset();
-        info->heap = false;
         info->heap_note = std::string("off: ") + e.what();
       }
       return;
@@ -336,7 +332,6 @@ class CudaCollectivesImpl : public CudaCollectives {
       return;
     }
     heap_ = std::make_unique<CudaHeapTensors>(g_, device, stream_->stream());
-    info->heap = true;
     info->heap_note =
         "on: CUDA tensors from allocateTensor (DDP's buckets) lie in device memory every rank "
         "maps (CUDA IPC); their allreduce reads the peers' copies in place";
