@@ -476,8 +476,9 @@ class CudaCollectivesImpl : public CudaCollectives {
       executor_->prepare({&*program}, stream_->stream());
     });
     // As for the allreduce: every rank runs this very collective before any GPU waits.
-    if (g_.config().cuda_host_check)
+    if (g_.config().cuda_host_check) {
       g_.channel()->open_collective(g_.make_context(d, what, deadline));
+    }
     if (plan.num_windows() == 0) return;
 
     const at::Tensor& input = reduce_scatter ? full_c : block_c;
