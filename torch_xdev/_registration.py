@@ -190,12 +190,30 @@ def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseExcept
         )
 
 
+def store_of_this_attempt(store: Any) -> Any:
+    """The part of ``store`` that this attempt of a torchrun job owns.
+
+    torchrun keeps one store for every attempt of a job and restarts its workers
+    (``--max-restarts``) with TORCHELASTIC_RESTART_COUNT one higher. The keys a failed attempt
+    wrote stay there: a dead rank's Gloo address, its setup verdict, its shared memory's names.
+    Read as this attempt's, they send the new ranks to a closed port or a dead peer's segment
+    (Gloo and NCCL fail this way too: PyTorch issue 167288). With one agent (GROUP_WORLD_SIZE
+    1: one host) every worker of an attempt has the same count, so it names the attempt's keys.
+    With several agents the counts can differ (an agent that restarts its workers because a node
+    joins does not count that), so their keys stay unnamed, as Gloo's are.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return store
+    return PrefixStore(f"xdev/attempt{attempt}/", store)
+
+
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     # One XdevBackend serves every device type of its group: c10d registers it
     # for "cpu" and "cuda" and calls this creator once.
     group_id = str(dist_opts.group_id)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    store = dist_opts.store
+    store = store_of_this_attempt(dist_opts.store)
     try:
         options = resolve_options(pg_options)
         config = backend_config(options, dist_opts.timeout)

@@ -1,0 +1,104 @@
+"""torchrun's restarts (``--max-restarts``) on one host: a rank dies, torchrun starts every
+worker again, and the new attempt trains on xdev as if it were the first.
+
+torchrun keeps its store across attempts, so the failed attempt's keys are still there when the
+new one starts; xdev names its keys after the attempt (``store_of_this_attempt``). The workers
+train a small DDP model; in the first attempt rank 1 exits at step 2. The second attempt's
+parameters must equal a reference computed here, on every rank, and no shared memory is left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_xdev
+from harness import free_port
+
+STEPS = 5
+WIDTH = 16
+LAUNCH_TIMEOUT_S = 240.0
+
+WORKER = textwrap.dedent(f"""
+    import os, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import torch_xdev
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("xdev", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear({WIDTH}, {WIDTH}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range({STEPS}):
+        x = torch.randn(4, {WIDTH}, generator=torch.Generator().manual_seed(step)) + rank
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        if attempt == 0 and step == 2 and rank == 1:
+            os._exit(3)  # dies without a word, as a killed worker does
+    weight = model.module.weight.detach()
+    torch.save(weight, os.path.join(sys.argv[1], f"attempt{{attempt}}_rank{{rank}}.pt"))
+    dist.destroy_process_group()
+    """)
+
+
+def _reference_weight(world: int) -> torch.Tensor:
+    """The weight after STEPS steps of SGD on the mean of every rank's gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(world):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)) + rank
+            (model(x).square().mean() / world).backward()
+        optimizer.step()
+    return model.weight.detach()
+
+
+def _xdev_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("xdev-")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rendezvous", ["static", "standalone"])
+def test_a_restarted_attempt_trains_as_the_first_would(tmp_path: Path, rendezvous: str) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDEV_", "TORCHELASTIC_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # "static": torchrun's own store at a given port, its classic form; "standalone": the c10d
+    # rendezvous on a free port. Each keeps one store for all attempts.
+    where = (
+        ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        if rendezvous == "static"
+        else ["--standalone"]
+    )
+    segments_before = _xdev_segments()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        + ["--max-restarts", "1", *where, str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "exitcode: 3" in output, output  # the first attempt did fail
+    assert not list(tmp_path.glob("attempt0_*")), output
+    expected = _reference_weight(2)
+    weights = [torch.load(tmp_path / f"attempt1_rank{rank}.pt") for rank in range(2)]
+    assert torch.equal(weights[0], weights[1])
+    torch.testing.assert_close(weights[0], expected, rtol=1e-5, atol=1e-6)
+    assert _xdev_segments() <= segments_before
