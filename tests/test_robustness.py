@@ -44,6 +44,38 @@ def test_stuck_peer_times_out_on_every_other_rank() -> None:
     assert all(m for m in messages[:2])
 
 
+def _peer_arriving_after_the_timeout(rank: int, world: int) -> list[str]:
+    """The last rank calls only after the others timed out: a call of one barrier (a few
+    elements) must fail there too, not finish on the arrivals the others left behind."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    calls = {
+        "allreduce": lambda group: dist.all_reduce(torch.ones(5), group=group),
+        "all_gather": lambda group: dist.all_gather_into_tensor(
+            torch.empty(5 * world), torch.ones(5), group=group
+        ),
+    }
+    messages = []
+    for name, call in calls.items():
+        group = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))
+        if rank == world - 1:
+            store.wait([f"{name}: timed out on {peer}" for peer in range(world - 1)])
+        with pytest.raises(dist.DistBackendError) as info:
+            call(group)
+        messages.append(str(info.value))
+        if rank != world - 1:
+            store.set(f"{name}: timed out on {rank}", "1")
+    return messages
+
+
+def test_a_peer_arriving_after_the_timeout_fails_the_call_too() -> None:
+    messages = run_ranks(_peer_arriving_after_the_timeout, 3, timeout=120)
+    for rank_messages in messages[:2]:
+        assert all("timed out in" in m and "rank(s) 2" in m for m in rank_messages), messages
+    for m, call in zip(messages[2], ["allreduce", "all_gather"]):
+        assert f"timed out in {call}" in m and "before this rank arrived" in m, m
+
+
 def _dead_peer(rank: int, world: int, victim: int, call: str) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)
@@ -204,9 +236,10 @@ def _late_peer_after_timeout(rank: int, world: int) -> float:
     if rank == 0:
         store.set("rank 0 timed out", "1")
     if rank == 1:
-        # Rank 0 stopped at its timeout and left: rank 1 learns it within a liveness check
-        # (200 ms), not after a timeout of its own.
-        assert "has left the group" in str(info.value), str(info.value)
+        # Rank 0 stopped at its timeout: rank 1 finds that at the call's first barrier, not
+        # after a timeout of its own.
+        assert "rank 0 timed out in allreduce" in str(info.value), str(info.value)
+        assert "before this rank arrived" in str(info.value), str(info.value)
         assert elapsed < TIMEOUT_S / 2, elapsed
     dist.barrier()
     return elapsed

@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -21,10 +22,12 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersion = 6;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 constexpr int kPausesPerClockRead = 16;
+// Header::outcome's radix: it names a rank r as r + 1, below it.
+constexpr uint64_t kOutcomeRanks = 1 << 16;
 
 size_t round_up(size_t v, size_t to) {
   return (v + to - 1) / to * to;
@@ -84,6 +87,9 @@ struct alignas(kCacheLine) ShmChannel::Header {
   uint64_t data_offset;
   alignas(kCacheLine) std::atomic<uint32_t> wake_word;  // bumped whenever a barrier completes
   std::atomic<uint32_t> sleepers;  // ranks inside futex_wait's loop: only then is a wake needed
+  // How the latest barrier settled (settle_barrier): its epoch times kOutcomeRanks, plus 0 if
+  // every rank arrived, or 1 + the rank that gave up on it at its deadline.
+  alignas(kCacheLine) std::atomic<uint64_t> outcome;
 };
 
 bool OpDescriptor::operator==(const OpDescriptor& o) const {
@@ -128,6 +134,7 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
   h->data_offset = round_up(sizeof(Header) + sizeof(RankControl) * world_size, kPage);
   h->wake_word.store(0);
   h->sleepers.store(0);
+  h->outcome.store(0);
   auto* ranks = reinterpret_cast<RankControl*>(h + 1);
   for (int r = 0; r < world_size; ++r) {
     auto* rc = new (&ranks[r]) RankControl();
@@ -156,6 +163,11 @@ ShmChannel ShmChannel::attach(const std::string& name, int world_size, int rank,
 }
 
 void ShmChannel::init_local_rank(int world_size, int rank, size_t slot_bytes) {
+  if (static_cast<uint64_t>(world_size) >= kOutcomeRanks - 1) {
+    throw std::invalid_argument("xdev shared memory: " + std::to_string(world_size) +
+                                " ranks on one host; at most " + std::to_string(kOutcomeRanks - 2) +
+                                " share a channel");
+  }
   world_size_ = world_size;
   rank_ = rank;
   slot_bytes_ = slot_bytes;
@@ -271,15 +283,45 @@ void ShmChannel::mark_left() {
 // wake between the check and the sleep cannot be lost. The seq_cst loads that
 // observe every arrival also order this rank's later reads of peers' slots
 // after the peers' writes before they arrived (release/acquire on arrived).
+// A barrier settles once, for every rank alike: the first rank to see every
+// arrival, or the first to reach its deadline without seeing them, writes the
+// outcome, and the others read it. Without that, a rank that gave up at its
+// deadline leaves its arrival behind, and a peer arriving later would find
+// every rank there and finish a collective the others had failed. Returns
+// whether the barrier passed.
+bool ShmChannel::settle_barrier(uint64_t epoch, bool every_rank_arrived) {
+  std::atomic<uint64_t>& outcome = header()->outcome;
+  const uint64_t mine =
+      epoch * kOutcomeRanks + (every_rank_arrived ? 0 : 1 + static_cast<uint64_t>(rank_));
+  uint64_t seen = outcome.load(std::memory_order_seq_cst);
+  // No rank passes this epoch before it settles, and none reaches the next
+  // before passing it, so the word holds this epoch or an earlier one.
+  while (seen / kOutcomeRanks < epoch) {
+    if (outcome.compare_exchange_weak(seen, mine, std::memory_order_seq_cst)) {
+      return every_rank_arrived;
+    }
+  }
+  return seen % kOutcomeRanks == 0;
+}
+
+void ShmChannel::throw_given_up(const std::string& what) const {
+  const uint64_t outcome = header()->outcome.load(std::memory_order_seq_cst);
+  const int gave_up = static_cast<int>(outcome % kOutcomeRanks) - 1;
+  throw PeerError("xdev: " + rank_name(gave_up) + " timed out in " + what +
+                  " before this rank arrived, and that call failed there, so it fails here too");
+}
+
 void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   const uint64_t epoch = ++epoch_;
   std::atomic<uint32_t>* wake = &header()->wake_word;
   control(rank_)->arrived.store(epoch, std::memory_order_seq_cst);
   if (all_arrived(epoch)) {
+    const bool passed = settle_barrier(epoch, true);
     wake->fetch_add(1, std::memory_order_seq_cst);
     // A rank that registers as a sleeper after this load sees every arrival
     // (all seq_cst) before it waits, so skipping the system call is safe.
     if (header()->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(wake);
+    if (!passed) throw_given_up(what);
     return;
   }
   if (spin_budget_ > Clock::duration::zero()) {
@@ -290,7 +332,9 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
     do {
       for (int i = 0; i < kPausesPerClockRead; ++i) {
         cpu_relax();
-        if (all_arrived(epoch)) return;
+        if (!all_arrived(epoch)) continue;
+        if (settle_barrier(epoch, true)) return;
+        throw_given_up(what);
       }
     } while (Clock::now() < spin_end);
   }
@@ -303,9 +347,14 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   auto next_liveness_check = Clock::now() + kLivenessCheckPeriod;
   for (;;) {
     const uint32_t seen = wake->load(std::memory_order_seq_cst);
-    if (all_arrived(epoch)) return;
+    if (all_arrived(epoch)) {
+      if (settle_barrier(epoch, true)) return;
+      throw_given_up(what);
+    }
     const auto now = Clock::now();
     if (now >= deadline) {
+      // The last peer may have arrived since the check above and settled it.
+      if (settle_barrier(epoch, false)) return;
       throw PeerError("xdev: timed out in " + what + " waiting for rank(s) " +
                       missing_ranks(epoch) +
                       " of this group; a peer is stuck, slow, or called a different collective");

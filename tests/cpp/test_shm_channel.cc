@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -264,6 +265,33 @@ TEST(shm_barrier_times_out_naming_the_ranks_that_never_arrive) {
   }
   CHECK_EQ(errors[1], "");
   CHECK_EQ(errors[3], "");
+}
+
+TEST(shm_barrier_a_rank_arriving_after_its_peers_gave_up_fails_too) {
+  // Ranks 0 and 1 time out at the barrier and leave their arrivals behind; rank 2 arrives
+  // afterwards and sees every arrival. The barrier settled as failed, so it must fail there
+  // too, naming the rank that settled it, instead of passing a barrier its peers failed.
+  constexpr int kWorld = 3;
+  auto ranks = make_group(kWorld);
+  std::atomic<int> gave_up{0};
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me == 2) {
+      while (gave_up.load() < 2) std::this_thread::yield();
+      ch.barrier(Clock::now() + std::chrono::seconds(20), "allreduce (op #7)");
+      return;
+    }
+    try {
+      ch.barrier(Clock::now() + std::chrono::milliseconds(100), "allreduce (op #7)");
+    } catch (...) {
+      gave_up.fetch_add(1);
+      throw;
+    }
+  });
+  CHECK(contains(errors[0], "PeerError: xdev: timed out in allreduce (op #7)"));
+  CHECK(contains(errors[1], "PeerError: xdev: timed out in allreduce (op #7)"));
+  CHECK(contains(errors[2], "timed out in allreduce (op #7) before this rank arrived"));
+  CHECK(contains(errors[2], "PeerError: xdev: rank 0 timed out") ||
+        contains(errors[2], "PeerError: xdev: rank 1 timed out"));
 }
 
 TEST(shm_channel_over_part_of_a_group_names_the_group_ranks) {
