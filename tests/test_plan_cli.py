@@ -325,6 +325,9 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
     "args, problem",
     [
         (["--topology", "cpu-4", "--hosts", "2"], "on a GPU machine"),
+        # One GPU a host: NCCL's model across nodes needs two (was a traceback).
+        (["--topology", "ONE_GPU", "--hosts", "2"], "2+ GPUs"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--num-packs", "7"], "--num-packs do not"),
         (["--topology", "hgx-h100", "--hosts", "2", "--collective", "all_gather"], "allreduce"),
         (["--topology", "hgx-h100", "--hosts", "0"], "--hosts must be >= 2"),
         (["--topology", "hgx-h100", "--hosts", "2", "--nics", "0"], "--nics must be >= 1"),
@@ -341,8 +344,11 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
     ],
 )
 def test_several_hosts_bad_arguments(
-    capsys: pytest.CaptureFixture[str], args: list[str], problem: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], problem: str
 ) -> None:
+    one_gpu = tmp_path / "one_gpu.json"
+    one_gpu.write_text('{"nvlink": [[0]]}')
+    args = [str(one_gpu) if a == "ONE_GPU" else a for a in args]
     with pytest.raises(SystemExit) as exc:
         plan.main([*args, "--sizes", "4KiB"])
     assert exc.value.code == 2

@@ -137,9 +137,20 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     with pytest.raises(TypeError, match="size must be integers"):
         torch_xdev.shared_empty(2, 3.9)  # type: ignore[arg-type]
     assert torch_xdev.shared_empty(torch.tensor(2), np.int64(3)).shape == (2, 3)
-    # Different sizes: ValueError on every rank, naming the sizes.
-    with pytest.raises(ValueError, match="different sizes"):
+    # Different sizes or dtypes: ValueError on every rank, naming them (the same bytes too).
+    with pytest.raises(ValueError, match=r"different sizes or dtypes \(rank 0: Float\[10\]"):
         torch_xdev.shared_empty(10 + rank)
+    with pytest.raises(ValueError, match=r"rank 0: Float\[8\], rank 1: Int\[8\]"):
+        torch_xdev.shared_empty(8, dtype=torch.float32 if rank == 0 else torch.int32)
+    with pytest.raises(ValueError, match=r"rank 0: Float\[4,2\], rank 1: Float\[8\]"):
+        torch_xdev.shared_empty((4, 2) if rank == 0 else (8,))
+    # describe() and shared_empty() on a group this rank is not in: new_group gave it no group.
+    outsider = dist.new_group([0], backend="xdev")
+    if rank != 0:
+        with pytest.raises(ValueError, match="this rank is not a member of that group"):
+            torch_xdev.describe(outsider)
+        with pytest.raises(ValueError, match="this rank is not a member of that group"):
+            torch_xdev.shared_empty(4, group=outsider)
     with pytest.raises(ValueError, match="negative dimension"):
         torch_xdev.shared_empty(-1) if rank == 0 else torch_xdev.shared_empty(0, -2)
     # One rank alone refuses its size: the others learn it at the same call (they used to
@@ -222,6 +233,9 @@ def _xdev_for_cuda_tensors_only(rank: int, world: int) -> dict[str, Any]:
         # CPU tensors go to Gloo here: a shared buffer would never be reduced in place.
         with pytest.raises(ValueError, match="does not use the xdev backend for cpu tensors"):
             torch_xdev.shared_empty(8)
+        if not torch_xdev._C.built_with_cuda:  # said "no GPU", where the build is the reason
+            with pytest.raises(ValueError, match="this build of torch_xdev has no CUDA path"):
+                torch_xdev.prepare_cuda_graph_capture()
         return {"backend": info["backend"], "devices": info["devices"]}
     finally:
         dist.destroy_process_group()

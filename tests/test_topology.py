@@ -274,6 +274,12 @@ def test_cli_without_gpus(tmp_path: Path) -> None:
         ({"nvlink": zeros(2), "pcie_gbps": -1}, "'pcie_gbps' must be a finite number > 0"),
         # An integer past any float was an OverflowError traceback; 1e400 reads as inf.
         ({"nvlink": zeros(2), "pcie_gbps": 10**400}, "'pcie_gbps' must be a finite number > 0"),
+        # Finite, but inf bytes/s in the model, whose simulation then never ended.
+        ({"nvlink": zeros(2), "memory_gbps": 1e300}, "'memory_gbps' must be within [1e-06, 1e+09]"),
+        (
+            {"nvlink": zeros(2), "nvlink_gbps": 1e-300},
+            "'nvlink_gbps' must be within [1e-06, 1e+09]",
+        ),
         ({"nvlink": zeros(2), "nvswitch": [18]}, "'nvswitch' must be a list of 2 non-negative"),
         ({"nvlink": zeros(2), "nvswitch": [18, -1]}, "'nvswitch' must be a list of 2"),
         ({"nvlink": zeros(2), "nvswitch": [True, 1]}, "'nvswitch' must be a list of 2"),

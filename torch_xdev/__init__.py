@@ -111,8 +111,8 @@ def shared_empty(
 
     ``size`` is given as for ``torch.empty``: ``shared_empty(4, 5)`` or
     ``shared_empty((4, 5))``. Raises ValueError if the group spans several hosts or the
-    ranks ask for different sizes, and DistBackendError, as a collective does, if a peer has
-    exited, is in another collective, or has not called it within the group's timeout.
+    ranks ask for different sizes or dtypes, and DistBackendError, as a collective does, if a
+    peer has exited, is in another collective, or has not called it within the group's timeout.
     """
     one = size[0] if len(size) == 1 else None
     # As torch.empty: one sequence, or integers (numpy's and 0-d tensors' too); not floats.
@@ -146,6 +146,11 @@ def prepare_cuda_graph_capture(group: Optional[dist.ProcessGroup] = None) -> Non
     NCCL makes a communicator per pair of ranks at their first send or recv.
     """
     backend = backend_of(group, ("cuda",))
+    if not _C.built_with_cuda:
+        raise ValueError(
+            "prepare_cuda_graph_capture: this build of torch_xdev has no CUDA path (build it "
+            "against a CUDA build of torch with a CUDA toolkit present)"
+        )
     if not torch.cuda.is_available():
         raise RuntimeError("prepare_cuda_graph_capture: this process sees no GPU")
     backend.prepare_cuda_graph_capture(torch.cuda.current_device())

@@ -50,10 +50,10 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
     max_hosts = INT_MAX // max(1, model.num_devices)
     if not 2 <= args.hosts <= max_hosts:
         parser.error(f"--hosts must be >= 2 and <= {max_hosts}")
-    if args.collective != "allreduce" or not model.has_nccl:
-        parser.error("--hosts predicts the allreduce on a GPU machine (one with NCCL)")
-    if args.plot is not None:
-        parser.error("--plot does not apply with --hosts")
+    if args.collective != "allreduce" or not model.has_nccl or model.num_devices < 2:
+        parser.error("--hosts predicts the allreduce on a GPU machine (one with NCCL and 2+ GPUs)")
+    if args.plot is not None or args.num_packs != -1:
+        parser.error("--plot and --num-packs do not apply with --hosts")
     nics = model.num_devices if args.nics is None else args.nics
     if args.nic_gbps is None:
         args.nic_gbps = DEFAULT_NIC_GBPS

@@ -255,6 +255,12 @@ def backends_by_device(group: Optional[dist.ProcessGroup] = None) -> dict[str, A
     tensors, where it has one: a group may use xdev for one of them only
     ("cpu:gloo,cuda:xdev")."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, dist.ProcessGroup):
+        # new_group hands ranks outside the group GroupMember.NON_GROUP_MEMBER, not a group.
+        raise ValueError(
+            f"this rank is not a member of that group (got {pg!r}): only its members may ask "
+            "for its backend, describe() or shared_empty()"
+        )
     backends: dict[str, Any] = {}
     for device in ("cpu", "cuda"):
         try:

@@ -87,7 +87,7 @@ from typing import Any, TypedDict
 import torch
 
 from ._C import topology as _topology
-from ._registration import _finite_float
+from ._registration import MODEL_RANGES, _finite_float
 
 __all__ = [
     "CLASSES",
@@ -162,6 +162,11 @@ def _gbps(data: dict[str, Any], key: str, where: str) -> float | None:
     number = _finite_float(value)  # None for inf, nan, or an integer beyond any float
     if number is None or number <= 0:
         raise ValueError(f"{where}: '{key}' must be a finite number > 0, got {value}")
+    # As for a CPU model file: a rate of 1e300 GB/s overflows to inf bytes/s in the model,
+    # whose simulation then never ends.
+    low, high = MODEL_RANGES["gbps"]
+    if not low <= number <= high:
+        raise ValueError(f"{where}: '{key}' must be within [{low:g}, {high:g}] GB/s, got {value}")
     return number
 
 

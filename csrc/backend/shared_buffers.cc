@@ -154,6 +154,10 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   transport::ShmSegment mine;
   std::exception_ptr my_failure;
   std::string my_reason;
+  // What this rank asked for, in one word (no spaces: it follows the name in the Store entry).
+  std::string asked_for = std::string(c10::toString(dtype)) + "[";
+  for (size_t i = 0; i < sizes.size(); ++i) asked_for += (i ? "," : "") + std::to_string(sizes[i]);
+  asked_for += "]";
   try {
     int64_t numel = 1;
     for (int64_t d : sizes) {
@@ -176,7 +180,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   c10d::Store& store = group_.store();
   const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
   store.set(prefix + std::to_string(rank),
-            my_failure ? "!" + my_reason : mine.name() + " " + std::to_string(bytes));
+            my_failure ? "!" + my_reason : mine.name() + " " + asked_for);
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
   store.wait(keys, timeout);  // a rank that never calls it: the group's timeout
@@ -190,11 +194,11 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
       failed += "\n  rank " + std::to_string(r) + ": " + entry.substr(1);
       continue;
     }
-    const size_t space = entry.rfind(' ');
+    const size_t space = entry.find(' ');
     names[static_cast<size_t>(r)] = entry.substr(0, space);
-    const std::string their_bytes = entry.substr(space + 1);
-    same = same && their_bytes == std::to_string(bytes);
-    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + their_bytes + " bytes";
+    const std::string theirs = entry.substr(space + 1);
+    same = same && theirs == asked_for;
+    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + theirs;
   }
   // Every rank read the same entries, so every rank refuses together.
   if (my_failure) std::rethrow_exception(my_failure);
@@ -206,7 +210,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   }
   if (!same) {
     throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
-                                ": ranks asked for different sizes (" + asked +
+                                ": ranks asked for different sizes or dtypes (" + asked +
                                 "); every rank must call it with the same size and dtype");
   }
   const size_t segment_bytes = page_round(bytes);
