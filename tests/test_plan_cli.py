@@ -136,6 +136,10 @@ def test_unknown_topology(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan.main(["--topology", "dgx2", "--sizes", "4KiB"]) != 0
     err = capsys.readouterr().err
     assert "dgx2" in err and "dgx1-v100" in err, err
+    # cpu-<N> takes 1 to 999 ranks: the refusal of 1024 says so rather than list cpu-<N> alone.
+    assert plan.main(["--topology", "cpu-1024", "--sizes", "4KiB"]) != 0
+    err = capsys.readouterr().err
+    assert "unknown machine 'cpu-1024'" in err and "cpu-<N> (N ranks, 1 to 999)" in err, err
 
 
 @pytest.mark.parametrize(

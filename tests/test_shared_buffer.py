@@ -230,6 +230,11 @@ def _xdev_for_cuda_tensors_only(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("cpu:gloo,cuda:xdev", rank=rank, world_size=world)
     try:
         info = torch_xdev.describe()  # said the group did not use xdev
+        # Not "on" for CPU buckets, which Gloo's allocateTensor would make (a world of one
+        # has its own reason).
+        assert not info["ddp_shared_buckets"], info["ddp_shared_buckets_note"]
+        if world > 1:
+            assert "hands CPU tensors to another backend" in info["ddp_shared_buckets_note"]
         # CPU tensors go to Gloo here: a shared buffer would never be reduced in place.
         with pytest.raises(ValueError, match="does not use the xdev backend for cpu tensors"):
             torch_xdev.shared_empty(8)
@@ -242,4 +247,6 @@ def _xdev_for_cuda_tensors_only(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_xdev_as_the_cuda_backend_only() -> None:
-    assert run_ranks(_xdev_for_cuda_tensors_only, 1) == [{"backend": "xdev", "devices": ["cuda"]}]
+    for world in (1, 2):
+        expected = [{"backend": "xdev", "devices": ["cuda"]}] * world
+        assert run_ranks(_xdev_for_cuda_tensors_only, world) == expected

@@ -83,7 +83,12 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     # else: "0", "false" and "" all turn it on.
     switch = os.environ.get(COMM_MEM_VARIABLE, "1")
     cuda = info["cuda"] = dict(info["cuda"])
-    for part, heap in ((info, "symmetric heap"), (cuda, "CUDA heap")):
+    for part, heap, device in ((info, "symmetric heap", "cpu"), (cuda, "CUDA heap", "cuda")):
+        if part.get("ddp_shared_buckets") and device not in info["devices"]:
+            part["ddp_shared_buckets"] = False
+            part["ddp_shared_buckets_note"] = (
+                f"off: this group hands {device.upper()} tensors to another backend"
+            )
         if part.get("ddp_shared_buckets") and switch == "1":
             part["ddp_shared_buckets"] = False
             part["ddp_shared_buckets_note"] = (

@@ -408,7 +408,7 @@ MachineModel builtin_machine(const std::string& name) {
   throw std::invalid_argument("unknown machine '" + name + "'; built in: " + [] {
     std::string names;
     for (const std::string& n : builtin_machine_names()) names += (names.empty() ? "" : ", ") + n;
-    return names;
+    return names + " (N ranks, 1 to 999)";
   }());
 }
 
