@@ -190,22 +190,36 @@ def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseExcept
         )
 
 
-def store_of_this_attempt(store: Any) -> Any:
-    """The part of ``store`` that this attempt of a torchrun job owns.
+# How many backends this process has made for each group name. A group destroyed and made
+# again in the same processes (init_process_group after destroy_process_group) gets the same
+# name and, where the caller keeps its store, the same store.
+_backends_made: dict[str, int] = {}
 
-    torchrun keeps one store for every attempt of a job and restarts its workers
-    (``--max-restarts``) with TORCHELASTIC_RESTART_COUNT one higher. The keys a failed attempt
-    wrote stay there: a dead rank's Gloo address, its setup verdict, its shared memory's names.
-    Read as this attempt's, they send the new ranks to a closed port or a dead peer's segment
-    (Gloo and NCCL fail this way too: PyTorch issue 167288). With one agent (GROUP_WORLD_SIZE
-    1: one host) every worker of an attempt has the same count, so it names the attempt's keys.
-    With several agents the counts can differ (an agent that restarts its workers because a node
-    joins does not count that), so their keys stay unnamed, as Gloo's are.
+
+def store_of_this_backend(store: Any, group_name: str) -> Any:
+    """The part of ``store`` that a new backend of ``group_name`` owns: no earlier backend of
+    that name wrote there, in this attempt of the job or an earlier one.
+
+    Keys an earlier backend left (a rank's Gloo address, its setup verdict, its shared
+    memory's names) would otherwise be read as this one's, sending ranks to a closed port or
+    a segment that is gone; Gloo and NCCL race on their own keys the same way (PyTorch issue
+    167288). Two counts name the keys:
+
+    - the backends this process has made for the group name: the ranks destroy and make a
+      group together, so the count agrees across them;
+    - under torchrun, the attempt: torchrun keeps one store for every attempt and restarts
+      its workers (``--max-restarts``) with TORCHELASTIC_RESTART_COUNT one higher. With one
+      agent (GROUP_WORLD_SIZE 1: one host) every worker of an attempt has the same count;
+      with several, the counts can differ (an agent that restarts its workers because a
+      node joins does not count that), so the attempt is left out there, as Gloo leaves it.
     """
+    made = _backends_made.get(group_name, 0)
+    _backends_made[group_name] = made + 1
+    prefix = f"xdev/backend{made}/"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return store
-    return PrefixStore(f"xdev/attempt{attempt}/", store)
+    if attempt is not None and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        prefix = f"xdev/attempt{attempt}/backend{made}/"
+    return PrefixStore(prefix, store)
 
 
 def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
@@ -213,7 +227,7 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     # for "cpu" and "cuda" and calls this creator once.
     group_id = str(dist_opts.group_id)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    store = store_of_this_attempt(dist_opts.store)
+    store = store_of_this_backend(dist_opts.store, group_id)
     try:
         options = resolve_options(pg_options)
         config = backend_config(options, dist_opts.timeout)

@@ -1,10 +1,16 @@
-"""torchrun's restarts (``--max-restarts``) on one host: a rank dies, torchrun starts every
-worker again, and the new attempt trains on xdev as if it were the first.
+"""Groups made again on a store that still holds the keys of the groups before them.
 
-torchrun keeps its store across attempts, so the failed attempt's keys are still there when the
-new one starts; xdev names its keys after the attempt (``store_of_this_attempt``). The workers
-train a small DDP model; in the first attempt rank 1 exits at step 2. The second attempt's
-parameters must equal a reference computed here, on every rank, and no shared memory is left.
+- torchrun's restarts (``--max-restarts``) on one host: a rank dies, torchrun starts every
+  worker again, and the new attempt trains on xdev as if it were the first. torchrun keeps its
+  store across attempts, so the failed attempt's keys are still there. The workers train a
+  small DDP model; in the first attempt rank 1 exits at step 2. The second attempt's
+  parameters must equal a reference computed here, on every rank, and no shared memory is
+  left.
+- The same processes destroying and making the default group again, several times, on one
+  store they keep: each round's DDP step must give the reference's gradients.
+
+xdev names its keys after the attempt and after how many backends of the group's name the
+process has made (``store_of_this_backend``).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import torch.distributed as dist
+
 import torch_xdev
-from harness import free_port
+from harness import free_port, run_ranks
 
 STEPS = 5
 WIDTH = 16
@@ -102,3 +110,33 @@ def test_a_restarted_attempt_trains_as_the_first_would(tmp_path: Path, rendezvou
     assert torch.equal(weights[0], weights[1])
     torch.testing.assert_close(weights[0], expected, rtol=1e-5, atol=1e-6)
     assert _xdev_segments() <= segments_before
+
+
+def _rounds_on_one_store(rank: int, world: int, port: int) -> list[float]:
+    """Three rounds of init, one DDP step, destroy, on one TCPStore that outlives them."""
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    sums = []
+    for _ in range(3):
+        dist.init_process_group("xdev", store=store, rank=rank, world_size=world)
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(WIDTH, WIDTH))
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0)) + rank
+        model(x).square().mean().backward()
+        sums.append(model.module.weight.grad.sum().item())
+        dist.destroy_process_group()
+    return sums
+
+
+def test_groups_made_again_on_the_same_store() -> None:
+    # Each round read the last round's keys (setup verdicts, Gloo addresses, segment names):
+    # the second failed at once on a peer's closed port or its unlinked segment.
+    results = run_ranks(_rounds_on_one_store, 2, free_port(), timeout=180)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    for rank in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0)) + rank
+        (model(x).square().mean() / 2).backward()
+    assert model.weight.grad is not None
+    expected = model.weight.grad.sum().item()
+    for sums in results:
+        assert sums == pytest.approx([expected] * 3, rel=1e-5), (sums, expected)
