@@ -274,15 +274,6 @@ void ShmChannel::mark_left() {
   futex_wake_all(&header()->wake_word);
 }
 
-// Barrier. Each rank stores its own arrival count, then reads everyone's.
-// Both are seq_cst, so of any two ranks at least one sees the other's store
-// (store->load ordering, as in Dekker's algorithm): the last rank to arrive
-// always sees the set complete, bumps wake_word and wakes the sleepers. A
-// sleeper reads wake_word *before* re-checking the arrivals and passes that
-// value to FUTEX_WAIT, which returns at once if the word has moved since: a
-// wake between the check and the sleep cannot be lost. The seq_cst loads that
-// observe every arrival also order this rank's later reads of peers' slots
-// after the peers' writes before they arrived (release/acquire on arrived).
 // A barrier settles once, for every rank alike: the first rank to see every
 // arrival, or the first to reach its deadline without seeing them, writes the
 // outcome, and the others read it. Without that, a rank that gave up at its
@@ -311,6 +302,15 @@ void ShmChannel::throw_given_up(const std::string& what) const {
                   " before this rank arrived, and that call failed there, so it fails here too");
 }
 
+// Barrier. Each rank stores its own arrival count, then reads everyone's.
+// Both are seq_cst, so of any two ranks at least one sees the other's store
+// (store->load ordering, as in Dekker's algorithm): the last rank to arrive
+// always sees the set complete, bumps wake_word and wakes the sleepers. A
+// sleeper reads wake_word *before* re-checking the arrivals and passes that
+// value to FUTEX_WAIT, which returns at once if the word has moved since: a
+// wake between the check and the sleep cannot be lost. The seq_cst loads that
+// observe every arrival also order this rank's later reads of peers' slots
+// after the peers' writes before they arrived (release/acquire on arrived).
 void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   const uint64_t epoch = ++epoch_;
   std::atomic<uint32_t>* wake = &header()->wake_word;
