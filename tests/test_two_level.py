@@ -192,6 +192,50 @@ def test_float16_average_across_hosts_does_not_overflow() -> None:
         assert all("two-level" in plan or "two_level" in plan for plan in plans), plans
 
 
+def _nan_across_hosts(rank: int, world: int) -> list[str]:
+    """MIN and MAX keep a NaN from any rank across hosts, in the sizes that ride in the
+    exchange of calls and in those that cross by the engine."""
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    plans = []
+    for dtype in (torch.float32, torch.bfloat16):
+        # 8 elements ride in the exchange of calls across hosts; 100003 go by the engine.
+        for numel in (8, 100_003):
+            for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+                for holder in range(world):
+                    inputs = [
+                        (torch.arange(numel, dtype=torch.float32) * (r + 3) % 101).to(dtype)
+                        for r in range(world)
+                    ]
+                    # Scattered NaNs, one in every 7 elements, on one rank only.
+                    inputs[holder][holder::7] = float("nan")
+                    stacked = torch.stack([t.float() for t in inputs])
+                    want = stacked.amin(0) if op == dist.ReduceOp.MIN else stacked.amax(0)
+                    what = f"{dtype} {op} n={numel} NaN on rank {holder}"
+                    got = inputs[rank].clone()
+                    dist.all_reduce(got, op=op)
+                    plans.append(" ".join(torch_xdev.describe()["last_allreduce"]))
+                    assert torch.equal(got.isnan(), want.isnan()), what
+                    assert torch.equal(got.float()[~want.isnan()], want[~want.isnan()]), what
+                    # The reduce-scatter of the same rows: this rank's share of the result.
+                    full = torch.cat([inputs[rank]] * world)
+                    out = torch.empty(numel, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, full, op=op)
+                    plans.append(" ".join(torch_xdev.describe()["last_gather_scatter"]))
+                    assert torch.equal(out.isnan(), want.isnan()), "reduce_scatter " + what
+                    assert torch.equal(out.float()[~want.isnan()], want[~want.isnan()]), (
+                        "reduce_scatter " + what
+                    )
+    dist.destroy_process_group()
+    return plans
+
+
+def test_min_and_max_keep_a_nan_from_any_rank_across_hosts() -> None:
+    # Gloo's MIN and MAX can drop a NaN: across hosts xdev gathers the hosts' partial results
+    # and reduces them with its own kernels, as inside a host.
+    for plans in run_ranks(_nan_across_hosts, 4, per_rank_env=_hosts_env([2, 2])):
+        assert all("two-level" in plan or "two_level" in plan for plan in plans), set(plans)
+
+
 def _coalesced_dtypes(rank: int, world: int) -> list[str]:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the checker's group
     group = dist.new_group(backend="xdev")

@@ -46,10 +46,26 @@ TwoLevelOps two_level_ops(kernels::ReduceOp op, c10::ScalarType dtype) {
   return {kernels::ReduceOp::kSum, kernels::ReduceOp::kAvg, true};
 }
 
+void reduce_rows_in_host_order(const at::Tensor& rows, int hosts, kernels::ReduceOp op,
+                               const at::Tensor& out) {
+  const int64_t row_bytes = out.numel() * out.element_size();
+  std::vector<const void*> sources;
+  for (int h = 0; h < hosts; ++h) {
+    sources.push_back(static_cast<const char*>(rows.data_ptr()) + h * row_bytes);
+  }
+  kernels::reduce(*native_dtype(out.scalar_type()), op, out.data_ptr(), sources.data(), hosts,
+                  out.numel(), /*divisor=*/0);
+}
+
 std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline) {
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - transport::Clock::now());
   return std::max(left, std::chrono::milliseconds(1));
+}
+
+bool gathers_across_hosts(kernels::ReduceOp op, c10::ScalarType dtype) {
+  return (op == kernels::ReduceOp::kMin || op == kernels::ReduceOp::kMax) &&
+         at::isFloatingType(dtype);
 }
 
 std::string host_and_its_ranks(const GroupContext& group) {
@@ -169,6 +185,7 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     at::Tensor slice;
     SharedPlacement placement;
     c10::intrusive_ptr<c10d::Work> engine_work;
+    at::Tensor gathered;  // every host's slice, in host order, where the engine gathers
   };
   std::vector<Piece> pieces;
   int64_t start = 0;
@@ -186,7 +203,18 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
     run_in_host(plan::GatherScatterKind::kReduceScatter, p.flat, p.slice, ops.in_host, call,
                 deadline, p.placement, kAllreduceName, std::move(after_check));
   };
+  const bool gather = gathers_across_hosts(op, flat.scalar_type());
   const auto start_engine = [&](Piece& p) {
+    if (gather) {
+      // Slices of one local index have one size on every host: all skip an empty one.
+      if (p.slice.numel() == 0) return;
+      p.gathered = at::empty({group_.num_hosts() * p.slice.numel()}, p.slice.options());
+      c10d::AllgatherOptions opts;
+      opts.timeout = engine_timeout(deadline);
+      at::Tensor in = p.slice;
+      p.engine_work = engine_->_allgather_base(p.gathered, in, opts);
+      return;
+    }
     std::vector<at::Tensor> engine_tensors{p.slice};
     c10d::AllreduceOptions opts;
     opts.reduceOp = two_level_engine_op(op);
@@ -196,7 +224,11 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
   const auto finish = [&](Piece& p) {
     if (p.engine_work) {
       wait_for_engine(p.engine_work, engine_timeout(deadline),
-                      "two-level allreduce: the engine's allreduce across hosts");
+                      gather ? "two-level allreduce: the engine's all-gather across hosts"
+                             : "two-level allreduce: the engine's allreduce across hosts");
+      if (p.gathered.defined()) {
+        reduce_rows_in_host_order(p.gathered, group_.num_hosts(), op, p.slice);
+      }
       if (ops.divide_after) divide_for_avg(p.slice, group_.size());
     }
     run_in_host(plan::GatherScatterKind::kAllGather, p.flat, p.slice, kernels::ReduceOp::kSum, call,

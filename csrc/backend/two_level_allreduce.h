@@ -58,6 +58,18 @@ struct TwoLevelOps {
   bool divide_after = false;  // the engine's SUM still needs the division
 };
 TwoLevelOps two_level_ops(kernels::ReduceOp op, c10::ScalarType dtype);
+// Whether the step across hosts gathers every host's slice and reduces them
+// with xdev's kernels, in host order, rather than the engine's allreduce: for
+// MIN and MAX of floating-point dtypes, whose NaN the kernels keep (as
+// torch.amax) and Gloo's comparison can drop. An all-gather moves what a
+// ring allreduce does between two hosts, (H-1)/2 times more across H
+// (MIN and MAX are rare beyond a few scalars; those ride in the exchange).
+bool gathers_across_hosts(kernels::ReduceOp op, c10::ScalarType dtype);
+// out (contiguous) = op over the `hosts` rows of `rows` (contiguous, each
+// out's size), in host order: the same bits on every rank that holds them.
+// op is not AVG.
+void reduce_rows_in_host_order(const at::Tensor& rows, int hosts, kernels::ReduceOp op,
+                               const at::Tensor& out);
 // The time an engine's call may take: what is left until `deadline`, at least 1 ms.
 std::chrono::milliseconds engine_timeout(transport::Clock::time_point deadline);
 // "host 'NAME', whose local ranks are group ranks 0, 1": errors of the host's

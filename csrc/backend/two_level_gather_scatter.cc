@@ -366,6 +366,17 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   if (carried) {
     // Every host's partial sums of this local index, packed host by host: ours is block host_index.
     check_.reduce_payloads(messages, group_.host_index() * total * elem_size, ops.across, mine);
+  } else if (total > 0 && gathers_across_hosts(op, inputs[0].scalar_type())) {
+    // Every host's partial results of this rank's block, host by host, reduced here.
+    const at::Tensor rows = at::empty({hosts * total}, inputs[0].options());
+    c10d::AllToAllOptions opts;
+    opts.timeout = engine_timeout(deadline);
+    at::Tensor out = rows;
+    at::Tensor in = packed;
+    std::vector<int64_t> even;  // empty: every host sends each host the same share
+    wait_for_engine(engine_->alltoall_base(out, in, even, even, opts), opts.timeout,
+                    "two-level reduce_scatter: the engine's all-to-all across hosts");
+    reduce_rows_in_host_order(rows, hosts, op, mine);
   } else if (total > 0) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = two_level_engine_op(op);
