@@ -9,6 +9,7 @@ the deadline is killed (by PID, only our own children) and the test fails.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import socket
@@ -66,6 +67,9 @@ def _child(
     for target, fd in zip((1, 2), parent_fds):
         os.dup2(fd, target)
         os.close(fd)
+    # A rank that crashes (a signal, or C++'s terminate) prints where each of its Python
+    # threads was, to the stderr the test captures: a rare crash is then more than an exit code.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(parent_env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
