@@ -159,6 +159,11 @@ def test_hosts_of_different_sizes_take_the_engine_and_say_why() -> None:
     for info in infos:
         assert not info["two_level"]
         assert info["two_level_note"] == "hosts hold different numbers of ranks"
+        # Every description of what the group lacks gives the same reason.
+        assert info["ddp_shared_buckets_note"] == (
+            "off: no shared memory (hosts hold different numbers of ranks)"
+        )
+        assert info["single_copy_note"] == "off: the group spans hosts"
         algorithm, reason = info["last_allreduce"]
         assert algorithm == "fallback" and "different numbers of ranks" in reason, reason
 
@@ -284,6 +289,10 @@ def _forced_fallback(rank: int, world: int) -> dict[str, Any]:
 def test_fallback_still_forces_the_engine() -> None:
     info = run_ranks(_forced_fallback, 4, per_rank_env=_hosts_env([2, 2]))[0]
     assert not info["two_level"] and info["last_allreduce"][0] == "fallback"
+    assert info["two_level_note"] == "algorithm='fallback' requested"
+    assert (
+        info["ddp_shared_buckets_note"] == "off: no shared memory (algorithm='fallback' requested)"
+    )
 
 
 def _ddp_steps(rank: int, world: int, backend: str, bucket_cap_mb: float = 0.01) -> dict[str, Any]:

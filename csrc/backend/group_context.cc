@@ -109,6 +109,15 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   queue_address_ = queue_.get();
 }
 
+std::string GroupContext::no_channel_reason() const {
+  if (size_ == 1) return "a world of one";
+  if (requested_ == plan::Algorithm::kFallback) return "algorithm='fallback' requested";
+  if (num_hosts_ == 1) return "";
+  if (!hosts_even_) return "hosts hold different numbers of ranks";
+  if (local_world_size_ == 1) return "one rank per host: nothing to share inside a host";
+  return "";
+}
+
 GroupContext::~GroupContext() {
   stop_queue();
 }

@@ -118,6 +118,10 @@ class GroupContext {
   // same number of ranks, more than one, and the fallback is not forced;
   // null otherwise. Its ranks are the local ranks.
   transport::ShmChannel* host_channel() const { return host_channel_.get(); }
+  // Why this rank has no shared-memory channel to share tensors over (the
+  // group's on one host, its host's on several), alike on every rank; "" where
+  // it has one.
+  std::string no_channel_reason() const;
 
   // ---- Native collectives: numbering, description, deadlines, order ----
 

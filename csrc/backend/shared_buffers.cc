@@ -31,33 +31,30 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
   }
   // On one host the heap is the group's; on several, each host's ranks share
   // one over their host channel, and the in-host steps of the two-level
-  // allreduce read it. Every rank of the group takes part in the vote below:
-  // a rank alone on its host has no channel and votes no.
+  // allreduce read it. Whether a rank has that channel follows from what all
+  // ranks learned when the group was made: alike on every rank.
   transport::ShmChannel* channel = heap_channel();
-  if (channel == nullptr && group.num_hosts() == 1) {
-    heap_note_ = "off: no shared memory (algorithm='fallback')";  // alike on every rank
+  if (channel == nullptr) {
+    heap_note_ = "off: no shared memory (" + group.no_channel_reason() + ")";
     return;
   }
   // Each rank makes its first arena and publishes it in the channel; once all
   // have (a Store barrier), each maps every peer's, and all agree whether
   // every rank could. That costs two Store round trips per group.
-  std::string why = channel == nullptr ? "a rank is alone on its host" : "";
-  std::shared_ptr<transport::SymmetricHeap> heap;
-  if (channel != nullptr) {
-    heap = std::make_shared<transport::SymmetricHeap>(
-        channel->rank(), channel->world_size(), transport::HeapPlacement::kFirstArenaBytes,
-        [this](int arena, const transport::ArenaAddress& address) {
-          heap_channel()->publish_arena(arena, address);
-        });
-    try {
-      heap->first_arena();
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
+  std::string why;
+  auto heap = std::make_shared<transport::SymmetricHeap>(
+      channel->rank(), channel->world_size(), transport::HeapPlacement::kFirstArenaBytes,
+      [this](int arena, const transport::ArenaAddress& address) {
+        heap_channel()->publish_arena(arena, address);
+      });
+  try {
+    heap->first_arena();
+  } catch (const std::exception& e) {
+    why = e.what();
   }
   c10d::Store& store = group.store();
   store_barrier(store, "xdev/heap/published/", group.size(), group.config().timeout);
-  for (int r = 0; channel != nullptr && r < channel->world_size() && why.empty(); ++r) {
+  for (int r = 0; r < channel->world_size() && why.empty(); ++r) {
     if (!channel->shares_pid_namespace(r)) {
       // Its arena's /proc/<pid>/fd path would name another process here.
       why = "local rank " + std::to_string(r) + " runs in another pid namespace";

@@ -39,12 +39,8 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
       two_level_gather_scatter_ =
           std::make_unique<TwoLevelGatherScatter>(group_, shared_, engine, *two_level_);
       two_level_broadcast_ = std::make_unique<TwoLevelBroadcast>(group_, engine);
-    } else if (group_.requested() == plan::Algorithm::kFallback) {
-      two_level_note_ = "algorithm='fallback' requested";
-    } else if (!group_.hosts_even()) {
-      two_level_note_ = "hosts hold different numbers of ranks";
-    } else if (group_.local_world_size() == 1) {
-      two_level_note_ = "one rank per host: nothing to share inside a host";
+    } else if (group_.host_channel() == nullptr) {
+      two_level_note_ = group_.no_channel_reason();
     } else {
       two_level_note_ = "no engine across hosts was given";
     }
@@ -84,8 +80,8 @@ void XdevBackend::shutdown() {
 }
 
 std::string XdevBackend::single_copy_note() const {
-  return cpu_ ? cpu_->single_copy_note()
-              : "off: no shared memory (several hosts, or a world of one)";
+  if (cpu_) return cpu_->single_copy_note();
+  return "off: " + (group_.num_hosts() > 1 ? "the group spans hosts" : group_.no_channel_reason());
 }
 
 std::string XdevBackend::shm_name() const {
