@@ -295,7 +295,8 @@ bool ShmChannel::settle_barrier(uint64_t epoch, bool every_rank_arrived) {
   return seen % kOutcomeRanks == 0;
 }
 
-void ShmChannel::throw_given_up(const std::string& what) const {
+void ShmChannel::pass_barrier(uint64_t epoch, const std::string& what) {
+  if (settle_barrier(epoch, true)) return;
   const uint64_t outcome = header()->outcome.load(std::memory_order_seq_cst);
   const int gave_up = static_cast<int>(outcome % kOutcomeRanks) - 1;
   throw PeerError("xdev: " + rank_name(gave_up) + " timed out in " + what +
@@ -316,12 +317,11 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   std::atomic<uint32_t>* wake = &header()->wake_word;
   control(rank_)->arrived.store(epoch, std::memory_order_seq_cst);
   if (all_arrived(epoch)) {
-    const bool passed = settle_barrier(epoch, true);
     wake->fetch_add(1, std::memory_order_seq_cst);
     // A rank that registers as a sleeper after this load sees every arrival
     // (all seq_cst) before it waits, so skipping the system call is safe.
     if (header()->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(wake);
-    if (!passed) throw_given_up(what);
+    pass_barrier(epoch, what);  // the woken settle it alike, whoever writes first
     return;
   }
   if (spin_budget_ > Clock::duration::zero()) {
@@ -333,8 +333,8 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
       for (int i = 0; i < kPausesPerClockRead; ++i) {
         cpu_relax();
         if (!all_arrived(epoch)) continue;
-        if (settle_barrier(epoch, true)) return;
-        throw_given_up(what);
+        pass_barrier(epoch, what);
+        return;
       }
     } while (Clock::now() < spin_end);
   }
@@ -348,8 +348,8 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
   for (;;) {
     const uint32_t seen = wake->load(std::memory_order_seq_cst);
     if (all_arrived(epoch)) {
-      if (settle_barrier(epoch, true)) return;
-      throw_given_up(what);
+      pass_barrier(epoch, what);
+      return;
     }
     const auto now = Clock::now();
     if (now >= deadline) {

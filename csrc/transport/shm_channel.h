@@ -211,7 +211,9 @@ class ShmChannel {
   RankControl* control(int rank) const;
   bool all_arrived(uint64_t epoch) const;
   bool settle_barrier(uint64_t epoch, bool every_rank_arrived);
-  [[noreturn]] void throw_given_up(const std::string& what) const;
+  // Every rank arrived: settles the barrier as passed and returns, or throws
+  // PeerError naming the peer that settled it as failed first (at its deadline).
+  void pass_barrier(uint64_t epoch, const std::string& what);
   std::string missing_ranks(uint64_t epoch) const;
   // A rank that has not reached `epoch` and never will, said in words ("" if none).
   std::string gone_rank(uint64_t epoch) const;
