@@ -15,6 +15,7 @@ import queue
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
@@ -44,6 +45,20 @@ class _ParentFd:
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
         # Pickled while the rank starts, so the fd travels with its other fds to the server.
         return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def subprocess_env(drop: tuple[str, ...] = ("XDEV_",)) -> dict[str, str]:
+    """This process's environment for a child process (a script, torchrun), without the
+    variables whose names start with one of ``drop`` (by default xdev's options: each test sets
+    its own), and with the torch_xdev this process imported (an in-place build of the source
+    tree, or the installed one) first on PYTHONPATH, not whichever the child's script directory
+    would find."""
+    import torch_xdev
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
 
 
 def free_port() -> int:

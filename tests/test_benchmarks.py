@@ -24,6 +24,7 @@ import torch
 
 import torch_xdev
 from benchmark_modules import BENCHMARKS, load_benchmark
+from harness import subprocess_env
 
 # The ranks must import the torch_xdev this process tested (an in-place build or the installed
 # one); the scripts import their siblings from benchmarks/ (BENCHMARKS) of the source tree.
@@ -37,9 +38,8 @@ def run_benchmark(
     timeout: float = 300,
     extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env = subprocess_env()
     env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, *launcher, str(BENCHMARKS / script), *args]
     with subprocess.Popen(
         command,

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 import ddp_train  # noqa: E402  (examples/ is not a package)
-from harness import free_port  # noqa: E402
+from harness import free_port, subprocess_env  # noqa: E402
 
 WORLD_SIZE = 4
 STEPS = 10
@@ -203,12 +203,8 @@ def test_xdev_reports_native_allreduce(results: list[dict[str, dict[str, Any]]],
 
 @pytest.mark.slow
 def test_example_under_torchrun() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"
-    # The ranks must import the torch_xdev this process tested (an in-place build of the
-    # source tree, or the installed one), not whichever their script directory finds.
-    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     command = [
         sys.executable,
         "-m",

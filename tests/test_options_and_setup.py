@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch_xdev
 from torch_xdev import _C
 from torch_xdev.options import resolve_options
-from harness import run_ranks
+from harness import run_ranks, subprocess_env
 
 
 @pytest.mark.parametrize(
@@ -502,9 +502,7 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
     assert not torch_xdev.default_comm_mem(env, cuda_visible=False)
     assert env == {"DDP_DISABLE_COMM_MEM": "1"}
     # End to end: what `import torch_xdev` leaves in a fresh process's environment.
-    env = {k: v for k, v in os.environ.items() if k != "DDP_DISABLE_COMM_MEM"}
-    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env = subprocess_env(drop=("DDP_DISABLE_COMM_MEM",))
     code = "import os, torch_xdev; print(os.environ.get('DDP_DISABLE_COMM_MEM'))"
     # Run outside the checkout: `python -c` puts the working directory first on sys.path, and
     # the source tree has no compiled extension.

@@ -8,7 +8,6 @@ Sizes stay at or below 1 MiB: the simulation of large payloads is slower.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,10 +18,10 @@ import pytest
 
 import torch_xdev
 from torch_xdev import plan
+from harness import subprocess_env
 from topologies import DGX1_V100
 
-# The ranks of a subprocess must import the torch_xdev this process tested (an in-place build
-# of the source tree, or the installed one).
+# The directory holding the torch_xdev this process tested: the source tree for an in-place build.
 PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
 
 
@@ -33,8 +32,7 @@ ROW = re.compile(
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, "-m", "torch_xdev.plan", *args],
         cwd=PACKAGE_ROOT,  # the repository root for an in-place build

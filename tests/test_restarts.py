@@ -23,11 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import torch.distributed as dist
 
-import torch_xdev
-from harness import free_port, run_ranks
+import torch_xdev  # noqa: F401  (registers "xdev" for the ranks run_ranks starts)
+from harness import free_port, run_ranks, subprocess_env
 
 STEPS = 5
 WIDTH = 16
@@ -81,10 +80,8 @@ def _xdev_segments() -> set[str]:
 def test_a_restarted_attempt_trains_as_the_first_would(tmp_path: Path, rendezvous: str) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDEV_", "TORCHELASTIC_"))}
+    env = subprocess_env(drop=("XDEV_", "TORCHELASTIC_"))
     env["OMP_NUM_THREADS"] = "1"
-    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     # "static": torchrun's own store at a given port, its classic form; "standalone": the c10d
     # rendezvous on a free port. Each keeps one store for all attempts.
     where = (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,10 +21,10 @@ import pytest
 import torch_xdev
 from torch_xdev import plan, topology
 from torch_xdev._C import topology as _topology
+from harness import subprocess_env
 from topologies import DGX1_V100
 
-# The subprocesses must import the torch_xdev this process tested (an in-place build of the
-# source tree, or the installed one).
+# The directory holding the torch_xdev this process tested: the source tree for an in-place build.
 PACKAGE_ROOT = Path(torch_xdev.__file__).resolve().parents[1]
 
 Matrix = list[list[int]]
@@ -81,8 +80,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    env = subprocess_env()
     env.update(extra)
     return env
 

@@ -15,7 +15,6 @@ Last, two torchrun launchers on this machine, one per fake host, train the DDP e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 import torch_xdev
 from collective_cases import check_lent_memory_overlaps
-from harness import free_port, run_ranks
+from harness import free_port, run_ranks, subprocess_env
 
 # Elements per rank. 1531 spans many 4 KiB slots; up to there what a rank sends across hosts
 # rides in the exchange of calls, at 17011 (68 KB a block) it goes by Gloo.
@@ -338,12 +337,9 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path: Path) -> None:
     """`torchrun --nnodes 2`: two launchers, one per fake host, sharing a c10d rendezvous."""
     if shutil.which("torchrun") is None and not _has_module("torch.distributed.run"):
         pytest.skip("torchrun is not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XDEV_")}
+    env = subprocess_env()
     env["OMP_NUM_THREADS"] = "1"
     env["XDEV_CPU_MODEL"] = _slow_network_model(tmp_path)  # two levels at every size
-    # The ranks must import the torch_xdev this process tested.
-    package_root = str(Path(torch_xdev.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     endpoint = f"127.0.0.1:{free_port()}"
     launchers = []
     for node in range(2):
