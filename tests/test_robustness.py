@@ -6,8 +6,10 @@ import os
 import re
 import signal
 import stat
+import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import torch_xdev
+from torch_xdev._registration import _create_backend
 from harness import run_ranks, xdev_shm_mappings
 
 TIMEOUT_S = 3.0
@@ -330,3 +333,44 @@ def test_orphaned_segment_of_dead_creator_is_removed() -> None:
         for path in (ours, theirs):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _last_reference_dropped_in_an_engine_callback(rank: int, world: int) -> list[float]:
+    # A backend made as c10d makes it, held only here: destroy_process_group would shut it
+    # down on this thread first, and the test is about its last reference going elsewhere.
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=rank == 0)
+    options = SimpleNamespace(
+        group_id="dropped-in-callback",
+        group_rank=rank,
+        group_size=world,
+        store=store,
+        timeout=timedelta(seconds=60),
+    )
+    holder = [_create_backend(options, torch_xdev.Options(algorithm="fallback"))]
+    t = torch.full((4,), float(rank + 1))
+    work = holder[0].allreduce([t])  # Gloo runs it: algorithm='fallback'
+    ran_on: list[int] = []
+
+    def drop_the_group(_: torch.futures.Future[Any]) -> None:
+        ran_on.append(threading.get_ident())
+        holder.clear()  # the group's last reference
+
+    done = work.get_future().then(drop_the_group)
+    # Rank 0's allreduce cannot finish before rank 1 issues its own, which waits for this key:
+    # rank 0's callback runs on the Gloo thread that completes the allreduce.
+    store.set(f"attached/{rank}", "1")
+    if rank == 1:
+        store.wait(["attached/0"])
+    done.wait()
+    if rank == 0:
+        assert ran_on and ran_on[0] != threading.get_ident(), "the callback ran on this thread"
+    assert not holder
+    return t.tolist()
+
+
+def test_a_group_whose_last_reference_goes_in_a_callback_on_gloos_thread_shuts_down() -> None:
+    # Gloo's threads run the callbacks of the Works xdev hands it, and shutting a group down
+    # joins them: the callback's thread must not join itself (std::terminate, as a Gloo group
+    # alone does on torch 2.13).
+    for values in run_ranks(_last_reference_dropped_in_an_engine_callback, 2, timeout=120):
+        assert values == [3.0] * 4

@@ -3,12 +3,17 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "tensor_helpers.h"
 #include "uneven_all_gather.h"
 
 namespace xdev::backend {
 namespace {
+
+// The FallbackEngines whose engine runs this thread (a Gloo worker), as an
+// identity only: set by mark_engine_thread's callbacks, null elsewhere.
+thread_local const void* t_engine_thread_of = nullptr;
 
 template <typename Pred>
 bool all_of_entries(const std::vector<at::Tensor>& entries, Pred pred) {
@@ -284,6 +289,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
   // wait for. And asking the tracked ones whether they are done queries CUDA
   // events, which a capture forbids.
   if (capturing()) return work;
+  mark_engine_thread(work);
   std::lock_guard<std::mutex> lock(in_flight_mutex_);
   // Forget the finished ones now and then, so the list stays short.
   if (in_flight_.size() >= 64) {
@@ -295,6 +301,26 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
     in_flight_ = std::move(live);
   }
   in_flight_.emplace_back(work);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> FallbackEngines::mark_engine_thread(
+    const c10::intrusive_ptr<c10d::Work>& work) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const std::exception&) {
+    return work;  // a Work without a future runs no callbacks
+  }
+  if (!future) return work;
+  // Added before the caller sees the Work, so it runs before any of the
+  // caller's callbacks, on the thread that completes the Work; a Work already
+  // complete runs it here at once, which marks nothing.
+  const void* engines = this;
+  const std::thread::id issuer = std::this_thread::get_id();
+  future->addCallback([engines, issuer](c10::ivalue::Future&) {
+    if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
+  });
   return work;
 }
 
@@ -330,6 +356,17 @@ void FallbackEngines::wait_for(const WorkInFlight& works, transport::Clock::time
 void FallbackEngines::shutdown() {
   if (gloo_) gloo_->shutdown();
   if (nccl_) nccl_->shutdown();
+  if (t_engine_thread_of == this) {
+    // The group's last reference went in a callback of a Work an engine ran,
+    // on that engine's thread, which the engine's destructor joins: it would
+    // join itself (std::terminate). So the engines go on a thread of their
+    // own, which joins this one once its callback has returned.
+    std::thread([gloo = std::move(gloo_), nccl = std::move(nccl_)]() mutable {
+      gloo.reset();
+      nccl.reset();
+    }).detach();
+    return;
+  }
   gloo_.reset();
   nccl_.reset();
 }

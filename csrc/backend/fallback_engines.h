@@ -99,7 +99,13 @@ class FallbackEngines {
   // Remembers a Work handed to an engine until it is done, and returns it.
   // xdev's barrier waits for them, as Gloo's own barrier waits for its work in
   // progress.
+  // It also marks the engine's thread that completes it (mark_engine_thread).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // Returns `work` (an engine's, about to reach the caller) after adding a
+  // first callback to its future that marks the thread completing it as one of
+  // the engines': callbacks run there, and one of them may drop the group's
+  // last reference, whose shutdown() must not then join that thread.
+  c10::intrusive_ptr<c10d::Work> mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work);
   // The tracked Works, taken when a barrier is called: it waits for these
   // only, not for work handed to the engines after it (which may need a peer
   // that is itself in the barrier).
@@ -112,7 +118,9 @@ class FallbackEngines {
   // queued behind the barrier.
   static void wait_for(const WorkInFlight& works, transport::Clock::time_point deadline);
 
-  // Shuts the engines down and drops them (without the GIL: their destructors join threads).
+  // Shuts the engines down and drops them (without the GIL: their destructors
+  // join threads). On an engine's own thread (see mark_engine_thread) they
+  // are dropped on a thread of their own, which this call does not wait for.
   void shutdown();
 
  private:
