@@ -335,7 +335,7 @@ def test_orphaned_segment_of_dead_creator_is_removed() -> None:
                 os.unlink(path)
 
 
-def _last_reference_dropped_in_an_engine_callback(rank: int, world: int) -> list[float]:
+def _last_reference_dropped_in_a_callback(rank: int, world: int, algorithm: str) -> list[float]:
     # A backend made as c10d makes it, held only here: destroy_process_group would shut it
     # down on this thread first, and the test is about its last reference going elsewhere.
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=rank == 0)
@@ -346,9 +346,9 @@ def _last_reference_dropped_in_an_engine_callback(rank: int, world: int) -> list
         store=store,
         timeout=timedelta(seconds=60),
     )
-    holder = [_create_backend(options, torch_xdev.Options(algorithm="fallback"))]
+    holder = [_create_backend(options, torch_xdev.Options(algorithm=algorithm))]
     t = torch.full((4,), float(rank + 1))
-    work = holder[0].allreduce([t])  # Gloo runs it: algorithm='fallback'
+    work = holder[0].allreduce([t])
     ran_on: list[int] = []
 
     def drop_the_group(_: torch.futures.Future[Any]) -> None:
@@ -357,7 +357,7 @@ def _last_reference_dropped_in_an_engine_callback(rank: int, world: int) -> list
 
     done = work.get_future().then(drop_the_group)
     # Rank 0's allreduce cannot finish before rank 1 issues its own, which waits for this key:
-    # rank 0's callback runs on the Gloo thread that completes the allreduce.
+    # rank 0's callback runs on the thread that completes the allreduce.
     store.set(f"attached/{rank}", "1")
     if rank == 1:
         store.wait(["attached/0"])
@@ -368,9 +368,11 @@ def _last_reference_dropped_in_an_engine_callback(rank: int, world: int) -> list
     return t.tolist()
 
 
-def test_a_group_whose_last_reference_goes_in_a_callback_on_gloos_thread_shuts_down() -> None:
-    # Gloo's threads run the callbacks of the Works xdev hands it, and shutting a group down
-    # joins them: the callback's thread must not join itself (std::terminate, as a Gloo group
-    # alone does on torch 2.13).
-    for values in run_ranks(_last_reference_dropped_in_an_engine_callback, 2, timeout=120):
+@pytest.mark.parametrize("algorithm", ["fallback", "flat"])
+def test_a_group_whose_last_reference_goes_in_a_callback_shuts_down(algorithm: str) -> None:
+    # A Work's callbacks run on the thread that completes it: Gloo's (algorithm='fallback')
+    # or the group's worker (a native plan). Shutting the group down joins both, and the
+    # callback's thread must not join itself (std::terminate, as a Gloo group alone does on
+    # torch 2.13).
+    for values in run_ranks(_last_reference_dropped_in_a_callback, 2, algorithm, timeout=120):
         assert values == [3.0] * 4

@@ -355,6 +355,23 @@ c10::intrusive_ptr<c10d::Work> GroupContext::enqueue(c10d::OpType type, const ch
   return work;
 }
 
+namespace {
+
+// Drops a task's reference to its group's backend; where it is the last one,
+// on a new thread, since the backend's destructor joins the group's worker.
+// (A reference dropped elsewhere between the count and the drop can still
+// leave the last one here: a window of a few instructions.)
+struct LastReferenceElsewhere {
+  c10::intrusive_ptr<c10d::Backend> owner;
+  ~LastReferenceElsewhere() {
+    if (owner && owner.use_count() == 1) {
+      std::thread([last = std::move(owner)]() mutable { last.reset(); }).detach();
+    }
+  }
+};
+
+}  // namespace
+
 void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                                 bool async_op) {
   // Inside one of this group's tasks (a Work's callback): the queue lives
@@ -371,7 +388,17 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     work->place_callbacks_at_get_future(queue_->submitted_count());
   }
   if (!async_op) ++callers_waiting_;
-  auto task = [this, work, fn = std::move(fn), async_op] {
+  // The task holds the backend while it runs. A callback of its Work may drop
+  // the last other reference, and the backend's destructor joins the worker,
+  // which may be this task's thread: the task then drops the last reference
+  // on a thread of its own, as the very last thing it does. The caller holds
+  // a reference (c10d calls through one, and a nested call's task holds one),
+  // so the backend is alive here.
+  c10::intrusive_ptr<c10d::Backend> owner;
+  if (owner_ != nullptr)
+    owner = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(owner_);
+  auto task = [this, work, fn = std::move(fn), async_op, owner = std::move(owner)]() mutable {
+    const LastReferenceElsewhere release{std::move(owner)};  // destroyed after everything below
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
     });

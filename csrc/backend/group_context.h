@@ -10,6 +10,7 @@
 // to the context; none of them reaches into another.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -173,6 +174,10 @@ class GroupContext {
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                     bool async_op);
+  // The backend that owns this context, set at the end of its constructor
+  // (a task enqueued before then holds no reference: nothing owns the backend
+  // yet). Every task enqueued after holds one while it runs (enqueue_work).
+  void set_owner(c10d::Backend* owner) { owner_ = owner; }
   // Runs what is queued, then joins the worker; later enqueues throw. Returns
   // false when it had already stopped.
   bool stop_queue();
@@ -246,6 +251,7 @@ class GroupContext {
   // queue_ as it was made, only compared with WorkQueue::running_on_this_thread()
   // (non-const: run_nested, which only a task of that queue calls).
   WorkQueue* queue_address_ = nullptr;
+  c10d::Backend* owner_ = nullptr;  // see set_owner
 };
 
 }  // namespace xdev::backend

@@ -57,6 +57,8 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                  plan::to_string(small.algorithm), small.reason.c_str(),
                  plan::to_string(large.algorithm), large.reason.c_str(), fallback_name().c_str());
   }
+  // Last: no task may take a reference before anything owns the backend.
+  group_.set_owner(this);
 }
 
 XdevBackend::~XdevBackend() {
