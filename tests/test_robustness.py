@@ -348,19 +348,19 @@ def _last_reference_dropped_in_a_callback(rank: int, world: int, algorithm: str)
     )
     holder = [_create_backend(options, torch_xdev.Options(algorithm=algorithm))]
     t = torch.full((4,), float(rank + 1))
-    work = holder[0].allreduce([t])
     ran_on: list[int] = []
 
     def drop_the_group(_: torch.futures.Future[Any]) -> None:
         ran_on.append(threading.get_ident())
         holder.clear()  # the group's last reference
 
-    done = work.get_future().then(drop_the_group)
-    # Rank 0's allreduce cannot finish before rank 1 issues its own, which waits for this key:
-    # rank 0's callback runs on the thread that completes the allreduce.
-    store.set(f"attached/{rank}", "1")
+    # Rank 1 issues its allreduce only once rank 0 has attached its callback, so rank 0's
+    # allreduce finishes after that: its callback runs on the thread that completes it.
     if rank == 1:
         store.wait(["attached/0"])
+    work = holder[0].allreduce([t])
+    done = work.get_future().then(drop_the_group)
+    store.set(f"attached/{rank}", "1")
     done.wait()
     if rank == 0:
         assert ran_on and ran_on[0] != threading.get_ident(), "the callback ran on this thread"

@@ -304,24 +304,26 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> FallbackEngines::mark_engine_thread(
-    const c10::intrusive_ptr<c10d::Work>& work) {
+void FallbackEngines::mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
     future = work->getFuture();
   } catch (const std::exception&) {
-    return work;  // a Work without a future runs no callbacks
+    return;  // a Work without a future runs no callbacks
   }
-  if (!future) return work;
+  if (!future) return;
   // Added before the caller sees the Work, so it runs before any of the
   // caller's callbacks, on the thread that completes the Work; a Work already
   // complete runs it here at once, which marks nothing.
   const void* engines = this;
   const std::thread::id issuer = std::this_thread::get_id();
-  future->addCallback([engines, issuer](c10::ivalue::Future&) {
-    if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
-  });
-  return work;
+  // uses_future false: the callback reads nothing of the result, so a CUDA
+  // future needs no stream synchronized for it.
+  future->addCallback(
+      [engines, issuer](c10::ivalue::Future&) {
+        if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
+      },
+      /*uses_future=*/false);
 }
 
 FallbackEngines::WorkInFlight FallbackEngines::take_work_in_flight() {

@@ -101,11 +101,6 @@ class FallbackEngines {
   // progress.
   // It also marks the engine's thread that completes it (mark_engine_thread).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // Returns `work` (an engine's, about to reach the caller) after adding a
-  // first callback to its future that marks the thread completing it as one of
-  // the engines': callbacks run there, and one of them may drop the group's
-  // last reference, whose shutdown() must not then join that thread.
-  c10::intrusive_ptr<c10d::Work> mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work);
   // The tracked Works, taken when a barrier is called: it waits for these
   // only, not for work handed to the engines after it (which may need a peer
   // that is itself in the barrier).
@@ -124,6 +119,11 @@ class FallbackEngines {
   void shutdown();
 
  private:
+  // Adds a first callback to the future of `work` (an engine's, about to
+  // reach the caller) that marks the thread completing it as one of the
+  // engines': callbacks run there, and one of them may drop the group's last
+  // reference, whose shutdown() must not then join that thread.
+  void mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work);
   // Throws where the current stream of `device` is capturing a CUDA graph:
   // for a call that would go to Gloo.
   void refuse_gloo_during_capture(int device) const;

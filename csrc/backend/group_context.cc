@@ -355,23 +355,6 @@ c10::intrusive_ptr<c10d::Work> GroupContext::enqueue(c10d::OpType type, const ch
   return work;
 }
 
-namespace {
-
-// Drops a task's reference to its group's backend; where it is the last one,
-// on a new thread, since the backend's destructor joins the group's worker.
-// (A reference dropped elsewhere between the count and the drop can still
-// leave the last one here: a window of a few instructions.)
-struct LastReferenceElsewhere {
-  c10::intrusive_ptr<c10d::Backend> owner;
-  ~LastReferenceElsewhere() {
-    if (owner && owner.use_count() == 1) {
-      std::thread([last = std::move(owner)]() mutable { last.reset(); }).detach();
-    }
-  }
-};
-
-}  // namespace
-
 void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                                 bool async_op) {
   // Inside one of this group's tasks (a Work's callback): the queue lives
@@ -388,17 +371,17 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     work->place_callbacks_at_get_future(queue_->submitted_count());
   }
   if (!async_op) ++callers_waiting_;
-  // The task holds the backend while it runs. A callback of its Work may drop
-  // the last other reference, and the backend's destructor joins the worker,
-  // which may be this task's thread: the task then drops the last reference
-  // on a thread of its own, as the very last thing it does. The caller holds
-  // a reference (c10d calls through one, and a nested call's task holds one),
-  // so the backend is alive here.
+  // The task holds the backend while it runs, and drops it as the last thing
+  // it does: a callback of its Work may drop every other reference, and the
+  // backend must not go in the middle of the task. Where the task's is the
+  // last, the destructor runs there, on the worker (see stop_queue). The
+  // caller holds a reference (c10d calls through one, and a nested call's
+  // task holds one), so the backend is alive here.
   c10::intrusive_ptr<c10d::Backend> owner;
   if (owner_ != nullptr)
     owner = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(owner_);
   auto task = [this, work, fn = std::move(fn), async_op, owner = std::move(owner)]() mutable {
-    const LastReferenceElsewhere release{std::move(owner)};  // destroyed after everything below
+    const c10::intrusive_ptr<c10d::Backend> held = std::move(owner);  // destroyed last
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
     });
@@ -449,19 +432,28 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
   }
 }
 
-bool GroupContext::stop_queue() {
-  if (queue_address_ != nullptr && WorkQueue::running_on_this_thread() == queue_address_) {
-    throw std::runtime_error(
-        "xdev: a process group cannot be destroyed from a callback of its own Work (callbacks "
-        "run on the group's worker thread, which destroying the group must join): destroy it "
-        "from another thread, once its Works are done");
-  }
+bool GroupContext::stop_queue(bool last_reference) {
+  const bool on_worker =
+      queue_address_ != nullptr && WorkQueue::running_on_this_thread() == queue_address_;
   std::unique_ptr<WorkQueue> queue;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (!queue_) return false;
+    if (on_worker && !last_reference) {
+      throw std::runtime_error(
+          "xdev: a process group cannot be destroyed from a callback of its own Work (callbacks "
+          "run on the group's worker thread, which destroying the group must join): destroy it "
+          "from another thread, once its Works are done");
+    }
     queue = std::move(queue_);
   }
-  if (!queue) return false;
+  if (on_worker) {
+    // The task that held the last reference is ending on this thread (see
+    // enqueue_work), and nothing is queued behind it: every queued task holds
+    // a reference. A thread of its own joins this one once the task returns.
+    std::thread([done = std::move(queue)]() mutable { done.reset(); }).detach();
+    return true;
+  }
   queue.reset();  // runs what is queued, then joins the worker
   return true;
 }

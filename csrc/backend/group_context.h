@@ -179,8 +179,10 @@ class GroupContext {
   // yet). Every task enqueued after holds one while it runs (enqueue_work).
   void set_owner(c10d::Backend* owner) { owner_ = owner; }
   // Runs what is queued, then joins the worker; later enqueues throw. Returns
-  // false when it had already stopped.
-  bool stop_queue();
+  // false when it had already stopped. Throws on the worker itself (a Work's
+  // callback), unless `last_reference`: the backend's destructor, there at
+  // the end of a task that held the last reference.
+  bool stop_queue(bool last_reference = false);
   // Frees the shared-memory channel (after stop_queue and after every user of it).
   void close_channel() {
     mark_left();

@@ -82,13 +82,16 @@ bool WorkQueue::run_inline_or_submit(std::function<void()> task) {
   // Tasks report their errors through their Work; should one throw all the
   // same, the queue must not stay busy (every later task would wait forever).
   auto done = c10::make_scope_exit([this] {
-    std::lock_guard<std::mutex> lock(mutex_);
-    busy_ = false;
+    bool worker_has_news = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+      worker_has_news = !tasks_.empty() || stopping_;
+    }
     // Wake the worker only if it has something to do now: a needless notify
     // still costs a system call and a wake-up of the worker thread, which on
     // every synchronous call takes a core from the ranks at their barriers.
-    // Under the lock: once it is released, a stopping queue may be destroyed.
-    if (!tasks_.empty() || stopping_) cv_.notify_one();
+    if (worker_has_news) cv_.notify_one();
   });
   RunningTask running(this);
   task();

@@ -62,16 +62,20 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
 }
 
 XdevBackend::~XdevBackend() {
-  shutdown();
+  shut_down(/*last_reference=*/true);
 }
 
 void XdevBackend::shutdown() {
+  shut_down(/*last_reference=*/false);
+}
+
+void XdevBackend::shut_down(bool last_reference) {
   // Joining the worker and destroying Gloo wait on threads that may need the
   // GIL (to free tensors); never hold it while waiting for them.
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
-  if (!group_.stop_queue()) return;  // already shut down
-  if (cuda_) cuda_->shutdown();      // its last barrier still needs the channel
+  if (!group_.stop_queue(last_reference)) return;  // already shut down
+  if (cuda_) cuda_->shutdown();                    // its last barrier still needs the channel
   cpu_.reset();
   two_level_gather_scatter_.reset();  // runs the reduce-scatter's leader form on two_level_
   two_level_.reset();

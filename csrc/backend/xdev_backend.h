@@ -190,6 +190,9 @@ class XdevBackend : public c10d::Backend {
   std::string cuda_fallback_name() const { return fallbacks_.cuda_name(); }
 
  private:
+  // shutdown(), and the destructor's (`last_reference`), which may run on the
+  // group's worker at the end of a task that held the last reference.
+  void shut_down(bool last_reference);
   // A CUDA call on a stream that is capturing a CUDA graph goes to the engine
   // (CudaCollectives::stream_refusal): turns transport_available off, with why.
   void refuse_during_capture(int device, bool& transport_available, std::string& note) const {

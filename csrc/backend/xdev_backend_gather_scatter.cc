@@ -421,20 +421,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& ou
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                  int tag) {
-  return fallbacks_.mark_engine_thread(
-      fallbacks_.for_point_to_point(tensors)->send(tensors, dst_rank, tag));
+  return fallbacks_.for_point_to_point(tensors)->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                  int tag) {
-  return fallbacks_.mark_engine_thread(
-      fallbacks_.for_point_to_point(tensors)->recv(tensors, src_rank, tag));
+  return fallbacks_.for_point_to_point(tensors)->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                           int tag) {
-  return fallbacks_.mark_engine_thread(
-      fallbacks_.for_point_to_point(tensors)->recvAnysource(tensors, tag));
+  return fallbacks_.for_point_to_point(tensors)->recvAnysource(tensors, tag);
 }
 
 }  // namespace xdev::backend

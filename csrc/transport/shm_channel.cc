@@ -285,14 +285,17 @@ bool ShmChannel::settle_barrier(uint64_t epoch, bool every_rank_arrived) {
   const uint64_t mine =
       epoch * kOutcomeRanks + (every_rank_arrived ? 0 : 1 + static_cast<uint64_t>(rank_));
   uint64_t seen = outcome.load(std::memory_order_seq_cst);
-  // No rank passes this epoch before it settles, and none reaches the next
-  // before passing it, so the word holds this epoch or an earlier one.
+  // No rank passes this epoch before it settles, so the word holds an earlier
+  // epoch until then.
   while (seen / kOutcomeRanks < epoch) {
     if (outcome.compare_exchange_weak(seen, mine, std::memory_order_seq_cst)) {
       return every_rank_arrived;
     }
   }
-  return seen % kOutcomeRanks == 0;
+  // A later epoch: the others passed this one and went on while this rank
+  // stalled after seeing every arrival (a failed barrier leaves the group
+  // unusable, so none goes on past one).
+  return seen / kOutcomeRanks > epoch || seen % kOutcomeRanks == 0;
 }
 
 void ShmChannel::pass_barrier(uint64_t epoch, const std::string& what) {
