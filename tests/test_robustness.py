@@ -116,7 +116,6 @@ def _mismatch(rank: int, world: int) -> None:
         torch.ones(10 + rank),  # shape
         torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64),  # dtype
         torch.ones(0 if rank == 0 else 5),  # empty on one rank only
-        torch.ones(4, 5) if rank == 0 else torch.ones(5, 4),  # same numel, other shape
     ]
     for t in cases:
         with pytest.raises(dist.DistBackendError, match="mismatched collectives"):
@@ -127,6 +126,25 @@ def _mismatch(rank: int, world: int) -> None:
         assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         dist.all_reduce(torch.ones(8), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+    # Shapes may differ where the element counts agree, as on Gloo and NCCL.
+    shape = (6,) if rank == 0 else (2, 3)
+    summed = torch.arange(6.0).reshape(shape)
+    dist.all_reduce(summed)
+    assert torch.equal(summed.reshape(-1), torch.arange(6.0) * world)
+    sent = torch.arange(6.0).reshape(shape) if rank == 0 else torch.zeros(shape)
+    dist.broadcast(sent, src=0)
+    assert torch.equal(sent.reshape(-1), torch.arange(6.0))
+    gathered = torch.zeros((world,) + shape)
+    dist.all_gather_into_tensor(gathered, torch.full(shape, float(rank)))
+    for j in range(world):
+        assert torch.equal(gathered[j].reshape(-1), torch.full((6,), float(j))), j
+    listed = [torch.zeros(shape) for _ in range(world)]
+    dist.all_gather(listed, torch.full(shape, float(rank)))
+    for j, got in enumerate(listed):
+        assert torch.equal(got.reshape(-1), torch.full((6,), float(j))), j
+    scattered = torch.zeros(shape)
+    dist.reduce_scatter_tensor(scattered, torch.ones((world,) + shape))
+    assert torch.equal(scattered.reshape(-1), torch.full((6,), float(world)))
     # Coalesced lists of two dtypes on one rank, one dtype on the other: every rank stops at
     # the first dtype's collective, and none has numbered the second, so later calls still
     # line up.

@@ -31,7 +31,7 @@ std::vector<DtypeAllreduce> prepare_allreduce(const GroupContext& group,
                                               const std::vector<at::Tensor>& tensors,
                                               kernels::ReduceOp op, const plan::Selection& sel,
                                               bool packed) {
-  const uint64_t hash = shape_hash(tensors);
+  const uint64_t hash = counts_hash(tensors);
   const plan::PackingOptions packing = packing_for(group.config(), sel);
   std::vector<DtypeAllreduce> calls;
   for (plan::DtypeGroup& g : group_by_scalar_type(tensors)) {
@@ -47,7 +47,7 @@ std::vector<DtypeAllreduce> prepare_allreduce(const GroupContext& group,
     d.num_packs = static_cast<int64_t>(call.packs.size());
     d.num_tensors = static_cast<int64_t>(tensors.size());
     d.total_elems = g.layout.total();
-    d.shape_hash = hash;
+    d.counts_hash = hash;
     call.group = std::move(g);
     calls.push_back(std::move(call));
   }

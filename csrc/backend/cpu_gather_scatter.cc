@@ -116,7 +116,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::reduce_scatter_list(
         const std::vector<at::Tensor> out = contiguous(outputs);
         if (uneven) {
           run_uneven(plan::GatherScatterKind::kReduceScatter, full[0], out[0], sizes[0],
-                     shape_hash(inputs[0]), op, timeout);
+                     counts_hash(inputs[0]), op, timeout);
         } else {
           run_reduce_scatter(out, full, op, timeout, plan::GatherScatterSelection{});
         }
@@ -152,7 +152,7 @@ c10::intrusive_ptr<c10d::Work> CpuGatherScatter::all_gather_list(
         const std::vector<at::Tensor> in = contiguous(inputs);
         if (uneven) {
           run_uneven(plan::GatherScatterKind::kAllGather, full[0], in[0], sizes[0],
-                     shape_hash(outputs[0]), kernels::ReduceOp::kSum, timeout);
+                     counts_hash(outputs[0]), kernels::ReduceOp::kSum, timeout);
         } else {
           run_all_gather(full, in, timeout, plan::GatherScatterSelection{});
         }
@@ -204,7 +204,7 @@ void CpuGatherScatter::run_uneven(plan::GatherScatterKind kind, const at::Tensor
   d.dtype = static_cast<int32_t>(req.dtype);
   d.num_tensors = static_cast<int64_t>(sizes.size());  // the list: one tensor per rank
   d.total_elems = start;
-  d.shape_hash = list_hash;
+  d.counts_hash = list_hash;
   req.ctx = group_.make_context(d, reduce_scatter ? "reduce_scatter" : "all_gather",
                                 group_.deadline_for(timeout));
   executor_->run(req);
@@ -220,7 +220,7 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
     return;
   }
   const auto deadline = group_.deadline_for(timeout);
-  const uint64_t hash = shape_hash(concat(outputs, inputs));
+  const uint64_t hash = counts_hash(concat(outputs, inputs));
   const int64_t slot_bytes = group_.config().shm_slot_bytes;
   // One collective per dtype, in order of first appearance: the same on every rank.
   for (const plan::DtypeGroup& g : group_by_scalar_type(outputs)) {
@@ -246,7 +246,7 @@ void CpuGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& outputs
     d.dtype = static_cast<int32_t>(req.dtype);
     d.num_tensors = static_cast<int64_t>(outputs.size());
     d.total_elems = g.layout.total();
-    d.shape_hash = hash;
+    d.counts_hash = hash;
     req.ctx = group_.make_context(d, "reduce_scatter", deadline);
     run_request(req, inputs[g.tensor_indices[0]], "reduce_scatter", how.in_place);
   }
@@ -281,7 +281,7 @@ void CpuGatherScatter::run_all_gather(const std::vector<at::Tensor>& outputs,
   d.dtype = static_cast<int32_t>(kernels::DType::kUInt8);
   d.num_tensors = static_cast<int64_t>(inputs.size());
   d.total_elems = layout.total();
-  d.shape_hash = shape_hash(concat(outputs, inputs));
+  d.counts_hash = counts_hash(concat(outputs, inputs));
   req.ctx = group_.make_context(d, "all_gather", group_.deadline_for(timeout));
   run_request(req, outputs[0], "all_gather", how.in_place);
 }

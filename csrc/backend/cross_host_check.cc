@@ -29,7 +29,7 @@ std::vector<int64_t> fields_of(const transport::OpDescriptor& d, int64_t payload
           d.root,
           d.num_tensors,
           d.total_elems,
-          static_cast<int64_t>(d.shape_hash),
+          static_cast<int64_t>(d.counts_hash),
           d.num_packs,
           payload_bytes};
 }
@@ -42,7 +42,7 @@ transport::OpDescriptor from_fields(const int64_t* f) {
   d.root = f[3];
   d.num_tensors = f[4];
   d.total_elems = f[5];
-  d.shape_hash = static_cast<uint64_t>(f[6]);
+  d.counts_hash = static_cast<uint64_t>(f[6]);
   d.num_packs = f[7];
   d.algorithm = static_cast<int32_t>(plan::Algorithm::kFlat);  // how describe() names two levels
   return d;

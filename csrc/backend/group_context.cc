@@ -332,7 +332,7 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
       s = "unknown collective";
   }
   return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " + std::to_string(d.total_elems) +
-         " element(s), shape hash " + std::to_string(d.shape_hash % 100000) + " (op #" +
+         " element(s), element counts hash " + std::to_string(d.counts_hash % 100000) + " (op #" +
          std::to_string(d.seq) + ")";
 }
 

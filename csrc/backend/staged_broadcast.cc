@@ -23,7 +23,7 @@ void staged_broadcast(GroupContext& group, transport::ShmExecutor& executor, int
   desc.root = root;
   desc.num_tensors = static_cast<int64_t>(flat.size());
   desc.total_elems = layout.total();
-  desc.shape_hash = shape_hash(tensors);
+  desc.counts_hash = counts_hash(tensors);
   req.ctx = group.make_context(desc, name, deadline);
   executor.run(req);
   copy_back(flat, tensors);

@@ -64,7 +64,7 @@ std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op) {
   }
 }
 
-uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
+uint64_t counts_hash(const std::vector<at::Tensor>& tensors) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint64_t v) {
     for (int i = 0; i < 8; ++i) {
@@ -74,8 +74,7 @@ uint64_t shape_hash(const std::vector<at::Tensor>& tensors) {
   };
   for (const at::Tensor& t : tensors) {
     mix(static_cast<uint64_t>(t.scalar_type()));
-    mix(static_cast<uint64_t>(t.dim()));
-    for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
+    mix(static_cast<uint64_t>(t.numel()));
   }
   return h;
 }

@@ -25,9 +25,11 @@ std::vector<plan::DtypeGroup> group_by_scalar_type(const std::vector<at::Tensor>
 // The kernels' op for a c10d op; nullopt for ops without a native kernel.
 std::optional<kernels::ReduceOp> native_op(const c10d::ReduceOp& op);
 
-// FNV-1a over every tensor's dtype and sizes: two ranks with equal hashes
-// almost surely pass the same shapes, and a mismatch is caught on all ranks.
-uint64_t shape_hash(const std::vector<at::Tensor>& tensors);
+// FNV-1a over every tensor's dtype and element count: two ranks with equal
+// hashes almost surely pass tensors that pair up, and a mismatch is caught on
+// all ranks. Not their shapes: as on Gloo and NCCL, a (6,) tensor pairs with
+// a (2, 3) one.
+uint64_t counts_hash(const std::vector<at::Tensor>& tensors);
 
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors);
 

@@ -145,7 +145,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelAllreduce::allreduce(std::vector<at::Tens
         call.dtype = static_cast<int32_t>(*native_dtype(tensors[0].scalar_type()));
         call.num_tensors = static_cast<int64_t>(tensors.size());
         for (const at::Tensor& t : tensors) call.total_elems += t.numel();
-        call.shape_hash = shape_hash(tensors);
+        call.counts_hash = counts_hash(tensors);
         const auto run_form = [&](const at::Tensor& flat, const SharedPlacement& placement) {
           if (leader) {
             run_leader(flat, op, call, deadline, placement, kAllreduceName);
@@ -356,7 +356,7 @@ void TwoLevelAllreduce::run_in_host(plan::GatherScatterKind kind, const at::Tens
   d.total_elems = reduce_scatter ? call.total_elems : call.total_elems * flat.element_size();
   d.num_packs = call.num_packs;
   d.num_tensors = call.num_tensors;
-  d.shape_hash = call.shape_hash;
+  d.counts_hash = call.counts_hash;
   const std::string step = reduce_scatter ? " (reduce-scatter" : " (all-gather";
   req.ctx = group_.make_context(d, (what + step + where_).c_str(), deadline);
   req.after_check = std::move(after_check);

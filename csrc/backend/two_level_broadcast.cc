@@ -49,7 +49,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
         call.root = root;
         call.num_tensors = static_cast<int64_t>(flat.size());
         call.total_elems = layout.total();
-        call.shape_hash = shape_hash(tensors);
+        call.counts_hash = counts_hash(tensors);
         const int root_host = group_.rank_hosts()[static_cast<size_t>(root)];
         // Local rank 0 of every host crosses, whatever the root: the same
         // rank on every host, so that hosts whose calls name different roots
@@ -69,7 +69,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
           here.root = call.root;
           here.num_tensors = call.num_tensors;
           here.total_elems = call.total_elems;
-          here.shape_hash = call.shape_hash;
+          here.counts_hash = call.counts_hash;
           group_.host_channel()->open_collective(
               group_.make_context(here, what_.c_str(), deadline));
           if (group_.host_index() == root_host && root_local != 0) {

@@ -74,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather(std::vector<at:
         lend_copies_of_overlapping_inputs(in, outputs, group_.rank());
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
-        run_all_gather(out, in, leader, group_.deadline_for(timeout), shape_hash(all));
+        run_all_gather(out, in, leader, group_.deadline_for(timeout), counts_hash(all));
         copy_back(out, outputs);
       },
       async_op);
@@ -95,7 +95,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter(
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), inputs.begin(), inputs.end());
         run_reduce_scatter(out, contiguous(inputs), op, leader, group_.deadline_for(timeout),
-                           shape_hash(all));
+                           counts_hash(all));
         copy_back(out, outputs);
       },
       async_op);
@@ -122,7 +122,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::all_gather_list(
         const std::vector<at::Tensor> in = contiguous(inputs);
         std::vector<at::Tensor> all = full;
         all.insert(all.end(), in.begin(), in.end());
-        run_all_gather(full, in, leader, group_.deadline_for(timeout), shape_hash(all));
+        run_all_gather(full, in, leader, group_.deadline_for(timeout), counts_hash(all));
         for (size_t i = 0; i < outputs.size(); ++i) unpack_into(full[i], outputs[i]);
       },
       async_op);
@@ -153,7 +153,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelGatherScatter::reduce_scatter_list(
         const std::vector<at::Tensor> out = contiguous(outputs);
         std::vector<at::Tensor> all = out;
         all.insert(all.end(), full.begin(), full.end());
-        run_reduce_scatter(out, full, op, leader, group_.deadline_for(timeout), shape_hash(all));
+        run_reduce_scatter(out, full, op, leader, group_.deadline_for(timeout), counts_hash(all));
         copy_back(out, outputs);
       },
       async_op);
@@ -166,7 +166,7 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
   call.collective = static_cast<int32_t>(Collective::kAllGather);
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel() * t.element_size();
-  call.shape_hash = hash;
+  call.counts_hash = hash;
   std::vector<at::Tensor> full;  // host-major
   for (const at::Tensor& t : outputs) {
     full.push_back(host_major_ranks_.defined() ? at::empty_like(t) : t);
@@ -303,7 +303,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
   call.dtype = static_cast<int32_t>(*native_dtype(inputs[0].scalar_type()));
   call.num_tensors = static_cast<int64_t>(inputs.size());
   for (const at::Tensor& t : inputs) call.total_elems += t.numel();
-  call.shape_hash = hash;
+  call.counts_hash = hash;
   if (leader) {
     // The allreduce's leader form on a copy of the whole input, every
     // tensor's in rank order (so whichever host holds a rank), of which this
@@ -413,7 +413,7 @@ void TwoLevelGatherScatter::run_in_host(
   d.dtype = static_cast<int32_t>(dtype);
   d.num_tensors = static_cast<int64_t>(full.size());
   d.total_elems = layout.total();
-  d.shape_hash = hash;
+  d.counts_hash = hash;
   req.ctx = group_.make_context(
       d, reduce_scatter ? what_reduce_scatter_.c_str() : what_all_gather_.c_str(), deadline);
   req.after_check = std::move(after_check);

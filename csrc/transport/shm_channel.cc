@@ -97,7 +97,7 @@ bool OpDescriptor::operator==(const OpDescriptor& o) const {
          dtype == o.dtype && algorithm == o.algorithm && single_copy == o.single_copy &&
          device == o.device && root == o.root && num_packs == o.num_packs &&
          num_tensors == o.num_tensors && total_elems == o.total_elems &&
-         shape_hash == o.shape_hash && shared_buffer == o.shared_buffer &&
+         counts_hash == o.counts_hash && shared_buffer == o.shared_buffer &&
          shared_offset == o.shared_offset;
 }
 
@@ -110,7 +110,7 @@ uint32_t call_hash(const OpDescriptor& d) {
   for (const int64_t v : {static_cast<int64_t>(d.seq), int64_t{d.collective}, int64_t{d.reduce_op},
                           int64_t{d.dtype}, int64_t{d.algorithm}, int64_t{d.single_copy},
                           int64_t{d.device}, d.root, d.num_packs, d.num_tensors, d.total_elems,
-                          static_cast<int64_t>(d.shape_hash), d.shared_buffer, d.shared_offset}) {
+                          static_cast<int64_t>(d.counts_hash), d.shared_buffer, d.shared_offset}) {
     mix(static_cast<uint64_t>(v));
   }
   return static_cast<uint32_t>(h ^ (h >> 32));

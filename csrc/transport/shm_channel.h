@@ -51,7 +51,7 @@ struct OpDescriptor {
   int64_t num_packs = 0;
   int64_t num_tensors = 0;
   int64_t total_elems = 0;
-  uint64_t shape_hash = 0;
+  uint64_t counts_hash = 0;    // of every tensor's dtype and element count
   int64_t shared_buffer = -1;  // the shared buffer the tensor is in (shared_empty), or -1
   int64_t shared_offset = 0;   // and its byte offset there
   // Where the tensor lies in this rank's symmetric heap (arena -1: not there).

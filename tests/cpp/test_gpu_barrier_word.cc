@@ -285,7 +285,7 @@ TEST(call_hash_covers_exactly_the_compared_fields) {
   a.reduce_op = 2;
   a.dtype = 3;
   a.total_elems = 1000;
-  a.shape_hash = 0xfeedu;
+  a.counts_hash = 0xfeedu;
   CHECK_EQ(call_hash(a), call_hash(a));
   // Where each rank's tensor lies in its heap is not compared (ranks may differ), nor hashed.
   OpDescriptor placed = a;
@@ -310,7 +310,7 @@ TEST(call_hash_covers_exactly_the_compared_fields) {
   CHECK(differs([](OpDescriptor& d) { d.num_packs += 1; }));
   CHECK(differs([](OpDescriptor& d) { d.num_tensors += 1; }));
   CHECK(differs([](OpDescriptor& d) { d.total_elems += 1; }));
-  CHECK(differs([](OpDescriptor& d) { d.shape_hash += 1; }));
+  CHECK(differs([](OpDescriptor& d) { d.counts_hash += 1; }));
   CHECK(differs([](OpDescriptor& d) { d.shared_buffer += 1; }));
   CHECK(differs([](OpDescriptor& d) { d.shared_offset += 1; }));
 }

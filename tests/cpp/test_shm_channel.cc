@@ -178,7 +178,7 @@ const std::vector<std::function<void(OpDescriptor&)>>& field_changes() {
       [](OpDescriptor& d) { d.single_copy = 1; },    [](OpDescriptor& d) { d.device = 1; },
       [](OpDescriptor& d) { d.root = 1; },           [](OpDescriptor& d) { d.num_packs = 2; },
       [](OpDescriptor& d) { d.num_tensors = 2; },    [](OpDescriptor& d) { d.total_elems = 999; },
-      [](OpDescriptor& d) { d.shape_hash = 77; },    [](OpDescriptor& d) { d.shared_buffer = 0; },
+      [](OpDescriptor& d) { d.counts_hash = 77; },   [](OpDescriptor& d) { d.shared_buffer = 0; },
       [](OpDescriptor& d) { d.shared_offset = 64; },
   };
   return changes;

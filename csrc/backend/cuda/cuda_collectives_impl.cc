@@ -442,7 +442,7 @@ class CudaCollectivesImpl : public CudaCollectives {
     d.total_elems = block_units;
     std::vector<at::Tensor> shapes = full;
     shapes.push_back(block);
-    d.shape_hash = shape_hash(shapes);
+    d.counts_hash = counts_hash(shapes);
     d.device = 1;
     transport::CudaPlanKey key;
     key.collective = reduce_scatter ? transport::CudaPlanKey::kReduceScatter
