@@ -13,6 +13,7 @@ that fits one staging window is staged too: in place would cost a closing barrie
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, cast
 
 import pytest
@@ -152,3 +153,29 @@ def test_fsdp2_without_group_allocated_buffers_stages(capfd: pytest.CaptureFixtu
     assert "all_gather on CPU tensors -> native" in err, err
     for name in ("reduce_scatter", "all_gather"):
         assert _ranks_logging(IN_PLACE[name], err) == set(), err
+
+
+def _freed_once_waited(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    block = 1024
+    for i in range(10):
+        out = _heap_tensor(world * block)
+        lent = torch.full((block,), float(rank + i))
+        lent_alive = weakref.ref(lent)  # alive while anything, Python or C++, holds the tensor
+        work = dist.all_gather_into_tensor(out, lent, async_op=True)
+        del lent  # the call holds its last reference now
+        assert work is not None
+        work.wait()
+        # wait() returns once the group's worker has let go of the call's tensors. It used to
+        # let go after waking the waiter, and a tensor whose Python object lives on needs the
+        # GIL to go, which this thread holds once wait() returns: so what a rank dropped after
+        # wait() went a moment later on one rank than on another, and its peers' next heap
+        # allocations landed elsewhere.
+        assert lent_alive() is None, i
+        want = torch.arange(world, dtype=torch.float32).repeat_interleave(block) + i
+        assert torch.equal(out, want), i
+    dist.destroy_process_group()
+
+
+def test_the_worker_lets_go_of_a_calls_tensors_before_wait_returns() -> None:
+    run_ranks(_freed_once_waited, 2)

@@ -385,6 +385,14 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
     });
+    // The Work's waiters return once this task has let go of the call (see
+    // TaskRelease): its tensors, in the body, and its Work, moved out of the
+    // lambda so that they go before the waiters hear of it.
+    const std::shared_ptr<TaskRelease> release = work->task_release();
+    release->running_on_this_thread();
+    auto tell_waiters = c10::make_scope_exit([&release] { release->released(); });
+    const c10::intrusive_ptr<XdevWork> this_work = std::move(work);
+    const std::function<void()> body = std::move(fn);
     // Whoever waits behind this collective is blocked, so its core is free.
     const bool a_caller_waits = !async_op || callers_waiting_.load() > 0;
     for (transport::ShmChannel* channel : {channel_.get(), host_channel_.get()}) {
@@ -394,8 +402,8 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
       }
     }
     if (!poisoned_.empty()) {
-      work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
-                               poisoned_ + "); destroy it and create a new one"));
+      this_work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
+                                    poisoned_ + "); destroy it and create a new one"));
       return;
     }
     try {
@@ -408,19 +416,19 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
         // the tensors' version counters. Only the body: callbacks run by
         // complete() are the user's code, in the user's modes.
         c10::InferenceMode writes_as_the_engines_do;
-        fn();
+        body();
       }
-      work->complete();
+      this_work->complete();
     } catch (const transport::MismatchError& e) {
-      work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
+      this_work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
     } catch (const CallError& e) {
-      work->fail(as_dist_error(e.what()));
+      this_work->fail(as_dist_error(e.what()));
     } catch (const transport::PeerError& e) {
       poison(e.what());
-      work->fail(as_dist_error(e.what()));
+      this_work->fail(as_dist_error(e.what()));
     } catch (const std::exception& e) {
       poison(e.what());
-      work->fail(as_dist_error(std::string("xdev: ") + e.what()));
+      this_work->fail(as_dist_error(std::string("xdev: ") + e.what()));
     }
   };
   if (nested) {

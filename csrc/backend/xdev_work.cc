@@ -16,6 +16,20 @@ class Completing : public ScopedThreadLocal<const XdevWork*> {
 
 }  // namespace
 
+void TaskRelease::released() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    released_ = true;
+  }
+  cv_.notify_all();
+}
+
+void TaskRelease::wait() {
+  if (runner_.load() == std::this_thread::get_id()) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return released_; });
+}
+
 XdevWork::XdevWork(int rank, c10d::OpType op_type, const char* profiling_title,
                    std::vector<at::Tensor> outputs, std::vector<c10::Device> devices)
     : c10d::Work(rank, op_type, profiling_title, outputs),
@@ -31,7 +45,17 @@ bool XdevWork::wait(std::chrono::milliseconds timeout) {
     // The host part's flag: a CUDA Work's isCompleted() also asks the GPU.
     WorkQueue::run_queued_while_waiting(submitted_.get(), [this] { return Work::isCompleted(); });
   }
-  return Work::wait(timeout);
+  // Once complete, the task lets go of the call's tensors within moments
+  // (its Work's callbacks have run by then): wait for that, so that what the
+  // caller frees after wait() is freed then, on every rank alike.
+  try {
+    const bool completed = Work::wait(timeout);
+    task_release_->wait();
+    return completed;
+  } catch (...) {
+    if (Work::isCompleted()) task_release_->wait();  // failed, not timed out
+    throw;
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> XdevWork::getFuture() {

@@ -9,12 +9,36 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace xdev::backend {
+
+// What the task running a Work's collective tells its waiters: that it holds
+// nothing of the call any more (the caller's tensors, its reference to the
+// Work). Until then the tensors live on, whatever the caller drops; a tensor
+// from the group's symmetric heap would return to it a moment later on one
+// rank than on another, and the ranks' next allocations would land at
+// different offsets (and stage instead of running in place).
+class TaskRelease {
+ public:
+  void running_on_this_thread() { runner_.store(std::this_thread::get_id()); }
+  void released();
+  // Returns at once on the thread running the task (a callback of the Work,
+  // or one nested in it, waits there; the task is up its stack).
+  void wait();
+
+ private:
+  std::atomic<std::thread::id> runner_{};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
 
 class XdevWork : public c10d::Work {
  public:
@@ -36,6 +60,8 @@ class XdevWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
+  // For the task that runs this Work's collective (GroupContext::enqueue_work).
+  const std::shared_ptr<TaskRelease>& task_release() const { return task_release_; }
 
   // Where a collective issued from this Work's future callbacks runs, among
   // the tasks of the queue that completes it (see WorkQueue::run_nested).
@@ -59,6 +85,7 @@ class XdevWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<const std::atomic<uint64_t>> submitted_;
   std::atomic<uint64_t> callbacks_place_;  // kEverything until taken
+  std::shared_ptr<TaskRelease> task_release_ = std::make_shared<TaskRelease>();
 };
 
 }  // namespace xdev::backend
