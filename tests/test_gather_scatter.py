@@ -232,6 +232,32 @@ def test_coalesced_list_async_and_mismatch(world: int) -> None:
     run_ranks(_forms_and_failures, world)
 
 
+def _world_of_one_checks(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    # No peers to meet, but the arguments are checked as in a larger group: a list of outputs
+    # shorter than the inputs used to be read past its end.
+    with pytest.raises(ValueError):
+        dist.all_gather_coalesced([[torch.zeros(3)]], [torch.arange(3.0), torch.arange(4.0)])
+    with pytest.raises(ValueError, match="must match input 0"):
+        dist.all_gather_coalesced(
+            [[torch.empty(1, 3), torch.empty(2, 2)]], [torch.ones(3), torch.ones(3)]
+        )
+    with pytest.raises(ValueError, match="one output list per rank"):
+        dist.all_gather_coalesced([[torch.empty(2)]] * 2, [torch.ones(2)])
+    outputs = [[torch.empty(2), torch.empty(3)]]
+    dist.all_gather_coalesced(outputs, [torch.ones(2), torch.full((3,), 2.0)])
+    assert torch.equal(outputs[0][0], torch.ones(2)) and torch.equal(
+        outputs[0][1], torch.full((3,), 2.0)
+    )
+    with pytest.raises(ValueError):
+        dist.all_reduce(torch.ones(1).expand(4))  # its elements share memory
+    dist.destroy_process_group()
+
+
+def test_world_of_one_checks_arguments() -> None:
+    run_ranks(_world_of_one_checks, 1)
+
+
 def _lent_memory_overlaps(rank: int, world: int) -> None:
     options = torch_xdev.Options(shm_slot_bytes=SMALL_SLOT)
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)

@@ -307,8 +307,13 @@ void XdevBackend::check_native_call(Collective collective, const char* name, boo
                                     std::chrono::milliseconds timeout,
                                     const std::function<void()>& check) {
   if (group_.channel() == nullptr) {
-    // Across hosts the call runs in two levels; in a world of one nothing is written.
-    if (two_level_ != nullptr) two_level_->check_with_peers(collective, name, timeout, check);
+    // Across hosts the call runs in two levels, whose check meets the peers;
+    // a world of one has none to meet, but its arguments are checked alike.
+    if (two_level_ != nullptr) {
+      two_level_->check_with_peers(collective, name, timeout, check);
+    } else {
+      check();
+    }
     return;
   }
   if (cuda && !group_.config().cuda_host_check) {
