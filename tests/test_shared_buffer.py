@@ -111,6 +111,12 @@ def test_shared_tensor_allreduce_matches_reference_and_staged_bits(world: int) -
     run_ranks(_grid, world, timeout=300)
 
 
+def heap_mappings() -> list[str]:
+    """The address ranges of the symmetric heap arenas (memfd files) this process maps."""
+    with open("/proc/self/maps") as maps:
+        return [line.split()[0] for line in maps if "/memfd:xdev-heap" in line]
+
+
 def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=60.0)
@@ -176,8 +182,16 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     with pytest.raises(ValueError, match="too large"):
         torch_xdev.shared_empty(1 << 40, 1 << 40)
     backend = torch_xdev._registration.backend_of()
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="too large"):
-        backend.allocate_tensor(1 << 62, dtype=torch.float32, device=torch.device("cpu"))
+        backend.allocate_tensor(1 << 62, dtype=torch.float32, device=cpu)
+    # More than the machine's memory: refused at once, as torch.empty refuses it, instead of
+    # a tensor whose pages the process could never fill.
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ValueError, match="too large .*this machine has"):
+        backend.allocate_tensor(memory // 4 + 1024, dtype=torch.float32, device=cpu)
+    with pytest.raises(ValueError, match="too large .*this machine has"):
+        torch_xdev.shared_empty(memory // 4 + 1024)
     # No CUDA collective has run on this group (here: no CUDA at all), so no CUDA heap:
     # DDP's Reducer then makes ordinary buckets, and a direct call says why not.
     cuda0 = torch.device("cuda", 0)
@@ -191,11 +205,21 @@ def _misuse_and_hygiene(rank: int, world: int) -> dict[str, Any]:
     gc.collect()
     after_free = len(xdev_shm_mappings())
     assert torch_xdev.describe()["shared_buffers"] == 0
-    # A tensor outlives its group: its memory is its own.
+    # A tensor outlives its group: its memory is its own. A heap tensor reduced in place maps
+    # the peers' arenas; they go with the group, and the rank keeps only its own.
     kept = torch_xdev.shared_empty(100)
     kept.fill_(3.0)
+    bucket = backend.allocate_tensor(1 << 20, dtype=torch.float32, device=cpu)
+    bucket.fill_(1.0)
+    dist.all_reduce(bucket)
+    assert torch.equal(bucket, torch.full((1 << 20,), float(world)))
+    heap_arenas = torch_xdev.describe()["symmetric_heap"]["arenas"]
+    assert len(heap_mappings()) == world * heap_arenas, heap_mappings()
     dist.destroy_process_group()
     assert torch.equal(kept, torch.full((100,), 3.0))
+    assert len(heap_mappings()) == heap_arenas
+    bucket.add_(1.0)
+    assert torch.equal(bucket, torch.full((1 << 20,), float(world + 1)))
     # The destroyed group's backend says so (it used to say it had no heap).
     with pytest.raises(ValueError, match="has been destroyed"):
         backend.allocate_tensor(16, dtype=torch.float32, device=torch.device("cpu"))
@@ -250,3 +274,19 @@ def test_xdev_as_the_cuda_backend_only() -> None:
     for world in (1, 2):
         expected = [{"backend": "xdev", "devices": ["cuda"]}] * world
         assert run_ranks(_xdev_for_cuda_tensors_only, world) == expected
+
+
+def _without_shared_memory(rank: int, world: int) -> None:
+    options = torch_xdev.Options(algorithm="fallback")  # no shared memory: Gloo runs every call
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    grads = torch_xdev.shared_empty(4, 5)
+    assert torch.equal(grads, torch.zeros(4, 5))
+    grads.fill_(float(rank + 1))
+    dist.all_reduce(grads)
+    assert torch.equal(grads, torch.full((4, 5), float(sum(range(1, world + 1)))))
+    assert torch_xdev.describe()["shared_buffers"] == 0  # an ordinary tensor
+    dist.destroy_process_group()
+
+
+def test_shared_empty_without_shared_memory_gives_an_ordinary_tensor() -> None:
+    run_ranks(_without_shared_memory, 2)

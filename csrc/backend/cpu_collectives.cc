@@ -54,9 +54,11 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
   const std::vector<at::Tensor> flat = contiguous(tensors);
   // In place: a shared_empty buffer always (every rank's tensor is in one, or
   // the call fails), a heap block when the staged flat plan finds after its
-  // first barrier that every rank's block is at the same place.
+  // first barrier that every rank's block is at the same place (and this
+  // rank can reach every peer's).
   const bool in_shared_buffer = sel.in_place_shared && shared.buffer != nullptr;
-  const bool in_heap = sel.in_place_shared && shared.heap != nullptr;
+  const bool in_heap = sel.in_place_shared && shared.heap != nullptr &&
+                       map_peers_copies(group_, shared, *group_.channel());
   for (const DtypeAllreduce& call :
        prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_shared_buffer)) {
     const int64_t total = call.total();

@@ -297,7 +297,7 @@ void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const a
     placement = shared_.find(full);
   }
   const std::string op = name;
-  switch (run_from_heap(*executor_, req, placement, *group_.channel())) {
+  switch (run_from_heap(group_, *executor_, req, placement, *group_.channel())) {
     case HeapRun::kInPlace:
       group_.log_once(op + ":in-place", op +
                                             " ran in place from the symmetric heap (every rank's " +
@@ -315,10 +315,10 @@ void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const a
   }
 }
 
-HeapRun run_from_heap(transport::GatherScatterExecutor& executor,
+HeapRun run_from_heap(GroupContext& group, transport::GatherScatterExecutor& executor,
                       transport::GatherScatterRequest& req, const SharedPlacement& placement,
                       const transport::ShmChannel& channel) {
-  if (placement.heap == nullptr) {
+  if (placement.heap == nullptr || !map_peers_copies(group, placement, channel)) {
     executor.run(req);
     return HeapRun::kNotInHeap;
   }

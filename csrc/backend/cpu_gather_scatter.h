@@ -28,7 +28,7 @@ namespace xdev::backend {
 
 // How a gather/scatter request offered the heap place of its full tensor ran.
 enum class HeapRun {
-  kNotInHeap,     // no place offered: staged
+  kNotInHeap,     // no place offered, or a peer's copy out of reach: staged
   kInPlace,       // every rank's tensor at the same place: nothing staged
   kPlacesDiffer,  // some rank's tensor elsewhere (peers compared): staged
 };
@@ -37,7 +37,7 @@ enum class HeapRun {
 // full tensor 0 where `placement` is in the symmetric heap shared by the ranks
 // of `channel`; the executor runs in place only if every rank's lies at the
 // same place, which peers compare after the first barrier.
-HeapRun run_from_heap(transport::GatherScatterExecutor& executor,
+HeapRun run_from_heap(GroupContext& group, transport::GatherScatterExecutor& executor,
                       transport::GatherScatterRequest& req, const SharedPlacement& placement,
                       const transport::ShmChannel& channel);
 

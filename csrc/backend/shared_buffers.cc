@@ -1,5 +1,7 @@
 #include "shared_buffers.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -16,6 +18,21 @@ namespace {
 size_t page_round(size_t bytes) {
   constexpr size_t kPage = 4096;
   return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+}
+
+// Shared memory takes its pages when they are first written, not when it is
+// made, so a tensor larger than the machine would be made here and kill the
+// process when filled. at::empty refuses such a size at once; so does this.
+void refuse_more_than_memory(const char* what, int64_t numel, at::ScalarType dtype, size_t bytes) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_bytes = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_bytes <= 0) return;
+  const auto memory = static_cast<size_t>(pages) * static_cast<size_t>(page_bytes);
+  if (bytes <= memory) return;
+  throw std::invalid_argument(std::string("xdev ") + what + ": a tensor of " +
+                              std::to_string(numel) + " " + c10::toString(dtype) +
+                              " elements is too large (" + std::to_string(bytes) +
+                              " bytes; this machine has " + std::to_string(memory) + ")");
 }
 
 }  // namespace
@@ -82,8 +99,13 @@ transport::ShmChannel* SharedBuffers::heap_channel() const {
   return group_.num_hosts() > 1 ? group_.host_channel() : group_.channel();
 }
 
+void SharedBuffers::close() {
+  closed_.store(true);
+  if (heap_ != nullptr) heap_->close();  // waits for an allocation under way
+}
+
 at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
-  if (heap_ != nullptr && heap_channel() == nullptr) {
+  if (heap_ != nullptr && closed_.load()) {
     throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
   }
   if (!heap_available()) {
@@ -94,7 +116,16 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
     throw std::invalid_argument("xdev allocateTensor: negative size " + std::to_string(numel));
   }
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
-  const transport::SymmetricHeap::Block block = heap_->allocate(bytes);
+  refuse_more_than_memory("allocateTensor", numel, dtype, bytes);
+  transport::SymmetricHeap::Block block;
+  try {
+    block = heap_->allocate(bytes);
+  } catch (const std::invalid_argument&) {
+    if (closed_.load()) {  // closed since the check above
+      throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
+    }
+    throw;
+  }
   if (group_.config().debug) {
     std::fprintf(stderr,
                  "[xdev] group '%s' rank %d: allocateTensor %" PRId64
@@ -123,10 +154,43 @@ std::vector<char*> copies_of(const SharedPlacement& placement,
   return copies;
 }
 
+bool map_peers_copies(GroupContext& group, const SharedPlacement& placement,
+                      const transport::ShmChannel& channel) {
+  const int arena = placement.heap_location.arena;
+  try {
+    for (int r = 0; r < channel.world_size(); ++r) {
+      const transport::ArenaAddress address = channel.arena_of(r, arena);
+      // Not published yet: a peer whose copy is at this place publishes its
+      // arena when it allocates the tensor, before its call, so by the first
+      // barrier; copies_of maps it then.
+      if (r != channel.rank() && address.bytes == 0) continue;
+      placement.heap->arena_of(r, arena, address);
+    }
+    return true;
+  } catch (const std::exception& e) {
+    // Out of reach here (an address-space limit, say); the next call tries again.
+    group.log_once("heap-peer-arena",
+                   std::string("a peer's symmetric heap arena cannot be mapped (") + e.what() +
+                       "); tensors in it are staged until it can be");
+    return false;
+  }
+}
+
 at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
   const int rank = group_.rank(), size = group_.size();
-  // A world of one has no one to share with: an ordinary tensor does the same.
-  if (size == 1) return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  // A world of one has no one to share with, and a group on one host without
+  // shared memory (algorithm='fallback', say) runs every call on Gloo: an
+  // ordinary tensor does the same there. Both are alike on every rank.
+  const auto ordinary = [&] {
+    return at::zeros(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  };
+  if (size == 1) return ordinary();
+  if (group_.channel() == nullptr && group_.num_hosts() == 1) {
+    group_.log_once("shared-empty-ordinary",
+                    "torch_xdev.shared_empty gives ordinary tensors: no shared memory (" +
+                        group_.no_channel_reason() + ")");
+    return ordinary();
+  }
   if (group_.channel() == nullptr) {
     throw std::invalid_argument(
         "torch_xdev.shared_empty needs all ranks of the group on one host (this group's " +
@@ -169,6 +233,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
         numel = -1;  // too large: heap_block_bytes says so
     }
     bytes = heap_block_bytes("torch_xdev.shared_empty", numel, dtype);
+    refuse_more_than_memory("torch_xdev.shared_empty", numel, dtype, bytes);
     mine = transport::ShmSegment::create(transport::ShmSegment::make_name(), page_round(bytes));
   } catch (const std::exception& e) {
     my_failure = std::current_exception();

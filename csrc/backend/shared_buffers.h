@@ -19,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -43,6 +44,15 @@ struct SharedPlacement {
 std::vector<char*> copies_of(const SharedPlacement& placement,
                              const transport::ShmChannel& channel);
 
+// Maps every peer's heap arena that holds its copy of a tensor at `placement`
+// and has been published (at once where mapped before), and says whether all
+// could be. Called before a collective's first barrier: a rank that cannot
+// map a peer's copy then announces no heap place, and every rank stages.
+// Past that barrier it would fail alone while its peers ran in place. Logs
+// why not, once per group.
+bool map_peers_copies(GroupContext& group, const SharedPlacement& placement,
+                      const transport::ShmChannel& channel);
+
 class SharedBuffers {
  public:
   // Collective when the group has shared memory and Options.shared_buckets:
@@ -61,7 +71,7 @@ class SharedBuffers {
   SharedPlacement find(const at::Tensor& t) const;
 
   // Whether allocate() can give CPU tensors from the symmetric heap, and why (not).
-  bool heap_available() const { return heap_ != nullptr && heap_channel() != nullptr; }
+  bool heap_available() const { return heap_ != nullptr && !closed_.load(); }
   // The channel whose ranks share the heap: the group's on one host; on
   // several, this host's (its ranks are the host's local ranks). Null once closed.
   transport::ShmChannel* heap_channel() const;
@@ -72,11 +82,15 @@ class SharedBuffers {
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
   // Null without a heap.
   const transport::SymmetricHeap* heap() const { return heap_.get(); }
+  // Before the group's channels close (its collectives done): see
+  // SymmetricHeap::close. Later allocations raise; tensors already made stay.
+  void close();
 
  private:
   GroupContext& group_;
   std::shared_ptr<transport::SymmetricHeap> heap_;  // tensors share it: it outlives the group
   std::string heap_note_;
+  std::atomic<bool> closed_{false};
   mutable std::mutex mutex_;
   int64_t next_id_ = 0;
   std::vector<std::weak_ptr<transport::SharedBuffer>> buffers_;

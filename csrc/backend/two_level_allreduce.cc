@@ -99,7 +99,7 @@ void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& exe
                       const std::string& name) {
   // Staging a single window costs less than the closing barrier in place needs.
   const bool offered = plan::in_host_step_in_place(req.plan->num_windows());
-  switch (run_from_heap(executor, req, offered ? placement : SharedPlacement{},
+  switch (run_from_heap(group, executor, req, offered ? placement : SharedPlacement{},
                         *group.host_channel())) {
     case HeapRun::kInPlace:
       group.log_once(

@@ -81,6 +81,7 @@ void XdevBackend::shut_down(bool last_reference) {
   two_level_.reset();
   two_level_broadcast_.reset();  // the engine's last user: its destructor joins its threads
   gather_scatter_.reset();
+  shared_.close();
   group_.close_channel();
   fallbacks_.shutdown();
 }

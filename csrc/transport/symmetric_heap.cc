@@ -34,17 +34,30 @@ SymmetricHeap::~SymmetricHeap() {
     ::munmap(a.data, a.bytes);
     ::close(a.fd);
   }
+  unmap_peers();
+}
+
+void SymmetricHeap::unmap_peers() {
   for (auto& arenas : peers_) {
     for (auto& [bytes, data] : arenas) {
       if (data != nullptr) ::munmap(data, bytes);
+      data = nullptr;
     }
   }
+}
+
+void SymmetricHeap::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  closed_ = true;
+  unmap_peers();
 }
 
 int SymmetricHeap::add_arena(size_t at_least) {
   const size_t bytes =
       placement_.next_arena_bytes(at_least, first_arena_bytes_, "xdev symmetric heap", rank_);
-  // MFD_CLOEXEC: a child the rank starts gets no handle on the group's memory.
+  // MFD_CLOEXEC: a program the rank execs gets no handle on the group's
+  // memory. (A child forked without exec, such as a DataLoader worker, keeps
+  // the mapping, as it keeps every other page of its parent.)
   const int fd = ::memfd_create("xdev-heap", MFD_CLOEXEC);
   if (fd < 0) throw_errno("memfd_create", errno);
   // Peers open it through /proc/<pid>/fd, which the kernel allows only to
@@ -70,6 +83,7 @@ int SymmetricHeap::add_arena(size_t at_least) {
 SymmetricHeap::Block SymmetricHeap::allocate(size_t bytes) {
   const int64_t need = HeapPlacement::block_bytes(bytes, "xdev symmetric heap");
   std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw std::invalid_argument("xdev symmetric heap: its process group is gone");
   std::optional<HeapLocation> where = placement_.place(need);
   if (!where) {
     add_arena(static_cast<size_t>(need));
@@ -120,6 +134,7 @@ char* SymmetricHeap::arena_of(int r, int arena, const ArenaAddress& address) {
     }
     return own_[static_cast<size_t>(arena)].data;
   }
+  if (closed_) throw std::runtime_error("xdev symmetric heap: its process group is gone");
   auto& slot = peers_[static_cast<size_t>(r)][static_cast<size_t>(arena)];
   if (slot.second == nullptr) {
     if (address.bytes == 0) {

@@ -63,7 +63,7 @@ class SymmetricHeap {
     HeapLocation where;
   };
   // Zero bytes get a block of kAlignBytes. Throws std::invalid_argument above
-  // kMaxBlockBytes, std::runtime_error when all kMaxArenas are full or memory
+  // kMaxBlockBytes or once closed, std::runtime_error when all kMaxArenas are full or memory
   // cannot be had.
   Block allocate(size_t bytes);
   // The block allocate returned at `where`. Thread-safe, like allocate.
@@ -79,6 +79,12 @@ class SymmetricHeap {
 
   // Creates this rank's first arena (if none yet), publishes it, and returns its address.
   ArenaAddress first_arena();
+
+  // The group is gone: unmaps the peers' arenas (no collective reads them any
+  // more, and a tensor this rank keeps must not keep its peers' memory) and
+  // refuses to grow (there is no one to publish to). Blocks already handed
+  // out stay valid, and free() still takes them back.
+  void close();
 
   int rank() const { return rank_; }
   int arenas() const;
@@ -97,6 +103,7 @@ class SymmetricHeap {
     size_t bytes = 0;
   };
   int add_arena(size_t at_least);  // mutex_ held
+  void unmap_peers();              // mutex_ held, or in the destructor
 
   const int rank_;
   const int world_size_;
@@ -108,6 +115,7 @@ class SymmetricHeap {
   std::vector<char*> own_data_;  // own_[i].data, for locate_in_arenas
   // [rank][arena]: peers' arenas as mapped here (bytes, address); own rank unused.
   std::vector<std::vector<std::pair<size_t, char*>>> peers_;
+  bool closed_ = false;
 };
 
 }  // namespace xdev::transport
