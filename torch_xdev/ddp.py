@@ -45,11 +45,13 @@ def default_comm_mem(
     """Sets ``DDP_DISABLE_COMM_MEM=0`` in ``environ`` if that changes no other backend.
 
     Returns whether it did. Leaves a value the user set alone. ``cuda_visible`` defaults to
-    whether this process sees a GPU (asked of NVML, which does not initialise CUDA).
+    whether this process sees a GPU (asked of NVML, which does not initialise CUDA; a ROCm
+    build's ``torch.cuda`` counts AMD GPUs, whose RCCL groups read the same variable).
     """
     env = os.environ if environ is None else environ
     if cuda_visible is None:
-        cuda_visible = torch.version.cuda is not None and torch.cuda.device_count() > 0
+        gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+        cuda_visible = gpu_build and torch.cuda.device_count() > 0
     if COMM_MEM_VARIABLE in env or cuda_visible:
         return False
     env[COMM_MEM_VARIABLE] = "0"
