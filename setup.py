@@ -104,6 +104,15 @@ def configure_cuda() -> bool:
     if torch.version.cuda is None or not CUDA_SOURCES:
         return False
     home = find_cuda_home()
+    if home is None and not torch.cuda.device_count():
+        # Where pip's torch is a CUDA build on a machine with neither GPU nor toolkit, the CPU
+        # path is all that could run anyway (CUDA tensors would go to NCCL).
+        print(
+            f"setup.py: torch {torch.__version__} is a CUDA build, but no CUDA toolkit was found "
+            "and no GPU is visible: building the CPU path only (set CUDA_HOME to build the CUDA "
+            "path too)"
+        )
+        return False
     if home is None:
         sys.exit(
             f"setup.py: torch {torch.__version__} is a CUDA build, but no CUDA toolkit was found "
