@@ -265,7 +265,10 @@ def _train_loop(
                 f"{1e3 * quiet_s:.1f} ms for the same DDP step with a no-op comm hook)"
             )
     if allreduce is not None:
-        say(f"xdev gradient allreduce: {allreduce[0]} ({allreduce[1]})")
+        # With find_unused_parameters, DDP's last allreduce of a step is its map of the
+        # parameters used, after the gradient buckets.
+        what = "DDP's map of used parameters" if config.find_unused_parameters else "gradient"
+        say(f"xdev {what} allreduce: {allreduce[0]} ({allreduce[1]})")
     elif config.backend != torch_xdev.BACKEND_NAME:
         say(f"gradient allreduce: backend {config.backend} (torch_xdev.describe() is for xdev)")
     return TrainResult(model=model, losses=losses, mean_losses=mean_losses, allreduce=allreduce)
