@@ -272,6 +272,14 @@ def test_reduce_to_rank_out_of_range() -> None:
         assert all(f"reduce_to_rank must be in [0, 2); got {root}" in m for m in messages), messages
 
 
+def test_a_group_time_check_names_the_environment_it_applied() -> None:
+    # XDEV_* variables apply to every group: an error only the group's size can find names them.
+    env = [{"XDEV_ALGO": "reduce_to_one", "XDEV_REDUCE_TO_RANK": "3"}] * 2
+    messages = run_ranks(_forced, 2, {}, per_rank_env=env)
+    want = "got 3 (Options after applying XDEV_ALGO=reduce_to_one, XDEV_REDUCE_TO_RANK=3)"
+    assert all(want in m for m in messages), messages
+
+
 def _selection(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     seen: dict[Any, Any] = {}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, _ProcessGroupWrapper
 
 from . import _C
-from .options import Options, backend_config, resolve_options
+from .options import Options, backend_config, environment_overrides, resolve_options
 
 BACKEND_NAME = "xdev"
 
@@ -245,15 +245,24 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     _agree_on_setup(store, rank, size, None)
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
-    return _C.XdevBackend(
-        store,
-        rank,
-        size,
-        config,
-        fallback,
-        cuda_fallback,
-        cross_host_engine=_cross_host_engine(store, config.timeout),
-    )
+    try:
+        return _C.XdevBackend(
+            store,
+            rank,
+            size,
+            config,
+            fallback,
+            cuda_fallback,
+            cross_host_engine=_cross_host_engine(store, config.timeout),
+        )
+    except ValueError as error:
+        # The checks that need the group's size (reduce_to_rank, what a forced algorithm
+        # allows) run here: say which of the options came from the environment, which applies
+        # to every group the process makes.
+        overrides = environment_overrides()
+        if not overrides:
+            raise
+        raise ValueError(f"{error} (Options after applying {', '.join(overrides)})") from None
 
 
 def register() -> None:

@@ -282,6 +282,12 @@ ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = tuple(
 )
 
 
+def environment_overrides(environ: Optional[dict[str, str]] = None) -> list[str]:
+    """The XDEV_* variables that override Options here, as ``NAME=value``."""
+    env = os.environ if environ is None else environ
+    return [f"{variable}={env[variable]}" for _, variable, _ in ENV_KNOBS if env.get(variable)]
+
+
 def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] = None) -> Options:
     """Returns a validated copy of ``given`` (or defaults) with XDEV_* overrides applied."""
     if given is not None and not isinstance(given, Options):
