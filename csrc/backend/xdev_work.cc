@@ -46,8 +46,8 @@ bool XdevWork::wait(std::chrono::milliseconds timeout) {
     WorkQueue::run_queued_while_waiting(submitted_.get(), [this] { return Work::isCompleted(); });
   }
   // Once complete, the task lets go of the call's tensors within moments
-  // (its Work's callbacks have run by then): wait for that, so that what the
-  // caller frees after wait() is freed then, on every rank alike.
+  // (its Work's callbacks have run by then): wait for that, so that the task
+  // does not hold back what the caller frees after wait().
   try {
     const bool completed = Work::wait(timeout);
     task_release_->wait();
