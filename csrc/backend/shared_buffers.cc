@@ -100,12 +100,11 @@ transport::ShmChannel* SharedBuffers::heap_channel() const {
 }
 
 void SharedBuffers::close() {
-  closed_.store(true);
   if (heap_ != nullptr) heap_->close();  // waits for an allocation under way
 }
 
 at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
-  if (heap_ != nullptr && closed_.load()) {
+  if (heap_ != nullptr && heap_->closed()) {
     throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
   }
   if (!heap_available()) {
@@ -117,15 +116,8 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   }
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   refuse_more_than_memory("allocateTensor", numel, dtype, bytes);
-  transport::SymmetricHeap::Block block;
-  try {
-    block = heap_->allocate(bytes);
-  } catch (const std::invalid_argument&) {
-    if (closed_.load()) {  // closed since the check above
-      throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
-    }
-    throw;
-  }
+  // Closed since the check above: the heap refuses, saying the group has been destroyed.
+  const transport::SymmetricHeap::Block block = heap_->allocate(bytes);
   if (group_.config().debug) {
     std::fprintf(stderr,
                  "[xdev] group '%s' rank %d: allocateTensor %" PRId64

@@ -19,7 +19,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -71,7 +70,7 @@ class SharedBuffers {
   SharedPlacement find(const at::Tensor& t) const;
 
   // Whether allocate() can give CPU tensors from the symmetric heap, and why (not).
-  bool heap_available() const { return heap_ != nullptr && !closed_.load(); }
+  bool heap_available() const { return heap_ != nullptr && !heap_->closed(); }
   // The channel whose ranks share the heap: the group's on one host; on
   // several, this host's (its ranks are the host's local ranks). Null once closed.
   transport::ShmChannel* heap_channel() const;
@@ -90,7 +89,6 @@ class SharedBuffers {
   GroupContext& group_;
   std::shared_ptr<transport::SymmetricHeap> heap_;  // tensors share it: it outlives the group
   std::string heap_note_;
-  std::atomic<bool> closed_{false};
   mutable std::mutex mutex_;
   int64_t next_id_ = 0;
   std::vector<std::weak_ptr<transport::SharedBuffer>> buffers_;

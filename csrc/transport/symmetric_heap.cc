@@ -52,6 +52,11 @@ void SymmetricHeap::close() {
   unmap_peers();
 }
 
+bool SymmetricHeap::closed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return closed_;
+}
+
 int SymmetricHeap::add_arena(size_t at_least) {
   const size_t bytes =
       placement_.next_arena_bytes(at_least, first_arena_bytes_, "xdev symmetric heap", rank_);
@@ -83,7 +88,9 @@ int SymmetricHeap::add_arena(size_t at_least) {
 SymmetricHeap::Block SymmetricHeap::allocate(size_t bytes) {
   const int64_t need = HeapPlacement::block_bytes(bytes, "xdev symmetric heap");
   std::lock_guard<std::mutex> lock(mutex_);
-  if (closed_) throw std::invalid_argument("xdev symmetric heap: its process group is gone");
+  if (closed_) {
+    throw std::invalid_argument("xdev symmetric heap: its process group has been destroyed");
+  }
   std::optional<HeapLocation> where = placement_.place(need);
   if (!where) {
     add_arena(static_cast<size_t>(need));
@@ -134,7 +141,8 @@ char* SymmetricHeap::arena_of(int r, int arena, const ArenaAddress& address) {
     }
     return own_[static_cast<size_t>(arena)].data;
   }
-  if (closed_) throw std::runtime_error("xdev symmetric heap: its process group is gone");
+  if (closed_)
+    throw std::runtime_error("xdev symmetric heap: its process group has been destroyed");
   auto& slot = peers_[static_cast<size_t>(r)][static_cast<size_t>(arena)];
   if (slot.second == nullptr) {
     if (address.bytes == 0) {

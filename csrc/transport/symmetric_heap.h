@@ -85,6 +85,7 @@ class SymmetricHeap {
   // refuses to grow (there is no one to publish to). Blocks already handed
   // out stay valid, and free() still takes them back.
   void close();
+  bool closed() const;
 
   int rank() const { return rank_; }
   int arenas() const;
