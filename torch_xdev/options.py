@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from . import _C
 
@@ -282,7 +282,7 @@ ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = tuple(
 )
 
 
-def environment_overrides(environ: Optional[dict[str, str]] = None) -> list[str]:
+def environment_overrides(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """The XDEV_* variables that override Options here, as ``NAME=value``."""
     env = os.environ if environ is None else environ
     return [f"{variable}={env[variable]}" for _, variable, _ in ENV_KNOBS if env.get(variable)]
@@ -308,5 +308,5 @@ def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] 
     try:
         return dataclasses.replace(base, **changes)
     except ValueError as e:
-        names = ", ".join(f"{v}" for f, v, _ in ENV_KNOBS if f in changes)
-        raise ValueError(f"{e} (after applying {names})" if names else str(e)) from None
+        overrides = ", ".join(environment_overrides(env))
+        raise ValueError(f"{e} (after applying {overrides})" if overrides else str(e)) from None
