@@ -125,3 +125,41 @@ def test_stub_matches_the_binding() -> None:
     assert (
         _stub_fields() == expected
     ), f"the BackendConfig attributes of {STUB} differ from the binding; paste these:\n{paste}"
+
+
+def _readme_option_rows() -> dict[str, list[str]]:
+    readme = os.path.join(os.path.dirname(os.path.dirname(STUB)), "README.md")
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("### Options and environment variables", 1)[1].split("\n### ", 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def _default_as_readme_says(value: object) -> set[str]:
+    if isinstance(value, bool):
+        return {f"`{value}`", f"`{int(value)}`", "off"} if not value else {"`True`", "`1`"}
+    if value is None:
+        return {"`None`", "group timeout"}
+    return {f"`{value}`"}
+
+
+def test_the_readme_table_lists_every_option_with_its_variable_and_default() -> None:
+    rows = _readme_option_rows()
+    fields = dataclasses.fields(torch_xdev.Options)
+    assert sorted(rows) == sorted(f.name for f in fields), "README options table vs Options"
+    for f in fields:
+        variable, default, _ = rows[f.name]
+        assert variable.startswith(f"`{f.metadata['env']}"), (f.name, variable)
+        assert default in _default_as_readme_says(f.default), (f.name, default, f.default)
+
+
+def test_the_options_docstring_describes_every_option() -> None:
+    doc = torch_xdev.Options.__doc__ or ""
+    attributes = doc.split("Attributes:", 1)[1]
+    for f in dataclasses.fields(torch_xdev.Options):
+        assert f"{f.name}:" in attributes or f"{f.name}," in attributes, f.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -274,10 +275,60 @@ def test_reduce_to_rank_out_of_range() -> None:
 
 def test_a_group_time_check_names_the_environment_it_applied() -> None:
     # XDEV_* variables apply to every group: an error only the group's size can find names them.
-    env = [{"XDEV_ALGO": "reduce_to_one", "XDEV_REDUCE_TO_RANK": "3"}] * 2
-    messages = run_ranks(_forced, 2, {}, per_rank_env=env)
-    want = "got 3 (Options after applying XDEV_ALGO=reduce_to_one, XDEV_REDUCE_TO_RANK=3)"
+    env = [{"XDEV_NUM_PACKS": "2"}] * 3
+    messages = run_ranks(_forced, 3, {"algorithm": "hierarchical_copy"}, per_rank_env=env)
+    want = "got 3 (Options after applying XDEV_NUM_PACKS=2)"
     assert all(want in m for m in messages), messages
+
+
+def _subgroups_under_forced_environment(rank: int, world: int) -> dict[str, Any]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    seen: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for ranks in ([0, 1, 2], [rank], [0, 1], list(range(world))):
+                group = dist.new_group(ranks)
+                if rank not in ranks:
+                    continue
+                info = torch_xdev.describe(group)
+                # Integers: every algorithm must give exactly the sum.
+                tensor = torch.arange(1000, dtype=torch.float64) * (rank + 1)
+                dist.all_reduce(tensor, group=group)
+                want = torch.arange(1000, dtype=torch.float64) * sum(r + 1 for r in ranks)
+                assert torch.equal(tensor, want), ranks
+                last = torch_xdev.describe(group)["last_allreduce"]
+                seen[str(ranks)] = (info["algorithm"], info["reduce_to_rank"], last[0])
+                seen[str(ranks) + " note"] = info["options_note"]
+        seen["warnings"] = [str(w.message) for w in caught if "xdev:" in str(w.message)]
+    finally:
+        dist.destroy_process_group()
+    return seen
+
+
+def test_a_forced_algorithm_from_the_environment_leaves_groups_it_cannot_run_on_to_auto() -> None:
+    # XDEV_ALGO and XDEV_REDUCE_TO_RANK apply to every group the process makes: one a world of
+    # 4 can run may not fit a group of 3 or 1 (DeviceMesh and new_group make such groups).
+    env = {"XDEV_ALGO": "hierarchical_copy", "XDEV_REDUCE_TO_RANK": "3"}
+    results = run_ranks(_subgroups_under_forced_environment, 4, env=env)
+    for rank, seen in enumerate(results):
+        assert seen["[0, 1, 2, 3]"] == ("hierarchical_copy", 3, "hierarchical_copy"), seen
+        assert seen["[0, 1, 2, 3] note"] == "", seen
+        assert seen[f"[{rank}]"][:2] == ("auto", 0), seen
+        if rank < 2:
+            assert seen["[0, 1]"] == ("hierarchical_copy", 0, "hierarchical_copy"), seen
+            assert "XDEV_REDUCE_TO_RANK=3" in seen["[0, 1] note"], seen
+        if rank < 3:
+            assert seen["[0, 1, 2]"][:2] == ("auto", 0), seen
+            note = seen["[0, 1, 2] note"]
+            assert "XDEV_ALGO=hierarchical_copy cannot run" in note, note
+            assert "even number of ranks" in note and "algorithm='auto'" in note, note
+    # A group's first rank warns: rank 0 for the group of 3, every rank for its world of one.
+    for rank, seen in enumerate(results):
+        of_three = [w for w in seen["warnings"] if "group of 3" in w and "got 3" in w]
+        assert len(of_three) == (rank == 0), seen["warnings"]
+        assert any("group of 1" in w and "got 1" in w for w in seen["warnings"]), seen
+    # The same settings given in pg_options fail the group (test_hierarchical_copy_needs_even_world).
 
 
 def _selection(rank: int, world: int) -> dict[str, Any]:

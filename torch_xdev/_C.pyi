@@ -35,6 +35,8 @@ class BackendConfig:
     debug: bool  # log the chosen plans to stderr
     hostname: str  # this rank's host identity (XDEV_HOSTNAME)
     group_name: str  # the group's name
+    algorithm_from_environment: bool  # set by XDEV_ALGO: a group it cannot run on uses auto
+    reduce_to_rank_from_environment: bool  # set by XDEV_REDUCE_TO_RANK: else rank 0
     topo_file: str  # XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)
     topo_nvlink: list[list[int]]  # NVLinks per pair of local ranks
     topo_reachable: list[list[int]]  # peer access per pair of local ranks; empty: where nvlink > 0
@@ -68,6 +70,7 @@ class XdevBackend(Backend):
         cross_host_engine: Optional[Callable[[str, int, int], Any]] = None,
     ) -> None: ...
     def describe(self) -> dict[str, Any]: ...
+    def options_note(self) -> str: ...
     def _get_sequence_number_for_group(self) -> int: ...
     # Collective: a CPU tensor in memory every rank of the group maps (torch_xdev.shared_empty).
     def shared_empty(self, sizes: list[int], dtype: torch.dtype) -> torch.Tensor: ...

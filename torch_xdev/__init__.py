@@ -61,7 +61,9 @@ __version__ = "0.1.0"
 def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     """What the xdev backend of ``group`` (default: the world) is and will run.
 
-    Keys include ``algorithm``, ``num_packs``, ``world_size``, ``local_world_size``,
+    Keys include ``algorithm``, ``num_packs``, ``options_note`` (the XDEV_* settings this
+    group could not use and what it uses instead; empty when none), ``world_size``,
+    ``local_world_size``,
     ``num_hosts``, ``shared_memory``, ``fallback_backend``, ``cpu_allreduce_plan``
     (algorithm and reason per payload size), ``cuda_allreduce_plan``, ``last_allreduce``,
     ``last_gather_scatter`` (the last all-gather or reduce-scatter: name, path and reason),

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -14,7 +15,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, _ProcessGroupWrapper
 
 from . import _C
-from .options import Options, backend_config, environment_overrides, resolve_options
+from .options import (
+    Options,
+    backend_config,
+    environment_overrides,
+    fields_from_environment,
+    resolve_options,
+)
 
 BACKEND_NAME = "xdev"
 
@@ -233,6 +240,9 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
         config = backend_config(options, dist_opts.timeout)
         config.hostname = host_identity()
         config.group_name = group_id
+        from_environment = fields_from_environment()
+        config.algorithm_from_environment = "algorithm" in from_environment
+        config.reduce_to_rank_from_environment = "reduce_to_rank" in from_environment
         model_file = os.environ.get("XDEV_CPU_MODEL")
         if model_file:
             apply_cpu_model_file(config, model_file)
@@ -246,7 +256,7 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     try:
-        return _C.XdevBackend(
+        backend = _C.XdevBackend(
             store,
             rank,
             size,
@@ -256,13 +266,19 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
             cross_host_engine=_cross_host_engine(store, config.timeout),
         )
     except ValueError as error:
-        # The checks that need the group's size (reduce_to_rank, what a forced algorithm
-        # allows) run here: say which of the options came from the environment, which applies
-        # to every group the process makes.
+        # The checks that need the group (its size and hosts, every rank's settings) run here:
+        # name the options that came from the environment, which applies to every group the
+        # process makes. (An algorithm or root from XDEV_ALGO or XDEV_REDUCE_TO_RANK that this
+        # group cannot use is not an error: the group uses the default, see options_note.)
         overrides = environment_overrides()
         if not overrides:
             raise
         raise ValueError(f"{error} (Options after applying {', '.join(overrides)})") from None
+    note = backend.options_note()
+    if note and rank == 0:
+        # Once per process and text (Python's warning filter), from the group's first rank.
+        warnings.warn(f"xdev: {note}", stacklevel=2)
+    return backend
 
 
 def register() -> None:

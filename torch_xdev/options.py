@@ -288,6 +288,12 @@ def environment_overrides(environ: Optional[Mapping[str, str]] = None) -> list[s
     return [f"{variable}={env[variable]}" for _, variable, _ in ENV_KNOBS if env.get(variable)]
 
 
+def fields_from_environment(environ: Optional[Mapping[str, str]] = None) -> set[str]:
+    """The Options fields that XDEV_* variables set here."""
+    env = os.environ if environ is None else environ
+    return {field for field, variable, _ in ENV_KNOBS if env.get(variable)}
+
+
 def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] = None) -> Options:
     """Returns a validated copy of ``given`` (or defaults) with XDEV_* overrides applied."""
     if given is not None and not isinstance(given, Options):

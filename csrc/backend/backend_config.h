@@ -55,6 +55,10 @@
 #define XDEV_INTERNAL_FIELDS(X)                                                                  \
   X(std::string, hostname, "", "this rank's host identity (XDEV_HOSTNAME)")                      \
   X(std::string, group_name, "", "the group's name")                                             \
+  X(bool, algorithm_from_environment, false,                                                     \
+    "algorithm came from XDEV_ALGO: a group that algorithm cannot run on uses auto")             \
+  X(bool, reduce_to_rank_from_environment, false,                                                \
+    "reduce_to_rank came from XDEV_REDUCE_TO_RANK: a group without that rank uses rank 0")       \
   X(std::string, topo_file, "", "XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)")   \
   X(std::vector<std::vector<int64_t>>, topo_nvlink, {}, "NVLinks per pair of local ranks")       \
   X(std::vector<std::vector<int64_t>>, topo_reachable, {},                                       \

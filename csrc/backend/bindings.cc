@@ -117,6 +117,7 @@ py::dict describe(const XdevBackend& b) {
   py::dict d;
   d["backend"] = "xdev";
   describe_options(c, d);
+  d["options_note"] = b.options_note();
   d["rank"] = b.getRank();
   d["world_size"] = b.getSize();
   d["local_world_size"] = b.local_world_size();
@@ -220,6 +221,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fallback"), py::arg("cuda_fallback") = py::none(),
            py::arg("cross_host_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("describe", &xdev::backend::describe)
+      .def("options_note", &XdevBackend::options_note)
       .def(
           "shared_empty",
           [](XdevBackend& b, const std::vector<int64_t>& sizes, at::ScalarType dtype) {

@@ -92,9 +92,27 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
                            BackendConfig config)
     : store_(std::move(store)), rank_(rank), size_(size), config_(std::move(config)) {
   requested_ = plan::algorithm_from_string(config_.algorithm);
+  // XDEV_* variables apply to every group the process makes (DeviceMesh's, new_group's), where
+  // a root or an algorithm set for the world may not fit: such a group uses the default and
+  // says so, as one given the same through its pg_options fails.
+  if (config_.reduce_to_rank_from_environment &&
+      (config_.reduce_to_rank < 0 || config_.reduce_to_rank >= size_)) {
+    add_options_note("XDEV_REDUCE_TO_RANK=" + std::to_string(config_.reduce_to_rank) +
+                     " is not a rank of this group of " + std::to_string(size_) +
+                     ": it uses reduce_to_rank=0");
+    config_.reduce_to_rank = 0;
+  }
   check_options(config_, size_);
   rendezvous_hosts();
-  plan::check_forced_algorithm(requested_, size_, num_hosts_);
+  try {
+    plan::check_forced_algorithm(requested_, size_, num_hosts_);
+  } catch (const std::invalid_argument& e) {
+    if (!config_.algorithm_from_environment) throw;
+    add_options_note("XDEV_ALGO=" + config_.algorithm + " cannot run on this group (" + e.what() +
+                     "): it uses algorithm='auto'");
+    config_.algorithm = plan::to_string(plan::Algorithm::kAuto);
+    requested_ = plan::Algorithm::kAuto;
+  }
   if (requested_ != plan::Algorithm::kFallback) {
     if (num_hosts_ == 1 && size_ > 1) {
       channel_ = open_shared_memory("xdev/shm/", size_, rank_);
@@ -464,6 +482,10 @@ bool GroupContext::stop_queue(bool last_reference) {
   }
   queue.reset();  // runs what is queued, then joins the worker
   return true;
+}
+
+void GroupContext::add_options_note(const std::string& note) {
+  options_note_ += (options_note_.empty() ? "" : "; ") + note;
 }
 
 void GroupContext::log_once(const std::string& key, const std::string& message) {

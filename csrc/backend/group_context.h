@@ -82,6 +82,9 @@ class GroupContext {
   c10d::Store& store() const { return *store_; }
   const BackendConfig& config() const { return config_; }
   plan::Algorithm requested() const { return requested_; }
+  // Which options set by XDEV_* variables this group could not use, and what it uses instead
+  // (empty: none).
+  const std::string& options_note() const { return options_note_; }
   int num_hosts() const { return num_hosts_; }
   int local_world_size() const { return local_world_size_; }
 
@@ -202,6 +205,7 @@ class GroupContext {
 
  private:
   void rendezvous_hosts();
+  void add_options_note(const std::string& note);
   // A channel of `ranks` ranks (this one is `rank` among them), agreed on
   // through Store keys under `prefix`.
   std::unique_ptr<transport::ShmChannel> open_shared_memory(const std::string& prefix, int ranks,
@@ -213,6 +217,7 @@ class GroupContext {
   int size_;
   BackendConfig config_;
   plan::Algorithm requested_ = plan::Algorithm::kAuto;
+  std::string options_note_;
   int num_hosts_ = 1;
   int local_world_size_ = 1;
   int host_index_ = 0;

@@ -156,6 +156,7 @@ class XdevBackend : public c10d::Backend {
   // Introspection for torch_xdev.describe().
   const BackendConfig& config() const { return group_.config(); }
   int num_hosts() const { return group_.num_hosts(); }
+  const std::string& options_note() const { return group_.options_note(); }
   int local_world_size() const { return group_.local_world_size(); }
   int host_cores() const { return group_.host_cores(); }
   bool worker_has_own_core() const { return group_.worker_has_own_core(); }
