@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import socket
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -281,9 +283,27 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     return backend
 
 
+# How long the interpreter's exit waits for groups still being destroyed on threads of their own.
+_TEARDOWN_WAIT = timedelta(seconds=10)
+
+
+def _wait_for_detached_teardowns() -> None:
+    # A group whose last reference went in a callback of its own Work is destroyed on a thread
+    # nothing joins; the interpreter must not finalize under it.
+    if not _C.wait_for_detached_teardowns(_TEARDOWN_WAIT):
+        started, in_flight = _C.detached_teardowns()
+        print(
+            f"[xdev] exiting while {in_flight} process group(s) are still being destroyed "
+            f"after {_TEARDOWN_WAIT.total_seconds():g} s (a callback or engine that does not "
+            "return?)",
+            file=sys.stderr,
+        )
+
+
 def register() -> None:
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
+    atexit.register(_wait_for_detached_teardowns)
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )

@@ -16,6 +16,7 @@
 #include "../transport/shm_segment.h"
 #include "backend_config.h"
 #include "config_bindings.h"
+#include "detached_teardown.h"
 #include "plan_bindings.h"
 #include "topology_bindings.h"
 #include "xdev_backend.h"
@@ -264,6 +265,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
+  m.def("wait_for_detached_teardowns", &xdev::backend::wait_for_detached_teardowns,
+        py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+        "Waits for the threads that finish destroying groups whose last reference went on "
+        "their own worker; returns whether none is left.");
+  m.def(
+      "detached_teardowns",
+      []() {
+        const xdev::backend::DetachedTeardownCounts c = xdev::backend::detached_teardown_counts();
+        return py::make_tuple(c.started, c.in_flight);
+      },
+      "(started, in flight): threads that finish destroying a group, since the process began.");
 
 #ifdef XDEV_WITH_CUDA
   m.attr("built_with_cuda") = true;

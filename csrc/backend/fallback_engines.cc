@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "detached_teardown.h"
 #include "tensor_helpers.h"
 #include "uneven_all_gather.h"
 
@@ -363,10 +364,10 @@ void FallbackEngines::shutdown() {
     // on that engine's thread, which the engine's destructor joins: it would
     // join itself (std::terminate). So the engines go on a thread of their
     // own, which joins this one once its callback has returned.
-    std::thread([gloo = std::move(gloo_), nccl = std::move(nccl_)]() mutable {
+    run_detached_teardown([gloo = std::move(gloo_), nccl = std::move(nccl_)]() mutable {
       gloo.reset();
       nccl.reset();
-    }).detach();
+    });
     return;
   }
   gloo_.reset();

@@ -18,6 +18,7 @@
 #include "../plan/packing.h"
 #include "../plan/selection.h"
 #include "allreduce_call.h"
+#include "detached_teardown.h"
 
 namespace xdev::backend {
 namespace {
@@ -477,7 +478,7 @@ bool GroupContext::stop_queue(bool last_reference) {
     // The task that held the last reference is ending on this thread (see
     // enqueue_work), and nothing is queued behind it: every queued task holds
     // a reference. A thread of its own joins this one once the task returns.
-    std::thread([done = std::move(queue)]() mutable { done.reset(); }).detach();
+    run_detached_teardown([done = std::move(queue)]() mutable { done.reset(); });
     return true;
   }
   queue.reset();  // runs what is queued, then joins the worker
