@@ -580,4 +580,6 @@ if __name__ == "__main__":
     # KeyboardInterrupt would wait for the whole table (minutes for cpu-999): from the command
     # line, Ctrl-C ends the process at once instead.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # A reader that stops early (`| head`) ends the process quietly, as it does any Unix tool.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     raise SystemExit(main())
