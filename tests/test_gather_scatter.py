@@ -378,6 +378,40 @@ def test_fallback_reduce_scatter_averages_integers(world: int) -> None:
     run_ranks(_fallback_integer_avg, world)
 
 
+def _shapes_on_every_path(rank: int, world: int) -> None:
+    # Shapes whose element counts fit, which NCCL and xdev's native paths take: the same calls
+    # on the engine's path (algorithm='fallback', as across hosts), where Gloo alone refuses
+    # them, give the same results.
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    forced = dist.new_group(pg_options=torch_xdev.Options(algorithm="fallback"))
+    n = 3
+    inputs = [make_input(90, r, world * n, torch.float32, dist.ReduceOp.SUM) for r in range(world)]
+    summed = reference(inputs, dist.ReduceOp.SUM)[rank * n : (rank + 1) * n]
+    gathered = torch.stack([x[:n] for x in inputs])  # (world, n): every rank's first n
+    for group, path in ((None, "native"), (forced, "fallback")):
+        out = torch.zeros(n)
+        dist.reduce_scatter_tensor(out, inputs[rank].view(world, n).clone(), group=group)
+        check_close(out, summed, dist.ReduceOp.SUM, world, f"{path} RS out (n,) in (world, n)")
+        column = torch.zeros(n, 1)
+        dist.reduce_scatter_tensor(column, inputs[rank].clone(), group=group)
+        check_close(column.view(-1), summed, dist.ReduceOp.SUM, world, f"{path} RS out (n, 1)")
+        listed = torch.zeros(n)
+        rows = [c.view(1, n) for c in inputs[rank].clone().chunk(world)]
+        dist.reduce_scatter(listed, rows, group=group)
+        check_close(listed, summed, dist.ReduceOp.SUM, world, f"{path} RS list of (1, n)")
+        stacked = torch.zeros(world, n)
+        dist.all_gather_into_tensor(stacked, inputs[rank][:n].clone(), group=group)
+        assert torch.equal(stacked, gathered), f"{path} all_gather_into_tensor (world, n)"
+        scalars = torch.zeros(world)
+        dist.all_gather_into_tensor(scalars, inputs[rank][0].clone(), group=group)
+        assert torch.equal(scalars, gathered[:, 0]), f"{path} all_gather_into_tensor of 0-dim"
+    dist.destroy_process_group()
+
+
+def test_shapes_whose_counts_fit_run_on_the_engine_path_too() -> None:
+    run_ranks(_shapes_on_every_path, 2)
+
+
 def _dead_peer(rank: int, world: int) -> None:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)

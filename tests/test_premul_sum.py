@@ -140,6 +140,21 @@ def _forms(rank: int, world: int) -> dict[str, Any]:
             dist.all_reduce(first, op=_premul(2.0))
             dist.all_reduce(bad, op=_premul(2.0))
     assert torch.equal(first, torch.ones(8)), "a refused coalesced PREMUL_SUM scaled a tensor"
+    # Refused on one rank only (its tensor is not floating point, its peers' are): every rank
+    # fails at this call, rather than the peers' SUM pairing with that rank's next call.
+    for form in ("all_reduce", "reduce_scatter_tensor"):
+        lopsided = torch.ones(4 * world, dtype=torch.int64 if rank == 0 else torch.float32)
+        with pytest.raises((ValueError, RuntimeError)) as refused:
+            if form == "all_reduce":
+                dist.all_reduce(lopsided, op=_premul(2.0))
+            else:
+                out = torch.empty(4, dtype=lopsided.dtype)
+                dist.reduce_scatter_tensor(out, lopsided, op=_premul(2.0))
+        if rank == 0:
+            assert "floating-point tensors" in str(refused.value), (form, refused.value)
+        after = torch.ones(8) * (rank + 1)
+        dist.all_reduce(after)  # the group goes on, with its calls paired as they should be
+        assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2))), form
     after = torch.ones(8) * (rank + 1)
     dist.all_reduce(after)  # the group goes on
     assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2)))

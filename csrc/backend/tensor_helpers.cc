@@ -231,6 +231,22 @@ void premultiply_(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& 
   }
 }
 
+std::vector<at::Tensor> flat_views(const std::vector<at::Tensor>& contiguous_tensors) {
+  std::vector<at::Tensor> views;
+  for (const at::Tensor& t : contiguous_tensors) views.push_back(t.view({-1}));
+  return views;
+}
+
+std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}));
+  return flat;
+}
+
+void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+  for (const at::Tensor& t : tensors) premul_factor(t, op);
+}
+
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op) {
   const PremulFactor factor = premul_factor(t, op);
   if (factor.is_one()) return t;  // a reduce-scatter leaves its input unchanged anyway

@@ -50,6 +50,12 @@ at::Tensor contiguous_bytes(const at::Tensor& t);
 // a coalesced call) gets a copy as well; copy_back then writes the results in
 // list order, the last winning where they overlap, as Gloo's copies do.
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
+// One-dimensional views of contiguous tensors (what is written through them lands in the
+// tensors), and one-dimensional forms of any tensors (copies where a view cannot be had):
+// what Gloo is handed, so that it accepts every shape whose element counts fit, as xdev's
+// native paths and NCCL do.
+std::vector<at::Tensor> flat_views(const std::vector<at::Tensor>& contiguous_tensors);
+std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
 // Reduce-scatter and all-gather pair a full tensor (world blocks) with a block
@@ -80,6 +86,8 @@ void lend_copies_of_overlapping_inputs(std::vector<at::Tensor>& inputs,
 // is; t itself for a factor of 1.0). Both raise ValueError for tensors that are
 // not floating point, or of a float type no path sums (float8).
 void premultiply_(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
+// Raises the ValueError premultiply_ would, without scaling anything.
+void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op);
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
                                       const c10d::ReduceOp& op);

@@ -198,7 +198,12 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                             const c10d::AllgatherOptions& opts) {
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
+    if (!output.is_contiguous()) {
+      return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
+    }
+    at::Tensor flat_out = output.view({-1});
+    at::Tensor flat_in = input.reshape({-1});
+    return fallbacks_.track(delegate(input)->_allgather_base(flat_out, flat_in, opts));
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
@@ -282,8 +287,16 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    const bool contiguous = std::all_of(outputs.begin(), outputs.end(),
+                                        [](const at::Tensor& t) { return t.is_contiguous(); });
+    if (!contiguous) {
+      return fallbacks_.track(
+          delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts));
+    }
+    std::vector<at::Tensor> flat_outs = flat_views(outputs);
+    std::vector<at::Tensor> flat_ins = flattened(inputs);
     return fallbacks_.track(
-        delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts));
+        delegate(inputs)->allgather_into_tensor_coalesced(flat_outs, flat_ins, opts));
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
@@ -313,6 +326,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, outputs)) {
+    for (const std::vector<at::Tensor>& list : inputs) {
+      refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", list, opts.reduceOp,
+                               opts.timeout);
+    }
     std::vector<std::vector<at::Tensor>> scaled;
     for (const std::vector<at::Tensor>& list : inputs) {
       scaled.push_back(premultiplied(list, opts.reduceOp));
@@ -324,10 +341,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
                                          call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(
-        group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
-        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-            std::vector<at::Tensor>& outs) { return engine.reduce_scatter(outs, inputs, o); });
+    return fallbacks_.reduce_scatter(group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
+                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+                                         std::vector<at::Tensor>& outs) {
+                                       std::vector<at::Tensor> flat_outs = flat_views(outs);
+                                       std::vector<std::vector<at::Tensor>> flat_inputs;
+                                       for (const std::vector<at::Tensor>& list : inputs)
+                                         flat_inputs.push_back(flattened(list));
+                                       return engine.reduce_scatter(flat_outs, flat_inputs, o);
+                                     });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter_list(
@@ -345,6 +367,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, {output})) {
+    refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", {input}, opts.reduceOp,
+                             opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
     return _reduce_scatter_base(output, scaled, with_sum(opts));
   }
@@ -355,7 +379,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
                                          std::vector<at::Tensor>& outs) {
-                                       return engine._reduce_scatter_base(outs[0], input, o);
+                                       at::Tensor flat_out = outs[0].view({-1});
+                                       at::Tensor flat_in = input.reshape({-1});
+                                       return engine._reduce_scatter_base(flat_out, flat_in, o);
                                      });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
@@ -376,6 +402,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, outputs)) {
+    refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", inputs, opts.reduceOp,
+                             opts.timeout);
     std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
     return reduce_scatter_tensor_coalesced(outputs, scaled, with_sum(opts));
   }
@@ -387,8 +415,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     return fallbacks_.reduce_scatter(group_, outputs, opts, reduce_scatter_coalesced_op_type(),
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
                                          std::vector<at::Tensor>& outs) {
-                                       return engine.reduce_scatter_tensor_coalesced(outs, inputs,
-                                                                                     o);
+                                       std::vector<at::Tensor> flat_outs = flat_views(outs);
+                                       std::vector<at::Tensor> flat_ins = flattened(inputs);
+                                       return engine.reduce_scatter_tensor_coalesced(flat_outs,
+                                                                                     flat_ins, o);
                                      });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
