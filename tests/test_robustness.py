@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import stat
 import threading
@@ -398,3 +399,36 @@ def test_a_group_whose_last_reference_goes_in_a_callback_shuts_down(algorithm: s
     # torch 2.13).
     for values in run_ranks(_last_reference_dropped_in_a_callback, 2, algorithm, timeout=120):
         assert values == [3.0] * 4
+
+
+def _creator_cannot_make_the_segment(rank: int, world: int) -> tuple[str, float]:
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=rank == 0)
+    if rank == 0:
+        # Files (the segment) past 512 KiB fail with EFBIG instead of a signal.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+    started = time.monotonic()
+    error = ""
+    try:
+        dist.init_process_group(
+            "xdev", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+    except RuntimeError as e:
+        error = str(e)
+    waited = time.monotonic() - started
+    # Rank 0 hosts the store: it stays until its peer has failed.
+    if rank == 0:
+        store.wait(["peer failed"])
+    else:
+        store.set("peer failed", "1")
+    return error, waited
+
+
+def test_a_rank_that_cannot_create_the_shared_memory_fails_its_peers_at_once() -> None:
+    # The peers used to wait for its segment's name until the group's timeout (60 s here),
+    # then fail with a store timeout that did not say why.
+    results = run_ranks(_creator_cannot_make_the_segment, 2, timeout=120)
+    (own, _), (peer, waited) = results
+    assert "File too large" in own, own
+    assert "could not create the shared memory" in peer and "File too large" in peer, peer
+    assert waited < 30, waited

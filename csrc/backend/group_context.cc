@@ -221,18 +221,45 @@ void GroupContext::rendezvous_hosts() {
 std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const std::string& prefix,
                                                                         int ranks, int rank) {
   const auto slot_bytes = static_cast<size_t>(config_.shm_slot_bytes);
+  // A rank that cannot create or map the segment says so at once: its peers would otherwise
+  // wait for its key or its arrival until the timeout, then fail without the reason.
+  constexpr char kFailed = '!';
   transport::ShmChannel channel;
+  std::exception_ptr failure;
   if (rank == 0) {
-    transport::ShmSegment::remove_orphans();
-    const std::string name = transport::ShmSegment::make_name();
-    channel = transport::ShmChannel::create(name, ranks, rank, slot_bytes);
+    std::string name;
+    try {
+      transport::ShmSegment::remove_orphans();
+      name = transport::ShmSegment::make_name();
+      channel = transport::ShmChannel::create(name, ranks, rank, slot_bytes);
+    } catch (const std::exception& e) {
+      store_->set(prefix + "name", std::string(1, kFailed) + e.what());
+      throw;
+    }
     store_->set(prefix + "name", name);
   } else {
     const std::string name = store_->get_to_str(prefix + "name");
-    channel = transport::ShmChannel::attach(name, ranks, rank, slot_bytes);
+    if (!name.empty() && name[0] == kFailed) {
+      throw std::runtime_error(
+          "xdev: the first rank of this host could not create the shared memory its ranks "
+          "share: " +
+          name.substr(1));
+    }
+    try {
+      channel = transport::ShmChannel::attach(name, ranks, rank, slot_bytes);
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
   }
-  store_barrier(*store_, prefix + "attached/", ranks, config_.timeout);
-  if (rank == 0) channel.unlink_name();
+  const int64_t failed = count_failures_across_ranks(*store_, prefix + "attached/",
+                                                     failure != nullptr, ranks, config_.timeout);
+  if (rank == 0) channel.unlink_name();  // every rank that could has mapped it
+  if (failure) std::rethrow_exception(failure);
+  if (failed > 0) {
+    throw std::runtime_error("xdev: " + std::to_string(failed) +
+                             " rank(s) of this host could not map the shared memory its ranks "
+                             "share (their own errors say why)");
+  }
   return std::make_unique<transport::ShmChannel>(std::move(channel));
 }
 

@@ -177,8 +177,7 @@ void ShmChannel::init_local_rank(int world_size, int rank, size_t slot_bytes) {
   me->pid.store(static_cast<int32_t>(::getpid()));
   // A random token, so a successful read proves we reached the right process.
   probe_token_ = std::make_unique<uint64_t>(0);
-  while (::getrandom(probe_token_.get(), sizeof(uint64_t), 0) != sizeof(uint64_t)) {
-  }
+  fill_random(probe_token_.get(), sizeof(uint64_t));
   *probe_token_ |= 1;  // never zero
   me->probe_token = *probe_token_;
   me->probe_address = reinterpret_cast<uint64_t>(probe_token_.get());

@@ -65,17 +65,22 @@ void ShmSegment::reset() {
   size_ = 0;
 }
 
-std::string ShmSegment::make_name() {
-  unsigned char bytes[16];
+void fill_random(void* out, size_t bytes) {
+  auto* to = static_cast<unsigned char*>(out);
   size_t got = 0;
-  while (got < sizeof bytes) {
-    const ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+  while (got < bytes) {
+    const ssize_t n = ::getrandom(to + got, bytes - got, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
       throw_errno("getrandom", errno);
     }
     got += static_cast<size_t>(n);
   }
+}
+
+std::string ShmSegment::make_name() {
+  unsigned char bytes[16];
+  fill_random(bytes, sizeof bytes);
   char hex[33];
   for (size_t i = 0; i < sizeof bytes; ++i) std::snprintf(hex + 2 * i, 3, "%02x", bytes[i]);
   return "/xdev-" + std::to_string(::getpid()) + "-" + std::to_string(pid_namespace()) + "-" + hex;

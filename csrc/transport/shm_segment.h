@@ -65,4 +65,8 @@ class ShmSegment {
   bool owner_linked_ = false;  // this process created the name and has not unlinked it
 };
 
+// Fills `out` with `bytes` random bytes from the kernel (getrandom); throws
+// std::runtime_error where it has none to give (e.g. a seccomp filter refuses the call).
+void fill_random(void* out, size_t bytes);
+
 }  // namespace xdev::transport
