@@ -8,7 +8,8 @@ Each form (all_reduce, all_reduce_coalesced, reduce_scatter_tensor, its coalesce
 reduce_scatter, reduce to every root) is checked against a reference computed here (every rank's
 input times the factor, summed in float64) and bitwise against xdev's own SUM of inputs the test
 scaled itself: the same sums in the same order. Inputs that must stay unchanged do. A float factor and a tensor factor both work; integer tensors
-get a ValueError that names the fix, and the group goes on. FSDP2 with a divide factor of 1.0
+get a ValueError that names the fix, and the group goes on; where only one rank's tensors are
+refused, every rank fails at that call, whatever path its SUM takes. FSDP2 with a divide factor of 1.0
 and the learning rate divided by the world size trains as FSDP2 on Gloo does with its default
 average.
 """
@@ -140,21 +141,6 @@ def _forms(rank: int, world: int) -> dict[str, Any]:
             dist.all_reduce(first, op=_premul(2.0))
             dist.all_reduce(bad, op=_premul(2.0))
     assert torch.equal(first, torch.ones(8)), "a refused coalesced PREMUL_SUM scaled a tensor"
-    # Refused on one rank only (its tensor is not floating point, its peers' are): every rank
-    # fails at this call, rather than the peers' SUM pairing with that rank's next call.
-    for form in ("all_reduce", "reduce_scatter_tensor"):
-        lopsided = torch.ones(4 * world, dtype=torch.int64 if rank == 0 else torch.float32)
-        with pytest.raises((ValueError, RuntimeError)) as refused:
-            if form == "all_reduce":
-                dist.all_reduce(lopsided, op=_premul(2.0))
-            else:
-                out = torch.empty(4, dtype=lopsided.dtype)
-                dist.reduce_scatter_tensor(out, lopsided, op=_premul(2.0))
-        if rank == 0:
-            assert "floating-point tensors" in str(refused.value), (form, refused.value)
-        after = torch.ones(8) * (rank + 1)
-        dist.all_reduce(after)  # the group goes on, with its calls paired as they should be
-        assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2))), form
     after = torch.ones(8) * (rank + 1)
     dist.all_reduce(after)  # the group goes on
     assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2)))
@@ -167,6 +153,43 @@ def test_premul_sum_forms(world: int) -> None:
     for result in run_ranks(_forms, world):
         assert result["cases"] == len(DTYPES) * 2 * 7, result
         assert all("fallback" not in path for path in result["paths"]), result
+
+
+def _refused_on_one_rank(rank: int, world: int) -> None:
+    # Rank 0's tensor is not floating point, its peers' are: every rank fails at this call,
+    # rather than the peers' SUM pairing with rank 0's next call, whatever path the SUM takes.
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    for form in ("all_reduce", "reduce_scatter_tensor", "reduce"):
+        lopsided = torch.ones(4 * world, dtype=torch.int64 if rank == 0 else torch.float32)
+        with pytest.raises(ValueError) as refused:
+            if form == "all_reduce":
+                dist.all_reduce(lopsided, op=_premul(2.0))
+            elif form == "reduce":
+                dist.reduce(lopsided, dst=world - 1, op=_premul(2.0))
+            else:
+                out = torch.empty(4, dtype=lopsided.dtype)
+                dist.reduce_scatter_tensor(out, lopsided, op=_premul(2.0))
+        want = "floating-point tensors" if rank == 0 else "refused by another rank"
+        assert want in str(refused.value), (form, refused.value)
+        after = torch.ones(8) * (rank + 1)
+        dist.all_reduce(after)  # the group goes on, its calls paired as they should be
+        assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2))), form
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["one host", "fallback", "2x2 fast network", "3+1 hosts"])
+def test_a_premul_sum_refused_on_one_rank_fails_every_rank(layout: str, tmp_path: Path) -> None:
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps({"params": {"net_latency_us": 1.0, "net_stream_gbps": 1000.0}}))
+    env: list[dict[str, str]] = [{} for _ in range(4)]
+    for r in range(4):
+        if layout == "fallback":
+            env[r]["XDEV_ALGO"] = "fallback"
+        elif layout == "2x2 fast network":  # the peers' SUM goes to Gloo's ring
+            env[r] |= {"XDEV_HOSTNAME": f"refusal-{r // 2}", "XDEV_CPU_MODEL": str(fast)}
+        elif layout == "3+1 hosts":  # no two levels
+            env[r]["XDEV_HOSTNAME"] = f"refusal-{int(r == 3)}"
+    run_ranks(_refused_on_one_rank, 4, per_rank_env=env, timeout=180)
 
 
 def test_premul_sum_across_hosts(tmp_path: Path) -> None:

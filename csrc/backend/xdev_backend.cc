@@ -179,27 +179,38 @@ bool XdevBackend::premultiplies_here(const c10d::ReduceOp& op,
          !fallbacks_.has_premul_sum(*fallbacks_.for_tensors(tensors));
 }
 
-void XdevBackend::refuse_premul_with_peers(Collective collective, const char* name,
-                                           const std::vector<at::Tensor>& tensors,
+void XdevBackend::refuse_premul_with_peers(const std::vector<at::Tensor>& tensors,
                                            const c10d::ReduceOp& op,
                                            std::chrono::milliseconds timeout) {
   std::exception_ptr refusal;
   try {
     check_premultipliable(tensors, op);
-    return;
   } catch (const std::exception&) {
     refusal = std::current_exception();
   }
-  const bool cuda = !tensors.empty() && tensors[0].is_cuda();
-  check_native_call(collective, name, cuda, timeout, [&] { std::rethrow_exception(refusal); });
+  if (size_ > 1) {
+    // The peers' SUM may take any path (natively, in two levels, on Gloo), so the refusal
+    // cannot meet them there: every rank votes first.
+    std::vector<at::Tensor> vote{at::full({1}, refusal ? 1 : 0, at::kInt)};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+    max.timeout = timeout;
+    dispatch_allreduce(vote, max, false)->wait();
+    if (!refusal && vote[0].item<int>() != 0) {
+      TORCH_CHECK_VALUE(false,
+                        "xdev: ReduceOp.PREMUL_SUM refused by another rank of the group (its own "
+                        "error says why: its tensors are not of a floating-point type it can "
+                        "sum). The group stays usable.");
+    }
+  }
+  if (refusal) std::rethrow_exception(refusal);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts,
                                                                bool coalesced) {
   if (premultiplies_here(opts.reduceOp, tensors)) {
-    refuse_premul_with_peers(Collective::kAllreduce, "all_reduce", tensors, opts.reduceOp,
-                             opts.timeout);
+    refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
     if (std::any_of(tensors.begin(), tensors.end(), elements_share_memory)) {
       // Scaling such a tensor in place fails on this rank alone, which would
       // leave its peers in this call and pair its next call with it. It takes

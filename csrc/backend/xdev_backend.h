@@ -216,10 +216,9 @@ class XdevBackend : public c10d::Backend {
   bool premultiplies_here(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors);
   // Raises where premultiply_ would refuse these tensors (not floating point, float8), on this
   // rank and its peers alike: refused here alone, the call would leave the peers in its SUM,
-  // which would pair with this rank's next call and give both wrong sums. The peers' SUM of
-  // floating-point CPU tensors runs natively, so the refusal meets them where they check it.
-  void refuse_premul_with_peers(Collective collective, const char* name,
-                                const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+  // which would pair with this rank's next call and give both wrong sums. Every rank votes
+  // (a one-element MAX) before the SUM: one small collective per PREMUL_SUM that xdev scales.
+  void refuse_premul_with_peers(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
                                 std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> dispatch_allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts,

@@ -160,6 +160,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
   if (premultiplies_here(opts.reduceOp, tensors)) {
+    refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
     // The root's tensor receives the result, so it is scaled in place; the
     // others' stay as they are (NCCL leaves them so) and lend scaled copies.
     if (getRank() != opts.rootRank) {
@@ -326,10 +327,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, outputs)) {
+    std::vector<at::Tensor> all_inputs;
     for (const std::vector<at::Tensor>& list : inputs) {
-      refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", list, opts.reduceOp,
-                               opts.timeout);
+      all_inputs.insert(all_inputs.end(), list.begin(), list.end());
     }
+    refuse_premul_with_peers(all_inputs, opts.reduceOp, opts.timeout);
     std::vector<std::vector<at::Tensor>> scaled;
     for (const std::vector<at::Tensor>& list : inputs) {
       scaled.push_back(premultiplied(list, opts.reduceOp));
@@ -367,8 +369,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, {output})) {
-    refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", {input}, opts.reduceOp,
-                             opts.timeout);
+    refuse_premul_with_peers({input}, opts.reduceOp, opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
     return _reduce_scatter_base(output, scaled, with_sum(opts));
   }
@@ -402,8 +403,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (premultiplies_here(opts.reduceOp, outputs)) {
-    refuse_premul_with_peers(Collective::kReduceScatter, "reduce_scatter", inputs, opts.reduceOp,
-                             opts.timeout);
+    refuse_premul_with_peers(inputs, opts.reduceOp, opts.timeout);
     std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
     return reduce_scatter_tensor_coalesced(outputs, scaled, with_sum(opts));
   }
