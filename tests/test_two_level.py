@@ -10,9 +10,12 @@ Calls that differ between ranks are test_two_level_mismatch.py's.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
+import struct
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -445,3 +448,61 @@ def test_async_barrier_and_an_engine_call_reach_gloo_in_program_order() -> None:
     results = run_ranks(_async_barrier_then_engine_call, 4, per_rank_env=_hosts_env([2, 2]))
     for rank, got in enumerate(results):
         assert got == [10.0 * r + rank for r in range(4)], (rank, got)
+
+
+def _ipv4_of(interface: str) -> Optional[str]:
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", interface.encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _listening_ipv4_addresses() -> set[str]:
+    """The IPv4 addresses this process's TCP sockets listen on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    addresses = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                packed = struct.pack("<I", int(fields[1].split(":")[0], 16))
+                addresses.add(socket.inet_ntoa(packed))
+    return addresses
+
+
+def _listening_after_a_two_level_allreduce(rank: int, world: int) -> set[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    t = torch.full((4096,), float(rank))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4096,), float(sum(range(world)))))
+    assert torch_xdev.describe()["last_allreduce"][1].count("two-level"), "no two levels ran"
+    addresses = _listening_ipv4_addresses()
+    dist.destroy_process_group()
+    return addresses
+
+
+def test_the_groups_across_hosts_use_the_interface_gloo_socket_ifname_names(
+    tmp_path: Path,
+) -> None:
+    # Where a host's name resolves to loopback, GLOO_SOCKET_IFNAME is how Gloo reaches the
+    # other hosts; the groups xdev makes across hosts used to ignore it and listen on loopback.
+    named = [(i, _ipv4_of(i)) for _, i in socket.if_nameindex() if i != "lo"]
+    named = [(i, a) for i, a in named if a is not None and not a.startswith("127.")]
+    if not named:
+        pytest.skip("no network interface with an IPv4 address besides loopback")
+    interface, address = named[0]
+    env = [{"XDEV_HOSTNAME": f"ifname-{r // 2}", "GLOO_SOCKET_IFNAME": interface} for r in range(4)]
+    env = _with_model(env, {"net_latency_us": 5000.0}, tmp_path)
+    for addresses in run_ranks(_listening_after_a_two_level_allreduce, 4, per_rank_env=env):
+        assert address in addresses, (interface, address, addresses)
+        assert not any(a.startswith("127.") for a in addresses), (interface, addresses)

@@ -148,19 +148,30 @@ def _make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     return ProcessGroupNCCL(PrefixStore("xdev/nccl/", store), rank, size, options)
 
 
+def _gloo_devices() -> list[Any]:
+    """The devices torch's ProcessGroupGloo constructor picks: one per interface in
+    GLOO_SOCKET_IFNAME (comma-separated), else the default (the host name's address)."""
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if interfaces:
+        return [ProcessGroupGloo.create_device(interface=i, lazy_init=True) for i in interfaces]
+    return [ProcessGroupGloo.create_default_device(lazy_init=True)]
+
+
 def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, int], Any]:
     """Makes the Gloo group of the two-level allreduce's step across hosts.
 
     The backend calls it once per group where ranks span hosts evenly: the ranks of one local
-    index, one per host. Its device connects lazily, so a group that never allreduces across
-    hosts opens no sockets for it.
+    index, one per host. Its devices connect lazily, so a group that never allreduces across
+    hosts connects to no peer (each still listens). Like torch's own Gloo groups, it uses the
+    interfaces GLOO_SOCKET_IFNAME names (on clusters whose host names resolve to loopback,
+    that is what lets hosts reach each other), else the host name's address.
     """
 
     def make(prefix: str, rank: int, size: int) -> Any:
         # The options class with _devices (torch's type stub does not declare it).
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
-        options._devices = [ProcessGroupGloo.create_default_device(lazy_init=True)]
+        options._devices = _gloo_devices()
         return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
 
     return make
