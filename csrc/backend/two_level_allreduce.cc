@@ -294,6 +294,9 @@ void TwoLevelAllreduce::run_leader(const at::Tensor& flat, kernels::ReduceOp op,
       // differ, the exchange fails this host's next step inside it (the
       // broadcast) on purpose, so the other local ranks stop there too.
       exchanged = true;
+      // The selection gives this form only payloads that fit the message.
+      TORCH_INTERNAL_ASSERT(plan::carried_across_hosts(flat.numel() * flat.element_size()),
+                            "xdev: a leader-form payload outgrew the message across hosts");
       const at::Tensor messages =
           check_.exchange(call, flat.data_ptr(), flat.numel() * flat.element_size(),
                           /*host_step_follows=*/true, what, deadline);

@@ -264,6 +264,9 @@ void TwoLevelGatherScatter::run_all_gather_leader(const std::vector<at::Tensor>&
       for (size_t i = 0; i < inputs.size(); ++i) own.push_back(region(i, host));
       const at::Tensor mine = own.size() == 1 ? own[0] : at::cat(own);
       exchanged = true;
+      // The selection gives this form only payloads that fit the message.
+      TORCH_INTERNAL_ASSERT(plan::carried_across_hosts(mine.numel()),
+                            "xdev: a leader-form payload outgrew the message across hosts");
       const at::Tensor messages =
           check_.exchange(call, mine.data_ptr(), mine.numel(), /*host_step_follows=*/true,
                           "two-level all_gather", deadline);
