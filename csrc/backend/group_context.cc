@@ -168,6 +168,20 @@ void GroupContext::rendezvous_hosts() {
     check_same_settings(size_, [&](int r) -> const std::vector<std::string>& {
       return entries[static_cast<size_t>(r)].settings;
     });
+    // Ranks that give one host name share its memory: on two machines (containers started
+    // with the same --hostname) opening it would fail on one side only.
+    std::map<std::string, int> first_on_host;
+    for (int r = 0; r < size_; ++r) {
+      const Entry& e = entries[static_cast<size_t>(r)];
+      const int first = first_on_host.emplace(e.host, r).first->second;
+      if (entries[static_cast<size_t>(first)].machine != e.machine) {
+        throw std::invalid_argument(
+            "xdev: ranks " + std::to_string(first) + " and " + std::to_string(r) +
+            " name the same host '" + e.host +
+            "' but run on different machines (their kernels' boot ids differ). Give each "
+            "machine its own host name, or set XDEV_HOSTNAME to tell them apart.");
+      }
+    }
   } catch (const std::invalid_argument&) {
     // Every rank finds the same difference: none leaves (rank 0's process
     // holds the Store) before all have read every entry, so each raises this
@@ -452,33 +466,44 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
                                     poisoned_ + "); destroy it and create a new one"));
       return;
     }
+    std::exception_ptr error;  // the body's failure, as the Work reports it
     try {
-      {
-        // The body writes the caller's tensors with ATen ops (a staged
-        // result copied back, a division), where the engines write raw
-        // memory. Autograd refuses those on a view of a leaf that requires
-        // grad, and inference mode on a tensor made under it: that would fail
-        // this rank after its peers have moved the data. Writes still bump
-        // the tensors' version counters. Only the body: callbacks run by
-        // complete() are the user's code, in the user's modes.
-        c10::InferenceMode writes_as_the_engines_do;
-        body();
-      }
-      this_work->complete();
+      // The body writes the caller's tensors with ATen ops (a staged result
+      // copied back, a division), where the engines write raw memory.
+      // Autograd refuses those on a view of a leaf that requires grad, and
+      // inference mode on a tensor made under it: that would fail this rank
+      // after its peers have moved the data. Writes still bump the tensors'
+      // version counters. Only the body: callbacks run by complete() are the
+      // user's code, in the user's modes.
+      c10::InferenceMode writes_as_the_engines_do;
+      body();
     } catch (const transport::MismatchError& e) {
-      this_work->fail(as_dist_error(e.what()));  // every rank stopped at the same barrier
+      error = as_dist_error(e.what());  // every rank stopped at the same barrier
     } catch (const CallError& e) {
-      this_work->fail(as_dist_error(e.what()));
+      error = as_dist_error(e.what());
     } catch (const transport::PeerError& e) {
       poison(e.what());
-      this_work->fail(as_dist_error(e.what()));
+      error = as_dist_error(e.what());
     } catch (const std::exception& e) {
       poison(e.what());
-      this_work->fail(as_dist_error(std::string("xdev: ") + e.what()));
+      error = as_dist_error(std::string("xdev: ") + e.what());
+    }
+    // Completing runs the Work's callbacks. One added through the future's
+    // addCallback (C++) may throw once the Work is settled: it must not end
+    // the worker thread (std::terminate) or pass for the call's failure.
+    try {
+      if (error) {
+        this_work->fail(error);
+      } else {
+        this_work->complete();
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[xdev] group '%s' rank %d: a callback of a Work raised: %s\n",
+                   config_.group_name.c_str(), rank_, e.what());
     }
   };
   if (nested) {
-    queue_address_->run_nested(std::move(task), place);
+    queue_address_.load()->run_nested(std::move(task), place);
   } else if (async_op) {
     queue_->submit(std::move(task));
   } else {
@@ -505,10 +530,12 @@ bool GroupContext::stop_queue(bool last_reference) {
     // The task that held the last reference is ending on this thread (see
     // enqueue_work), and nothing is queued behind it: every queued task holds
     // a reference. A thread of its own joins this one once the task returns.
+    queue_address_ = nullptr;  // this group makes no more calls: its last reference is gone
     run_detached_teardown([done = std::move(queue)]() mutable { done.reset(); });
     return true;
   }
-  queue.reset();  // runs what is queued, then joins the worker
+  queue.reset();  // runs what is queued (whose callbacks may still call nested), joins the worker
+  queue_address_ = nullptr;
   return true;
 }
 

@@ -256,8 +256,9 @@ class GroupContext {
   std::mutex queue_mutex_;            // guards queue_ against stop_queue()
   std::unique_ptr<WorkQueue> queue_;  // joined in stop_queue(), before anything it uses goes
   // queue_ as it was made, only compared with WorkQueue::running_on_this_thread()
-  // (non-const: run_nested, which only a task of that queue calls).
-  WorkQueue* queue_address_ = nullptr;
+  // (non-const: run_nested, which only a task of that queue calls); null once the queue is
+  // gone, so that another group's queue made at the same address is not taken for it.
+  std::atomic<WorkQueue*> queue_address_{nullptr};
   c10d::Backend* owner_ = nullptr;  // see set_owner
 };
 
