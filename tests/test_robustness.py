@@ -432,3 +432,34 @@ def test_a_rank_that_cannot_create_the_shared_memory_fails_its_peers_at_once() -
     assert "File too large" in own, own
     assert "could not create the shared memory" in peer and "File too large" in peer, peer
     assert waited < 30, waited
+
+
+def _one_peer_gives_up_first(rank: int, world: int) -> tuple[str, float]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == world - 1:
+        # Alive, but never joins the collective: its peers wait for it.
+        store.wait(["peers failed"], timedelta(seconds=120))
+        return "", 0.0
+    started = time.monotonic()
+    error = ""
+    try:
+        dist.all_reduce(torch.ones(16))
+    except RuntimeError as e:
+        error = str(e)
+    waited = time.monotonic() - started
+    if store.add("failed", 1) == world - 1:
+        store.set("peers failed", "1")
+    return error, waited
+
+
+def test_a_peer_that_times_out_first_fails_the_barrier_for_the_others_at_once() -> None:
+    # Rank 0's timeout is 2 s, rank 1's 120 s: once rank 0 gives up on rank 2, the call has
+    # failed on every rank, and rank 1 used to wait out its own timeout all the same.
+    env = [{"XDEV_TIMEOUT": "2"}, {"XDEV_TIMEOUT": "120"}, {}]
+    (first, _), (second, waited), _ = run_ranks(
+        _one_peer_gives_up_first, 3, per_rank_env=env, timeout=200
+    )
+    assert "timed out" in first and "waiting for rank(s) 2" in first, first
+    assert "rank 0 timed out" in second and "waiting for rank(s) 2" in second, second
+    assert waited < 60, waited

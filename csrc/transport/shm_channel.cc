@@ -353,10 +353,22 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
       pass_barrier(epoch, what);
       return;
     }
+    // A peer that reached its deadline first has failed this barrier for every rank (its
+    // timeout may be shorter, or its call began earlier): no need to wait out this one's.
+    const uint64_t settled = header()->outcome.load(std::memory_order_seq_cst);
+    if (settled / kOutcomeRanks == epoch && settled % kOutcomeRanks != 0) {
+      const int gave_up = static_cast<int>(settled % kOutcomeRanks) - 1;
+      throw PeerError("xdev: " + rank_name(gave_up) + " timed out in " + what +
+                      " waiting for rank(s) " + missing_ranks(epoch) +
+                      " of this group, which fails the call on every rank");
+    }
     const auto now = Clock::now();
     if (now >= deadline) {
       // The last peer may have arrived since the check above and settled it.
       if (settle_barrier(epoch, false)) return;
+      // The peers asleep here learn of the failure now rather than at their own deadlines.
+      wake->fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(wake);
       throw PeerError("xdev: timed out in " + what + " waiting for rank(s) " +
                       missing_ranks(epoch) +
                       " of this group; a peer is stuck, slow, or called a different collective");
