@@ -128,7 +128,8 @@ def test_stub_matches_the_binding() -> None:
 
 
 def _readme_option_rows() -> dict[str, list[str]]:
-    readme = os.path.join(os.path.dirname(os.path.dirname(STUB)), "README.md")
+    # The checkout's README (the package may be installed elsewhere).
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
     with open(readme, encoding="utf-8") as f:
         text = f.read()
     section = text.split("### Options and environment variables", 1)[1].split("\n### ", 1)[0]
