@@ -218,7 +218,8 @@ class Options:
         two_level_pieces: on several hosts, pipeline a two-level allreduce in this many
             pieces, so that the steps inside each host overlap the engine's across hosts
             (a payload whose slices ride in the check across hosts, 64 KiB each, stays
-            whole); 0 (default): the cost model's choice.
+            whole); 0 (default): the cost model's choice. Whether two levels run at all stays
+            the model's call, weighing this plan against the engine's ring.
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
