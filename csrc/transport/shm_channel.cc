@@ -358,9 +358,9 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
     const uint64_t settled = header()->outcome.load(std::memory_order_seq_cst);
     if (settled / kOutcomeRanks == epoch && settled % kOutcomeRanks != 0) {
       const int gave_up = static_cast<int>(settled % kOutcomeRanks) - 1;
-      throw PeerError("xdev: " + rank_name(gave_up) + " timed out in " + what +
-                      " waiting for rank(s) " + missing_ranks(epoch) +
-                      " of this group, which fails the call on every rank");
+      throw PeerError("xdev: timed out in " + what + " waiting for rank(s) " +
+                      missing_ranks(epoch) + " of this group: " + rank_name(gave_up) +
+                      " reached its deadline first, which fails the call on every rank");
     }
     const auto now = Clock::now();
     if (now >= deadline) {
