@@ -120,8 +120,11 @@ __device__ void tell_peers_stopped(const WindowParams& p) {
   const unsigned int code = *reinterpret_cast<const volatile unsigned int*>(p.error);
   if (!gpu_barrier::tells_peers(code)) return;
   const uint64_t word = gpu_barrier::stop_word(code);
+  // An exited rank's inbox is an IPC mapping of memory its process no longer
+  // holds: a store there may fault, a sticky error for this rank's context.
+  const int gone = gpu_barrier::gone_rank(code);
   for (int r = 0; r < p.world_size; ++r) {
-    if (r != p.rank) store_release_sys(p.inboxes[r] + p.rank, word);
+    if (r != p.rank && r != gone) store_release_sys(p.inboxes[r] + p.rank, word);
   }
 }
 

@@ -43,7 +43,14 @@ void check_cuda(cudaError_t status, const char* call) {
 
 bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  const cudaError_t asked = cudaStreamIsCapturing(stream, &status);
+  if (asked == cudaErrorStreamCaptureImplicit) {
+    // The legacy default stream while another thread captures in global mode:
+    // using it would spoil that capture, so it counts as capturing.
+    cudaGetLastError();
+    return true;
+  }
+  check_cuda(asked, "cudaStreamIsCapturing");
   return status != cudaStreamCaptureStatusNone;
 }
 

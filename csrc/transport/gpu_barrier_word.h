@@ -102,6 +102,13 @@ XDEV_HOST_DEVICE constexpr unsigned int peer_stopped(int rank) {
   return kPeerStoppedBase + static_cast<unsigned int>(rank);
 }
 
+// The rank whose process exited, for a kPeerGone code (this rank's own or one
+// adopted from a peer's stop word); -1 for any other code.
+XDEV_HOST_DEVICE constexpr int gone_rank(unsigned int code) {
+  return code >= kPeerGoneBase && code < kLaunchFailed ? static_cast<int>(code - kPeerGoneBase)
+                                                       : -1;
+}
+
 // Whether a rank whose kernels stopped with `code` tells its peers (a stop
 // word). Not where a peer differed: every rank finds the differing call at
 // the same barrier by itself, and names whom it differs from, which only it

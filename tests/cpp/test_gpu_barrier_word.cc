@@ -276,6 +276,10 @@ TEST(gpu_barrier_stop_words_and_the_causes_peers_adopt) {
   CHECK(!gb::tells_peers(gb::peer_differs(2)));
   CHECK(gb::tells_peers(gb::peer_timed_out(2)) && gb::tells_peers(gb::peer_gone(2)));
   CHECK(gb::tells_peers(gb::kLaunchFailed) && gb::tells_peers(gb::peer_stopped(2)));
+  // The stop word skips an exited rank's inbox (memory its process no longer holds).
+  CHECK(gb::gone_rank(gb::peer_gone(2)) == 2 && gb::gone_rank(gb::peer_gone(0)) == 0);
+  CHECK(gb::gone_rank(gb::peer_timed_out(2)) == -1 && gb::gone_rank(gb::kLaunchFailed) == -1);
+  CHECK(gb::gone_rank(gb::peer_stopped(2)) == -1 && gb::gone_rank(0) == -1);
 }
 
 TEST(call_hash_covers_exactly_the_compared_fields) {

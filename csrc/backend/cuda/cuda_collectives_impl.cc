@@ -70,6 +70,11 @@ class CudaCollectivesImpl : public CudaCollectives {
                         ". Use one GPU per rank (torch.cuda.set_device(local_rank)).");
       return *info_;
     }
+    // Its store keys and counters serve one attempt: a second could read a
+    // peer's handles from the first (memory since freed) or pass its barriers.
+    TORCH_CHECK(rendezvous_failure_.empty(),
+                "xdev: this group's CUDA transport failed to open at its first CUDA collective (",
+                rendezvous_failure_, "); destroy the group and create a new one");
     // The rendezvous allocates and maps device memory and waits on the store:
     // calls a capture in CUDA's default (global) mode forbids, which would
     // spoil the user's graph with an error that names none of this.
@@ -79,7 +84,12 @@ class CudaCollectivesImpl : public CudaCollectives {
                 "torch_xdev.prepare_cuda_graph_capture(group) on every rank before capturing: "
                 "it opens the transport and NCCL's communicator, which runs captured calls "
                 "(ranks that share a GPU cannot capture collectives: NCCL refuses them).");
-    info_ = rendezvous(device);
+    try {
+      info_ = rendezvous(device);
+    } catch (const std::exception& e) {
+      rendezvous_failure_ = e.what();
+      throw;
+    }
     return *info_;
   }
 
@@ -584,6 +594,7 @@ class CudaCollectivesImpl : public CudaCollectives {
   GroupContext& g_;
   mutable std::mutex mutex_;
   std::optional<CudaGroupInfo> info_;
+  std::string rendezvous_failure_;  // why the first rendezvous failed; empty: it did not
   std::optional<c10::cuda::CUDAStream> stream_;
   // The balanced plan's trees follow the GPUs' NVLinks (made once they are known).
   std::optional<AllreducePlanner> planner_;
