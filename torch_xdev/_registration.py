@@ -302,7 +302,7 @@ def _wait_for_detached_teardowns() -> None:
     # A group whose last reference went in a callback of its own Work is destroyed on a thread
     # nothing joins; the interpreter must not finalize under it.
     if not _C.wait_for_detached_teardowns(_TEARDOWN_WAIT):
-        started, in_flight = _C.detached_teardowns()
+        in_flight = _C.detached_teardowns()[1]
         print(
             f"[xdev] exiting while {in_flight} process group(s) are still being destroyed "
             f"after {_TEARDOWN_WAIT.total_seconds():g} s (a callback or engine that does not "

@@ -283,16 +283,22 @@ ENV_KNOBS: tuple[tuple[str, str, Callable[[str], Any]], ...] = tuple(
 )
 
 
+def _set_in_environment(environ: Optional[Mapping[str, str]]) -> list[tuple[str, str, str]]:
+    """(field, variable, text) of every XDEV_* variable set (non-empty) here."""
+    env = os.environ if environ is None else environ
+    return [
+        (field, variable, env[variable]) for field, variable, _ in ENV_KNOBS if env.get(variable)
+    ]
+
+
 def environment_overrides(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """The XDEV_* variables that override Options here, as ``NAME=value``."""
-    env = os.environ if environ is None else environ
-    return [f"{variable}={env[variable]}" for _, variable, _ in ENV_KNOBS if env.get(variable)]
+    return [f"{variable}={text}" for _, variable, text in _set_in_environment(environ)]
 
 
 def fields_from_environment(environ: Optional[Mapping[str, str]] = None) -> set[str]:
     """The Options fields that XDEV_* variables set here."""
-    env = os.environ if environ is None else environ
-    return {field for field, variable, _ in ENV_KNOBS if env.get(variable)}
+    return {field for field, _, _ in _set_in_environment(environ)}
 
 
 def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] = None) -> Options:
