@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 namespace xdev::plan {
 namespace {
@@ -296,12 +300,38 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
   return trees;
 }
 
+namespace {
+
+// The search above costs tens of milliseconds at 32 ranks and hundreds at 64,
+// and every prediction of a balanced candidate asks for it again (the cost
+// model predicts each size from two or three programs; a group's first call
+// of each size class predicts every candidate). The answer depends on the
+// links and the pack count alone, so it is computed once per process.
+std::vector<PackTree> memoized_pack_trees(const LinkMatrix& links, int64_t num_packs) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, int64_t>, std::vector<PackTree>> memo;
+  constexpr size_t kMaxEntries = 64;  // a process sees a handful of machines
+  std::pair<std::string, int64_t> key{links.to_text(), num_packs};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = memo.find(key);
+    if (it != memo.end()) return it->second;
+  }
+  std::vector<PackTree> trees = assign_pack_trees(links, num_packs);  // unlocked: may be slow
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (memo.size() >= kMaxEntries) memo.clear();
+  memo.emplace(std::move(key), trees);
+  return trees;
+}
+
+}  // namespace
+
 std::vector<PackTree> balanced_pack_trees(const LinkMatrix& links, int64_t num_packs) {
   // Long pack lists repeat a balanced pattern of 3N packs (on a DGX-1 V100 a
   // pattern of 24 balances every link exactly); the search cost stays fixed.
   const int64_t period = 3 * static_cast<int64_t>(links.size());
-  if (num_packs <= period) return assign_pack_trees(links, num_packs);
-  const std::vector<PackTree> pattern = assign_pack_trees(links, period);
+  if (num_packs <= period) return memoized_pack_trees(links, num_packs);
+  const std::vector<PackTree> pattern = memoized_pack_trees(links, period);
   std::vector<PackTree> trees;
   for (int64_t k = 0; k < num_packs; ++k) trees.push_back(pattern[static_cast<size_t>(k % period)]);
   return trees;
