@@ -71,7 +71,7 @@ import deepspeed_shm
 import network_fit
 import torch_xdev
 from run_record import XDEV_PATH, environment, write_results, xdev_environment_line
-from step_common import refused_under_torchrun
+from step_common import refused_under_torchrun, round_order, spread_note
 from allreduce_common import (
     DTYPES,
     Config,
@@ -238,13 +238,16 @@ def run_rank(rank: int, cfg: Config) -> None:
                 allreduce(timed[name])
             loop = functools.partial(timed_loop, timed[name], allreduce, skewed=skewed)
             iters[name] = choose_iters(cfg, loop)
-        # Each round starts one variant later (step_common.run_rounds does the same), so that
-        # none is always timed first or always after the same neighbour.
         seconds: dict[str, list[float]] = {name: [] for name, _, _ in variants}
         for round_index in range(cfg.rounds):
-            start = round_index % len(variants)
-            for name, allreduce, _ in variants[start:] + variants[:start]:
+            for name, allreduce, _ in round_order(variants, round_index):
                 seconds[name].append(timed_loop(timed[name], allreduce, iters[name], skewed))
+        # Again after the timed calls: a fault that builds up over many calls (slot sets,
+        # heap offsets, sequence numbers) shows here rather than in a fast wrong row.
+        for name, allreduce, _ in variants:
+            if name != "gloo":
+                into = timed[name] if name in (f"xdev/{SHARED_EMPTY}", f"xdev/{HEAP}") else None
+                check_result(cfg, name, allreduce, data, expected, "gloo", into=into)
         del timed
         gloo_time = statistics.median(seconds["gloo"])
         for name, _, group in variants:
@@ -258,6 +261,7 @@ def run_rank(rank: int, cfg: Config) -> None:
                 label = f"{name}({picked})"
             row = timing_row(cfg, size, count, name, label, iters[name], per_call)
             row |= {
+                "round_us": [s * 1e6 for s in seconds[name]],
                 "auto_picked": picked,
                 "vs_gloo": gloo_time / per_call,
                 "algbw_vs_memcpy": row["algbw_gbps"] / cfg.memcpy_gbps,
@@ -266,6 +270,9 @@ def run_rank(rank: int, cfg: Config) -> None:
             rows.append(row)
             if rank == 0:
                 print(format_row(row), flush=True)
+                note = spread_note(f"{label} at {format_size(size)}", seconds[name])
+                if note is not None:
+                    print(note, flush=True)
         del data, expected, tensor
 
     if rank == 0:

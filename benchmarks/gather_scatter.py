@@ -11,9 +11,11 @@ Every rank runs a Gloo default group and two xdev groups: default options (``xde
 runs the default xdev group on tensors from its ``allocate_tensor`` (the group's symmetric heap,
 as FSDP2 allocates them with ``set_allocate_memory_from_process_group_for_comm(True)``): the
 full tensor is at the same place on every rank, so nothing is staged. For each size
-the variants take turns (interleaved rounds of back-to-back calls, so drift on a shared machine
-hits them all); a row gives the median over rounds of the slowest rank's mean time per call.
-Before timing, xdev's result on random data is checked against Gloo's; reduce-scatter's within
+the variants take turns (interleaved rounds of back-to-back calls, each round starting one
+variant later, so drift on a shared machine hits them all); a row gives the median over rounds
+of the slowest rank's mean time per call, the JSON every round's, and a note follows the table
+where one variant's rounds differ by more than 1.5x. Before and after timing, xdev's result on
+random data is checked against Gloo's; reduce-scatter's within
 allreduce.py's tolerance for the dtype (``TOLERANCES`` in allreduce_common.py), as float16 and
 bfloat16 sums of 3 or more ranks round in another order than Gloo's. ``all_gather_in_place``
 is the all-gather FSDP2 runs: the input is this rank's block of the output. The script starts
@@ -66,7 +68,7 @@ import torch.multiprocessing as mp
 import torch_xdev
 from allreduce_common import TOLERANCES
 from run_record import environment, write_results, xdev_environment_line
-from step_common import refused_under_torchrun
+from step_common import default_json, refused_under_torchrun, round_order, spread_note
 
 UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
@@ -436,9 +438,12 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                 estimate = slowest_mean(fn, 3)
                 iters[name] = max(3, min(20000, int(TARGET_ROUND_SECONDS / max(estimate, 1e-9))))
             times: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    times[name].append(slowest_mean(fn, iters[name]))
+            for round_index in range(args.rounds):
+                for name in round_order(list(fns), round_index):
+                    times[name].append(slowest_mean(fns[name], iters[name]))
+            # The checks once more, after the timed calls: a fault that builds up over many
+            # calls (slot sets, heap offsets) shows here rather than in a fast wrong row.
+            variants(Call(collective, count, dtype, rank, world), groups)
             # The baseline of this requested size: two sizes may round to the same bytes.
             baseline_seconds = statistics.median(times[baseline])
             for name in fns:
@@ -463,6 +468,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                         "iters": iters[name],
                         "rounds": args.rounds,
                         "time_us": seconds * 1e6,
+                        "round_us": [t * 1e6 for t in times[name]],
                         "algbw_gbps": algbw,
                         "busbw_gbps": algbw
                         * (1 if collective == "broadcast" else (world - 1) / world),
@@ -476,22 +482,32 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
             if args.hosts > 1
             else []
         )
+        notes = [
+            spread_note(f"{r['collective']} {r['backend']} at {r['size_bytes']} B",
+                        [t / 1e6 for t in r["round_us"]])
+            for r in rows
+        ]  # fmt: skip
         for line in (
             header(world, baseline)
             + format_traffic(traffic, args.hosts, world)
             + format_table(rows, baseline)
+            + [note for note in notes if note is not None]
         ):
             print(line)
-        if args.json:
-            meta = {
-                "world": world,
-                "hosts": args.hosts,
-                "device": args.device,
-                "baseline": baseline,
-                "traffic": traffic,
-                **environment(),
-            }
-            write_results(Path(args.json), meta, rows)
+        meta = {
+            "world": world,
+            "hosts": args.hosts,
+            "device": args.device,
+            "dtype": args.dtype,
+            "sizes": args.sizes,
+            "collectives": args.collectives,
+            "rounds": args.rounds,
+            "baseline": baseline,
+            "traffic": traffic,
+            **environment(),
+        }
+        path = Path(args.json) if args.json else default_json("gather_scatter", world)
+        write_results(path, meta, rows)
     dist.destroy_process_group()
 
 
@@ -510,7 +526,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", default="64KiB,16MiB", help="comma-separated, e.g. 4KiB,1MiB")
     parser.add_argument("--dtype", default="float32", help="a torch dtype, e.g. bfloat16")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="output file (default benchmarks/results/gather_scatter_<N>ranks.json)",
+    )
     parser.add_argument(
         "--hosts",
         type=int,

@@ -1,17 +1,20 @@
 """What every benchmark's JSON result says about the run besides its own settings, and how it
 is written: the build that ran (run from a checkout, ``sys.path`` starts at ``benchmarks/``, so
-``torch_xdev`` is the installed package unless PYTHONPATH names the checkout), the XDEV_*
-variables that steered it, the machine and the time."""
+``torch_xdev`` is the installed package unless PYTHONPATH names the checkout), the command,
+the XDEV_* variables that steered it, the machine and the time."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
 import socket
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -33,13 +36,56 @@ def xdev_environment_line() -> str:
     return f"# XDEV_* in the environment: {shown or 'none'}"
 
 
+def extension_sha256() -> str:
+    """The hash of the compiled extension that ran: two runs of one version string may come
+    from different builds (a checkout rebuilt in place between them)."""
+    digest = hashlib.sha256()
+    with open(torch_xdev._C.__file__, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkout_revision() -> Optional[str]:
+    """``git describe --always --dirty`` of the checkout torch_xdev ran from; None for an
+    installed package (no git work tree around it) or without git."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", XDEV_PATH, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name as Linux reports it (the same VM may change CPUs between runs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment() -> dict[str, Any]:
-    """The torch and torch_xdev that ran, with which XDEV_* variables, on which machine, when."""
+    """The command, the torch and torch_xdev build that ran (version, path, checkout revision,
+    extension hash), with which XDEV_* variables, on which machine, when."""
     return {
+        "command": [sys.executable, *sys.argv],
         "torch_version": torch.__version__,
         "torch_xdev_version": torch_xdev.__version__,
         "torch_xdev_path": XDEV_PATH,
+        "torch_xdev_revision": checkout_revision(),
+        "torch_xdev_extension_sha256": extension_sha256(),
         "xdev_environment": xdev_environment(),
+        "python_version": platform.python_version(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

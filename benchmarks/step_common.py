@@ -21,13 +21,13 @@ import sys
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from run_record import XDEV_PATH, environment
+from run_record import XDEV_PATH, environment, xdev_environment_line
 
 SEED = 20240614
 DISTINCT_BATCHES = 4  # per rank, cycled; generated before timing
@@ -152,14 +152,36 @@ def run_turn(runner: Stepper, batches: Batches, steps: int, warmup: int) -> None
     runner.samples.extend(max_over_ranks(times))
 
 
+T = TypeVar("T")
+
+
+def round_order(variants: Sequence[T], round_index: int) -> list[T]:
+    """The variants' order in round ``round_index``: each round starts one variant later, so
+    that none is always timed first or always after the same neighbour, and drift on the host
+    hits all alike. Every benchmark that interleaves variants takes its turns in this order."""
+    start = round_index % len(variants) if variants else 0
+    return list(variants[start:]) + list(variants[:start])
+
+
+def spread_note(label: str, samples: Sequence[float], limit: float = 1.5) -> Optional[str]:
+    """A warning line where one variant's rounds disagree by more than ``limit`` (slowest over
+    fastest): its median then stands for a machine that changed under it (another process,
+    frequency, a noisy neighbour), and the run is worth repeating."""
+    fastest, slowest = min(samples), max(samples)
+    if len(samples) < 2 or fastest <= 0 or slowest / fastest <= limit:
+        return None
+    return (
+        f"# note: {label}: its rounds differ {slowest / fastest:.1f}x"
+        f" ({fastest * 1e6:.1f} to {slowest * 1e6:.1f} us); the machine was not quiet"
+    )
+
+
 def run_rounds(
     runners: Sequence[Stepper], batches: Batches, rounds: int, steps: int, warmup: int
 ) -> None:
-    """Round-robin turns, each round starting one variant later, so drift hits all alike."""
-    order = list(runners)
+    """Round-robin turns in ``round_order``."""
     for round_index in range(rounds):
-        start = round_index % len(order)
-        for runner in order[start:] + order[:start]:
+        for runner in round_order(runners, round_index):
             run_turn(runner, batches, steps, warmup)
 
 
@@ -306,11 +328,12 @@ def refused_under_torchrun(script: str) -> bool:
 
 
 def host_line(variables: Sequence[str] = ()) -> str:
-    """The header line that says which torch, which torch_xdev and which host ran."""
+    """The header lines that say which torch, which torch_xdev and which host ran, and with
+    which XDEV_* variables (they change what runs without a flag that says so)."""
     shown = "".join(f"{v}={os.environ.get(v, '(unset)')}  " for v in variables)
     return (
         f"# {shown}torch {torch.__version__}  torch_xdev from {XDEV_PATH}"
-        f"  host {socket.gethostname()}"
+        f"  host {socket.gethostname()}\n{xdev_environment_line()}"
     )
 
 

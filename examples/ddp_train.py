@@ -48,6 +48,7 @@ import torch_xdev
 IN_FEATURES = 32
 HIDDEN = 64
 OUT_FEATURES = 10
+BACKENDS = (torch_xdev.BACKEND_NAME, "gloo", "nccl")  # nccl: with --device cuda
 # The teacher does not depend on --seed: the task stays the same, only the student's
 # initialisation and the data stream change with the seed.
 TEACHER_SEED = 20240607
@@ -73,6 +74,33 @@ class TrainConfig:
     depth: int = 1
     comm_share_steps: int = 0  # >0: time this many steps without communication at the end
     timeout: Optional[timedelta] = None  # of the process group; None: torch's default
+
+    def problem(self) -> Optional[str]:
+        """What makes this configuration unrunnable, or None: checked before any process
+        group exists, so that a bad command line fails once, with one line."""
+        for name in ("steps", "batch_size", "hidden"):
+            if getattr(self, name) < 1:
+                return f"{name} must be >= 1; got {getattr(self, name)}"
+        if self.depth < 0 or self.comm_share_steps < 0:
+            return "depth and comm_share_steps must be >= 0"
+        if self.backend not in BACKENDS:
+            return f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return "device 'cuda' was asked for, but CUDA is not available"
+        if self.backend == "nccl" and self.device != "cuda":
+            return "backend 'nccl' needs device 'cuda'"
+        if self.shared_grads and (self.backend != torch_xdev.BACKEND_NAME or self.device != "cpu"):
+            return (
+                "shared_grads needs backend 'xdev' and device 'cpu' (torch_xdev.shared_empty"
+                f" makes CPU tensors of an xdev group); got backend {self.backend!r}, device"
+                f" {self.device!r}"
+            )
+        if self.avg_hook and (self.shared_grads or self.backend == "gloo"):
+            return (
+                "avg_hook registers a DDP comm hook that allreduces with ReduceOp.AVG: it needs"
+                " DDP (not shared_grads) and a backend with AVG (xdev, nccl; Gloo has none)"
+            )
+        return None
 
 
 @dataclasses.dataclass
@@ -146,19 +174,9 @@ def train(
     ``MASTER_ADDR``/``MASTER_PORT`` environment, as under torchrun) and destroys it before
     returning. ``log`` receives rank 0's progress lines; other ranks print nothing.
     """
-    if config.shared_grads and (
-        config.backend != torch_xdev.BACKEND_NAME or config.device != "cpu"
-    ):
-        raise ValueError(
-            "shared_grads needs backend 'xdev' and device 'cpu' (torch_xdev.shared_empty makes"
-            f" CPU tensors of an xdev group); got backend {config.backend!r}, device"
-            f" {config.device!r}"
-        )
-    if config.avg_hook and (config.shared_grads or config.backend == "gloo"):
-        raise ValueError(
-            "avg_hook registers a DDP comm hook that allreduces with ReduceOp.AVG: it needs DDP"
-            " (not shared_grads) and a backend with AVG (xdev, nccl; Gloo has none)"
-        )
+    problem = config.problem()
+    if problem is not None:
+        raise ValueError(problem)
     device = resolve_device(config.device)
     pg_options = None
     if config.backend == torch_xdev.BACKEND_NAME:
@@ -315,7 +333,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="xdev", help="xdev (default) or gloo")
+    parser.add_argument("--backend", choices=BACKENDS, default="xdev")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--algorithm",
@@ -356,7 +374,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = TrainConfig(
         backend=args.backend,
         steps=args.steps,
@@ -373,6 +390,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         depth=args.depth,
         comm_share_steps=args.comm_share_steps,
     )
+    problem = config.problem()
+    if problem is not None:  # every rank says it; torchrun then ends without tracebacks
+        print(f"ddp_train.py: error: {problem}", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         print(
             f"training on {world_size} rank(s), backend {config.backend}, device "

@@ -9,6 +9,7 @@ so its verdict is for the torch installed.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -74,3 +75,16 @@ def test_package_benchmarks_examples_and_tests_type_check() -> None:
         ]
     )
     assert done.returncode == 0, f"mypy:\n{done.stdout}{done.stderr}"
+
+
+@pytest.mark.torch_free
+def test_the_style_tools_are_pinned_alike_everywhere() -> None:
+    """README's test command, CI's script and pyproject's `test` extra install the same
+    versions of the style tools: any other version may format differently and fail the checks
+    above on a newcomer's machine."""
+    pins: dict[str, dict[str, str]] = {}
+    for source in ("README.md", ".ci/run", "pyproject.toml"):
+        text = (REPO / source).read_text()
+        pins[source] = dict(re.findall(r"\b(black|clang-format|mypy)==([0-9.]+)", text))
+    assert pins["README.md"], "README names no pinned style tool"
+    assert pins[".ci/run"] == pins["README.md"] == pins["pyproject.toml"], pins
