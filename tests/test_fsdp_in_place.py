@@ -158,7 +158,8 @@ def test_fsdp2_without_group_allocated_buffers_stages(capfd: pytest.CaptureFixtu
 def _freed_once_waited(rank: int, world: int) -> None:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     block = 1024
-    for i in range(10):
+    # The Work lingered on the worker about once in 50 calls: enough calls to see it.
+    for i in range(400):
         out = _heap_tensor(world * block)
         lent = torch.full((block,), float(rank + i))
         lent_alive = weakref.ref(lent)  # alive while anything, Python or C++, holds the tensor
@@ -174,6 +175,15 @@ def _freed_once_waited(rank: int, world: int) -> None:
         assert lent_alive() is None, i
         want = torch.arange(world, dtype=torch.float32).repeat_interleave(block) + i
         assert torch.equal(out, want), i
+        # Nor does the worker keep the Work (whose result holds `out`): once the caller drops
+        # it, `out` is this frame's alone, and freeing it returns its block at once.
+        del work
+        assert out._use_count() == 1, (i, out._use_count())
+        work = dist.all_reduce(out, async_op=True)
+        assert work is not None
+        work.wait()
+        del work
+        assert out._use_count() == 1, (i, out._use_count())
     dist.destroy_process_group()
 
 

@@ -440,7 +440,11 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
   c10::intrusive_ptr<c10d::Backend> owner;
   if (owner_ != nullptr)
     owner = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(owner_);
-  auto task = [this, work, fn = std::move(fn), async_op, owner = std::move(owner)]() mutable {
+  // `work` is copied into a member of its own, not captured as the const
+  // reference it is here: a const member cannot be moved out below, and a
+  // copy left in the lambda would outlive the waiters' release.
+  auto task = [this, work = c10::intrusive_ptr<XdevWork>(work), fn = std::move(fn), async_op,
+               owner = std::move(owner)]() mutable {
     const c10::intrusive_ptr<c10d::Backend> held = std::move(owner);  // destroyed last
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
