@@ -6,6 +6,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -116,8 +117,25 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   }
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   refuse_more_than_memory("allocateTensor", numel, dtype, bytes);
-  // Closed since the check above: the heap refuses, saying the group has been destroyed.
-  const transport::SymmetricHeap::Block block = heap_->allocate(bytes);
+  // Closed since the check above: the heap refuses, saying the group has been
+  // destroyed (std::invalid_argument, which goes to the caller).
+  std::optional<transport::SymmetricHeap::Block> placed;
+  try {
+    placed = heap_->allocate(bytes);
+  } catch (const std::runtime_error& e) {
+    // The heap cannot grow on this rank (memory, an address-space limit, its
+    // last arena). Its peers' may have: raising here alone would leave them
+    // waiting for this rank at the next collective (DDP builds its buckets
+    // on every rank, then allreduces). An ordinary tensor is always right:
+    // every call checks that all ranks' tensors are at one heap place, and
+    // stages where they are not.
+    group_.log_once("heap-cannot-grow",
+                    std::string("allocateTensor gives ordinary tensors where the symmetric heap "
+                                "cannot grow (") +
+                        e.what() + "); collectives on them are staged");
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
+  const transport::SymmetricHeap::Block block = *placed;
   if (group_.config().debug) {
     std::fprintf(stderr,
                  "[xdev] group '%s' rank %d: allocateTensor %" PRId64
@@ -152,10 +170,10 @@ bool map_peers_copies(GroupContext& group, const SharedPlacement& placement,
   try {
     for (int r = 0; r < channel.world_size(); ++r) {
       const transport::ArenaAddress address = channel.arena_of(r, arena);
-      // Not published yet: a peer whose copy is at this place publishes its
-      // arena when it allocates the tensor, before its call, so by the first
-      // barrier; copies_of maps it then.
-      if (r != channel.rank() && address.bytes == 0) continue;
+      // Not published yet: the peer allocates its copy after this rank
+      // reached the call. It will have by the first barrier, but mapping it
+      // there could fail on this rank alone (see the header): stage this once.
+      if (r != channel.rank() && address.bytes == 0) return false;
       placement.heap->arena_of(r, arena, address);
     }
     return true;

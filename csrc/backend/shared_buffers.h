@@ -44,11 +44,12 @@ std::vector<char*> copies_of(const SharedPlacement& placement,
                              const transport::ShmChannel& channel);
 
 // Maps every peer's heap arena that holds its copy of a tensor at `placement`
-// and has been published (at once where mapped before), and says whether all
-// could be. Called before a collective's first barrier: a rank that cannot
-// map a peer's copy then announces no heap place, and every rank stages.
-// Past that barrier it would fail alone while its peers ran in place. Logs
-// why not, once per group.
+// (at once where mapped before), and says whether all could be. Called before
+// a collective's first barrier: a rank that cannot map a peer's copy, or whose
+// peer has not published that arena yet (it grew its heap a moment ago),
+// announces no heap place, and every rank stages that call; the next call
+// tries again. Past that barrier a mapping could fail on this rank alone while
+// its peers ran in place. Logs a failed mapping once per group.
 bool map_peers_copies(GroupContext& group, const SharedPlacement& placement,
                       const transport::ShmChannel& channel);
 
