@@ -204,7 +204,16 @@ def _forms_and_failures(rank: int, world: int) -> None:
     last = rank == world - 1
     wrong = world * 4 + last  # one element too many on the last rank
     ones4 = torch.ones(4)
+    # An output of a dtype without a native kernel (bool) once sent the last rank alone to
+    # Gloo, and its peers' native call paired with its next one (two wrong sums, no error).
+    out_dtype = torch.bool if last else torch.float32
     for name, bad_call in [
+        (
+            "reduce_scatter_tensor into bool",
+            lambda: dist.reduce_scatter_tensor(
+                torch.empty(4, dtype=out_dtype), torch.ones(world * 4)
+            ),
+        ),
         ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(wrong), ones4)),
         ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(ones4, torch.ones(wrong))),
         ("all_gather", lambda: dist.all_gather([torch.empty(4)] * (world + last), ones4)),
@@ -307,10 +316,17 @@ def _coalesced_lists(rank: int, world: int) -> None:
     future = dist.all_gather_coalesced(
         outputs, [torch.full((4097,), rank + 0.5), torch.full((3,), -rank * 1.0)], async_op=True
     )
-    future.wait()
+    value = future.wait()
     for r in range(world):
         assert torch.equal(outputs[r][0], torch.full((4097,), r + 0.5))
         assert torch.equal(outputs[r][1], torch.full((3,), -r * 1.0))
+    # Its value is the output lists, one per rank, as Gloo's is (it was one flat list, in
+    # input-major order, so value[r][i] indexed a tensor).
+    assert len(value) == world and all(len(v) == 2 for v in value), value
+    for r in range(world):
+        for i in range(2):
+            assert value[r][i].data_ptr() == outputs[r][i].data_ptr(), (r, i)
+            assert torch.equal(value[r][i], outputs[r][i]), (r, i)
 
     # Outputs that do not fit the inputs: a ValueError on the calling rank, no collective.
     with pytest.raises(ValueError, match="must match input 1"):

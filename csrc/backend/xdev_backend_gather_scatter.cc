@@ -7,6 +7,7 @@
 
 #include "tensor_helpers.h"
 #include "xdev_backend.h"
+#include "xdev_work.h"
 
 namespace xdev::backend {
 namespace {
@@ -90,9 +91,17 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   in.op_supported = op == nullptr || native_op(*op).has_value();
   for (const at::Tensor& t : tensors) {
     if (t.device().is_cuda()) in.device = plan::DeviceKind::kCuda;
-    in.op_supported = in.op_supported && t.layout() == at::kStrided &&
-                      t.device() == tensors[0].device() &&
-                      (op == nullptr || native_dtype(t.scalar_type()).has_value());
+    in.op_supported =
+        in.op_supported && t.layout() == at::kStrided && t.device() == tensors[0].device();
+  }
+  // The dtype that decides is the one every rank's call shares: the reduced
+  // tensors'. An output of another dtype is this rank's own mistake, which the
+  // native path refuses together with the peers; judged here, it sent this
+  // rank alone to the engine, and the peers' native call paired with this
+  // rank's next one.
+  for (const at::Tensor& t : full_tensors) {
+    in.op_supported =
+        in.op_supported && (op == nullptr || native_dtype(t.scalar_type()).has_value());
   }
   if (in.device == plan::DeviceKind::kCuda) {
     const CudaGroupInfo* info = nullptr;
@@ -273,12 +282,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (const std::vector<at::Tensor>& per_rank : outputs) lists[i].push_back(per_rank[i]);
   }
-  if (sel.path == plan::GatherScatterPath::kTwoLevel) {
-    return two_level_gather_scatter_->all_gather_list(
-        std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, sel.two_level_leader,
-        opts.timeout, opts.asyncOp);
-  }
-  return gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
+  c10::intrusive_ptr<c10d::Work> work =
+      sel.path == plan::GatherScatterPath::kTwoLevel
+          ? two_level_gather_scatter_->all_gather_list(
+                std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, sel.two_level_leader,
+                opts.timeout, opts.asyncOp)
+          : gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
+  return c10::make_intrusive<NestedListWork>(std::move(work), c10d::OpType::ALLGATHER_COALESCED,
+                                             outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(

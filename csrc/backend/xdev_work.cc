@@ -1,5 +1,7 @@
 #include "xdev_work.h"
 
+#include <utility>
+
 #include "scoped_thread_local.h"
 #include "work_queue.h"
 
@@ -85,6 +87,23 @@ void XdevWork::fail(std::exception_ptr error) {
   Completing completing(this);
   future_->setError(error);
   finish(error);
+}
+
+NestedListWork::NestedListWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
+                               std::vector<std::vector<at::Tensor>> lists)
+    : c10d::Work(-1, op_type), inner_(std::move(inner)), lists_(std::move(lists)) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> NestedListWork::getFuture() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    // Asked of the inner Work only now: its getFuture() is where a native
+    // Work places the callbacks attached to it (XdevWork::getFuture). An
+    // error of the inner future passes to this one.
+    future_ = inner_->getFuture()->then(
+        [lists = lists_](c10::ivalue::Future&) { return c10::IValue(lists); },
+        c10::ListType::create(c10::ListType::ofTensors()));
+  }
+  return future_;
 }
 
 }  // namespace xdev::backend

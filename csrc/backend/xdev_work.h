@@ -88,4 +88,28 @@ class XdevWork : public c10d::Work {
   std::shared_ptr<TaskRelease> task_release_ = std::make_shared<TaskRelease>();
 };
 
+// The Work of all_gather_coalesced, whose future's value c10d hands to the
+// caller as is (torch.distributed.all_gather_coalesced returns the future):
+// the output lists, one per rank, as Gloo gives them. The Work that runs the
+// call carries the flat list its collective wrote.
+class NestedListWork : public c10d::Work {
+ public:
+  NestedListWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
+                 std::vector<std::vector<at::Tensor>> lists);
+
+  bool isCompleted() override { return inner_->isCompleted(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
+    return inner_->wait(timeout);
+  }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  const c10::intrusive_ptr<c10d::Work> inner_;
+  const std::vector<std::vector<at::Tensor>> lists_;
+  std::mutex mutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on the first getFuture()
+};
+
 }  // namespace xdev::backend
