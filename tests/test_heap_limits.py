@@ -35,7 +35,9 @@ def _limit_address_space(margin: int) -> tuple[int, int]:
 
 
 def _heap_tensor(numel: int) -> torch.Tensor:
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    world = dist.group.WORLD
+    assert world is not None
+    backend = world._get_backend(torch.device("cpu"))
     return backend.allocate_tensor(numel, dtype=torch.float32, device=torch.device("cpu"))
 
 
