@@ -77,6 +77,29 @@ def test_table_marks_the_fastest_runnable_plan() -> None:
             assert busbw == pytest.approx(algbw * 2 * (8 - 1) / 8, abs=0.015), m.group(0)
 
 
+def test_between_powers_of_two_the_mark_is_what_auto_runs() -> None:
+    # A group chooses once per size class (the power of two at or above the size). On an HGX
+    # H100 the model predicts flat fastest at exactly 5 MiB and NVLS at 8 MiB: auto runs NVLS
+    # for every size above 4 MiB up to 8 MiB, and the mark at 5 MiB said flat.
+    model = plan.machine("hgx-h100")
+    marked = {
+        size: [r["label"] for r in plan.size_rows(model, size) if r["chosen"]]
+        for size in (5 << 20, 8 << 20)
+    }
+    assert marked[5 << 20] == marked[8 << 20] == ["nccl_nvls/Simple"], marked
+    at_5mib = {r["label"]: r["time_us"] for r in plan.size_rows(model, 5 << 20)}
+    assert at_5mib["flat"] < at_5mib["nccl_nvls/Simple"], at_5mib  # the case the test is about
+
+
+def test_sizes_past_what_the_model_takes_are_refused() -> None:
+    # Were a segfault (an all-gather's window count overflowed) or an endless loop.
+    cpu2 = plan.machine("cpu-2")
+    with pytest.raises(ValueError, match="at most 2"):
+        torch_xdev._C.plan.choose_gather_scatter(cpu2, "all_gather", 6148914691236517208)
+    with pytest.raises(ValueError, match="at most 2"):
+        torch_xdev._C.plan.size_class(1 << 62)
+
+
 def test_topology_file_matches_builtin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topo = tmp_path / "v100.json"
     topo.write_text(json.dumps({"name": "my-dgx1", "nvlink": DGX1_V100}))
@@ -332,12 +355,16 @@ def test_several_gpu_hosts_weigh_nccl_across_nodes_against_two_levels(tmp_path: 
         (["--topology", "hgx-h100", "--hosts", "2", "--num-packs", "7"], "--num-packs do not"),
         (["--topology", "hgx-h100", "--hosts", "2", "--collective", "all_gather"], "allreduce"),
         (["--topology", "hgx-h100", "--hosts", "0"], "--hosts must be >= 2"),
-        (["--topology", "hgx-h100", "--hosts", "2", "--nics", "0"], "--nics must be >= 1"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--nics", "0"], "--nics must be in 1.."),
         # Past a C++ int (ranks = hosts x GPUs), or not finite: were tracebacks.
         (["--topology", "hgx-h100", "--hosts", str(1 << 31)], "--hosts must be >= 2 and <="),
         (["--topology", "hgx-h100", "--hosts", str(1 << 28)], "--hosts must be >= 2 and <="),
         (["--topology", "hgx-h100", "--hosts", "2", "--nics", str(1 << 31)], "--nics must be"),
-        (["--topology", "hgx-h100", "--hosts", "2", "--nic-gbps", "inf"], "--nic-gbps finite"),
+        (["--topology", "hgx-h100", "--hosts", "2", "--nic-gbps", "inf"], "--nic-gbps in"),
+        # Within a C++ int, but NCCL's ring steps (twice the ranks) were not: a time wrapped.
+        (["--topology", "hgx-h100", "--hosts", "268435455"], "--hosts must be >= 2 and <="),
+        # So slow that every time was inf, and the JSON not JSON.
+        (["--topology", "hgx-h100", "--hosts", "2", "--nic-gbps", "1e-320"], "--nic-gbps in"),
         # Ignored without --hosts (a negative rate too), where the help says they apply.
         (["--topology", "hgx-h100", "--nics", "3"], "apply with --hosts"),
         (["--topology", "hgx-h100", "--nic-gbps", "-5"], "apply with --hosts"),

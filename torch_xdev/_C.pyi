@@ -204,6 +204,8 @@ class plan:
         ring_reference: bool = False,
     ) -> plan.Prediction: ...
     @staticmethod
+    def size_class(nbytes: int) -> int: ...
+    @staticmethod
     def choose(
         machine: plan.MachineModel,
         nbytes: int,

@@ -5,13 +5,15 @@ NCCL's tuning model across nodes against a two-level plan (see ``pydoc torch_xde
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from ._C import plan as _plan
+from ._registration import MODEL_RANGES
 from .plan import COLUMNS, DEFAULT_NIC_GBPS, MachineModel, Row, format_row, write_json
 
 INT_MAX = (1 << 31) - 1
+MAX_HOSTS = 1 << 16  # 65536 hosts: half a million GPUs
+MAX_NICS = 1024  # per host
 
 
 def hosts_rows(
@@ -46,8 +48,9 @@ def hosts_rows(
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: MachineModel) -> int:
-    # The model counts ranks (hosts x GPUs) and NICs in a C++ int.
-    max_hosts = INT_MAX // max(1, model.num_devices)
+    # The model counts ranks (hosts x GPUs) and NCCL's ring steps (twice the ranks) in a C++
+    # int; no cluster comes near the cap.
+    max_hosts = min(MAX_HOSTS, INT_MAX // (2 * max(1, model.num_devices)))
     if not 2 <= args.hosts <= max_hosts:
         parser.error(f"--hosts must be >= 2 and <= {max_hosts}")
     if args.collective != "allreduce" or not model.has_nccl or model.num_devices < 2:
@@ -57,8 +60,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
     nics = model.num_devices if args.nics is None else args.nics
     if args.nic_gbps is None:
         args.nic_gbps = DEFAULT_NIC_GBPS
-    if not 1 <= nics <= INT_MAX or not (args.nic_gbps > 0 and math.isfinite(args.nic_gbps)):
-        parser.error(f"--nics must be >= 1 and <= {INT_MAX}, and --nic-gbps finite and > 0")
+    low, high = MODEL_RANGES["gbps"]  # the range a topology file's rates are held to
+    if not 1 <= nics <= MAX_NICS or not low <= args.nic_gbps <= high:
+        parser.error(f"--nics must be in 1..{MAX_NICS}, and --nic-gbps in {low:g}..{high:g}")
     cpu = "AMD" if args.amd_cpu else "Intel"
     print(
         f"# machine: {args.hosts} hosts x {model.name} ({model.num_devices} GPUs each), "

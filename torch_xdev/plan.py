@@ -9,7 +9,10 @@ Run as::
 For every payload size it prints, nccl-tests style, the predicted time, algbw and busbw
 of every candidate plan (and of the ring reference: a ring on the machine's links
 modelled with xdev's own costs, never run), and marks with ``*`` the one xdev would
-choose by predicted time (``algorithm="auto"`` for the allreduce). The numbers come from
+choose by predicted time (``algorithm="auto"`` for the allreduce). A group chooses once per
+size class (the power of two at or above the size) and keeps that choice, so at a size
+between two powers of two ``*`` marks the size class's choice, which need not be the fastest
+row printed for that exact size. The numbers come from
 ideal hardware figures; they predict the shape of each plan's cost on that wiring, not a
 measured time.
 
@@ -256,9 +259,15 @@ def machine(topology: str) -> MachineModel:
 
 
 def size_rows(model: MachineModel, size: int, num_packs: int = -1) -> list[Row]:
-    """Every candidate's prediction for one size, the ring reference last."""
+    """Every candidate's prediction for one size, the ring reference last; ``chosen`` marks
+    what ``auto`` runs for a tensor of that size: the choice made for its size class."""
     choice = _plan.choose(model, size, num_packs, True)
-    best = choice["best"]["label"]
+    size_class = _plan.size_class(size)
+    if size_class != size:
+        choice_made = _plan.choose(model, size_class, num_packs, False)
+        best = choice_made["best"]["label"]
+    else:
+        best = choice["best"]["label"]
     labels = [p["label"] for p in choice["predictions"]]
     if labels.count(best) != 1:  # the C++ API promises best is one of the predictions
         raise RuntimeError(f"choose({size}) chose '{best}', not once among {labels}")
@@ -296,8 +305,13 @@ def gather_scatter_rows(
     fastest of the forms allowed and NCCL's."""
     choice = _plan.choose_gather_scatter(model, collective, size, True, True, True)
     best = choice["best"]["label"]
-    if not (single_copy and in_place):  # every form shown, the choice among those allowed
-        allowed = _plan.choose_gather_scatter(model, collective, size, single_copy, in_place, False)
+    size_class = _plan.size_class(size)
+    if not (single_copy and in_place) or size_class != size:
+        # Every form shown; the choice among those allowed, made (as auto makes it) for the
+        # size class.
+        allowed = _plan.choose_gather_scatter(
+            model, collective, size_class, single_copy, in_place, False
+        )
         best = allowed["best"]["label"]
     labels = [p["label"] for p in choice["predictions"]]
     if labels.count(best) != 1:  # the C++ API promises best is one of the predictions

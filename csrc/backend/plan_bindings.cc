@@ -15,6 +15,7 @@
 #include "../plan/machines.h"
 #include "../plan/predict.h"
 #include "../plan/schedule.h"
+#include "../plan/selection.h"
 #include "../plan/topology.h"
 #include "../plan/two_level.h"
 #include "backend_config.h"
@@ -94,9 +95,17 @@ plan::GatherScatterKind gather_scatter_kind(const std::string& collective) {
                               "': use 'reduce_scatter' or 'all_gather'");
 }
 
+// Far beyond any tensor, and far enough below 2^63 that the plans' element,
+// window and size-class arithmetic cannot overflow.
+constexpr int64_t kMaxModelBytes = int64_t{1} << 50;  // 1 PiB
+
 void check_bytes(int64_t nbytes, int64_t elem_bytes) {
   if (elem_bytes < 1) throw std::invalid_argument("elem_bytes must be >= 1");
   if (nbytes < 0) throw std::invalid_argument("nbytes must be >= 0");
+  if (nbytes > kMaxModelBytes) {
+    throw std::invalid_argument("nbytes must be at most 2^50 (1 PiB); got " +
+                                std::to_string(nbytes));
+  }
 }
 
 }  // namespace
@@ -230,6 +239,16 @@ void bind_plan(py::module_& parent) {
       py::arg("elem_bytes") = 4, py::arg("ring_reference") = false,
       "Predicted time of one allreduce candidate; a dict with label, algorithm, num_packs, "
       "ring_reference, bytes, seconds, algbw and busbw (bytes/s).");
+
+  m.def(
+      "size_class",
+      [](int64_t nbytes) {
+        check_bytes(nbytes, 1);
+        return plan::model_bucket_bytes(nbytes);
+      },
+      py::arg("nbytes"),
+      "The size a group's automatic choice for a payload of nbytes is made at (and cached "
+      "for): the power of two at or above it, at least 4.");
 
   m.def(
       "choose",

@@ -121,7 +121,8 @@ GatherScatterPlan::GatherScatterPlan(GatherScatterKind kind, std::vector<int64_t
       piece_elems_ > kPieceAlignElems) {
     piece_elems_ -= piece_elems_ % kPieceAlignElems;
   }
-  num_windows_ = (block_elems_ + piece_elems_ - 1) / piece_elems_;
+  // Rounded up without the sum, which overflows for blocks near 2^63.
+  num_windows_ = block_elems_ / piece_elems_ + (block_elems_ % piece_elems_ != 0 ? 1 : 0);
 }
 
 GatherScatterWindow GatherScatterPlan::window(int64_t k) const {

@@ -1,6 +1,7 @@
 #include "selection.h"
 
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 
 #include "device_program.h"
@@ -220,7 +221,8 @@ std::string cuda_transport_refusal(int num_hosts, int world_size, bool all_gpus_
 
 int64_t model_bucket_bytes(int64_t payload_bytes) {
   int64_t bucket = 4;
-  while (bucket < payload_bytes) bucket *= 2;
+  // 2^62 at most: doubling past it overflows (no tensor comes near).
+  while (bucket < payload_bytes && bucket <= std::numeric_limits<int64_t>::max() / 2) bucket *= 2;
   return bucket;
 }
 
