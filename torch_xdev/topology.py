@@ -69,7 +69,14 @@ A JSON object, the one ``python -m torch_xdev.plan --topology`` reads too::
     Optional. The ranks' PCI bus ids (strings), one per row, or an empty list.
 ``nvlink_gbps``, ``pcie_gbps``, ``memory_gbps``, ``compute_capability``
     Optional bandwidths in GB/s and the GPUs' compute capability (major x 10 + minor), for
-    the cost model (see ``torch_xdev.plan``).
+    ``python -m torch_xdev.plan --topology FILE`` alone, which models the file's machine as
+    it models the DGX-1s: these rates (defaults: a V100's) and the pipelined executor of
+    TensorFlow's HierarchicalCopyAllReduce. A group given the file as ``XDEV_TOPO_FILE``
+    takes only its links from it: its model is that of the GPUs it runs on (their detected
+    compute capability, xdev's CUDA executor with a barrier per phase and its windows), as
+    ``--topology hgx-h100`` and ``hgx-a100`` are built. So the plan CLI's ``*`` for a file
+    is what ``auto`` would pick on the machine the file's rates describe, not necessarily
+    what a group given the same file picks.
 ``source``, ``class``, ``note``
     Written by this CLI and ignored when read: the class is always computed afresh.
 """
