@@ -133,7 +133,8 @@ void bind_plan(py::module_& parent) {
       });
 
   m.def("builtin_machine", &plan::builtin_machine, py::arg("name"),
-        "A built-in machine model: dgx1-p100, dgx1-v100, pcie-8gpu or cpu-<N>.");
+        "A built-in machine model by name, one of builtin_machine_names() (e.g. hgx-h100, "
+        "dgx1-v100, pcie-8gpu, cpu-<N>).");
   m.def("builtin_machine_names", &plan::builtin_machine_names);
 
   m.def(
