@@ -46,19 +46,25 @@ def extension_sha256() -> str:
     return digest.hexdigest()
 
 
-def checkout_revision() -> Optional[str]:
-    """``git describe --always --dirty`` of the checkout torch_xdev ran from; None for an
-    installed package (no git work tree around it) or without git."""
+def _git(*args: str) -> Optional[str]:
     try:
         done = subprocess.run(
-            ["git", "-C", XDEV_PATH, "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
+            ["git", "-C", XDEV_PATH, *args], capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def checkout_revision() -> Optional[str]:
+    """``git describe --always --dirty`` of the checkout torch_xdev ran from; None for an
+    installed package or without git. An installed package may sit inside some other git
+    work tree (a pyenv checkout holds site-packages): only a tree whose top holds the package
+    counts."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(XDEV_PATH).parent:
+        return None
+    return _git("describe", "--always", "--dirty")
 
 
 def cpu_model() -> Optional[str]:
