@@ -569,14 +569,17 @@ def run(args: argparse.Namespace, rank: int, world_size: int, say: Say) -> int:
     rows = summarise(runners, checks, heaps, *per_step_counts(runners))
     lines, broken = check_lines(rows)
     say_lines(say, format_table(rows), LEGEND, lines)
+    profile_lines: list[str] = []  # printed, and kept in the JSON
     if args.profile:
-        say_lines(say, breakdown(runners, batches, args.rounds, args.steps))
+        profile_lines += breakdown(runners, batches, args.rounds, args.steps)
         for runner in runners:
             if runner.variant.backend is not None:
-                say_lines(say, profile_step(runner, batches))
+                profile_lines += profile_step(runner, batches)
+        say_lines(say, profile_lines)
     if rank == 0:
         meta = metadata("fsdp_step", args, world_size, params)
         meta["match_tolerance"] = FP32_TOLERANCE._asdict()
+        meta["profile"] = profile_lines
         path = Path(args.json) if args.json else default_json("fsdp_step", world_size)
         write_results(path, meta, rows)
     del runners
