@@ -513,7 +513,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=-1,
         help="allreduce: restrict the hierarchical plans to this many packs (default: try "
-        "several)",
+        "several; 0, no concat-and-split, predicts the one tensor as one pack)",
     )
     parser.add_argument(
         "--hosts",
