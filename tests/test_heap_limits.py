@@ -1,7 +1,7 @@
-"""The CPU symmetric heap where a rank runs out of address space: it cannot grow its heap, or
-cannot map a peer's new arena. Either happens on one rank alone, so neither may fail that rank
-alone (its peers would wait for it at the next collective): the call stages, with the right
-sum, and the group stays usable."""
+"""The CPU symmetric heap where something goes wrong on one rank. Out of address space, it
+cannot grow its heap or cannot map a peer's new arena: neither may fail that rank alone (its
+peers would wait for it at the next collective), so the call stages, with the right sum, and
+the group stays usable. After a failed call, the group hands out no heap memory again."""
 
 from __future__ import annotations
 
@@ -104,3 +104,32 @@ def _peer_arena_out_of_reach(rank: int, world: int) -> list[bool]:
 def test_a_peer_arena_out_of_reach_stages_the_call_on_every_rank() -> None:
     for results in run_ranks(_peer_arena_out_of_reach, 2):
         assert results == [True, True, True, True]
+
+
+def _after_a_failure(rank: int, world: int) -> tuple[int, int]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(
+        backend=torch_xdev.BACKEND_NAME, pg_options=torch_xdev.Options(timeout=2.0)
+    )
+    backend = group._get_backend(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    t = backend.allocate_tensor(1 << 10, dtype=torch.float32, device=cpu)
+    before = after = 0
+    if rank == 0:  # its peer never joins: the call times out and the group is unusable
+        try:
+            dist.all_reduce(t, group=group)
+        except dist.DistBackendError:
+            pass
+        del t  # its block may still be written by a peer that fell behind
+        before = torch_xdev.describe(group)["symmetric_heap"]["live_blocks"]
+        again = backend.allocate_tensor(1 << 10, dtype=torch.float32, device=cpu)
+        after = torch_xdev.describe(group)["symmetric_heap"]["live_blocks"]
+        again.fill_(1.0)
+    dist.barrier()  # on Gloo: the peer leaves only after rank 0 is done
+    return before, after
+
+
+def test_a_failed_group_hands_out_no_heap_memory_again() -> None:
+    # The freed block could come back from the heap while a peer still wrote into it.
+    before, after = run_ranks(_after_a_failure, 2, timeout=120)[0]
+    assert after == before, (before, after)

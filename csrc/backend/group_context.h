@@ -202,6 +202,9 @@ class GroupContext {
 
   // With Options.debug, prints message once per key (stderr, tagged with group and rank).
   void log_once(const std::string& key, const std::string& message);
+  // Whether a failure has made the group unusable (set before the failed
+  // call's Work completes, so a caller told of the failure sees it).
+  bool poisoned() const { return poisoned_flag_.load(); }
 
  private:
   void rendezvous_hosts();
@@ -239,14 +242,16 @@ class GroupContext {
   // there is one, its caller is blocked, also during the work queued ahead.
   std::atomic<int> callers_waiting_{0};
 
-  uint64_t next_seq_ = 0;  // op thread only
-  std::string poisoned_;   // op thread only
+  uint64_t next_seq_ = 0;                   // op thread only
+  std::string poisoned_;                    // op thread only
+  std::atomic<bool> poisoned_flag_{false};  // the same, for any thread
 
   // After an error that leaves the channels out of step (a peer missing, a
   // failure mid-collective): every later call fails at once, and peers waiting
   // for this rank learn it has left instead of waiting out their deadline.
   void poison(const std::string& why) {
     poisoned_ = why;
+    poisoned_flag_.store(true);
     mark_left();
   }
 

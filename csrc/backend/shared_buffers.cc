@@ -117,6 +117,15 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   }
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   refuse_more_than_memory("allocateTensor", numel, dtype, bytes);
+  if (group_.poisoned()) {
+    // A peer that failed or fell behind may still write into blocks of this
+    // rank's heap (an in-place allreduce writes every copy) after this rank
+    // gave up on the call: hand out no heap memory again, so that what the
+    // caller freed never comes back holding data of its own.
+    group_.log_once("heap-poisoned",
+                    "allocateTensor gives ordinary tensors: the group is unusable after a failure");
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
   // Closed since the check above: the heap refuses, saying the group has been
   // destroyed (std::invalid_argument, which goes to the caller).
   std::optional<transport::SymmetricHeap::Block> placed;
