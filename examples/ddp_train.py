@@ -391,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         comm_share_steps=args.comm_share_steps,
     )
     problem = config.problem()
-    if problem is not None:  # every rank says it; torchrun then ends without tracebacks
+    if problem is not None:  # every rank says it in one line, before any group exists
         print(f"ddp_train.py: error: {problem}", file=sys.stderr)
         return 2
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

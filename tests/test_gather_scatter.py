@@ -341,6 +341,14 @@ def _coalesced_lists(rank: int, world: int) -> None:
         dist.all_gather_coalesced(
             [[torch.empty(5), torch.empty(n)] for _ in range(world)], [torch.ones(5), torch.ones(n)]
         )
+    # The same failure through the async form's future: its error, not the unwritten outputs.
+    future = dist.all_gather_coalesced(
+        [[torch.empty(5), torch.empty(n)] for _ in range(world)],
+        [torch.ones(5), torch.ones(n)],
+        async_op=True,
+    )
+    with pytest.raises(Exception, match="mismatched"):
+        future.wait()
     count = 2 + (rank == 0)
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         dist.all_gather_coalesced(

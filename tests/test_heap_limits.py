@@ -47,16 +47,27 @@ def _allreduce_is_right(t: torch.Tensor, rank: int, world: int) -> bool:
     return bool(torch.all(t == world * (world + 1) / 2))
 
 
+def _live_heap_blocks() -> int:
+    return int(torch_xdev.describe()["symmetric_heap"]["live_blocks"])
+
+
 def _heap_cannot_grow(rank: int, world: int) -> list[bool]:
     dist.init_process_group(torch_xdev.BACKEND_NAME, rank=rank, world_size=world)
+    # The group's first arena (32 MiB) exists from its creation: fill most of it, so that
+    # the next tensor needs a second arena.
+    filler = _heap_tensor(7 << 20)
     old = _limit_address_space(MARGIN) if rank == 1 else None
     try:
-        # Rank 1's heap would need its first arena (32 MiB): it gets an ordinary tensor.
-        t = _heap_tensor(1 << 18)
-        results = [_allreduce_is_right(t, rank, world), _allreduce_is_right(t, rank, world)]
+        # Rank 1's heap would need a second arena of 32 MiB: it gets an ordinary tensor.
+        before = _live_heap_blocks()
+        t = _heap_tensor(1 << 21)
+        in_heap = _live_heap_blocks() == before + 1
+        results = [in_heap == (rank == 0)]
+        results += [_allreduce_is_right(t, rank, world), _allreduce_is_right(t, rank, world)]
     finally:
         if old is not None:
             resource.setrlimit(resource.RLIMIT_AS, old)
+    del filler
     results.append(_allreduce_is_right(torch.empty(1000), rank, world))  # still usable
     dist.destroy_process_group()
     return results
@@ -66,7 +77,7 @@ def test_a_rank_whose_heap_cannot_grow_gets_an_ordinary_tensor() -> None:
     # It used to raise on that rank alone, while its peers went on to the allreduce and
     # waited there for it until the timeout.
     for results in run_ranks(_heap_cannot_grow, 2):
-        assert results == [True, True, True]
+        assert results == [True, True, True, True]
 
 
 def _peer_arena_out_of_reach(rank: int, world: int) -> list[bool]:

@@ -97,10 +97,14 @@ c10::intrusive_ptr<c10::ivalue::Future> NestedListWork::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!future_) {
     // Asked of the inner Work only now: its getFuture() is where a native
-    // Work places the callbacks attached to it (XdevWork::getFuture). An
-    // error of the inner future passes to this one.
+    // Work places the callbacks attached to it (XdevWork::getFuture). The
+    // inner future's error passes on as the callback's (then() sets the
+    // child's error only from an exception the callback throws).
     future_ = inner_->getFuture()->then(
-        [lists = lists_](c10::ivalue::Future&) { return c10::IValue(lists); },
+        [lists = lists_](c10::ivalue::Future& inner) {
+          if (inner.hasError()) std::rethrow_exception(inner.exception_ptr());
+          return c10::IValue(lists);
+        },
         c10::ListType::create(c10::ListType::ofTensors()));
   }
   return future_;

@@ -98,7 +98,10 @@ class NestedListWork : public c10d::Work {
                  std::vector<std::vector<at::Tensor>> lists);
 
   bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
   std::exception_ptr exception() const override { return inner_->exception(); }
+  void synchronize() override { inner_->synchronize(); }
+  void abort() override { inner_->abort(); }
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
     return inner_->wait(timeout);
   }

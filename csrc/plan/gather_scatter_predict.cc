@@ -53,6 +53,15 @@ Schedule ring_half(const MachineModel& m, GatherScatterKind kind, int64_t elems)
   return half;
 }
 
+// The ring reference's window in units: whole elements of every rank's
+// block, so that predict_windowed_seconds can scale from a few windows (a
+// window of no whole blocks was simulated in full, window by window: memory
+// and time in proportion to the size).
+int64_t ring_step_units(const MachineModel& m, int64_t unit, int64_t elem_bytes) {
+  const int64_t granule = m.num_devices() * (elem_bytes / unit);  // one element per rank
+  return std::max<int64_t>(granule, m.window_bytes / unit / granule * granule);
+}
+
 // One of xdev's forms (or the ring reference), simulated: the payload one
 // window of the staged form (or of the ring) moves lets
 // predict_windowed_seconds scale from a few windows (whole elements of every
@@ -63,7 +72,7 @@ double predict_form_seconds(const MachineModel& m, GatherScatterKind kind,
   const int64_t unit = kind == GatherScatterKind::kReduceScatter ? elem_bytes : 1;
   int64_t window = 0;
   if (c.ring_reference && m.window_bytes > 0) {
-    window = std::max<int64_t>(n, m.window_bytes / unit) * unit;
+    window = ring_step_units(m, unit, elem_bytes) * unit;
   } else if (c.form == GatherScatterForm::kStaged && !c.ring_reference) {
     const int64_t slot = c.window_bytes > 0 ? c.window_bytes : m.window_bytes;
     if (slot > 0) {
@@ -125,7 +134,7 @@ Program gather_scatter_program(const MachineModel& m, GatherScatterKind kind,
   std::vector<int64_t> window_elems;
   if (c.ring_reference) {
     const int64_t total = block * n;
-    const int64_t step = m.window_bytes > 0 ? std::max<int64_t>(n, m.window_bytes / unit) : total;
+    const int64_t step = m.window_bytes > 0 ? ring_step_units(m, unit, elem_bytes) : total;
     for (int64_t lo = 0; lo < total; lo += step) {
       const int64_t len = std::min(step, total - lo);
       windows.push_back(ring_half(m, kind, len));
