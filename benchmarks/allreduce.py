@@ -223,6 +223,7 @@ def run_rank(rank: int, cfg: Config) -> None:
         dist.all_reduce(expected)
         tensor = torch.zeros(count, dtype=dtype)  # stays zero: no overflow, no denormals
         timed: dict[str, torch.Tensor] = {}
+        shared_of: dict[str, Optional[torch.Tensor]] = {}  # the checks' tensor, where not new
         iters: dict[str, int] = {}
         for name, allreduce, group in variants:
             # Every rank allocates it in the same order (shared_empty is collective).
@@ -231,6 +232,7 @@ def run_rank(rank: int, cfg: Config) -> None:
                 shared = torch_xdev.shared_empty(count, dtype=dtype, group=group)
             elif name == f"xdev/{HEAP}":
                 shared = heap_tensor(group, count, dtype)
+            shared_of[name] = shared
             if name != "gloo":
                 check_result(cfg, name, allreduce, data, expected, "gloo", into=shared)
             timed[name] = tensor if shared is None else shared.zero_()
@@ -246,9 +248,8 @@ def run_rank(rank: int, cfg: Config) -> None:
         # heap offsets, sequence numbers) shows here rather than in a fast wrong row.
         for name, allreduce, _ in variants:
             if name != "gloo":
-                into = timed[name] if name in (f"xdev/{SHARED_EMPTY}", f"xdev/{HEAP}") else None
-                check_result(cfg, name, allreduce, data, expected, "gloo", into=into)
-        del timed
+                check_result(cfg, name, allreduce, data, expected, "gloo", into=shared_of[name])
+        del timed, shared_of
         gloo_time = statistics.median(seconds["gloo"])
         for name, _, group in variants:
             per_call = statistics.median(seconds[name])  # of the rounds' means per call

@@ -260,13 +260,18 @@ def cpu_inputs(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return full, block
 
 
+def one_host_checks(call: Call, groups: dict[str, Any]) -> None:
+    """xdev, xdev with single copy and xdev on heap tensors against Gloo."""
+    for group in (groups["xdev"], groups["xdev_sc"]):
+        check(call, group)
+    check(call, groups["xdev"], heap=True)
+
+
 def one_host_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """Gloo, xdev, xdev with single copy and xdev on heap tensors, after checking each."""
     xdev, xdev_sc = groups["xdev"], groups["xdev_sc"]
     full, block = cpu_inputs(call)
-    for group in (xdev, xdev_sc):
-        check(call, group)
-    check(call, xdev, heap=True)
+    one_host_checks(call, groups)
     heap_full, heap_block = heap_copies(call, full, block, xdev)
     return timed_calls(
         call.collective,
@@ -279,12 +284,18 @@ def one_host_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[
     )
 
 
+def cuda_checks(call: Call, groups: dict[str, Any]) -> None:
+    """xdev's native CUDA path against the engine, on this rank's GPU."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    check(call, groups["xdev"], reference=groups["engine"], device=device)
+
+
 def cuda_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """The engine (NCCL, or Gloo where ranks share a GPU) and xdev's native CUDA path on the
     same CUDA tensors, after checking xdev's result against the engine's."""
     device = torch.device("cuda", torch.cuda.current_device())
     engine_name, engine = groups["engine"]
-    check(call, groups["xdev"], reference=groups["engine"], device=device)
+    cuda_checks(call, groups)
     full = torch.randn(call.count, device=device).to(call.dtype)
     block = torch.randn(call.count // call.world, device=device).to(call.dtype)
 
@@ -311,20 +322,26 @@ def cuda_groups(rank: int, world: int) -> dict[str, Any]:
     return {"engine": engine, "xdev": xdev}
 
 
+def hosts_checks(call: Call, groups: dict[str, Any]) -> None:
+    """xdev's auto across the fake hosts and, but for a broadcast, the two-level group on
+    ordinary and heap tensors, against Gloo."""
+    check(call, groups["xdev"])
+    if call.collective != "broadcast":  # timed on the default group alone
+        check(call, groups["xdev_2lvl"])
+        check(call, groups["xdev_2lvl"], heap=True)
+
+
 def hosts_variants(call: Call, groups: dict[str, Any]) -> dict[str, Callable[[], None]]:
     """Gloo over all ranks, xdev's auto across the fake hosts and the two-level group on
     ordinary and heap tensors, after checking xdev."""
     full, block = cpu_inputs(call)
-    if call.collective == "broadcast":  # timed on the default group alone
-        check(call, groups["xdev"])
+    hosts_checks(call, groups)
+    if call.collective == "broadcast":
         return {
             name: functools.partial(run_op, call.collective, full, block, group)
             for name, group in (("gloo", None), ("xdev", groups["xdev"]))
         }
     two_level = groups["xdev_2lvl"]
-    for name in ("xdev", "xdev_2lvl"):
-        check(call, groups[name])
-    check(call, two_level, heap=True)
     heap_full, heap_block = heap_copies(call, full, block, two_level)
     return timed_calls(
         call.collective,
@@ -423,15 +440,21 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
     dtype = getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows: list[dict[str, Any]] = []
+    notes: list[Optional[str]] = []  # one per row: whether its rounds disagree
     for collective in args.collectives:
         for size in args.sizes:
             count = size // esize // world * world
-            variants = (
-                cuda_variants
+            variants, checks = (
+                (cuda_variants, cuda_checks)
                 if args.device == "cuda"
-                else hosts_variants if args.hosts > 1 else one_host_variants
+                else (
+                    (hosts_variants, hosts_checks)
+                    if args.hosts > 1
+                    else (one_host_variants, one_host_checks)
+                )
             )
-            fns = variants(Call(collective, count, dtype, rank, world), groups)
+            call = Call(collective, count, dtype, rank, world)
+            fns = variants(call, groups)
             iters = {}
             for name, fn in fns.items():
                 fn()  # warm up
@@ -443,7 +466,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                     times[name].append(slowest_mean(fns[name], iters[name]))
             # The checks once more, after the timed calls: a fault that builds up over many
             # calls (slot sets, heap offsets) shows here rather than in a fast wrong row.
-            variants(Call(collective, count, dtype, rank, world), groups)
+            checks(call, groups)
             # The baseline of this requested size: two sizes may round to the same bytes.
             baseline_seconds = statistics.median(times[baseline])
             for name in fns:
@@ -476,17 +499,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> None
                         "vs_baseline": baseline_seconds / seconds,
                     }
                 )
+                notes.append(spread_note(f"{collective} {label} at {count * esize} B", times[name]))
     if rank == 0:
         traffic = (
             traffic_rows(args.hosts, world, args.sizes, esize, args.collectives)
             if args.hosts > 1
             else []
         )
-        notes = [
-            spread_note(f"{r['collective']} {r['backend']} at {r['size_bytes']} B",
-                        [t / 1e6 for t in r["round_us"]])
-            for r in rows
-        ]  # fmt: skip
         for line in (
             header(world, baseline)
             + format_traffic(traffic, args.hosts, world)

@@ -85,6 +85,8 @@ class TrainConfig:
             return "depth and comm_share_steps must be >= 0"
         if self.backend not in BACKENDS:
             return f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
+        if self.device not in ("cpu", "cuda"):
+            return f"device must be 'cpu' or 'cuda'; got {self.device!r}"
         if self.device == "cuda" and not torch.cuda.is_available():
             return "device 'cuda' was asked for, but CUDA is not available"
         if self.backend == "nccl" and self.device != "cuda":
@@ -147,17 +149,14 @@ def make_batch(
 
 
 def resolve_device(name: str) -> torch.device:
-    """``cpu``, or ``cuda`` meaning this process's GPU (``LOCAL_RANK``) when there is one."""
+    """``cpu``, or ``cuda`` meaning this process's GPU (``LOCAL_RANK``); TrainConfig.problem
+    has refused other names, and ``cuda`` without a GPU."""
     if name == "cpu":
         return torch.device("cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for, but CUDA is not available")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return device
-    raise ValueError(f"device must be 'cpu' or 'cuda'; got {name!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def train(

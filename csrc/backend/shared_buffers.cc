@@ -117,6 +117,9 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   }
   const size_t bytes = heap_block_bytes("allocateTensor", numel, dtype);
   refuse_more_than_memory("allocateTensor", numel, dtype, bytes);
+  const auto ordinary = [&] {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  };
   if (group_.poisoned()) {
     // A peer that failed or fell behind may still write into blocks of this
     // rank's heap (an in-place allreduce writes every copy) after this rank
@@ -124,7 +127,7 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
     // caller freed never comes back holding data of its own.
     group_.log_once("heap-poisoned",
                     "allocateTensor gives ordinary tensors: the group is unusable after a failure");
-    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+    return ordinary();
   }
   // Closed since the check above: the heap refuses, saying the group has been
   // destroyed (std::invalid_argument, which goes to the caller).
@@ -142,7 +145,7 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
                     std::string("allocateTensor gives ordinary tensors where the symmetric heap "
                                 "cannot grow (") +
                         e.what() + "); collectives on them are staged");
-    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+    return ordinary();
   }
   const transport::SymmetricHeap::Block block = *placed;
   if (group_.config().debug) {
