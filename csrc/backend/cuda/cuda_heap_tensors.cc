@@ -33,11 +33,23 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   const int device = heap_->device();
   const auto index = static_cast<c10::DeviceIndex>(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  const auto ordinary = [&] {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+  };
   if (transport::stream_is_capturing(stream)) {
     // The heap waits on events and may cudaMalloc an arena, which a capture
     // forbids; the caching allocator serves captures from the graph's pool.
     // Captured collectives go to NCCL anyway, which reads no heap in place.
-    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+    return ordinary();
+  }
+  if (g_.poisoned()) {
+    // A peer's kernel that outlived a failed call may still write into this
+    // rank's blocks (an in-place allreduce writes every copy): hand out no
+    // heap memory again, so that what the caller freed never comes back
+    // holding data of its own.
+    g_.log_once("cuda-heap-poisoned",
+                "allocateTensor gives ordinary tensors: the group is unusable after a failure");
+    return ordinary();
   }
   transport::CudaSymmetricHeap::Block block;
   try {
@@ -45,7 +57,7 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
   } catch (const std::runtime_error& e) {  // cudaMalloc failed, or all arenas exist
     g_.log_once("cuda-heap-full", std::string("CUDA heap: ") + e.what() +
                                       "; allocateTensor gives ordinary tensors, which stage");
-    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCUDA, index));
+    return ordinary();
   }
   if (g_.config().debug) {
     std::fprintf(stderr,
