@@ -43,10 +43,10 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
     return ordinary();
   }
   if (g_.poisoned()) {
-    // A peer's kernel that outlived a failed call may still write into this
-    // rank's blocks (an in-place allreduce writes every copy): hand out no
-    // heap memory again, so that what the caller freed never comes back
-    // holding data of its own.
+    // The group runs no collective again, so heap memory gains nothing, and
+    // a peer's kernel that outlived the failed call may still read this
+    // rank's blocks: a block handed out again would be read by a call whose
+    // result is already an error, and the heap would grow for nothing.
     g_.log_once("cuda-heap-poisoned",
                 "allocateTensor gives ordinary tensors: the group is unusable after a failure");
     return ordinary();
