@@ -57,12 +57,41 @@ from harness import run_ranks, subprocess_env
 def test_bad_options_name_the_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         torch_xdev.Options(**kwargs)
-    # A timeout past what the binding holds means "never": the longest one (100000 days).
+    # A timeout past 100 years means "never": 100 years, in the group's options or its own.
     for never in (float("inf"), 1e300, 10**400, timedelta(days=999999999)):
         config = torch_xdev.options.backend_config(torch_xdev.Options(timeout=never), timedelta(1))
-        assert config.timeout == timedelta(days=100000), never
+        assert config.timeout == timedelta(days=36500), never
+        config = torch_xdev.options.backend_config(torch_xdev.Options(), timedelta(days=100000))
+        assert config.timeout == timedelta(days=36500)
     flags: dict[str, Any] = {"single_copy": 1, "shared_buckets": 0}  # 0 and 1 are fine
     assert torch_xdev.Options(**flags).single_copy == 1
+
+
+def _engine_calls_under_never(rank: int, world: int, through_options: bool) -> list[float]:
+    # "Never" from the environment, the group's options, or init_process_group's own timeout.
+    if through_options:
+        dist.init_process_group(
+            "xdev",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(days=100000),
+            pg_options=torch_xdev.Options(algorithm="fallback"),
+        )
+    else:
+        dist.init_process_group("xdev", rank=rank, world_size=world)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)  # Gloo's allreduce: its deadline overflowed at 100000 days, and it hung
+    bits = torch.full((8,), rank + 1, dtype=torch.int32)
+    dist.all_reduce(bits, op=dist.ReduceOp.BOR)  # Gloo's, whatever the algorithm
+    dist.destroy_process_group()
+    return [t[0].item(), float(bits[0].item())]
+
+
+@pytest.mark.parametrize("through_options", [False, True], ids=["environment", "options"])
+def test_a_never_timeout_reaches_the_engines_bounded(through_options: bool) -> None:
+    env = {} if through_options else {"XDEV_TIMEOUT": "inf", "XDEV_ALGO": "fallback"}
+    results = run_ranks(_engine_calls_under_never, 2, through_options, env=env, timeout=60)
+    assert results == [[3.0, 3.0], [3.0, 3.0]]
 
 
 def test_env_overrides_options() -> None:

@@ -125,11 +125,12 @@ def _seconds(timeout: Union[timedelta, float]) -> float:
 
 
 # C++ holds the timeout in whole milliseconds (a shorter one would become 0 ms: every wait
-# fails at once), and the binding converts through int64 microseconds (about 106751 days). A
-# longer one, infinity included, is the usual way to say "never": it is taken as the longest
-# (100000 days; C++ waits at most 100 years in any case).
+# fails at once). A longer one than 100 years, infinity included (the usual way to say
+# "never"), is taken as 100 years: what xdev's own waits honour at most, and short enough for
+# the engines it is handed to (Gloo's allreduce never completes with a timeout of 100000
+# days: its deadline overflows).
 _MIN_TIMEOUT_S = 1e-3
-_MAX_TIMEOUT_S = timedelta(days=100000).total_seconds()
+_MAX_TIMEOUT_S = timedelta(days=36500).total_seconds()
 
 
 def _check_timeout(name: str, value: Any) -> None:
@@ -151,8 +152,8 @@ def _packs_to_config(value: Optional[int], group_timeout: timedelta) -> int:
 
 
 def _timeout_to_config(value: Optional[Union[timedelta, float]], group_timeout: timedelta) -> Any:
-    if value is None:
-        return group_timeout
+    if value is None:  # the group's, init_process_group's timeout=, bounded alike
+        value = group_timeout
     return timedelta(seconds=min(_seconds(value), _MAX_TIMEOUT_S))
 
 
