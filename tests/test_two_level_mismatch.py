@@ -10,6 +10,7 @@ for the timeout, and leave the group usable: the calls after them stay paired.
 from __future__ import annotations
 
 import time
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,67 @@ def test_broadcast_against_allreduce_across_hosts_keeps_the_group(tmp_path: Path
     results = run_ranks(_broadcast_mismatch_then_allreduces, 4, per_rank_env=env, timeout=180)
     for rank, messages in enumerate(results):
         assert all("mismatched collectives" in m for m in messages), (rank, messages)
+
+
+def _path_of(call: Callable[[int], None], blocks: int) -> str:
+    call(blocks)
+    return str(torch_xdev.describe()["last_gather_scatter"][1])
+
+
+def _refusal_where_auto_changes_path(rank: int, world: int) -> list[tuple[str, int, str]]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    extra = int(rank == 0)  # rank 0's full tensor is one element too long: its own mistake
+
+    def reduce_scatter(block: int, extra: int = 0) -> None:
+        dist.reduce_scatter_tensor(torch.empty(block), torch.ones(world * block + extra))
+
+    def all_gather(block: int, extra: int = 0) -> None:
+        dist.all_gather_into_tensor(torch.empty(world * block + extra), torch.ones(block))
+
+    outcomes = []
+    for name, call in (("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
+        # Valid calls of 4 KiB to 4 MiB, float32: where auto's path differs from one size class
+        # to the next, a full tensor one element past the smaller class lies in the larger.
+        blocks = [(1 << k) // 4 // world for k in range(12, 23)]
+        paths = [_path_of(call, b) for b in blocks]
+        changes = [i for i in range(len(paths) - 1) if paths[i] != paths[i + 1]]
+        if not changes:
+            outcomes.append((name, -1, " ".join(paths)))
+            continue
+        block = blocks[changes[0]]
+        start = time.monotonic()
+        try:
+            call(block, extra)
+            outcome = "no error"
+        except ValueError as e:
+            outcome = f"ValueError: {e}"
+        except dist.DistBackendError as e:
+            outcome = f"DistBackendError: {e}"
+        assert time.monotonic() - start < TIMEOUT_S / 2, (name, outcome)
+        outcomes.append((name, block, outcome))
+        _assert_sums(1000)  # the calls after it stay paired
+    dist.destroy_process_group()
+    return outcomes
+
+
+def test_a_refusal_near_a_change_of_path_stays_paired() -> None:
+    """A rank's full tensor one element off chooses the path its peers' valid size chooses.
+
+    Chosen by that tensor's own size, it crossed into the next size class, where auto (default
+    model) hands a reduce-scatter to Gloo: that rank raised in Gloo alone, and its peers' two-level
+    call paired with its next call."""
+    results = run_ranks(_refusal_where_auto_changes_path, 4, per_rank_env=_hosts_env([2, 2]))
+    changed = [(name, block) for name, block, _ in results[0] if block >= 0]
+    assert changed, f"auto never changes path from 4 KiB to 4 MiB here: {results[0]}"
+    for rank, outcomes in enumerate(results):
+        for name, block, outcome in outcomes:
+            if block < 0:
+                continue
+            if rank == 0:
+                assert outcome.startswith("ValueError"), (name, outcome)
+            else:
+                assert outcome.startswith("DistBackendError"), (name, outcome)
+                assert "mismatched collectives" in outcome, (rank, name, outcome)
+                assert "timed out" not in outcome, (rank, name, outcome)

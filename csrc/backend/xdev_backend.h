@@ -225,17 +225,16 @@ class XdevBackend : public c10d::Backend {
                                                     bool coalesced);
   void log_choice(const plan::Selection& sel, bool cuda);
   // How a reduce-scatter (op given) or all-gather (op null) of these tensors
-  // (inputs and outputs; full_tensors of them hold every rank's block) runs, as
-  // plan::select_gather_scatter says; logs the choice once per reason
+  // (inputs and outputs; full_tensors of them hold every rank's block, blocks
+  // are this rank's own: a reduce-scatter's outputs, an all-gather's inputs)
+  // runs, as plan::select_gather_scatter says; logs the choice once per reason
   // (XDEV_DEBUG=INFO) and counts a native call. uneven_list_sizes: a list form
   // whose lists hold sizes unlike this rank's block; one_list: a list form of
   // one list (full_tensors: one tensor per rank).
-  plan::GatherScatterSelection select_gather_scatter(const char* name,
-                                                     const std::vector<at::Tensor>& tensors,
-                                                     const std::vector<at::Tensor>& full_tensors,
-                                                     const c10d::ReduceOp* op,
-                                                     bool uneven_list_sizes = false,
-                                                     bool one_list = false);
+  plan::GatherScatterSelection select_gather_scatter(
+      const char* name, const std::vector<at::Tensor>& tensors,
+      const std::vector<at::Tensor>& full_tensors, const std::vector<at::Tensor>& blocks,
+      const c10d::ReduceOp* op, bool uneven_list_sizes = false, bool one_list = false);
   // The native CUDA reduce-scatter (op given; full in, block out) or all-gather
   // (op null; block in, full out): `full` is one tensor, or one list entry per
   // rank of the block's size; `blocks` must hold one tensor (the caller's

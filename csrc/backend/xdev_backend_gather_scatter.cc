@@ -48,6 +48,22 @@ ListCall list_call(const std::vector<at::Tensor>& mine,
   return call;
 }
 
+// The bytes a valid call moves, from this rank's own blocks: `world` times
+// each block's elements, in the dtype of the full tensor it pairs with where
+// the call reduces (the dtype the peers share) and in its own where it moves
+// bytes. full holds one tensor per block, or (a list form) `world` per block.
+int64_t bytes_of_a_valid_call(const std::vector<at::Tensor>& blocks,
+                              const std::vector<at::Tensor>& full, bool reduces, int world) {
+  const size_t full_per_block = blocks.empty() ? 0 : full.size() / blocks.size();
+  int64_t bytes = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const size_t paired = i * full_per_block;
+    const at::Tensor& dtype_of = reduces && paired < full.size() ? full[paired] : blocks[i];
+    bytes += blocks[i].numel() * static_cast<int64_t>(dtype_of.element_size());
+  }
+  return world * bytes;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
@@ -79,8 +95,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::cuda_gather_scatter(
 
 plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     const char* name, const std::vector<at::Tensor>& tensors,
-    const std::vector<at::Tensor>& full_tensors, const c10d::ReduceOp* op, bool uneven_list_sizes,
-    bool one_list) {
+    const std::vector<at::Tensor>& full_tensors, const std::vector<at::Tensor>& blocks,
+    const c10d::ReduceOp* op, bool uneven_list_sizes, bool one_list) {
   plan::GatherScatterInput in;
   in.one_list = one_list;
   in.uneven_list_sizes = uneven_list_sizes;
@@ -122,7 +138,15 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
       in.model_cache = &cuda_gather_scatter_choices_;
     }
   }
-  in.payload_bytes = payload_bytes(full_tensors);
+  // The size the choice follows: world x this rank's blocks, which equals
+  // every rank's full tensors in a valid call. A rank whose full tensor is one
+  // element off (its own mistake) so still chooses as its peers do and
+  // refuses with them; chosen by that tensor, it could cross into a size
+  // class where the model picks the engine, raise there alone, and leave its
+  // peers' call to pair with its next one. Uneven lists have no such size.
+  in.payload_bytes = uneven_list_sizes
+                         ? payload_bytes(full_tensors)
+                         : bytes_of_a_valid_call(blocks, full_tensors, op != nullptr, size_);
   in.num_tensors = static_cast<int64_t>(full_tensors.size());
   in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
   // The CPU model chooses the form; a reduce-scatter predicts with its dtype's width.
@@ -187,8 +211,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
   const ListCall call = list_call(inputs, outputs);
-  const auto sel = select_gather_scatter("all_gather", call.all, call.full, nullptr, call.uneven,
-                                         outputs.size() == 1);
+  const auto sel = select_gather_scatter("all_gather", call.all, call.full, inputs, nullptr,
+                                         call.uneven, outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.allgather(group_, outputs, inputs, opts);
@@ -206,7 +230,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, nullptr);
+  const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, {input}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     if (!output.is_contiguous()) {
       return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
@@ -263,7 +287,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     all.insert(all.end(), per_rank.begin(), per_rank.end());
     full.insert(full.end(), per_rank.begin(), per_rank.end());
   }
-  const auto sel = select_gather_scatter("all_gather_coalesced", all, full, nullptr);
+  const auto sel = select_gather_scatter("all_gather_coalesced", all, full, inputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     check_shapes();
     // Across hosts Gloo writes the outputs itself, and a refusal here would
@@ -297,7 +321,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("all_gather", all, outputs, nullptr);
+  const auto sel = select_gather_scatter("all_gather", all, outputs, inputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     const bool contiguous = std::all_of(outputs.begin(), outputs.end(),
                                         [](const at::Tensor& t) { return t.is_contiguous(); });
@@ -350,8 +374,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     return reduce_scatter(outputs, scaled, with_sum(opts));
   }
   const ListCall call = list_call(outputs, inputs);
-  const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, &opts.reduceOp,
-                                         call.uneven, inputs.size() == 1);
+  const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, outputs,
+                                         &opts.reduceOp, call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
@@ -385,7 +409,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     return _reduce_scatter_base(output, scaled, with_sum(opts));
   }
   const auto sel =
-      select_gather_scatter("reduce_scatter", {output, input}, {input}, &opts.reduceOp);
+      select_gather_scatter("reduce_scatter", {output, input}, {input}, {output}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
@@ -420,7 +444,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, &opts.reduceOp);
+  const auto sel = select_gather_scatter("reduce_scatter", all, inputs, outputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, outputs, opts, reduce_scatter_coalesced_op_type(),
