@@ -110,8 +110,9 @@ def test_env_overrides_options() -> None:
         True,
         256,
     )
-    with pytest.raises(ValueError, match="num_packs"):
+    with pytest.raises(ValueError, match="XDEV_NUM_PACKS=none"):  # says how to say "choose"
         resolve_options(None, {"XDEV_NUM_PACKS": "-2"})
+    assert resolve_options(None, {"XDEV_ALGO": " FLAT "}).algorithm == "flat"  # as NCCL_ALGO
     with pytest.raises(ValueError, match="XDEV_NUM_PACKS='many' .* expected an integer"):
         resolve_options(None, {"XDEV_NUM_PACKS": "many"})
     # The README's default, None (the plan's choice), can be set back from the environment.

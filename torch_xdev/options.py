@@ -41,6 +41,10 @@ def _parse_optional_int(text: str) -> Optional[int]:
     return None if text.strip().lower() == "none" else _parse_int(text)
 
 
+def _parse_name(text: str) -> str:
+    return text.strip().lower()  # as NCCL_ALGO: FLAT is flat
+
+
 def _parse_bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -96,6 +100,11 @@ def _check_count(name: str, value: Any) -> None:
 
 
 def _check_optional_count(name: str, value: Any) -> None:
+    if value is not None and isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ValueError(
+            f"Options.{name} must be >= 0, or None (XDEV_{name.upper()}=none) to let the"
+            f" algorithm choose; got {value}"
+        )
     if value is not None:
         _check_count(name, value)
 
@@ -195,7 +204,8 @@ class Options:
         num_packs: packs for concat-and-split; ``None`` (``XDEV_NUM_PACKS=none``) lets the
             algorithm choose (the world size for hierarchical copy), 0 disables it.
         agg_small_grads_max_bytes, agg_small_grads_max_group: small-tensor
-            aggregation when ``num_packs`` is 0 and both are > 0.
+            aggregation when both are > 0, ``num_packs`` is 0 or ``None`` and
+            ``bytes_per_pack`` is 0.
         bytes_per_pack: cut the payload into packs of this many bytes (0: off).
         reduce_to_rank: the root of reduce-to-one.
         timeout: per-collective timeout; ``None`` uses the group's timeout.
@@ -224,7 +234,7 @@ class Options:
         debug: log the chosen plans to stderr (``XDEV_DEBUG=INFO``).
     """
 
-    algorithm: str = _option("auto", "XDEV_ALGO", str.strip, _check_algorithm)
+    algorithm: str = _option("auto", "XDEV_ALGO", _parse_name, _check_algorithm)
     num_packs: Optional[int] = _option(
         None, "XDEV_NUM_PACKS", _parse_optional_int, _check_packs, _packs_to_config
     )
