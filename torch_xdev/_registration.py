@@ -10,6 +10,7 @@ import socket
 import sys
 import warnings
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -291,7 +292,27 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     if note and rank == 0:
         # Once per process and text (Python's warning filter), from the group's first rank.
         warnings.warn(f"xdev: {note}", stacklevel=2)
+    split_key = f"{group_id}#{len(_options_for_splits)}"
+    _options_for_splits[split_key] = pg_options
+    backend._set_split_key(split_key)
     return backend
+
+
+# The torch_xdev.Options each group was made with, for its split_group children (the
+# backend's splitter holds only the key, no Python object: see bindings.cc).
+_options_for_splits: dict[str, Optional[Options]] = {}
+
+
+def split_backend(
+    key: str, store: Any, rank: int, size: int, timeout: timedelta, group_name: str
+) -> Any:
+    """The child group's backend that c10d's ``split_group`` asks of an xdev group: made as
+    ``init_process_group`` makes one, with the parent's ``torch_xdev.Options`` (the ``XDEV_*``
+    variables apply again) and the split's timeout and name."""
+    dist_opts = SimpleNamespace(
+        store=store, group_rank=rank, group_size=size, timeout=timeout, group_id=group_name
+    )
+    return _create_backend(dist_opts, _options_for_splits[key])
 
 
 # How long the interpreter's exit waits for groups still being destroyed on threads of their own.

@@ -261,7 +261,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prepare_cuda_graph_capture", &XdevBackend::prepare_cuda_graph_capture,
            py::arg("device"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shm_name", &XdevBackend::shm_name)
-      .def_property_readonly("worker_has_own_core", &XdevBackend::worker_has_own_core);
+      .def_property_readonly("worker_has_own_core", &XdevBackend::worker_has_own_core)
+      // c10d's split_group deep-copies it for the children (ProcessGroupNCCL and Gloo bind it too).
+      .def_property_readonly("options", &XdevBackend::getBackendOptions)
+      .def(
+          "_set_split_key",
+          [](XdevBackend& b, const std::string& key) {
+            // The splitter holds no Python object (the group may go on a
+            // thread that must not take the GIL): it looks the creator up,
+            // and the creator finds this group's options under `key`.
+            b.set_splitter([key](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 std::chrono::milliseconds timeout, const std::string& group_name) {
+              py::gil_scoped_acquire gil;
+              py::object child =
+                  py::module_::import("torch_xdev._registration")
+                      .attr("split_backend")(key, store, rank, size, timeout, group_name);
+              auto* raw = child.cast<c10d::Backend*>();
+              TORCH_CHECK(raw != nullptr, "xdev split: the creator returned None");
+              return c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
+            });
+          },
+          py::arg("key"));
+
+  // What Backend.options gives for an xdev group; c10d's split_group deep-copies it.
+  py::class_<xdev::backend::XdevBackendOptions, c10d::Backend::Options,
+             c10::intrusive_ptr<xdev::backend::XdevBackendOptions>>(m, "XdevBackendOptions")
+      .def("__deepcopy__", [](const xdev::backend::XdevBackendOptions& o, const py::dict&) {
+        auto copy = c10::make_intrusive<xdev::backend::XdevBackendOptions>(o);
+        return copy;
+      });
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");

@@ -65,6 +65,31 @@ XdevBackend::~XdevBackend() {
   shut_down(/*last_reference=*/true);
 }
 
+c10::intrusive_ptr<c10d::Backend::Options> XdevBackend::getBackendOptions() {
+  auto options = c10::make_intrusive<XdevBackendOptions>(group_.config().timeout);
+  options->group_name = group_.config().group_name;
+  return options;
+}
+
+c10::intrusive_ptr<c10d::Backend> XdevBackend::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  TORCH_CHECK(splitter_ != nullptr, "xdev: this group cannot be split");
+  const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) return {};
+  const std::chrono::milliseconds timeout = opts ? opts->timeout : group_.config().timeout;
+  const std::string name = opts ? opts->group_name : std::string();
+  std::lock_guard<std::mutex> lock(split_mutex_);
+  if (last_split_ && !name.empty() && name == last_split_name_) {
+    if (c10::intrusive_ptr<c10d::Backend> child = last_split_->lock()) return child;
+  }
+  c10::intrusive_ptr<c10d::Backend> child = splitter_(
+      store, static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()), timeout, name);
+  last_split_name_ = name;
+  last_split_.emplace(child);
+  return child;
+}
+
 void XdevBackend::shutdown() {
   shut_down(/*last_reference=*/false);
 }

@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +43,13 @@
 #include "two_level_gather_scatter.h"
 
 namespace xdev::backend {
+
+// The c10d options of an xdev group (Backend.options): what c10d's
+// split_group copies for a child, the group's timeout in it. xdev's own
+// settings go to the child with the parent's torch_xdev.Options (see split).
+struct XdevBackendOptions : c10d::Backend::Options {
+  explicit XdevBackendOptions(std::chrono::milliseconds timeout) : Options("xdev", timeout) {}
+};
 
 class XdevBackend : public c10d::Backend {
  public:
@@ -75,6 +83,23 @@ class XdevBackend : public c10d::Backend {
   // Send and recv do not count: only two ranks call them.
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return collectives_called_.load(); }
+
+  // c10d's split_group, which DeviceMesh calls where init_process_group was
+  // given a device_id: a child group of `ranks` (this group's ranks, sorted),
+  // or null on a rank outside them. The splitter makes it (torch_xdev's
+  // creator, with this group's torch_xdev.Options): this rank's place among
+  // `ranks`, their count, the split's timeout and group name. c10d of torch
+  // 2.13 and older calls split once per device type, and one XdevBackend
+  // serves both: the second call of a split returns the child the first made.
+  using Splitter = std::function<c10::intrusive_ptr<c10d::Backend>(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      std::chrono::milliseconds timeout, const std::string& group_name)>;
+  void set_splitter(Splitter splitter) { splitter_ = std::move(splitter); }
+  bool supportsSplitting() const override { return splitter_ != nullptr; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -273,6 +298,11 @@ class XdevBackend : public c10d::Backend {
   plan::GatherScatterChoiceCache cuda_gather_scatter_choices_;  // and on the GPUs' model
 
   std::atomic<uint64_t> collectives_called_{0};  // getSequenceNumberForGroup
+
+  Splitter splitter_;  // none: this group cannot be split
+  std::mutex split_mutex_;
+  std::string last_split_name_;  // the last child made, by its group name
+  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> last_split_;
 
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;
