@@ -583,7 +583,14 @@ def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
     # Set for the user only when unset and no GPU is visible (no NCCL group can exist).
     env: dict[str, str] = {}
     assert torch_xdev.default_comm_mem(env, cuda_visible=False)
-    assert env == {"DDP_DISABLE_COMM_MEM": "0"}
+    assert env == {"DDP_DISABLE_COMM_MEM": "0", "TORCH_XDEV_SET_DDP_DISABLE_COMM_MEM": "1"}
+    # A child process inherits both: where it sees a GPU, the value torch_xdev set goes.
+    assert not torch_xdev.default_comm_mem(env, cuda_visible=True)
+    assert env == {}
+    # A value the user set after torch_xdev's (the marker left over) is the user's.
+    env = {"DDP_DISABLE_COMM_MEM": "1", "TORCH_XDEV_SET_DDP_DISABLE_COMM_MEM": "1"}
+    assert not torch_xdev.default_comm_mem(env, cuda_visible=False)
+    assert env == {"DDP_DISABLE_COMM_MEM": "1"}
     env = {}
     assert not torch_xdev.default_comm_mem(env, cuda_visible=True)
     assert env == {}

@@ -11,7 +11,8 @@ once the group's CUDA IPC transport is open: they come from its CUDA heap, devic
 rank maps through CUDA IPC. PyTorch reads the variable process-wide, for every backend, so
 ``import torch_xdev`` sets it to ``0`` only where that changes no other backend: when the user
 has not set it and the process sees no CUDA device (NCCL, the one other backend that answers
-``supportsTensorAlloc``, needs one). Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;
+``supportsTensorAlloc``, needs one), marking it as its own so that a child process, which
+inherits it, decides again. Elsewhere set ``DDP_DISABLE_COMM_MEM=0`` yourself;
 ``Options(shared_buckets=False)`` (``XDEV_SHARED_BUCKETS=0``) turns it off for xdev groups.
 
 Averaging. Without a comm hook DDP divides every gradient by the world size before its SUM
@@ -37,6 +38,9 @@ from ._registration import backends_by_device
 
 # PyTorch's own switch (read by c10d's Reducer each time it allocates buckets).
 COMM_MEM_VARIABLE = "DDP_DISABLE_COMM_MEM"
+# Set beside it when torch_xdev set it: a child process inherits both, and decides again (it
+# may see a GPU its parent did not) instead of taking the value for the user's.
+COMM_MEM_SET_BY_XDEV = "TORCH_XDEV_SET_DDP_DISABLE_COMM_MEM"
 
 
 def default_comm_mem(
@@ -52,9 +56,14 @@ def default_comm_mem(
     if cuda_visible is None:
         gpu_build = torch.version.cuda is not None or torch.version.hip is not None
         cuda_visible = gpu_build and torch.cuda.device_count() > 0
+    if env.get(COMM_MEM_SET_BY_XDEV) == "1" and env.get(COMM_MEM_VARIABLE) == "0":
+        # Set by torch_xdev in a parent process, not by the user: decided again here.
+        del env[COMM_MEM_VARIABLE]
+    env.pop(COMM_MEM_SET_BY_XDEV, None)
     if COMM_MEM_VARIABLE in env or cuda_visible:
         return False
     env[COMM_MEM_VARIABLE] = "0"
+    env[COMM_MEM_SET_BY_XDEV] = "1"
     return True
 
 
