@@ -114,7 +114,8 @@ def flat_params(model: nn.Module) -> list[float]:
 
 
 # A body's result: {"params": {part: [...]}, "losses": [...]}. Ranks that must end with the
-# same bits in a part: "world" all ranks, "pair" ranks 0-1 and 2-3, "alone" none.
+# same bits in a part: "world" all ranks, "pair" ranks 0-1 and 2-3, "alone" none; a part named
+# "world:<what>" (another snapshot) holds for the ranks of "world".
 PAIRS = ((0, 1), (2, 3))
 
 
@@ -274,13 +275,17 @@ def case_join_uneven(run: Run) -> dict[str, Any]:
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     opt = sgd(model)
     losses = []
+    first_step: list[float] = []
     with Join([ddp]):
         for s in range(STEPS - run.rank):
             losses.append(one_step(ddp, opt, mlp_batch(run.rank, s)))
             if s == 0:  # while every rank still trains
                 run.snapshot([ddp])
-    # Join broadcasts the last joiner's model at the end, so ranks agree.
-    return {"params": {"world": flat_params(model)}, "losses": losses}
+                first_step = flat_params(model)
+    # Join broadcasts the last joiner's model at the end, so ranks agree there whatever the
+    # allreduces gave; after the first step they agree only if those did.
+    params = {"world": flat_params(model), "world:first step": first_step}
+    return {"params": params, "losses": losses}
 
 
 def case_mixed_precision(run: Run) -> dict[str, Any]:
@@ -390,7 +395,12 @@ def case_zero_overlap(run: Run, interleaved: bool) -> dict[str, Any]:
     # As many updates as the other cases make.
     steps = STEPS + ZERO_SETUP_STEPS
     losses = train(run, ddp, snapshot=lambda: run.snapshot([ddp]), step=step, steps=steps)
-    return {"params": {"world": flat_params(model)}, "losses": losses}
+    # ZeRO broadcasts each parameter from the rank that owns it, so ranks agree on parameters
+    # whatever the allreduces gave; the last step's gradients (the allreduced buckets) agree
+    # only if those did.
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    params = {"world": flat_params(model), "world:last gradients": grads.tolist()}
+    return {"params": params, "losses": losses}
 
 
 def case_channels_last_conv(run: Run) -> dict[str, Any]:

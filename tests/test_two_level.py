@@ -430,12 +430,14 @@ def _async_barrier_then_engine_call(rank: int, world: int) -> list[float]:
     dist.all_reduce(torch.ones(1 << 22))  # opens the two-level path's groups
     assert "two-level" in str(torch_xdev.describe()["last_allreduce"]), "the queue stays idle"
     # A two-level allreduce keeps the queue busy; the async barrier queues behind it. Rank 0
-    # hands an all-to-all to Gloo at once, the others only once their queue has long passed the
-    # barrier: both must meet Gloo's barrier before its all-to-all, as issued.
+    # hands an all-to-all to Gloo at once, the others only once their barrier is done, which
+    # needs rank 0's barrier in Gloo: rank 0 must issue it there before its all-to-all, as
+    # issued, or its all-to-all meets their barrier and every rank waits.
     pending = dist.all_reduce(torch.ones(1 << 22), async_op=True)
     barrier = dist.barrier(async_op=True)
     if rank != 0:
-        time.sleep(0.5)
+        pending.wait()
+        barrier.wait()
     out = torch.empty(world)
     dist.all_to_all_single(out, torch.arange(world, dtype=torch.float32) + 10 * rank)
     pending.wait()

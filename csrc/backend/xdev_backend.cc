@@ -184,9 +184,11 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
 }
 
 void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
+  // The transport is the selection's too: peers reading the tensor in place.
+  const std::string reason = sel.reason + (sel.single_copy ? "; on the single-copy transport" : "");
   {
     std::lock_guard<std::mutex> lock(selection_mutex_);
-    last_selection_ = {plan::to_string(sel.algorithm), sel.reason};
+    last_selection_ = {plan::to_string(sel.algorithm), reason};
   }
   const char* device = cuda ? "CUDA" : "CPU";
   // Across hosts `algorithm` is the plan inside each host: say that two levels run.
@@ -194,8 +196,8 @@ void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
                                                plan::to_string(sel.algorithm) + " inside each host"
                                          : plan::to_string(sel.algorithm);
   group_.log_once(
-      std::string(device) + ":" + what + sel.reason,
-      std::string("allreduce on ") + device + " tensors -> " + what + " (" + sel.reason + ")");
+      std::string(device) + ":" + what + reason,
+      std::string("allreduce on ") + device + " tensors -> " + what + " (" + reason + ")");
 }
 
 bool XdevBackend::premultiplies_here(const c10d::ReduceOp& op,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "test_harness.h"
+#include "transport/deadline.h"
 #include "transport/shm_channel.h"
 #include "transport/shm_segment.h"
 #include "transport_test_util.h"
@@ -135,6 +136,17 @@ void check_windows_exchange(int world, Clock::duration spin) {
 // Every way a waiter gets out runs: world 2 spins (and mostly sees the others arrive while it
 // spins), world 3 sleeps on the futex at once, world 4 spins too but has more threads than the
 // CI machine's two cores, so spins often run out and the ranks sleep after all.
+// A timeout past the clock's range (a huge timedelta: "never") waits the longest it can;
+// unbounded, now + timeout overflowed into the past and every wait failed at once.
+TEST(a_timeout_past_the_clock_is_a_deadline_far_ahead) {
+  const auto never = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::hours(24) *
+                                                                           200000);  // 200000 days
+  const Clock::time_point now = Clock::now();
+  const Clock::time_point deadline = now + xdev::transport::bounded_timeout(never);
+  CHECK(deadline > now + std::chrono::hours(24 * 365 * 50));
+  CHECK(xdev::transport::bounded_timeout(std::chrono::milliseconds(1500)).count() == 1500);
+}
+
 TEST(shm_barrier_releases_ranks_only_together_world_2) {
   check_windows_exchange(2, std::chrono::microseconds(20));
 }
