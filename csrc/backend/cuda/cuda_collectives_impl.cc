@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -200,17 +199,6 @@ class CudaCollectivesImpl : public CudaCollectives {
         const auto wait =
             std::min<std::chrono::milliseconds>(g_.config().timeout, std::chrono::seconds(30));
         host->barrier(transport::Clock::now() + wait, "CUDA transport shutdown");
-      }
-      // A GPU failure is reported by the group's next call (the Work's
-      // wait() without a timeout does not read the device): where no call
-      // came after it, say so here, or the last call's outputs would pass
-      // for results.
-      const std::string failed = executor_ ? executor_->device_error() : std::string();
-      if (!failed.empty() && !g_.poisoned()) {
-        std::fprintf(stderr,
-                     "[xdev] group '%s' rank %d: warning: a CUDA collective failed on the GPU and "
-                     "no later call reported it; its outputs are not results: %s\n",
-                     g_.config().group_name.c_str(), g_.rank(), failed.c_str());
       }
     } catch (...) {
       // A peer gone, or the CUDA context already torn down at interpreter exit.
