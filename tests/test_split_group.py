@@ -9,6 +9,7 @@ to the CPU and calling the CPU the accelerator, as a GPU host with ``device_id``
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional, cast
 
 import torch
@@ -52,6 +53,15 @@ def _split_by_host(rank: int, world: int) -> dict[str, Any]:
             # One child, though c10d asks each device type's backend (one XdevBackend) for it.
             "same_for_cuda": child._get_backend(torch.device("cuda")) is child_backend,
         }
+    # The same ranks split again: a group of its own, not the last one's backend again.
+    mine = [0, 1] if rank < 2 else [2, 3]
+    first = parent.split_group(mine, group_name=_name(f"split-first-{mine[0]}"))
+    second = parent.split_group(mine, group_name=_name(f"split-second-{mine[0]}"))
+    assert first is not None and second is not None
+    first_backend = torch_xdev._registration.backend_of(first)
+    result["distinct"] = first_backend is not torch_xdev._registration.backend_of(second)
+    first_backend.shutdown()
+    result["second_sum"] = _sum_on(second, rank)  # the first's end leaves the second alone
     # A rank outside every listed group gets no group.
     outside = parent.split_group([0, 1], group_name=_name("split-outside"))
     result["outside"] = outside is None
@@ -80,27 +90,48 @@ def test_split_children_are_xdev_groups() -> None:
         # Across hosts: ranks 0 and 2 (1 + 3), 1 and 3 (2 + 4).
         assert r["across"]["rank"] == rank // 2 and r["across"]["num_hosts"] == 2, (rank, r)
         assert r["across"]["sum"] == (4.0 if rank % 2 == 0 else 6.0), (rank, r)
+        assert r["distinct"] and r["second_sum"] == (3.0 if rank < 2 else 7.0), (rank, r)
         assert r["outside"] == (rank >= 2), (rank, r)
         assert r.get("outside_sum", 3.0) == 3.0, (rank, r)
         assert r["parent_sum"] == 10.0, (rank, r)
 
 
 def _split_as_on_a_gpu_host(rank: int, world: int) -> dict[str, Any]:
-    dist.init_process_group("xdev", rank=rank, world_size=world)
+    # The group's own timeout (50 s) is not the children's: they take the split's.
+    options = torch_xdev.Options(timeout=timedelta(seconds=50))
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
     default = dist.distributed_c10d._get_default_group()
-    # What init_process_group(device_id=torch.device("cuda", local_rank)) leaves on a GPU host.
+    # What init_process_group(device_id=torch.device("cuda", 0)) leaves on a GPU host.
+    default.bound_device_id = torch.device("cuda", 0)
+    result: dict[str, Any] = {}
+    # A group of a subset first: torch asks ranks 2 and 3, outside it, to take part in a split
+    # (perform_nocolor_split), and they hold one group fewer afterwards, so torch names the
+    # split's children differently on them than on ranks 0 and 1.
+    subset = dist.new_group([0, 1])
+    # From here the CPU plays the accelerator, so that split_group splits the CPU's backend.
     default.bound_device_id = torch.device("cpu", 0)
     torch.accelerator.is_available = lambda: True  # type: ignore[assignment]
     torch.accelerator.current_accelerator = lambda *a, **k: torch.device("cpu")  # type: ignore
-    result: dict[str, Any] = {}
+    if rank < 2:
+        t = torch.full((8,), float(rank + 1))
+        dist.all_reduce(t, group=subset)
+        result["subset_sum"] = t[0].item()
     pairs = [[0, 1], [2, 3]]
-    child: Optional[dist.ProcessGroup] = dist.split_group(split_ranks=pairs)
+    child: Optional[dist.ProcessGroup] = dist.split_group(
+        split_ranks=pairs, timeout=timedelta(seconds=37)
+    )
     assert child is not None
     t = torch.full((8,), float(rank + 1))
     dist.all_reduce(t, group=child)
     result["pair_sum"] = t[0].item()
     result["backend"] = dist.get_backend(child)
     result["timeout_s"] = torch_xdev.describe(child)["timeout_s"]
+    # Destroyed and split again (torch may give the new child the same name): a new group.
+    dist.destroy_process_group(child)
+    again = dist.split_group(split_ranks=pairs)
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t, group=again)
+    result["again_sum"] = t[0].item()
     # A 2 x 2 mesh, as FSDP2's HSDP makes it: both dimensions by split_group.
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -114,11 +145,11 @@ def _split_as_on_a_gpu_host(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_split_group_and_device_mesh_on_a_bound_default_group() -> None:
-    env = {"XDEV_TIMEOUT": "45"}
-    results = run_ranks(_split_as_on_a_gpu_host, 4, env=env, timeout=120)
+    results = run_ranks(_split_as_on_a_gpu_host, 4, timeout=120)
     for rank, r in enumerate(results):
-        assert r["pair_sum"] == (3.0 if rank < 2 else 7.0), (rank, r)
-        assert r["backend"] == "xdev" and r["timeout_s"] == 45.0, (rank, r)
+        assert r.get("subset_sum", 3.0) == 3.0, (rank, r)
+        assert r["pair_sum"] == r["again_sum"] == (3.0 if rank < 2 else 7.0), (rank, r)
+        assert r["backend"] == "xdev" and r["timeout_s"] == 37.0, (rank, r)
         # Mesh rows are [0, 1] and [2, 3]: replicate joins a column, shard a row.
         assert r["shard"] == (3.0 if rank < 2 else 7.0), (rank, r)
         assert r["replicate"] == (4.0 if rank % 2 == 0 else 6.0), (rank, r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -243,12 +244,17 @@ def store_of_this_backend(store: Any, group_name: str) -> Any:
     return PrefixStore(prefix, store)
 
 
-def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
+def _create_backend(
+    dist_opts: Any, pg_options: Optional[Options], store_is_its_own: bool = False
+) -> Any:
     # One XdevBackend serves every device type of its group: c10d registers it
-    # for "cpu" and "cuda" and calls this creator once.
+    # for "cpu" and "cuda" and calls this creator once. store_is_its_own: no
+    # earlier backend wrote under dist_opts.store (a split's, see split_backend).
     group_id = str(dist_opts.group_id)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    store = store_of_this_backend(dist_opts.store, group_id)
+    store = (
+        dist_opts.store if store_is_its_own else store_of_this_backend(dist_opts.store, group_id)
+    )
     try:
         options = resolve_options(pg_options)
         config = backend_config(options, dist_opts.timeout)
@@ -292,27 +298,33 @@ def _create_backend(dist_opts: Any, pg_options: Optional[Options]) -> Any:
     if note and rank == 0:
         # Once per process and text (Python's warning filter), from the group's first rank.
         warnings.warn(f"xdev: {note}", stacklevel=2)
-    split_key = f"{group_id}#{len(_options_for_splits)}"
-    _options_for_splits[split_key] = pg_options
+    global _groups_made
+    _groups_made += 1
+    split_key = f"{group_id}#{_groups_made}"
+    if pg_options is not None:
+        # Without a timeout of its own: a child takes the split's.
+        _options_for_splits[split_key] = dataclasses.replace(pg_options, timeout=None)
     backend._set_split_key(split_key)
     return backend
 
 
-# The torch_xdev.Options each group was made with, for its split_group children (the
+# The torch_xdev.Options of the groups made with some, for their split_group children (the
 # backend's splitter holds only the key, no Python object: see bindings.cc).
-_options_for_splits: dict[str, Optional[Options]] = {}
+_options_for_splits: dict[str, Options] = {}
+_groups_made = 0
 
 
 def split_backend(
     key: str, store: Any, rank: int, size: int, timeout: timedelta, group_name: str
 ) -> Any:
     """The child group's backend that c10d's ``split_group`` asks of an xdev group: made as
-    ``init_process_group`` makes one, with the parent's ``torch_xdev.Options`` (the ``XDEV_*``
-    variables apply again) and the split's timeout and name."""
+    ``init_process_group`` makes one, with the parent's ``torch_xdev.Options`` but its
+    timeout (the ``XDEV_*`` variables apply again), the split's timeout and group name, on
+    the store the parent gives it (a prefix of its own store, the same on every rank)."""
     dist_opts = SimpleNamespace(
         store=store, group_rank=rank, group_size=size, timeout=timeout, group_id=group_name
     )
-    return _create_backend(dist_opts, _options_for_splits[key])
+    return _create_backend(dist_opts, _options_for_splits.get(key), store_is_its_own=True)
 
 
 # How long the interpreter's exit waits for groups still being destroyed on threads of their own.

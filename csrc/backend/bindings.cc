@@ -264,6 +264,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("worker_has_own_core", &XdevBackend::worker_has_own_core)
       // c10d's split_group deep-copies it for the children (ProcessGroupNCCL and Gloo bind it too).
       .def_property_readonly("options", &XdevBackend::getBackendOptions)
+      // new_group calls it on the ranks outside a new group where the default group is
+      // bound to a device and can split (NCCL's ncclCommSplit needs every rank): xdev's
+      // groups meet on the store, so those ranks have nothing to do.
+      .def(
+          "perform_nocolor_split", [](XdevBackend&, const py::object&) {}, py::arg("device"))
       .def(
           "_set_split_key",
           [](XdevBackend& b, const std::string& key) {

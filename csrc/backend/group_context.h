@@ -80,6 +80,7 @@ class GroupContext {
   int rank() const { return rank_; }
   int size() const { return size_; }
   c10d::Store& store() const { return *store_; }
+  const c10::intrusive_ptr<c10d::Store>& store_ref() const { return store_; }
   const BackendConfig& config() const { return config_; }
   plan::Algorithm requested() const { return requested_; }
   // Which options set by XDEV_* variables this group could not use, and what it uses instead

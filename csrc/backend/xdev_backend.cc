@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -75,17 +76,34 @@ c10::intrusive_ptr<c10d::Backend> XdevBackend::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
   TORCH_CHECK(splitter_ != nullptr, "xdev: this group cannot be split");
+  std::lock_guard<std::mutex> lock(split_mutex_);
+  // Every rank of this group takes part in a split, in it or not, and c10d
+  // hands each device type's backend the same store within one split: the
+  // count of stores seen numbers the splits alike on every rank. (The store
+  // is held, so that its address cannot come back for a later split.) The
+  // child meets its peers under that number on this group's own store: the
+  // store c10d gives is named after the child's group name, which torch
+  // derives from how many groups each rank holds, and that may differ
+  // between ranks (a new_group of a subset counts only on its members).
+  if (store != last_split_store_) {
+    ++splits_made_;
+    last_split_store_ = store;
+    last_split_.reset();
+  }
   const auto me = std::find(ranks.begin(), ranks.end(), rank_);
   if (me == ranks.end()) return {};
-  const std::chrono::milliseconds timeout = opts ? opts->timeout : group_.config().timeout;
-  const std::string name = opts ? opts->group_name : std::string();
-  std::lock_guard<std::mutex> lock(split_mutex_);
-  if (last_split_ && !name.empty() && name == last_split_name_) {
+  if (last_split_) {
+    // The same split asked again for another device type: the child it made.
     if (c10::intrusive_ptr<c10d::Backend> child = last_split_->lock()) return child;
   }
-  c10::intrusive_ptr<c10d::Backend> child = splitter_(
-      store, static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()), timeout, name);
-  last_split_name_ = name;
+  std::string prefix = "xdev/split" + std::to_string(splits_made_) + "/";
+  for (int r : ranks) prefix += std::to_string(r) + ",";
+  const auto child_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/", group_.store_ref());
+  const std::chrono::milliseconds timeout = opts ? opts->timeout : group_.config().timeout;
+  const std::string name = opts ? opts->group_name : std::string();
+  c10::intrusive_ptr<c10d::Backend> child =
+      splitter_(child_store, static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()),
+                timeout, name);
   last_split_.emplace(child);
   return child;
 }

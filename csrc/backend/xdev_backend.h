@@ -87,10 +87,11 @@ class XdevBackend : public c10d::Backend {
   // c10d's split_group, which DeviceMesh calls where init_process_group was
   // given a device_id: a child group of `ranks` (this group's ranks, sorted),
   // or null on a rank outside them. The splitter makes it (torch_xdev's
-  // creator, with this group's torch_xdev.Options): this rank's place among
-  // `ranks`, their count, the split's timeout and group name. c10d of torch
-  // 2.13 and older calls split once per device type, and one XdevBackend
-  // serves both: the second call of a split returns the child the first made.
+  // creator, with this group's torch_xdev.Options) on the store it is given
+  // (this group's, under a prefix of the split): this rank's place among
+  // `ranks`, their count, the split's timeout and group name. c10d may ask
+  // once per device type, and one XdevBackend serves both: a second ask of
+  // the same split (the same store) gets the child the first made.
   using Splitter = std::function<c10::intrusive_ptr<c10d::Backend>(
       const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
       std::chrono::milliseconds timeout, const std::string& group_name)>;
@@ -301,8 +302,9 @@ class XdevBackend : public c10d::Backend {
 
   Splitter splitter_;  // none: this group cannot be split
   std::mutex split_mutex_;
-  std::string last_split_name_;  // the last child made, by its group name
-  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> last_split_;
+  int64_t splits_made_ = 0;                           // the same count on every rank
+  c10::intrusive_ptr<c10d::Store> last_split_store_;  // names the split under way
+  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> last_split_;  // its child here
 
   mutable std::mutex selection_mutex_;
   std::pair<std::string, std::string> last_selection_;
