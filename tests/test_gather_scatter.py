@@ -430,6 +430,13 @@ def _shapes_on_every_path(rank: int, world: int) -> None:
         scalars = torch.zeros(world)
         dist.all_gather_into_tensor(scalars, inputs[rank][0].clone(), group=group)
         assert torch.equal(scalars, gathered[:, 0]), f"{path} all_gather_into_tensor of 0-dim"
+        # Sizes that do not fit (every rank alike): xdev's ValueError on either path, where
+        # Gloo's own check aborted the process.
+        with pytest.raises(ValueError, match="element"):
+            dist.reduce_scatter_tensor(torch.zeros(n), torch.ones(world * n + 1), group=group)
+        with pytest.raises(ValueError, match="element"):
+            dist.all_gather_into_tensor(torch.zeros(world * n + 1), torch.ones(n), group=group)
+        dist.all_reduce(torch.ones(4), group=group)  # still usable
     dist.destroy_process_group()
 
 

@@ -370,18 +370,24 @@ def _refusal_where_auto_changes_path(rank: int, world: int) -> list[tuple[str, i
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
     )
-    extra = int(rank == 0)  # rank 0's full tensor is one element too long: its own mistake
 
-    def reduce_scatter(block: int, extra: int = 0) -> None:
-        dist.reduce_scatter_tensor(torch.empty(block), torch.ones(world * block + extra))
+    # Rank 0 passes a tensor one element too long where `wrong` says: the full tensor, or its
+    # own block (the all-gather's input, the reduce-scatter's output): its own mistake.
+    def reduce_scatter(block: int, wrong: str = "") -> None:
+        extra_full, extra_block = int(wrong == "full"), int(wrong == "block")
+        out = torch.empty(block + extra_block)
+        dist.reduce_scatter_tensor(out, torch.ones(world * block + extra_full))
 
-    def all_gather(block: int, extra: int = 0) -> None:
-        dist.all_gather_into_tensor(torch.empty(world * block + extra), torch.ones(block))
+    def all_gather(block: int, wrong: str = "") -> None:
+        extra_full, extra_block = int(wrong == "full"), int(wrong == "block")
+        dist.all_gather_into_tensor(
+            torch.empty(world * block + extra_full), torch.ones(block + extra_block)
+        )
 
     outcomes = []
     for name, call in (("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
         # Valid calls of 4 KiB to 4 MiB, float32: where auto's path differs from one size class
-        # to the next, a full tensor one element past the smaller class lies in the larger.
+        # to the next, a tensor one element past the smaller class lies in the larger.
         blocks = [(1 << k) // 4 // world for k in range(12, 23)]
         paths = [_path_of(call, b) for b in blocks]
         changes = [i for i in range(len(paths) - 1) if paths[i] != paths[i + 1]]
@@ -389,27 +395,30 @@ def _refusal_where_auto_changes_path(rank: int, world: int) -> list[tuple[str, i
             outcomes.append((name, -1, " ".join(paths)))
             continue
         block = blocks[changes[0]]
-        start = time.monotonic()
-        try:
-            call(block, extra)
-            outcome = "no error"
-        except ValueError as e:
-            outcome = f"ValueError: {e}"
-        except dist.DistBackendError as e:
-            outcome = f"DistBackendError: {e}"
-        assert time.monotonic() - start < TIMEOUT_S / 2, (name, outcome)
-        outcomes.append((name, block, outcome))
-        _assert_sums(1000)  # the calls after it stay paired
+        for wrong in ("full", "block"):
+            start = time.monotonic()
+            try:
+                call(block, wrong if rank == 0 else "")
+                outcome = "no error"
+            except ValueError as e:
+                outcome = f"ValueError: {e}"
+            except dist.DistBackendError as e:
+                outcome = f"DistBackendError: {e}"
+            assert time.monotonic() - start < TIMEOUT_S / 2, (name, wrong, outcome)
+            outcomes.append((f"{name} ({wrong} wrong)", block, outcome))
+            _assert_sums(1000)  # the calls after it stay paired
     dist.destroy_process_group()
     return outcomes
 
 
 def test_a_refusal_near_a_change_of_path_stays_paired() -> None:
-    """A rank's full tensor one element off chooses the path its peers' valid size chooses.
+    """A rank whose full tensor or block is one element off chooses as its peers do.
 
-    Chosen by that tensor's own size, it crossed into the next size class, where auto (default
-    model) hands a reduce-scatter to Gloo: that rank raised in Gloo alone, and its peers' two-level
-    call paired with its next call."""
+    Chosen by the full tensor's size, it crossed into the next size class, where auto (default
+    model) hands a reduce-scatter to Gloo: that rank failed in Gloo alone (Gloo's check aborts
+    the process), and its peers' two-level call paired with its next call. Chosen by its block,
+    a wrong block did the same; where the two sizes choose differently, the native path, whose
+    check refuses the call with the peers, is taken."""
     results = run_ranks(_refusal_where_auto_changes_path, 4, per_rank_env=_hosts_env([2, 2]))
     changed = [(name, block) for name, block, _ in results[0] if block >= 0]
     assert changed, f"auto never changes path from 4 KiB to 4 MiB here: {results[0]}"

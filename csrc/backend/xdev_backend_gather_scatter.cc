@@ -139,13 +139,11 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     }
   }
   // The size the choice follows: world x this rank's blocks, which equals
-  // every rank's full tensors in a valid call. A rank whose full tensor is one
-  // element off (its own mistake) so still chooses as its peers do and
-  // refuses with them; chosen by that tensor, it could cross into a size
-  // class where the model picks the engine, raise there alone, and leave its
-  // peers' call to pair with its next one. Uneven lists have no such size.
+  // every rank's full tensors in a valid call. Uneven lists have no such
+  // size: their full tensors' bytes, alike on every rank of a valid call.
+  const int64_t full_bytes = payload_bytes(full_tensors);
   in.payload_bytes = uneven_list_sizes
-                         ? payload_bytes(full_tensors)
+                         ? full_bytes
                          : bytes_of_a_valid_call(blocks, full_tensors, op != nullptr, size_);
   in.num_tensors = static_cast<int64_t>(full_tensors.size());
   in.single_copy_available = cpu_ != nullptr && cpu_->single_copy_available();
@@ -175,7 +173,19 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     in.host_model = &two_level_->host_model();
     in.network = &two_level_->network();
   }
-  const plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
+  plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
+  if (sel.path == plan::GatherScatterPath::kFallback && in.payload_bytes != full_bytes) {
+    // This rank's call is wrong (its full tensors and its blocks disagree),
+    // and its peers chose by whichever side this rank got right. Where the
+    // two sizes choose differently, the native path: its check refuses the
+    // call with the peers there, where the engine would fail this rank alone
+    // and leave the peers' call to pair with its next one. (If the peers are
+    // in the engine after all, every rank reaches its timeout.)
+    plan::GatherScatterInput by_full = in;
+    by_full.payload_bytes = full_bytes;
+    const plan::GatherScatterSelection other = plan::select_gather_scatter(by_full);
+    if (other.path != plan::GatherScatterPath::kFallback) sel = other;
+  }
   {
     std::lock_guard<std::mutex> lock(selection_mutex_);
     last_gather_scatter_ = {name, plan::to_string(sel.path), sel.reason};
@@ -232,6 +242,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                             const c10d::AllgatherOptions& opts) {
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, {input}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    // Checked here as the native path checks it: Gloo's own check of the
+    // sizes aborts the process.
+    check_pairs("all_gather_into_tensor", {output}, {input}, size_);
     if (!output.is_contiguous()) {
       return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
     }
@@ -411,6 +424,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, {output}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    check_pairs("reduce_scatter_tensor", {input}, {output}, size_);  // Gloo's check aborts
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
