@@ -436,6 +436,12 @@ def _shapes_on_every_path(rank: int, world: int) -> None:
             dist.reduce_scatter_tensor(torch.zeros(n), torch.ones(world * n + 1), group=group)
         with pytest.raises(ValueError, match="element"):
             dist.all_gather_into_tensor(torch.zeros(world * n + 1), torch.ones(n), group=group)
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None
+        with pytest.raises(ValueError, match="element"):
+            pg.reduce_scatter_tensor_coalesced([torch.zeros(n)], [torch.ones(world * n + 1)])
+        with pytest.raises(ValueError, match="element"):  # Gloo read past a short output
+            pg.allgather_into_tensor_coalesced([torch.zeros(world * n - 1)], [torch.ones(n)])
         dist.all_reduce(torch.ones(4), group=group)  # still usable
     dist.destroy_process_group()
 

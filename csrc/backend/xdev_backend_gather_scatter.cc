@@ -176,11 +176,12 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
   if (sel.path == plan::GatherScatterPath::kFallback && in.payload_bytes != full_bytes) {
     // This rank's call is wrong (its full tensors and its blocks disagree),
-    // and its peers chose by whichever side this rank got right. Where the
-    // two sizes choose differently, the native path: its check refuses the
-    // call with the peers there, where the engine would fail this rank alone
-    // and leave the peers' call to pair with its next one. (If the peers are
-    // in the engine after all, every rank reaches its timeout.)
+    // and its peers chose by whichever side this rank got right, which it
+    // cannot tell. Where the two sizes choose differently, the native path:
+    // if the peers are there (its blocks were wrong), its check refuses the
+    // call with them; if they are in the engine (its full tensors were), every
+    // rank fails at the timeout. In the engine this rank would fail alone at
+    // once, and its next call could pair with the peers' pending one.
     plan::GatherScatterInput by_full = in;
     by_full.payload_bytes = full_bytes;
     const plan::GatherScatterSelection other = plan::select_gather_scatter(by_full);
@@ -242,9 +243,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
                                                             const c10d::AllgatherOptions& opts) {
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, {input}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    // Checked here as the native path checks it: Gloo's own check of the
-    // sizes aborts the process.
-    check_pairs("all_gather_into_tensor", {output}, {input}, size_);
+    check_pairs("all_gather_into_tensor", {output}, {input}, size_);  // as the native path
     if (!output.is_contiguous()) {
       return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
     }
@@ -336,6 +335,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("all_gather", all, outputs, inputs, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    // Checked here: Gloo reads each output's blocks without checking their sizes.
+    check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, size_);
     const bool contiguous = std::all_of(outputs.begin(), outputs.end(),
                                         [](const at::Tensor& t) { return t.is_contiguous(); });
     if (!contiguous) {
@@ -460,6 +461,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, outputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, outputs, opts, reduce_scatter_coalesced_op_type(),
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
