@@ -100,13 +100,14 @@ def _check_count(name: str, value: Any) -> None:
 
 
 def _check_optional_count(name: str, value: Any) -> None:
-    if value is not None and isinstance(value, int) and not isinstance(value, bool) and value < 0:
+    if value is None:
+        return
+    _check_int(name, value)
+    if value < 0:  # _check_count's bound, naming how to say "choose"
         raise ValueError(
             f"Options.{name} must be >= 0, or None (XDEV_{name.upper()}=none) to let the"
             f" algorithm choose; got {value}"
         )
-    if value is not None:
-        _check_count(name, value)
 
 
 # Plans, executors and the CPU cost model take time linear in the number of packs (packs from

@@ -97,8 +97,8 @@ c10::intrusive_ptr<c10d::Backend> XdevBackend::split(
     if (c10::intrusive_ptr<c10d::Backend> child = last_split_->lock()) return child;
   }
   std::string prefix = "xdev/split" + std::to_string(splits_made_) + "/";
-  for (int r : ranks) prefix += std::to_string(r) + ",";
-  const auto child_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/", group_.store_ref());
+  for (int r : ranks) prefix += std::to_string(r) + ",";  // PrefixStore adds the "/"
+  const auto child_store = c10::make_intrusive<c10d::PrefixStore>(prefix, group_.store_ref());
   const std::chrono::milliseconds timeout = opts ? opts->timeout : group_.config().timeout;
   const std::string name = opts ? opts->group_name : std::string();
   c10::intrusive_ptr<c10d::Backend> child =
