@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -40,7 +41,7 @@ CudaSymmetricHeap::~CudaSymmetricHeap() {
     }
   }
   for (char* data : own_) cudaFree(data);
-  for (auto& [stream, event] : frees_) cudaEventDestroy(event);
+  pending_frees_.clear([](cudaEvent_t event) { cudaEventDestroy(event); });
   for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
   cudaGetLastError();
   if (previous >= 0) cudaSetDevice(previous);
@@ -67,41 +68,16 @@ int CudaSymmetricHeap::add_arena(size_t at_least) {
   return index;
 }
 
-void CudaSymmetricHeap::wait_for_frees(cudaStream_t stream) {
-  for (auto it = frees_.begin(); it != frees_.end();) {
-    check_cuda(cudaStreamWaitEvent(stream, it->second, 0), "cudaStreamWaitEvent");
-    // Kept until it has passed: a later allocation on another stream may
-    // land on the same freed bytes, and must wait too.
-    if (cudaEventQuery(it->second) == cudaSuccess) {
-      spare_events_.push_back(it->second);
-      it = frees_.erase(it);
-    } else {
-      cudaGetLastError();  // cudaErrorNotReady
-      ++it;
-    }
-  }
-}
-
-void CudaSymmetricHeap::record_free(cudaStream_t stream) {
-  const auto pending = frees_.find(stream);
-  cudaEvent_t event = pending != frees_.end() ? pending->second : nullptr;
-  if (event == nullptr && !spare_events_.empty()) {
+cudaEvent_t CudaSymmetricHeap::take_event() {
+  cudaEvent_t event = nullptr;
+  if (!spare_events_.empty()) {
     event = spare_events_.back();
     spare_events_.pop_back();
-  } else if (event == nullptr &&
-             cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+  } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
     event = nullptr;
   }
-  if (event == nullptr || cudaEventRecord(event, stream) != cudaSuccess) {
-    // No event (CUDA shutting down at exit, or out of resources): wait here
-    // instead, so that no later allocation can reuse memory still in use.
-    cudaStreamSynchronize(stream);
-    cudaGetLastError();
-    if (event != nullptr && pending == frees_.end()) cudaEventDestroy(event);
-    return;
-  }
-  // A later record on the same stream covers the earlier frees too.
-  if (pending == frees_.end()) frees_.emplace(stream, event);
+  return event;
 }
 
 CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t stream) {
@@ -113,11 +89,21 @@ CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t 
     where = placement_.place(need);  // the new arena holds it
   }
   try {
-    if (!frees_.empty()) {
+    if (pending_frees_.size() > 0) {
       CudaDeviceGuard guard(device_);
-      wait_for_frees(stream);
+      pending_frees_.wait_for(
+          {where->arena, where->offset, need},
+          [stream](cudaEvent_t e) {
+            check_cuda(cudaStreamWaitEvent(stream, e, 0), "cudaStreamWaitEvent");
+          },
+          [](cudaEvent_t e) {
+            if (cudaEventQuery(e) == cudaSuccess) return true;
+            cudaGetLastError();  // cudaErrorNotReady
+            return false;
+          },
+          [this](cudaEvent_t e) { spare_events_.push_back(e); });
     }
-    block_stream_[{where->arena, where->offset}] = stream;
+    blocks_[{where->arena, where->offset}] = LiveBlock{need, stream, {}};
   } catch (...) {
     // As if never placed. Peers whose allocation succeeded keep theirs, so
     // this rank's later places may differ from theirs: calls on those
@@ -131,23 +117,53 @@ CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t 
 void CudaSymmetricHeap::free(HeapLocation where) noexcept {
   try {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = block_stream_.find({where.arena, where.offset});
-    if (it == block_stream_.end()) return;
-    const cudaStream_t stream = it->second;
+    const auto it = blocks_.find({where.arena, where.offset});
+    if (it == blocks_.end()) return;
+    const LiveBlock& block = it->second;
+    std::vector<cudaStream_t> streams{block.allocated};
+    if (collective_stream_ != block.allocated) streams.push_back(collective_stream_);
+    streams.insert(streams.end(), block.also_used.begin(), block.also_used.end());
     int previous = -1;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    record_free(stream);
-    if (collective_stream_ != stream) record_free(collective_stream_);
+    std::vector<cudaEvent_t> events;
+    for (cudaStream_t stream : streams) {
+      cudaEvent_t event = take_event();
+      if (event != nullptr && cudaEventRecord(event, stream) == cudaSuccess) {
+        events.push_back(event);
+        continue;
+      }
+      // No event (CUDA shutting down at exit, or out of resources): wait here
+      // instead, so that no later allocation can reuse memory still in use.
+      cudaStreamSynchronize(stream);
+      if (event != nullptr) spare_events_.push_back(event);
+    }
     cudaGetLastError();
     if (previous >= 0) cudaSetDevice(previous);
-    // Only once the events are recorded: a block whose free could not be
-    // noted stays placed, never reused.
-    block_stream_.erase(it);
+    pending_frees_.add({where.arena, where.offset, block.bytes}, std::move(events));
+    // Only once the free is noted: a block whose free could not be noted
+    // stays placed, never reused.
+    blocks_.erase(it);
     placement_.free(where);
   } catch (...) {
     // Out of memory for the bookkeeping: the block is lost to the heap, not reused early.
   }
+}
+
+bool CudaSymmetricHeap::note_use(const void* p, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const HeapLocation at = locate_in_arenas(placement_, own_, p, 1);
+  if (at.arena < 0) return false;
+  auto it = blocks_.upper_bound({at.arena, at.offset});
+  if (it == blocks_.begin()) return true;
+  --it;
+  LiveBlock& block = it->second;
+  const bool inside = it->first.first == at.arena && at.offset < it->first.second + block.bytes;
+  if (!inside || stream == block.allocated || stream == collective_stream_) return true;
+  if (std::find(block.also_used.begin(), block.also_used.end(), stream) == block.also_used.end()) {
+    block.also_used.push_back(stream);
+  }
+  return true;
 }
 
 void CudaSymmetricHeap::close_peers() noexcept {

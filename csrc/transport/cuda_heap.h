@@ -11,12 +11,14 @@
 //
 // Streams follow the caching allocator's rule: a block belongs to the stream
 // current when it was allocated. A freed block is placed again at once (so
-// places stay a function of the calls alone, never of timing), but every
-// later allocation's stream first waits, on the GPU, for the work queued
-// before each free on the freed block's stream and on the group's collective
-// stream, until that work has passed. No host wait. Other streams are the
-// caller's to order: record_stream does nothing for memory the caching
-// allocator does not own.
+// places stay a function of the calls alone, never of timing), but the next
+// allocation that lands on its bytes first makes its stream wait, on the GPU,
+// for the work queued before the free on every stream that used the block:
+// the one it was allocated on, the group's collective stream, and the
+// collective streams of other groups that noted a use (note_use). No host
+// wait, and no wait for frees elsewhere in the heap (heap_pending_frees.h).
+// Other streams are the caller's to order: record_stream does nothing for
+// memory the caching allocator does not own.
 //
 // Torch-free: CUDA runtime only.
 #pragma once
@@ -31,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "heap_pending_frees.h"
 #include "heap_placement.h"
 
 namespace xdev::transport {
@@ -63,6 +66,11 @@ class CudaSymmetricHeap {
   // possibly after CUDA has shut down at exit).
   void free(HeapLocation where) noexcept;
 
+  // Notes that `stream` (another group's collective stream) works on the
+  // block holding p: the block's free then waits for that stream's work too.
+  // Returns whether p lies in this heap. Thread-safe.
+  bool note_use(const void* p, cudaStream_t stream);
+
   // Unmaps every peer's arena (the group is done with them: its last
   // collective has passed its closing barrier). Later arena_of calls reopen.
   void close_peers() noexcept;
@@ -82,10 +90,8 @@ class CudaSymmetricHeap {
 
  private:
   int add_arena(size_t at_least);  // mutex_ held
-  // Makes `stream` wait for every free whose event has not yet passed (and
-  // forgets those that have). mutex_ held.
-  void wait_for_frees(cudaStream_t stream);
-  void record_free(cudaStream_t stream);  // mutex_ held
+  // An event to record, from the spares or new; nullptr when CUDA has none. mutex_ held.
+  cudaEvent_t take_event();
 
   const int rank_;
   const int world_size_;
@@ -95,11 +101,14 @@ class CudaSymmetricHeap {
   Publish publish_;
   mutable std::mutex mutex_;
   HeapPlacement placement_;
-  std::vector<char*> own_;                                        // this rank's arenas (cudaMalloc)
-  std::map<std::pair<int, int64_t>, cudaStream_t> block_stream_;  // live blocks' allocation streams
-  // Per stream, an event recorded after the latest free's use of it: a later
-  // record on the same stream covers the earlier frees too.
-  std::map<cudaStream_t, cudaEvent_t> frees_;
+  std::vector<char*> own_;  // this rank's arenas (cudaMalloc)
+  struct LiveBlock {
+    int64_t bytes = 0;
+    cudaStream_t allocated = nullptr;     // current when it was allocated
+    std::vector<cudaStream_t> also_used;  // other groups' collective streams (note_use)
+  };
+  std::map<std::pair<int, int64_t>, LiveBlock> blocks_;  // by (arena, offset)
+  PendingFrees<cudaEvent_t> pending_frees_;
   std::vector<cudaEvent_t> spare_events_;
   // [rank][arena]: peers' arenas as opened here (IPC); own rank unused.
   std::vector<std::vector<char*>> peers_;

@@ -359,10 +359,10 @@ class CudaCollectivesImpl : public CudaCollectives {
     ready->record(c10::cuda::getCurrentCUDAStream(device));
     for (const at::Tensor& t : used) {
       // The caller may free these once its stream moves on; the allocator must
-      // not hand their memory out before our stream is done with them. The
-      // CUDA heap's tensors are not the allocator's (its cudaMallocAsync
-      // backend refuses them): the heap orders their reuse itself.
-      if (heap_ && heap_->owns_storage(t)) continue;
+      // not hand their memory out before our stream is done with them. A CUDA
+      // heap's tensors, this group's or another's, are not the allocator's:
+      // their heap orders their reuse after our stream's work.
+      if (CudaHeapTensors::note_use(t, stream_->stream())) continue;
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     }
     auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_,

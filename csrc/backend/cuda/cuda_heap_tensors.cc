@@ -3,8 +3,10 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +14,20 @@
 #include "../tensor_helpers.h"
 
 namespace xdev::backend {
+namespace {
+
+// Every CUDA heap of this process, for note_use. Never destroyed: a tensor may
+// outlive static destruction at exit.
+std::mutex& heaps_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::vector<std::weak_ptr<transport::CudaSymmetricHeap>>& live_heaps() {
+  static auto* heaps = new std::vector<std::weak_ptr<transport::CudaSymmetricHeap>>;
+  return *heaps;
+}
+
+}  // namespace
 
 CudaHeapTensors::CudaHeapTensors(GroupContext& group, int device, cudaStream_t collective_stream)
     : g_(group) {
@@ -22,6 +38,12 @@ CudaHeapTensors::CudaHeapTensors(GroupContext& group, int device, cudaStream_t c
       collective_stream, [channel](int arena, const transport::DeviceArenaAddress& address) {
         channel->publish_device_arena(arena, address);
       });
+  std::lock_guard<std::mutex> lock(heaps_mutex());
+  auto& heaps = live_heaps();
+  heaps.erase(
+      std::remove_if(heaps.begin(), heaps.end(), [](const auto& heap) { return heap.expired(); }),
+      heaps.end());
+  heaps.push_back(heap_);
 }
 
 CudaHeapTensors::~CudaHeapTensors() {
@@ -74,9 +96,20 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
           at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
 }
 
-bool CudaHeapTensors::owns_storage(const at::Tensor& t) const {
+bool CudaHeapTensors::note_use(const at::Tensor& t, cudaStream_t stream) {
   const void* data = t.is_cuda() ? t.storage().data_ptr().get() : nullptr;
-  return data != nullptr && heap_->locate(data, 1).arena >= 0;
+  if (data == nullptr) return false;
+  std::vector<std::shared_ptr<transport::CudaSymmetricHeap>> heaps;
+  {
+    std::lock_guard<std::mutex> lock(heaps_mutex());
+    for (const auto& weak : live_heaps()) {
+      if (auto heap = weak.lock()) heaps.push_back(std::move(heap));
+    }
+  }
+  for (const auto& heap : heaps) {
+    if (heap->device() == t.get_device() && heap->note_use(data, stream)) return true;
+  }
+  return false;
 }
 
 transport::HeapLocation CudaHeapTensors::locate(const at::Tensor& t) const {

@@ -33,8 +33,12 @@ class CudaHeapTensors {
   // peers waiting, and collectives on such tensors stage on every rank.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
 
-  // Whether t's storage is a block of this heap (any layout).
-  bool owns_storage(const at::Tensor& t) const;
+  // Whether t's storage is a block of any CUDA heap of this process, whose
+  // free then waits for the work `stream` has queued (a group's collective
+  // stream; a tensor of one group's heap may go to another group's
+  // collective). Such memory is not the caching allocator's: its
+  // recordStream would do nothing, or refuse it (cudaMallocAsync).
+  static bool note_use(const at::Tensor& t, cudaStream_t stream);
 
   // Where a contiguous tensor's bytes lie in this rank's heap (arena -1: not there).
   transport::HeapLocation locate(const at::Tensor& t) const;
