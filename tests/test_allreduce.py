@@ -164,6 +164,24 @@ def _shapes_and_modes(rank: int, world: int) -> None:
         dist.all_reduce_coalesced([overlapping[:n], overlapping[n // 2 :]])
         expected = torch.arange(n + n // 2, dtype=torch.float64) * sum_of_ranks
         assert torch.equal(overlapping, expected), (n, overlapping[:4])
+    # So for AVG and PREMUL_SUM: memory listed twice is divided, or scaled, once. On xdev's
+    # path and on Gloo's, which has neither (xdev sums there, then divides, or scales first).
+    fallback = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="fallback"))
+    for group in (None, fallback):
+        ops = {"AVG": dist.ReduceOp.AVG, "PREMUL_SUM": dist._make_nccl_premul_sum(0.5)}
+        for op_name, op in ops.items():
+
+            def expect(total: torch.Tensor) -> torch.Tensor:
+                return total / world if op_name == "AVG" else total * 0.5
+
+            x = torch.full((9,), float(rank + 1), dtype=torch.float64)
+            dist.all_reduce_coalesced([x, x], op=op, group=group)
+            want = expect(torch.full((9,), sum_of_ranks, dtype=torch.float64))
+            assert torch.equal(x, want), (op_name, group, x)
+            overlapping = torch.arange(15, dtype=torch.float64) * (rank + 1)
+            dist.all_reduce_coalesced([overlapping[:9], overlapping[5:]], op=op, group=group)
+            want = expect(torch.arange(15, dtype=torch.float64) * sum_of_ranks)
+            assert torch.equal(overlapping, want), (op_name, group, overlapping)
     # Broadcast (native) of several dtypes, from every root.
     for root in range(world):
         for dtype in (torch.float32, torch.int64, torch.bool, torch.complex64):

@@ -102,32 +102,40 @@ at::Tensor contiguous_bytes(const at::Tensor& t) {
   return t.as_strided({t.numel()}, {1}).view(at::kByte);
 }
 
-std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) flat.push_back(t.contiguous());
-  if (flat.size() < 2) return flat;  // nothing to overlap (the common call)
-  // The byte ranges of the tensors used where they lie, by start.
+std::vector<bool> spans_meet_another(const std::vector<at::Tensor>& tensors) {
+  std::vector<bool> meets(tensors.size(), false);
+  if (tensors.size() < 2) return meets;  // nothing to overlap (the common call)
+  // Each strided tensor's bytes from its first element to its last, by start.
   struct Span {
     uintptr_t begin, end;
     size_t index;
   };
   std::vector<Span> spans;
-  for (size_t i = 0; i < flat.size(); ++i) {
-    if (!flat[i].is_same(tensors[i]) || flat[i].nbytes() == 0) continue;
-    const auto begin = reinterpret_cast<uintptr_t>(flat[i].data_ptr());
-    spans.push_back({begin, begin + flat[i].nbytes(), i});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.layout() != at::kStrided || t.numel() == 0) continue;
+    int64_t last = 0;  // torch's strides are never negative
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), i});
   }
   std::sort(spans.begin(), spans.end(),
             [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  std::vector<bool> overlaps(flat.size(), false);
   for (size_t a = 0; a < spans.size(); ++a) {
     for (size_t b = a + 1; b < spans.size() && spans[b].begin < spans[a].end; ++b) {
-      overlaps[spans[a].index] = overlaps[spans[b].index] = true;
+      meets[spans[a].index] = meets[spans[b].index] = true;
     }
   }
-  for (size_t i = 0; i < flat.size(); ++i) {
-    if (overlaps[i]) flat[i] = tensors[i].clone(at::MemoryFormat::Contiguous);
+  return meets;
+}
+
+std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors) {
+  const std::vector<bool> meets = spans_meet_another(tensors);
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    flat.push_back(meets[i] ? tensors[i].clone(at::MemoryFormat::Contiguous)
+                            : tensors[i].contiguous());
   }
   return flat;
 }
@@ -221,9 +229,23 @@ void premultiply_(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& 
   // Every tensor is checked before any is scaled: a refused call leaves them all as they were.
   std::vector<PremulFactor> factors;
   for (const at::Tensor& t : tensors) factors.push_back(premul_factor(t, op));
+  const auto product = [&](size_t i) {
+    return factors[i].tensor.defined() ? tensors[i].mul(factors[i].tensor)
+                                       : tensors[i].mul(factors[i].value);
+  };
+  // Memory listed twice (the same tensor twice in a coalesced call, or
+  // overlapping views) is scaled once: those tensors' products are all taken
+  // before any is written back.
+  const std::vector<bool> meets = spans_meet_another(tensors);
+  std::vector<at::Tensor> products(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (meets[i] && !factors[i].is_one()) products[i] = product(i);
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (factors[i].is_one()) continue;
-    if (factors[i].tensor.defined()) {
+    if (meets[i]) {
+      tensors[i].copy_(products[i]);
+    } else if (factors[i].tensor.defined()) {
       tensors[i].mul_(factors[i].tensor);
     } else {
       tensors[i].mul_(factors[i].value);

@@ -50,6 +50,11 @@ at::Tensor contiguous_bytes(const at::Tensor& t);
 // a coalesced call) gets a copy as well; copy_back then writes the results in
 // list order, the last winning where they overlap, as Gloo's copies do.
 std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& tensors);
+// Per tensor of the list, whether its bytes (from its first element to its
+// last) meet another's. Views that interleave without sharing an element
+// count as meeting: the answer may be yes where no byte is shared, never no
+// where one is.
+std::vector<bool> spans_meet_another(const std::vector<at::Tensor>& tensors);
 // One-dimensional views of contiguous tensors (what is written through them lands in the
 // tensors), and one-dimensional forms of any tensors (copies where a view cannot be had):
 // what Gloo is handed, so that it accepts every shape whose element counts fit, as xdev's
