@@ -9,6 +9,7 @@ import signal
 import stat
 import threading
 import time
+import weakref
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +70,17 @@ def _peer_arriving_after_the_timeout(rank: int, world: int) -> list[str]:
         messages.append(str(info.value))
         if rank != world - 1:
             store.set(f"{name}: timed out on {rank}", "1")
+    # The group is unusable now on every rank, for xdev's own paths; calls it hands to Gloo
+    # whole go on as on Gloo, whether Gloo gets the tensor (contiguous) or xdev copies the
+    # result back (transposed): the same rule for both.
+    want = torch.full((4, 2), 0xFF ^ ((1 << world) - 1), dtype=torch.int32)
+    for layout in ("contiguous", "transposed"):
+        mine = torch.full((4, 2), 0xFF ^ (1 << rank), dtype=torch.int32)
+        t = mine if layout == "contiguous" else mine.t().contiguous().t()
+        dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group)
+        assert torch.equal(t, want), (layout, t)
+    with pytest.raises(dist.DistBackendError, match="unusable"):
+        dist.all_reduce(torch.ones(5), group=group)
     return messages
 
 
@@ -391,6 +403,65 @@ def _last_reference_dropped_in_a_callback(rank: int, world: int, algorithm: str)
     assert torch_xdev._C.wait_for_detached_teardowns(timedelta(seconds=30))
     assert torch_xdev._C.detached_teardowns()[1] == 0
     return t.tolist()
+
+
+def _calls_after_destroy(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    assert group is not None
+    dist.all_reduce(torch.ones(4))
+    dist.destroy_process_group()
+    # The handle outlives the group: its calls raise (they used to crash a world of one).
+    calls = {
+        "allreduce": lambda: group.allreduce([torch.ones(4)]),
+        "barrier": lambda: group.barrier(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="destroyed"):
+            call().wait()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_calls_on_a_destroyed_group_raise(world: int) -> None:
+    run_ranks(_calls_after_destroy, world)
+
+
+def _eventually(done: Any, what: str, seconds: float = 10.0) -> None:
+    """Waits, backing off, for something another thread finishes (an engine's worker)."""
+    deadline = time.monotonic() + seconds
+    delay = 1e-4
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
+def _engine_calls_let_go(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    fallback = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="fallback"))
+    calls = {
+        "all_to_all_single": lambda t: dist.all_to_all_single(torch.empty_like(t), t),
+        "all_reduce BAND": lambda t: dist.all_reduce(t, op=dist.ReduceOp.BAND),
+        "all_reduce on a fallback group": lambda t: dist.all_reduce(t, group=fallback),
+        "async all_reduce on a fallback group": lambda t: dist.all_reduce(
+            t, group=fallback, async_op=True
+        ).wait(),
+    }
+    for name, call in calls.items():
+        for i in range(3):
+            t = torch.full((world * 1024,), rank + 1, dtype=torch.int32)
+            alive = weakref.ref(t)  # alive while anything, Python or C++, holds the tensor
+            call(t)
+            del t
+            # xdev remembers each call Gloo runs until it is done (its barrier waits for them),
+            # and used to hold the Work, and so its tensors, until the next barrier or the 64th
+            # such call. Gloo's own worker lets go a moment after the call completes.
+            _eventually(lambda: alive() is None, f"{name} #{i} still holds its tensor")
+    dist.destroy_process_group()
+
+
+def test_calls_handed_to_gloo_hold_no_tensor_once_done() -> None:
+    run_ranks(_engine_calls_let_go, 2)
 
 
 @pytest.mark.parametrize("algorithm", ["fallback", "flat"])

@@ -13,7 +13,7 @@ namespace xdev::backend {
 namespace {
 
 // The FallbackEngines whose engine runs this thread (a Gloo worker), as an
-// identity only: set by mark_engine_thread's callbacks, null elsewhere.
+// identity only: set by the callbacks track() adds, null elsewhere.
 thread_local const void* t_engine_thread_of = nullptr;
 
 template <typename Pred>
@@ -112,21 +112,23 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   c10d::Backend* engine = for_tensors(tensors);
   c10d::AllreduceOptions o = opts;
   if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  const int64_t divisor = avg_as_sum_then_divide ? group.size() : 0;
   const auto run = [&](std::vector<at::Tensor>& some) {
-    return on_contiguous(group, some, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
-                         [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
-                           if (!coalesced) return engine->allreduce(ts, o);
-                           c10d::AllreduceCoalescedOptions co;
-                           co.reduceOp = o.reduceOp;
-                           co.timeout = o.timeout;
-                           return engine->allreduce_coalesced(ts, co);
-                         });
+    return on_contiguous(
+        group, some, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
+        [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
+          if (!coalesced) return engine->allreduce(ts, o);
+          c10d::AllreduceCoalescedOptions co;
+          co.reduceOp = o.reduceOp;
+          co.timeout = o.timeout;
+          return engine->allreduce_coalesced(ts, co);
+        },
+        divisor);
   };
   // Gloo's coalesced allreduce takes one dtype (NCCL's any), where the native
   // path takes several: one call per dtype, in the order they first appear.
   std::vector<plan::DtypeGroup> by_dtype;
   if (coalesced && engine == gloo_.get()) by_dtype = group_by_scalar_type(tensors);
-  c10::intrusive_ptr<c10d::Work> work;
   if (by_dtype.size() > 1) {
     const auto run_group = [&](const plan::DtypeGroup& g) {
       std::vector<at::Tensor> some;
@@ -135,15 +137,12 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
     };
     std::vector<c10::intrusive_ptr<c10d::Work>> earlier;
     for (size_t i = 0; i + 1 < by_dtype.size(); ++i) earlier.push_back(run_group(by_dtype[i]));
-    work = then(group, run_group(by_dtype.back()), tensors, c10d::OpType::ALLREDUCE,
+    return then(group, run_group(by_dtype.back()), tensors, c10d::OpType::ALLREDUCE,
                 "xdev:all_reduce", "coalesced allreduce of several dtypes", [earlier] {
                   for (const auto& w : earlier) w->wait();
                 });
-  } else {
-    work = run(tensors);
   }
-  if (!avg_as_sum_then_divide) return work;
-  return divide_after(group, work, tensors, c10d::OpType::ALLREDUCE, "xdev:all_reduce");
+  return run(tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
@@ -182,20 +181,26 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
   return padded(call.gathered, call.input, std::move(call.finish));
 }
 
-c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(GroupContext& group,
-                                                              std::vector<at::Tensor>& tensors,
-                                                              c10d::OpType type,
-                                                              const char* profiling_name,
-                                                              const TensorsCall& call) {
+c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
+    GroupContext& group, std::vector<at::Tensor>& tensors, c10d::OpType type,
+    const char* profiling_name, const TensorsCall& call, int64_t avg_divisor) {
   // Sparse tensors (DDP's sparse gradients) are the engine's own business.
-  const bool all_contiguous = std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-    return t.layout() != at::kStrided || t.is_contiguous();
-  });
-  if (all_contiguous) return track(call(tensors));
+  const bool strided = std::all_of(tensors.begin(), tensors.end(),
+                                   [](const at::Tensor& t) { return t.layout() == at::kStrided; });
+  if (!strided) return track(call(tensors));
   std::vector<at::Tensor> flat = contiguous(tensors);
-  c10::intrusive_ptr<c10d::Work> work = track(call(flat));
-  return then(group, work, tensors, type, profiling_name, "collective",
-              [flat, tensors] { copy_back(flat, tensors); });
+  bool as_given = true;
+  for (size_t i = 0; i < tensors.size(); ++i) as_given = as_given && flat[i].is_same(tensors[i]);
+  c10::intrusive_ptr<c10d::Work> work = track(call(as_given ? tensors : flat));
+  if (as_given && avg_divisor == 0) return work;
+  const char* what = avg_divisor > 0 ? "SUM before the AVG's division" : "collective";
+  return then(group, work, tensors, type, profiling_name, what,
+              [flat, tensors, as_given, avg_divisor] {
+                if (avg_divisor > 0) {
+                  for (const at::Tensor& t : flat) divide_for_avg(t, avg_divisor);
+                }
+                if (!as_given) copy_back(flat, tensors);
+              });
 }
 
 bool FallbackEngines::integer_avg_without_engine(const c10d::ReduceOp& op,
@@ -214,12 +219,11 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce(GroupContext& group,
   const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, tensors);
   c10d::ReduceOptions o = opts;
   if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  c10::intrusive_ptr<c10d::Work> work =
-      on_contiguous(group, tensors, c10d::OpType::REDUCE, "xdev:reduce",
-                    [engine, &o](std::vector<at::Tensor>& ts) { return engine->reduce(ts, o); });
   // Only the root's tensors hold the sum (the others', as the engine left them).
-  if (!integer_avg || group.rank() != opts.rootRank) return work;
-  return divide_after(group, work, tensors, c10d::OpType::REDUCE, "xdev:reduce");
+  const int64_t divisor = integer_avg && group.rank() == opts.rootRank ? group.size() : 0;
+  return on_contiguous(
+      group, tensors, c10d::OpType::REDUCE, "xdev:reduce",
+      [engine, &o](std::vector<at::Tensor>& ts) { return engine->reduce(ts, o); }, divisor);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
@@ -231,23 +235,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
   if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
   std::vector<at::Tensor> targets = outputs;
-  c10::intrusive_ptr<c10d::Work> work = on_contiguous(
+  return on_contiguous(
       group, targets, type, "xdev:reduce_scatter",
-      [engine, &o, &call](std::vector<at::Tensor>& outs) { return call(*engine, o, outs); });
-  if (!integer_avg) return work;
-  return divide_after(group, work, outputs, type, "xdev:reduce_scatter");
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::divide_after(GroupContext& group,
-                                                             c10::intrusive_ptr<c10d::Work> sum,
-                                                             const std::vector<at::Tensor>& outputs,
-                                                             c10d::OpType type,
-                                                             const char* profiling_name) {
-  const int world = group.size();
-  return then(group, std::move(sum), outputs, type, profiling_name, "SUM before the AVG's division",
-              [outputs, world] {
-                for (const at::Tensor& t : outputs) divide_for_avg(t, world);
-              });
+      [engine, &o, &call](std::vector<at::Tensor>& outs) { return call(*engine, o, outs); },
+      integer_avg ? group.size() : 0);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
@@ -281,8 +272,10 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
     wait_and_finish();
     return work;
   }
-  // On the worker thread, so the returned Work completes only once `finish` is done.
-  return group.enqueue(type, profiling_name, outputs, wait_and_finish, /*async_op=*/true);
+  // On the worker thread, so the returned Work completes only once `finish` is
+  // done; also in a group made unusable, which the engine's call never uses.
+  return group.enqueue(type, profiling_name, outputs, wait_and_finish, /*async_op=*/true,
+                       /*runs_when_unusable=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::Work> work) {
@@ -290,62 +283,78 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
   // wait for. And asking the tracked ones whether they are done queries CUDA
   // events, which a capture forbids.
   if (capturing()) return work;
-  mark_engine_thread(work);
-  std::lock_guard<std::mutex> lock(in_flight_mutex_);
-  // Forget the finished ones now and then, so the list stays short.
-  if (in_flight_.size() >= 64) {
-    std::vector<c10::weak_intrusive_ptr<c10d::Work>> live;
-    for (const auto& weak : in_flight_) {
-      const c10::intrusive_ptr<c10d::Work> w = weak.lock();
-      if (w && !w->isCompleted()) live.push_back(weak);
-    }
-    in_flight_ = std::move(live);
-  }
-  in_flight_.emplace_back(work);
-  return work;
-}
-
-void FallbackEngines::mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
     future = work->getFuture();
   } catch (const std::exception&) {
-    return;  // a Work without a future runs no callbacks
+    // A Work without a future (Gloo's send and recv) runs no callbacks.
   }
-  if (!future) return;
-  // Added before the caller sees the Work, so it runs before any of the
-  // caller's callbacks, on the thread that completes the Work; a Work already
-  // complete runs it here at once, which marks nothing.
-  const void* engines = this;
-  const std::thread::id issuer = std::this_thread::get_id();
-  // uses_future false: the callback reads nothing of the result, so a CUDA
-  // future needs no stream synchronized for it.
-  future->addCallback(
-      [engines, issuer](c10::ivalue::Future&) {
-        if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
-      },
-      /*uses_future=*/false);
+  WorkInFlight tracked;
+  if (future) {
+    tracked.flag = std::make_shared<DoneFlag>();
+    // Added before the caller sees the Work, so it runs before any of the
+    // caller's callbacks, on the thread that completes the Work: it marks
+    // that thread as this group's engine's (see shutdown()). A Work already
+    // complete runs it here at once, which marks nothing.
+    const void* engines = this;
+    const std::thread::id issuer = std::this_thread::get_id();
+    // uses_future false: the callback reads nothing of the result, so a CUDA
+    // future needs no stream synchronized for it.
+    future->addCallback(
+        [engines, issuer, flag = tracked.flag](c10::ivalue::Future&) {
+          if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
+          {
+            std::lock_guard<std::mutex> lock(flag->mutex);
+            flag->done = true;
+          }
+          flag->changed.notify_all();
+        },
+        /*uses_future=*/false);
+  } else {
+    tracked.no_future = work;
+  }
+  std::lock_guard<std::mutex> lock(in_flight_mutex_);
+  in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
+                                  [](const WorkInFlight& w) { return w.finished(); }),
+                   in_flight_.end());
+  in_flight_.push_back(std::move(tracked));
+  return work;
 }
 
-FallbackEngines::WorkInFlight FallbackEngines::take_work_in_flight() {
-  WorkInFlight works;
+bool FallbackEngines::WorkInFlight::finished() const {
+  if (flag) {
+    std::lock_guard<std::mutex> lock(flag->mutex);
+    return flag->done;
+  }
+  const c10::intrusive_ptr<c10d::Work> w = no_future ? no_future->lock() : nullptr;
+  return !w || w->isCompleted();
+}
+
+std::vector<FallbackEngines::WorkInFlight> FallbackEngines::take_work_in_flight() {
+  std::vector<WorkInFlight> works;
   std::lock_guard<std::mutex> lock(in_flight_mutex_);
   works.swap(in_flight_);
   return works;
 }
 
-void FallbackEngines::wait_for(const WorkInFlight& works, transport::Clock::time_point deadline) {
-  for (const auto& weak : works) {
-    const c10::intrusive_ptr<c10d::Work> w = weak.lock();
-    if (!w) continue;
-    const auto left =
-        std::chrono::ceil<std::chrono::milliseconds>(deadline - transport::Clock::now());
+void FallbackEngines::wait_for(const std::vector<WorkInFlight>& works,
+                               transport::Clock::time_point deadline) {
+  for (const WorkInFlight& tracked : works) {
     bool finished = true;
-    try {
-      w->wait(std::max(left, std::chrono::milliseconds(1)));
-    } catch (const std::exception&) {
-      // Its own error reaches its own caller; a wait that timed out leaves it unfinished.
-      finished = w->isCompleted();
+    if (tracked.flag) {
+      std::unique_lock<std::mutex> lock(tracked.flag->mutex);
+      finished = tracked.flag->changed.wait_until(lock, deadline,
+                                                  [&tracked] { return tracked.flag->done; });
+    } else if (const c10::intrusive_ptr<c10d::Work> w =
+                   tracked.no_future ? tracked.no_future->lock() : nullptr) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - transport::Clock::now());
+      try {
+        w->wait(std::max(left, std::chrono::milliseconds(1)));
+      } catch (const std::exception&) {
+        // Its own error reaches its own caller; a wait that timed out leaves it unfinished.
+        finished = w->isCompleted();
+      }
     }
     if (!finished) {
       throw CallError(
@@ -370,8 +379,11 @@ void FallbackEngines::shutdown() {
     });
     return;
   }
-  gloo_.reset();
-  nccl_.reset();
+  // Moved out first: while an engine's destructor drains its queue, a callback
+  // there that calls this group again must find no engine, not the dying one.
+  c10::intrusive_ptr<c10d::Backend> gloo = std::move(gloo_), nccl = std::move(nccl_);
+  gloo.reset();
+  nccl.reset();
 }
 
 }  // namespace xdev::backend

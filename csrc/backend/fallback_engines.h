@@ -7,8 +7,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,43 +90,56 @@ class FallbackEngines {
   // `call` (an engine's collective over these tensors, which it writes) on
   // contiguous tensors: Gloo's allreduce, reduce, broadcast and reduce-scatter
   // read and write a non-contiguous tensor as if it were contiguous, corrupting
-  // the elements around it, and NCCL refuses one. Non-contiguous tensors are
-  // replaced by contiguous copies for the engine, and the results are copied
-  // back once it is done (the returned Work covers the copy).
+  // the elements around it, and NCCL refuses one. Non-contiguous tensors, and
+  // tensors that share bytes with another of the list, are replaced by
+  // contiguous copies (contiguous()) for the engine, and the results are
+  // copied back once it is done (the returned Work covers the copy). With
+  // `avg_divisor` > 0 (an AVG run as the engine's SUM) each result is divided
+  // by it first, once: memory listed twice is not divided twice.
   using TensorsCall =
       std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>& tensors)>;
   c10::intrusive_ptr<c10d::Work> on_contiguous(GroupContext& group,
                                                std::vector<at::Tensor>& tensors, c10d::OpType type,
-                                               const char* profiling_name, const TensorsCall& call);
+                                               const char* profiling_name, const TensorsCall& call,
+                                               int64_t avg_divisor = 0);
 
   // Remembers a Work handed to an engine until it is done, and returns it.
   // xdev's barrier waits for them, as Gloo's own barrier waits for its work in
-  // progress.
-  // It also marks the engine's thread that completes it (mark_engine_thread).
+  // progress. It also marks the engine's thread that completes it (see
+  // shutdown()).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // One tracked Work: whether it is done, learnt from its future's callback,
+  // without holding it. (A weak reference to a Work keeps the object, and so
+  // its tensors, until the reference goes: a large all-to-all's buffers would
+  // outlive the caller's last use.) A Work without a future is held weakly.
+  struct DoneFlag {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;
+  };
+  struct WorkInFlight {
+    std::shared_ptr<DoneFlag> flag;                                // null: a Work without a future
+    std::optional<c10::weak_intrusive_ptr<c10d::Work>> no_future;  // only then
+    bool finished() const;
+  };
   // The tracked Works, taken when a barrier is called: it waits for these
   // only, not for work handed to the engines after it (which may need a peer
   // that is itself in the barrier).
-  using WorkInFlight = std::vector<c10::weak_intrusive_ptr<c10d::Work>>;
-  WorkInFlight take_work_in_flight();
-  // Waits for those still alive, until `deadline`. Their errors are not
+  std::vector<WorkInFlight> take_work_in_flight();
+  // Waits for those not yet done, until `deadline`. Their errors are not
   // raised here (each reaches its own caller through its Work); one still
   // running at the deadline fails the barrier (CallError) instead of holding
   // it for good: a callback of its future may itself wait for a collective
   // queued behind the barrier.
-  static void wait_for(const WorkInFlight& works, transport::Clock::time_point deadline);
+  static void wait_for(const std::vector<WorkInFlight>& works,
+                       transport::Clock::time_point deadline);
 
   // Shuts the engines down and drops them (without the GIL: their destructors
-  // join threads). On an engine's own thread (see mark_engine_thread) they
+  // join threads). On an engine's own thread (marked by track()) they
   // are dropped on a thread of their own, which this call does not wait for.
   void shutdown();
 
  private:
-  // Adds a first callback to the future of `work` (an engine's, about to
-  // reach the caller) that marks the thread completing it as one of the
-  // engines': callbacks run there, and one of them may drop the group's last
-  // reference, whose shutdown() must not then join that thread.
-  void mark_engine_thread(const c10::intrusive_ptr<c10d::Work>& work);
   // Throws where the current stream of `device` is capturing a CUDA graph:
   // for a call that would go to Gloo.
   void refuse_gloo_during_capture(int device) const;
@@ -134,12 +150,6 @@ class FallbackEngines {
   // floating point and cannot write the quotient into integer tensors).
   bool integer_avg_without_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,
                                   const std::vector<at::Tensor>& tensors) const;
-  // Completes `sum` (an engine's SUM into outputs), then divides outputs by
-  // the group's size; the returned Work covers the division.
-  c10::intrusive_ptr<c10d::Work> divide_after(GroupContext& group,
-                                              c10::intrusive_ptr<c10d::Work> sum,
-                                              const std::vector<at::Tensor>& outputs,
-                                              c10d::OpType type, const char* profiling_name);
   // Completes `work` (an engine's, named `what` in errors), then runs
   // `finish`; the returned Work covers both. A failure of either fails this
   // call alone (CallError), not the group's native path: on CPU tensors on
@@ -153,8 +163,7 @@ class FallbackEngines {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   std::mutex in_flight_mutex_;
-  // Weak: a Work its engine and caller have both dropped is done.
-  std::vector<c10::weak_intrusive_ptr<c10d::Work>> in_flight_;
+  std::vector<WorkInFlight> in_flight_;
   CudaCollectives* cuda_;
   std::string cpu_name_;
 };

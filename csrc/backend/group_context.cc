@@ -409,17 +409,22 @@ transport::OpContext GroupContext::make_context(const transport::OpDescriptor& d
 
 c10::intrusive_ptr<c10d::Work> GroupContext::enqueue(c10d::OpType type, const char* title,
                                                      std::vector<at::Tensor> outputs,
-                                                     std::function<void()> fn, bool async_op) {
+                                                     std::function<void()> fn, bool async_op,
+                                                     bool runs_when_unusable) {
   auto work = c10::make_intrusive<XdevWork>(rank_, type, title, std::move(outputs));
-  enqueue_work(work, std::move(fn), async_op);
+  enqueue_work(work, std::move(fn), async_op, runs_when_unusable);
   return work;
 }
 
 void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
-                                bool async_op) {
+                                bool async_op, bool runs_when_unusable) {
   // Inside one of this group's tasks (a Work's callback): the queue lives
-  // until that task ends, and this thread may hold queue_mutex_ already.
-  const bool nested = WorkQueue::running_on_this_thread() == queue_address_;
+  // until that task ends, and this thread may hold queue_mutex_ already. (A
+  // thread running no queue reads null, as does a stopped group's address:
+  // that is no task of ours.)
+  WorkQueue* const running_here = queue_address_.load();
+  const bool nested =
+      running_here != nullptr && WorkQueue::running_on_this_thread() == running_here;
   std::unique_lock<std::mutex> lock(queue_mutex_, std::defer_lock);
   // Where a collective issued from this Work's own callbacks will run.
   const uint64_t place = nested ? XdevWork::callbacks_place_here() : WorkQueue::kEverything;
@@ -444,7 +449,7 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
   // reference it is here: a const member cannot be moved out below, and a
   // copy left in the lambda would outlive the waiters' release.
   auto task = [this, work = c10::intrusive_ptr<XdevWork>(work), fn = std::move(fn), async_op,
-               owner = std::move(owner)]() mutable {
+               runs_when_unusable, owner = std::move(owner)]() mutable {
     const c10::intrusive_ptr<c10d::Backend> held = std::move(owner);  // destroyed last
     auto done = c10::make_scope_exit([this, async_op] {
       if (!async_op) --callers_waiting_;
@@ -465,13 +470,12 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
                                                 : spin_while_caller_runs_);
       }
     }
-    if (!poisoned_.empty()) {
-      this_work->fail(as_dist_error("xdev: this group is unusable after an earlier failure (" +
-                                    poisoned_ + "); destroy it and create a new one"));
-      return;
-    }
     std::exception_ptr error;  // the body's failure, as the Work reports it
     try {
+      if (!poisoned_.empty() && !runs_when_unusable) {
+        throw CallError("xdev: this group is unusable after an earlier failure (" + poisoned_ +
+                        "); destroy it and create a new one");
+      }
       // The body writes the caller's tensors with ATen ops (a staged result
       // copied back, a division), where the engines write raw memory.
       // Autograd refuses those on a view of a leaf that requires grad, and
@@ -507,7 +511,7 @@ void GroupContext::enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::f
     }
   };
   if (nested) {
-    queue_address_.load()->run_nested(std::move(task), place);
+    running_here->run_nested(std::move(task), place);
   } else if (async_op) {
     queue_->submit(std::move(task));
   } else {

@@ -151,10 +151,13 @@ class GroupContext {
   // Runs fn after every earlier collective of this group and completes the
   // returned Work with its outcome: on the worker thread, or inline when the
   // caller waits anyway (async_op false) and nothing is queued. Errors become
-  // DistBackendError; a peer failure poisons the group.
+  // DistBackendError; a peer failure poisons the group. Once it is poisoned,
+  // fn fails at once without running, unless `runs_when_unusable` (a task
+  // that only finishes an engine's call, and so never uses the channel: such
+  // calls go on as they do where the engine finishes them itself).
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
                                          std::vector<at::Tensor> outputs, std::function<void()> fn,
-                                         bool async_op);
+                                         bool async_op, bool runs_when_unusable = false);
   // Runs `check` (this rank's own checks of its arguments). When it throws,
   // this rank still meets its peers at the collective's descriptor check
   // (single-host groups) before the error goes up: a refused call takes its
@@ -177,7 +180,7 @@ class GroupContext {
                   bool refused = false);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
-                    bool async_op);
+                    bool async_op, bool runs_when_unusable = false);
   // The backend that owns this context, set at the end of its constructor
   // (a task enqueued before then holds no reference: nothing owns the backend
   // yet). Every task enqueued after holds one while it runs (enqueue_work).
