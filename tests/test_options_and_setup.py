@@ -83,6 +83,10 @@ def _engine_calls_under_never(rank: int, world: int, through_options: bool) -> l
     dist.all_reduce(t)  # Gloo's allreduce: its deadline overflowed at 100000 days, and it hung
     bits = torch.full((8,), rank + 1, dtype=torch.int32)
     dist.all_reduce(bits, op=dist.ReduceOp.BOR)  # Gloo's, whatever the algorithm
+    if through_options:  # (XDEV_TIMEOUT would take the group's place)
+        # The other end: a group timeout of zero fails every wait at once (Gloo's connect first).
+        with pytest.raises(ValueError, match="group's timeout .* at least 1 ms"):
+            dist.new_group(backend="xdev", timeout=timedelta(0))
     dist.destroy_process_group()
     return [t[0].item(), float(bits[0].item())]
 

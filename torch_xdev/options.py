@@ -164,6 +164,11 @@ def _packs_to_config(value: Optional[int], group_timeout: timedelta) -> int:
 def _timeout_to_config(value: Optional[Union[timedelta, float]], group_timeout: timedelta) -> Any:
     if value is None:  # the group's, init_process_group's timeout=, bounded alike
         value = group_timeout
+        if not _seconds(value) >= _MIN_TIMEOUT_S:  # NaN too
+            raise ValueError(
+                f"xdev: the group's timeout (timeout= of init_process_group or new_group) must "
+                f"be at least 1 ms; got {value!r}"
+            )
     return timedelta(seconds=min(_seconds(value), _MAX_TIMEOUT_S))
 
 
