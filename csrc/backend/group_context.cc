@@ -265,8 +265,16 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
       failure = std::current_exception();
     }
   }
-  const int64_t failed = count_failures_across_ranks(*store_, prefix + "attached/",
-                                                     failure != nullptr, ranks, config_.timeout);
+  int64_t failed = 0;
+  try {
+    failed = count_failures_across_ranks(*store_, prefix + "attached/", failure != nullptr, ranks,
+                                         config_.timeout);
+  } catch (...) {
+    // A rank is gone or stuck (the wait timed out): if it was the creator, its
+    // segment's name is still linked, and its crash unlinks nothing.
+    transport::ShmSegment::remove_orphans();
+    throw;
+  }
   if (rank == 0) channel.unlink_name();  // every rank that could has mapped it
   if (failure) std::rethrow_exception(failure);
   if (failed > 0) {

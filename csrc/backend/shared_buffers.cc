@@ -261,13 +261,25 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     my_failure = std::current_exception();
     my_reason = e.what();
   }
+  // A peer that dies between creating its segment and unlinking its name
+  // (once every rank has mapped it) leaves the name linked: when a wait for
+  // the peers fails, the survivors remove the segments of exited creators.
+  const auto waiting_for_peers = [](auto&& wait) {
+    try {
+      return wait();
+    } catch (...) {
+      transport::ShmSegment::remove_orphans();
+      throw;
+    }
+  };
   c10d::Store& store = group_.store();
   const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
   store.set(prefix + std::to_string(rank),
             my_failure ? "!" + my_reason : mine.name() + " " + asked_for);
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
-  store.wait(keys, timeout);  // a rank that never calls it: the group's timeout
+  // A rank that never calls it: the group's timeout.
+  waiting_for_peers([&] { store.wait(keys, timeout); });
   std::vector<std::string> names(static_cast<size_t>(size));
   std::string asked;
   std::string failed;
@@ -311,8 +323,10 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     open_failure = e.what();
   }
   // Every rank has opened its peers' segments (or failed to) before any name goes.
-  const int64_t failures =
-      count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size, timeout);
+  const int64_t failures = waiting_for_peers([&] {
+    return count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size,
+                                       timeout);
+  });
   mine.unlink();
   if (!open_failure.empty()) throw std::runtime_error(open_failure);
   if (failures > 0) {
