@@ -7,6 +7,8 @@ import re
 import resource
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -119,6 +121,52 @@ def test_killed_rank_is_reported_and_leaves_no_segment(call: str) -> None:
     assert re.fullmatch(r"/xdev-\d+-\d+-[0-9a-f]{32}", name), name
     # The name was unlinked once every rank had mapped it: nothing can leak.
     assert not os.path.exists("/dev/shm" + name)
+
+
+# Kills the process argv[1] as soon as it has a segment of its own in /dev/shm.
+_KILL_ONCE_IT_HAS_A_SEGMENT = """
+import os, signal, sys, time
+pid = int(sys.argv[1])
+print("watching", flush=True)
+deadline = time.monotonic() + 60
+while not any(n.startswith(f"xdev-{pid}-") for n in os.listdir("/dev/shm")):
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(1e-4)
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+def _killed_inside_shared_empty(rank: int, world: int) -> list[str]:
+    dist.init_process_group(
+        "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=TIMEOUT_S)
+    )
+    store = dist.distributed_c10d._get_default_store()
+    victim = world - 1
+    numel = 16 << 20  # 64 MB: reserving it takes the victim long enough to be caught at it
+    if rank == victim:
+        store.set("victim pid", str(os.getpid()))
+        store.wait(["watching"])
+        torch_xdev.shared_empty(numel)  # killed inside, once its part exists
+        return []
+    pid = int(store.get("victim pid"))
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _KILL_ONCE_IT_HAS_A_SEGMENT, str(pid)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert watcher.stdout is not None and watcher.stdout.readline() == "watching\n"
+    store.set("watching", "1")
+    with pytest.raises(RuntimeError):
+        torch_xdev.shared_empty(numel)
+    assert watcher.wait(timeout=60) == 0
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"xdev-{pid}-")]
+
+
+def test_a_rank_killed_inside_shared_empty_leaves_no_segment() -> None:
+    # Its part is linked until every rank has mapped it: the survivors remove it.
+    for left in run_ranks(_killed_inside_shared_empty, 2, timeout=120, expect_dead=(1,))[:1]:
+        assert left == [], left
 
 
 def _mismatch(rank: int, world: int) -> None:
@@ -424,6 +472,62 @@ def _calls_after_destroy(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_calls_on_a_destroyed_group_raise(world: int) -> None:
     run_ranks(_calls_after_destroy, world)
+
+
+def _calls_while_destroyed(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    seen = []
+    # Calls from another thread while this one destroys the group: each runs or raises that
+    # the group is destroyed, never uses a part the destroy has freed (they crashed or
+    # corrupted the heap about one time in two).
+    for i in range(10):
+        group = dist.new_group(backend="xdev")
+        dist.all_reduce(torch.ones(4), group=group)
+        errors: set[str] = set()
+
+        def call_until_refused() -> None:
+            while True:
+                try:
+                    dist.all_reduce(torch.ones(4), group=group, async_op=True)
+                except RuntimeError as e:
+                    errors.add(str(e))
+                    return
+
+        caller = threading.Thread(target=call_until_refused)
+        caller.start()
+        dist.destroy_process_group(group)
+        caller.join()
+        assert errors and all("destroyed" in e for e in errors), errors
+    # A callback that Gloo runs while the destroy drains it calls the group again: it must
+    # find the group destroyed, not wait on the dying engine. (On rank 1, whose destroy may
+    # come after the callback, the call fails as rank 0 has left.)
+    group = dist.new_group(backend="xdev")
+    if rank == 1:
+        store.wait(["destroying"])  # rank 0's destroy waits for this all-to-all
+    out = torch.empty(world)
+    work = dist.all_to_all_single(out, torch.ones(world), group=group, async_op=True)
+    assert work is not None
+
+    def call_again(_: Any) -> None:
+        try:
+            group.allreduce([torch.ones(2)]).wait()
+            seen.append("ran")
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    done = work.get_future().then(call_again)
+    if rank == 0:
+        store.set("destroying", "1")
+    dist.destroy_process_group(group)
+    done.wait()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_calls_racing_a_destroy_run_or_raise() -> None:
+    for seen in run_ranks(_calls_while_destroyed, 2, timeout=120):
+        assert len(seen) == 1 and re.search("destroyed|rank 0 .* has left the group", seen[0]), seen
 
 
 def _eventually(done: Any, what: str, seconds: float = 10.0) -> None:

@@ -75,6 +75,7 @@ c10::intrusive_ptr<c10d::Backend::Options> XdevBackend::getBackendOptions() {
 c10::intrusive_ptr<c10d::Backend> XdevBackend::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  const CallGate::Entry entry = gate_.enter();
   TORCH_CHECK(splitter_ != nullptr, "xdev: this group cannot be split");
   std::lock_guard<std::mutex> lock(split_mutex_);
   // Every rank of this group takes part in a split, in it or not, and c10d
@@ -118,7 +119,13 @@ void XdevBackend::shut_down(bool last_reference) {
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
   if (!group_.stop_queue(last_reference)) return;  // already shut down
-  if (cuda_) cuda_->shutdown();                    // its last barrier still needs the channel
+  // Calls from here on raise. Those already in (another thread's, which found
+  // the queue open) leave soon: an enqueue now throws, and a call handed to an
+  // engine is handed on at once. Only then do the parts they use go. (A
+  // callback an engine runs while draining in its destructor finds the gate
+  // closed rather than the engine going.)
+  gate_.close();
+  if (cuda_) cuda_->shutdown();  // its last barrier still needs the channel
   cpu_.reset();
   two_level_gather_scatter_.reset();  // runs the reduce-scatter's leader form on two_level_
   two_level_.reset();
@@ -350,6 +357,7 @@ bool XdevBackend::supportsTensorAlloc(c10::DeviceIndex device) {
 }
 
 at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
+  const CallGate::Entry entry = gate_.enter();
   const bool cuda = options.has_device() && options.device().is_cuda();
   TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu() || cuda,
                     "xdev allocateTensor: only CPU and CUDA tensors; got ", options.device());
@@ -407,6 +415,7 @@ void XdevBackend::check_native_call(Collective collective, const char* name, boo
 }
 
 void XdevBackend::prepare_cuda_graph_capture(int device) {
+  const CallGate::Entry entry = gate_.enter();
   TORCH_CHECK_VALUE(cuda_ != nullptr, "xdev: this build of torch_xdev has no CUDA path");
   cuda_->ensure_ready(device);
   fallbacks_.open_cuda_engine(device);
@@ -414,16 +423,19 @@ void XdevBackend::prepare_cuda_graph_capture(int device) {
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return dispatch_allreduce(tensors, opts, false);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return dispatch_allreduce(tensors, opts, true);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
   const auto record = [this](const char* path, std::string reason) {
     std::lock_guard<std::mutex> lock(selection_mutex_);
@@ -487,6 +499,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
   // On the group's queue, so behind this rank's native collectives. Before
   // its barrier it waits for the work this rank handed to the engines before
@@ -527,6 +540,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 }
 
 void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
   fallbacks_.cpu()->monitoredBarrier(opts, wait_all_ranks);
 }

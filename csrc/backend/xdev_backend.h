@@ -32,6 +32,7 @@
 
 #include "../plan/selection.h"
 #include "backend_config.h"
+#include "call_gate.h"
 #include "cpu_collectives.h"
 #include "cpu_gather_scatter.h"
 #include "cuda_collectives.h"
@@ -175,6 +176,7 @@ class XdevBackend : public c10d::Backend {
 
   // torch_xdev.shared_empty (SharedBuffers::empty).
   at::Tensor shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+    const CallGate::Entry entry = gate_.enter();
     return shared_.empty(sizes, dtype);
   }
   int64_t live_shared_buffers() const { return shared_.live(); }
@@ -281,7 +283,10 @@ class XdevBackend : public c10d::Backend {
     return fallbacks_.for_tensor(tensor);
   }
 
-  GroupContext group_;                   // first member: everything below uses it
+  GroupContext group_;  // first member: everything below uses it
+  // Every entry point enters it: shut_down destroys the parts below only once
+  // the calls on other threads that use them have left.
+  CallGate gate_;
   std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
   std::unique_ptr<CpuGatherScatter> gather_scatter_;
   std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA

@@ -203,6 +203,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   if (premultiplies_here(opts.reduceOp, tensors)) {
     refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
     // The root's tensor receives the result, so it is scaled in place; the
@@ -221,6 +222,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   const ListCall call = list_call(inputs, outputs);
   const auto sel = select_gather_scatter("all_gather", call.all, call.full, inputs, nullptr,
                                          call.uneven, outputs.size() == 1);
@@ -241,6 +243,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, {input}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     check_pairs("all_gather_into_tensor", {output}, {input}, size_);  // as the native path
@@ -266,6 +269,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   // outputs[r][i] receives rank r's inputs[i]. Checked as Gloo checks it, so a
   // wrong call is a ValueError on the rank that made it; on the native path
   // that rank still meets its peers, which fail at this same call.
@@ -331,6 +335,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   const auto sel = select_gather_scatter("all_gather", all, outputs, inputs, nullptr);
@@ -363,18 +368,21 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.track(delegate(inputs)->gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.track(delegate(outputs)->scatter(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   if (premultiplies_here(opts.reduceOp, outputs)) {
     std::vector<at::Tensor> all_inputs;
     for (const std::vector<at::Tensor>& list : inputs) {
@@ -417,6 +425,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   if (premultiplies_here(opts.reduceOp, {output})) {
     refuse_premul_with_peers({input}, opts.reduceOp, opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
@@ -452,6 +461,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   if (premultiplies_here(opts.reduceOp, outputs)) {
     refuse_premul_with_peers(inputs, opts.reduceOp, opts.timeout);
     std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
@@ -490,6 +500,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& output_split_sizes,
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.track(
       delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }
@@ -497,21 +508,25 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.track(delegate(inputs)->alltoall(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                  int tag) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.for_point_to_point(tensors)->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                  int tag) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.for_point_to_point(tensors)->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                           int tag) {
+  const CallGate::Entry entry = gate_.enter();
   return fallbacks_.for_point_to_point(tensors)->recvAnysource(tensors, tag);
 }
 
