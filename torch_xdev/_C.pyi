@@ -87,8 +87,8 @@ class XdevBackend(Backend):
     @property
     def options(self) -> Any: ...
     # Lets c10d's split_group split the group: its children are made by
-    # torch_xdev._registration.split_backend with the options kept under `key`.
-    def _set_split_key(self, key: str) -> None: ...
+    # torch_xdev._registration.split_backend with these options (JSON; "" for none).
+    def _set_split_options(self, options_json: str) -> None: ...
 
 # c10d's Backend options of an xdev group (a subclass of c10d's, which its stub does not name).
 class XdevBackendOptions:

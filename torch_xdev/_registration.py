@@ -298,24 +298,17 @@ def _create_backend(
     if note and rank == 0:
         # Once per process and text (Python's warning filter), from the group's first rank.
         warnings.warn(f"xdev: {note}", stacklevel=2)
-    global _groups_made
-    _groups_made += 1
-    split_key = f"{group_id}#{_groups_made}"
+    # For split_group's children, as text: the backend holds no Python object (see bindings.cc).
+    # Without a timeout of their own: a child takes the split's.
+    options_json = ""
     if pg_options is not None:
-        # Without a timeout of its own: a child takes the split's.
-        _options_for_splits[split_key] = dataclasses.replace(pg_options, timeout=None)
-    backend._set_split_key(split_key)
+        options_json = json.dumps(dataclasses.asdict(dataclasses.replace(pg_options, timeout=None)))
+    backend._set_split_options(options_json)
     return backend
 
 
-# The torch_xdev.Options of the groups made with some, for their split_group children (the
-# backend's splitter holds only the key, no Python object: see bindings.cc).
-_options_for_splits: dict[str, Options] = {}
-_groups_made = 0
-
-
 def split_backend(
-    key: str, store: Any, rank: int, size: int, timeout: timedelta, group_name: str
+    options_json: str, store: Any, rank: int, size: int, timeout: timedelta, group_name: str
 ) -> Any:
     """The child group's backend that c10d's ``split_group`` asks of an xdev group: made as
     ``init_process_group`` makes one, with the parent's ``torch_xdev.Options`` but its
@@ -324,7 +317,8 @@ def split_backend(
     dist_opts = SimpleNamespace(
         store=store, group_rank=rank, group_size=size, timeout=timeout, group_id=group_name
     )
-    return _create_backend(dist_opts, _options_for_splits.get(key), store_is_its_own=True)
+    options = Options(**json.loads(options_json)) if options_json else None
+    return _create_backend(dist_opts, options, store_is_its_own=True)
 
 
 # How long the interpreter's exit waits for groups still being destroyed on threads of their own.

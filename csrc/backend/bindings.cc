@@ -270,23 +270,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "perform_nocolor_split", [](XdevBackend&, const py::object&) {}, py::arg("device"))
       .def(
-          "_set_split_key",
-          [](XdevBackend& b, const std::string& key) {
+          "_set_split_options",
+          [](XdevBackend& b, const std::string& options_json) {
             // The splitter holds no Python object (the group may go on a
             // thread that must not take the GIL): it looks the creator up,
-            // and the creator finds this group's options under `key`.
-            b.set_splitter([key](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                 std::chrono::milliseconds timeout, const std::string& group_name) {
+            // and hands it this group's options as text ("" for none).
+            b.set_splitter([options_json](const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                          int size, std::chrono::milliseconds timeout,
+                                          const std::string& group_name) {
               py::gil_scoped_acquire gil;
               py::object child =
                   py::module_::import("torch_xdev._registration")
-                      .attr("split_backend")(key, store, rank, size, timeout, group_name);
+                      .attr("split_backend")(options_json, store, rank, size, timeout, group_name);
               auto* raw = child.cast<c10d::Backend*>();
               TORCH_CHECK(raw != nullptr, "xdev split: the creator returned None");
               return c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
             });
           },
-          py::arg("key"));
+          py::arg("options_json"));
 
   // What Backend.options gives for an xdev group; c10d's split_group deep-copies it.
   py::class_<xdev::backend::XdevBackendOptions, c10d::Backend::Options,
