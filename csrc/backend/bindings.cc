@@ -114,6 +114,7 @@ py::dict plan_by_size(const XdevBackend& b, bool cuda) {
 }
 
 py::dict describe(const XdevBackend& b) {
+  const CallGate::Entry entry = b.enter_to_describe();
   const BackendConfig& c = b.config();
   py::dict d;
   d["backend"] = "xdev";

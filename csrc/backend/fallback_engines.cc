@@ -187,7 +187,14 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
   // Sparse tensors (DDP's sparse gradients) are the engine's own business.
   const bool strided = std::all_of(tensors.begin(), tensors.end(),
                                    [](const at::Tensor& t) { return t.layout() == at::kStrided; });
-  if (!strided) return track(call(tensors));
+  if (!strided) {
+    c10::intrusive_ptr<c10d::Work> work = track(call(tensors));
+    if (avg_divisor == 0) return work;
+    return then(group, work, tensors, type, profiling_name, "SUM before the AVG's division",
+                [tensors, avg_divisor] {
+                  for (const at::Tensor& t : tensors) divide_for_avg(t, avg_divisor);
+                });
+  }
   std::vector<at::Tensor> flat = contiguous(tensors);
   bool as_given = true;
   for (size_t i = 0; i < tensors.size(); ++i) as_given = as_given && flat[i].is_same(tensors[i]);
@@ -290,8 +297,15 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
     // A Work without a future (Gloo's send and recv) runs no callbacks.
   }
   WorkInFlight tracked;
-  if (future) {
+  // A CPU future completes once the engine's call has: the flag says when. A
+  // CUDA future (NCCL's) completes when the kernels are queued, not run: the
+  // barrier waits on that Work itself, held weakly, as on one without a future.
+  if (future && future->devices().empty()) {
     tracked.flag = std::make_shared<DoneFlag>();
+  } else {
+    tracked.weakly = work;
+  }
+  if (future) {
     // Added before the caller sees the Work, so it runs before any of the
     // caller's callbacks, on the thread that completes the Work: it marks
     // that thread as this group's engine's (see shutdown()). A Work already
@@ -303,6 +317,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
     future->addCallback(
         [engines, issuer, flag = tracked.flag](c10::ivalue::Future&) {
           if (std::this_thread::get_id() != issuer) t_engine_thread_of = engines;
+          if (!flag) return;
           {
             std::lock_guard<std::mutex> lock(flag->mutex);
             flag->done = true;
@@ -310,8 +325,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::track(c10::intrusive_ptr<c10d::W
           flag->changed.notify_all();
         },
         /*uses_future=*/false);
-  } else {
-    tracked.no_future = work;
   }
   std::lock_guard<std::mutex> lock(in_flight_mutex_);
   in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
@@ -326,7 +339,7 @@ bool FallbackEngines::WorkInFlight::finished() const {
     std::lock_guard<std::mutex> lock(flag->mutex);
     return flag->done;
   }
-  const c10::intrusive_ptr<c10d::Work> w = no_future ? no_future->lock() : nullptr;
+  const c10::intrusive_ptr<c10d::Work> w = weakly ? weakly->lock() : nullptr;
   return !w || w->isCompleted();
 }
 
@@ -346,7 +359,7 @@ void FallbackEngines::wait_for(const std::vector<WorkInFlight>& works,
       finished = tracked.flag->changed.wait_until(lock, deadline,
                                                   [&tracked] { return tracked.flag->done; });
     } else if (const c10::intrusive_ptr<c10d::Work> w =
-                   tracked.no_future ? tracked.no_future->lock() : nullptr) {
+                   tracked.weakly ? tracked.weakly->lock() : nullptr) {
       const auto left =
           std::chrono::ceil<std::chrono::milliseconds>(deadline - transport::Clock::now());
       try {

@@ -111,15 +111,16 @@ class FallbackEngines {
   // One tracked Work: whether it is done, learnt from its future's callback,
   // without holding it. (A weak reference to a Work keeps the object, and so
   // its tensors, until the reference goes: a large all-to-all's buffers would
-  // outlive the caller's last use.) A Work without a future is held weakly.
+  // outlive the caller's last use.) A Work without a future, or with a CUDA
+  // one (done once queued), is held weakly and waited on itself.
   struct DoneFlag {
     std::mutex mutex;
     std::condition_variable changed;
     bool done = false;
   };
   struct WorkInFlight {
-    std::shared_ptr<DoneFlag> flag;                                // null: a Work without a future
-    std::optional<c10::weak_intrusive_ptr<c10d::Work>> no_future;  // only then
+    std::shared_ptr<DoneFlag> flag;                             // a CPU future's
+    std::optional<c10::weak_intrusive_ptr<c10d::Work>> weakly;  // otherwise
     bool finished() const;
   };
   // The tracked Works, taken when a barrier is called: it waits for these

@@ -76,6 +76,14 @@ void check_same_settings(int size, SettingsOf settings_of) {
 
 }  // namespace
 
+void remove_orphans_after_a_failed_wait() noexcept {
+  try {
+    transport::ShmSegment::remove_orphans();
+  } catch (...) {
+    // The wait's own error is the one to report.
+  }
+}
+
 void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
                    std::chrono::milliseconds timeout) {
   if (store.add(prefix + "arrived", 1) == world_size) store.set(prefix + "all", "1");
@@ -252,7 +260,13 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
     }
     store_->set(prefix + "name", name);
   } else {
-    const std::string name = store_->get_to_str(prefix + "name");
+    std::string name;
+    try {
+      name = store_->get_to_str(prefix + "name");
+    } catch (...) {
+      remove_orphans_after_a_failed_wait();  // rank 0 may have died with its segment linked
+      throw;
+    }
     if (!name.empty() && name[0] == kFailed) {
       throw std::runtime_error(
           "xdev: the first rank of this host could not create the shared memory its ranks "
@@ -272,7 +286,7 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
   } catch (...) {
     // A rank is gone or stuck (the wait timed out): if it was the creator, its
     // segment's name is still linked, and its crash unlinks nothing.
-    transport::ShmSegment::remove_orphans();
+    remove_orphans_after_a_failed_wait();
     throw;
   }
   if (rank == 0) channel.unlink_name();  // every rank that could has mapped it

@@ -53,6 +53,11 @@ constexpr int64_t kFailedBeforePeers = -3;
 
 // Returns once all world_size ranks have called it with this key prefix (once
 // each); a rank missing at the timeout (the group's) raises the store's error.
+// Removes the segments of exited creators (ShmSegment::remove_orphans) where
+// a wait for peers failed: a peer that died between creating a segment and
+// unlinking its name leaves it linked. Never throws: the wait's error is the
+// one to report.
+void remove_orphans_after_a_failed_wait() noexcept;
 void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
                    std::chrono::milliseconds timeout);
 

@@ -268,7 +268,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     try {
       return wait();
     } catch (...) {
-      transport::ShmSegment::remove_orphans();
+      remove_orphans_after_a_failed_wait();
       throw;
     }
   };

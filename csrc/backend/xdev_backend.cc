@@ -119,11 +119,13 @@ void XdevBackend::shut_down(bool last_reference) {
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
   if (!group_.stop_queue(last_reference)) return;  // already shut down
-  // Calls from here on raise. Those already in (another thread's, which found
-  // the queue open) leave soon: an enqueue now throws, and a call handed to an
-  // engine is handed on at once. Only then do the parts they use go. (A
-  // callback an engine runs while draining in its destructor finds the gate
-  // closed rather than the engine going.)
+  // Calls from here on raise. Those already in (another thread's) leave
+  // before the parts they use go: most at once (an enqueue now throws, and a
+  // call handed to an engine is handed on at once), a few after waiting for
+  // their peers (split, shared_empty, monitored_barrier, the first CUDA call's
+  // rendezvous), within their timeout. (A callback an engine runs while
+  // draining in its destructor finds the gate closed rather than the engine
+  // going.)
   gate_.close();
   if (cuda_) cuda_->shutdown();  // its last barrier still needs the channel
   cpu_.reset();

@@ -181,7 +181,9 @@ class XdevBackend : public c10d::Backend {
   }
   int64_t live_shared_buffers() const { return shared_.live(); }
 
-  // Introspection for torch_xdev.describe().
+  // Introspection for torch_xdev.describe(), which holds this while it reads
+  // the parts below (throws once the group is destroyed).
+  [[nodiscard]] CallGate::Entry enter_to_describe() const { return gate_.enter(); }
   const BackendConfig& config() const { return group_.config(); }
   int num_hosts() const { return group_.num_hosts(); }
   const std::string& options_note() const { return group_.options_note(); }
@@ -284,9 +286,9 @@ class XdevBackend : public c10d::Backend {
   }
 
   GroupContext group_;  // first member: everything below uses it
-  // Every entry point enters it: shut_down destroys the parts below only once
-  // the calls on other threads that use them have left.
-  CallGate gate_;
+  // Every entry point enters it, describe() too: shut_down destroys the parts
+  // below only once the calls on other threads that use them have left.
+  mutable CallGate gate_;
   std::unique_ptr<CpuCollectives> cpu_;  // null without shared memory
   std::unique_ptr<CpuGatherScatter> gather_scatter_;
   std::unique_ptr<CudaCollectives> cuda_;  // null without CUDA

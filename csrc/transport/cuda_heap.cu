@@ -89,7 +89,7 @@ CudaSymmetricHeap::Block CudaSymmetricHeap::allocate(size_t bytes, cudaStream_t 
     where = placement_.place(need);  // the new arena holds it
   }
   try {
-    if (pending_frees_.size() > 0) {
+    if (!pending_frees_.empty()) {
       CudaDeviceGuard guard(device_);
       pending_frees_.wait_for(
           {where->arena, where->offset, need},

@@ -15,7 +15,8 @@
 // allocation that lands on its bytes first makes its stream wait, on the GPU,
 // for the work queued before the free on every stream that used the block:
 // the one it was allocated on, the group's collective stream, and the
-// collective streams of other groups that noted a use (note_use). No host
+// collective streams of other groups' xdev collectives that noted a use
+// (note_use; NCCL's calls note none). No host
 // wait, and no wait for frees elsewhere in the heap (heap_pending_frees.h).
 // Other streams are the caller's to order: record_stream does nothing for
 // memory the caching allocator does not own.
@@ -58,7 +59,7 @@ class CudaSymmetricHeap {
     HeapLocation where;
   };
   // A block of `bytes` for work on `stream` (which first waits for the work
-  // that used blocks freed before). Throws std::invalid_argument for a block
+  // that used the freed blocks it overlaps). Throws std::invalid_argument for a block
   // too large, std::runtime_error (CudaError from CUDA) when no arena can be
   // had. Thread-safe.
   Block allocate(size_t bytes, cudaStream_t stream);

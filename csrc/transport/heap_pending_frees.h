@@ -50,18 +50,29 @@ class PendingFrees {
       if (!f.range.overlaps(range)) continue;
       for (const Event& e : f.events) wait(e);
     }
+    // The passed frees' events are released once the list is whole again: a
+    // release that throws (out of memory) then loses events, never leaves one
+    // both released and still pending.
+    // Each free judged once: an event may pass while this runs.
+    std::vector<bool> gone(pending_.size());
+    std::vector<Event> passed_events;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      const std::vector<Event>& events = pending_[i].events;
+      gone[i] = std::all_of(events.begin(), events.end(), passed);
+      if (gone[i]) passed_events.insert(passed_events.end(), events.begin(), events.end());
+    }
+    if (passed_events.empty()) return;
     size_t kept = 0;
     for (size_t i = 0; i < pending_.size(); ++i) {
-      Free& f = pending_[i];
-      if (std::all_of(f.events.begin(), f.events.end(), passed)) {
-        for (const Event& e : f.events) release(e);
-        continue;
-      }
-      if (kept != i) pending_[kept] = std::move(f);
+      if (gone[i]) continue;
+      if (kept != i) pending_[kept] = std::move(pending_[i]);
       ++kept;
     }
     pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(kept), pending_.end());
+    for (const Event& e : passed_events) release(e);
   }
+
+  bool empty() const { return pending_.empty(); }
 
   // Hands every event to release(e) and forgets every free (the heap is going).
   template <typename Release>
