@@ -357,12 +357,13 @@ class CudaCollectivesImpl : public CudaCollectives {
     c10::cuda::CUDAGuard device_guard(device);
     auto ready = std::make_shared<StreamEvent>();
     ready->record(c10::cuda::getCurrentCUDAStream(device));
+    // The caller may free these once its stream moves on; the allocator must
+    // not hand their memory out before our stream is done with them. A CUDA
+    // heap's tensors, this group's or another's, are not the allocator's:
+    // their heap orders their reuse after our stream's work.
+    const CudaHeapTensors::Heaps heaps = CudaHeapTensors::heaps_on(device);
     for (const at::Tensor& t : used) {
-      // The caller may free these once its stream moves on; the allocator must
-      // not hand their memory out before our stream is done with them. A CUDA
-      // heap's tensors, this group's or another's, are not the allocator's:
-      // their heap orders their reuse after our stream's work.
-      if (CudaHeapTensors::note_use(t, stream_->stream())) continue;
+      if (CudaHeapTensors::note_use(heaps, t, stream_->stream())) continue;
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *stream_);
     }
     auto work = c10::make_intrusive<CudaWork>(g_.rank(), type, title, std::move(outputs), *stream_,

@@ -16,7 +16,7 @@
 namespace xdev::backend {
 namespace {
 
-// Every CUDA heap of this process, for note_use. Never destroyed: a tensor may
+// Every CUDA heap of this process, for heaps_on. Never destroyed: a tensor may
 // outlive static destruction at exit.
 std::mutex& heaps_mutex() {
   static auto* mutex = new std::mutex;
@@ -96,16 +96,19 @@ at::Tensor CudaHeapTensors::allocate(int64_t numel, at::ScalarType dtype) {
           at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
 }
 
-bool CudaHeapTensors::note_use(const at::Tensor& t, cudaStream_t stream) {
+CudaHeapTensors::Heaps CudaHeapTensors::heaps_on(int device) {
+  Heaps heaps;
+  std::lock_guard<std::mutex> lock(heaps_mutex());
+  for (const auto& weak : live_heaps()) {
+    auto heap = weak.lock();
+    if (heap && heap->device() == device) heaps.push_back(std::move(heap));
+  }
+  return heaps;
+}
+
+bool CudaHeapTensors::note_use(const Heaps& heaps, const at::Tensor& t, cudaStream_t stream) {
   const void* data = t.is_cuda() ? t.storage().data_ptr().get() : nullptr;
   if (data == nullptr) return false;
-  std::vector<std::shared_ptr<transport::CudaSymmetricHeap>> heaps;
-  {
-    std::lock_guard<std::mutex> lock(heaps_mutex());
-    for (const auto& weak : live_heaps()) {
-      if (auto heap = weak.lock()) heaps.push_back(std::move(heap));
-    }
-  }
   for (const auto& heap : heaps) {
     if (heap->device() == t.get_device() && heap->note_use(data, stream)) return true;
   }

@@ -33,12 +33,18 @@ class CudaHeapTensors {
   // peers waiting, and collectives on such tensors stage on every rank.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
 
-  // Whether t's storage is a block of any CUDA heap of this process, whose
-  // free then waits for the work `stream` has queued (a group's collective
-  // stream; a tensor of one group's heap may go to another group's
-  // collective). Such memory is not the caching allocator's: its
-  // recordStream would do nothing, or refuse it (cudaMallocAsync).
-  static bool note_use(const at::Tensor& t, cudaStream_t stream);
+  using Heaps = std::vector<std::shared_ptr<transport::CudaSymmetricHeap>>;
+
+  // Every CUDA heap of this process on `device`, this group's or another's (a
+  // tensor of one group's heap may go to another group's collective): taken
+  // once per call, for note_use on each of its tensors.
+  static Heaps heaps_on(int device);
+
+  // Whether t's storage is a block of one of `heaps`, whose free then waits
+  // for the work `stream` has queued (a group's collective stream). Such
+  // memory is not the caching allocator's: its recordStream would do nothing,
+  // or refuse it (cudaMallocAsync).
+  static bool note_use(const Heaps& heaps, const at::Tensor& t, cudaStream_t stream);
 
   // Where a contiguous tensor's bytes lie in this rank's heap (arena -1: not there).
   transport::HeapLocation locate(const at::Tensor& t) const;
