@@ -90,6 +90,30 @@ def test_a_peer_arriving_after_the_timeout_fails_the_call_too() -> None:
         assert f"timed out in {call}" in m and "before this rank arrived" in m, m
 
 
+def _rank_that_never_creates_the_group(rank: int, world: int) -> str:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == world - 1:  # alive, but never makes the group
+        store.wait(["peers failed"], timedelta(seconds=120))
+        dist.barrier()
+        return ""
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError) as info:
+        dist.new_group(backend="xdev", pg_options=torch_xdev.Options(timeout=TIMEOUT_S))
+    assert time.monotonic() - start < TIMEOUT_S + 10  # the group's timeout, not the store's
+    if store.add("failed", 1) == world - 1:
+        store.set("peers failed", "1")
+    dist.barrier()
+    return str(info.value)
+
+
+def test_a_rank_that_never_creates_the_group_is_named() -> None:
+    messages = run_ranks(_rank_that_never_creates_the_group, 3, timeout=120)
+    for message in messages[:2]:
+        assert "creating the group timed out" in message, message
+        assert "waiting for rank(s) 2:" in message, message
+
+
 def _dead_peer(rank: int, world: int, victim: int, call: str) -> dict[str, Any]:
     dist.init_process_group(
         "xdev", rank=rank, world_size=world, pg_options=torch_xdev.Options(timeout=600.0)

@@ -183,15 +183,39 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
 _VERDICT_READ_TIMEOUT = timedelta(seconds=30)
 
 
-def _agree_on_setup(store: Any, rank: int, size: int, error: Optional[BaseException]) -> None:
+def _wait_for_ranks(store: Any, keys: list[str], timeout: timedelta, what: str) -> None:
+    """Waits for every rank's key (keys[rank]). At the timeout raises DistStoreError naming the
+    ranks whose keys are missing: the store's own message lists keys, not processes."""
+    try:
+        store.wait(keys, timeout)
+    except dist.DistStoreError as error:
+        try:
+            missing = [str(peer) for peer, key in enumerate(keys) if not store.check([key])]
+        except dist.DistError:
+            raise error from None  # the store itself is gone: its error says so
+        if not missing:
+            raise  # all arrived just after the timeout
+        raise dist.DistStoreError(
+            f"xdev: {what} timed out after {timeout.total_seconds():g} s waiting for rank(s) "
+            f"{', '.join(missing)}: each exited, is stuck, or is not creating this group "
+            f"({error})"
+        ) from None
+
+
+def _agree_on_setup(
+    store: Any, rank: int, size: int, timeout: timedelta, error: Optional[BaseException]
+) -> None:
     """Every rank says whether its own setup (options, environment, model files) failed, and
     learns whether a peer's did, before anything waits for peers: a rank that refused its
     settings would otherwise leave the others waiting for it until the group's timeout.
-    Raises on a rank whose peer failed; the failing rank raises its own error after."""
+    Raises on a rank whose peer failed; the failing rank raises its own error after. A rank
+    that never comes gives a DistStoreError naming it at the group's timeout."""
     verdict = "ok" if error is None else f"failed: {type(error).__name__}: {error}"
     store.set(f"xdev/setup/{rank}", verdict)
-    # One round trip for all the verdicts (it waits for every key), not one per peer.
-    verdicts = store.multi_get([f"xdev/setup/{peer}" for peer in range(size)])
+    keys = [f"xdev/setup/{peer}" for peer in range(size)]
+    _wait_for_ranks(store, keys, timeout, "creating the group")
+    # One round trip for all the verdicts, not one per peer.
+    verdicts = store.multi_get(keys)
     failed = [
         f"rank {peer} {reason.decode()}"
         for peer, reason in enumerate(verdicts)
@@ -270,9 +294,10 @@ def _create_backend(
         if topo_file:
             apply_topology_file(config, topo_file)
     except Exception as error:
-        _agree_on_setup(store, rank, size, error)
+        # The group's own timeout may be what was refused: the store's bounds this wait.
+        _agree_on_setup(store, rank, size, store.timeout, error)
         raise
-    _agree_on_setup(store, rank, size, None)
+    _agree_on_setup(store, rank, size, config.timeout, None)
     fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     try:

@@ -25,8 +25,8 @@ CpuCollectives::CpuCollectives(GroupContext& group)
     std::fprintf(stderr, "[xdev] group '%s' rank %d: single copy unavailable, staying staged: %s\n",
                  config.group_name.c_str(), group.rank(), why.c_str());
   }
-  if (count_failures_across_ranks(group.store(), "xdev/cma/", !mine_ok, group.size(),
-                                  group.config().timeout) == 0) {
+  if (count_failures_across_ranks(group.store(), "xdev/cma/", !mine_ok, group.rank(), group.size(),
+                                  group.config().timeout, "probing single copy") == 0) {
     single_copy_ = std::make_unique<transport::SingleCopyExecutor>(*group.channel());
     single_copy_note_ = "on: ranks read each other's tensors with process_vm_readv";
   } else {

@@ -84,16 +84,45 @@ void remove_orphans_after_a_failed_wait() noexcept {
   }
 }
 
-void store_barrier(c10d::Store& store, const std::string& prefix, int world_size,
-                   std::chrono::milliseconds timeout) {
-  if (store.add(prefix + "arrived", 1) == world_size) store.set(prefix + "all", "1");
-  store.wait({prefix + "all"}, timeout);
+void wait_for_ranks(c10d::Store& store, const std::string& prefix, int world_size,
+                    std::chrono::milliseconds timeout, const std::string& what,
+                    const std::vector<int>& group_ranks) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const c10::DistStoreError& e) {
+    std::string missing;
+    try {
+      for (int r = 0; r < world_size; ++r) {
+        if (store.check({keys[static_cast<size_t>(r)]})) continue;
+        const int named = group_ranks.empty() ? r : group_ranks[static_cast<size_t>(r)];
+        missing += (missing.empty() ? "" : ", ") + std::to_string(named);
+      }
+    } catch (const std::exception&) {
+      throw e;  // the store itself is gone: its error says so
+    }
+    if (missing.empty()) throw;  // all arrived just after the timeout
+    C10_THROW_ERROR(DistStoreError,
+                    "xdev: " + what + " timed out waiting for rank(s) " + missing +
+                        " of this group: each exited, is stuck, or is not making the same "
+                        "call (" +
+                        e.what_without_backtrace() + ")");
+  }
+}
+
+void store_barrier(c10d::Store& store, const std::string& prefix, int rank, int world_size,
+                   std::chrono::milliseconds timeout, const std::string& what,
+                   const std::vector<int>& group_ranks) {
+  store.set(prefix + "arrived/" + std::to_string(rank), "1");
+  wait_for_ranks(store, prefix + "arrived/", world_size, timeout, what, group_ranks);
 }
 
 int64_t count_failures_across_ranks(c10d::Store& store, const std::string& prefix, bool failed,
-                                    int world_size, std::chrono::milliseconds timeout) {
+                                    int rank, int world_size, std::chrono::milliseconds timeout,
+                                    const std::string& what, const std::vector<int>& group_ranks) {
   store.add(prefix + "failures", failed ? 1 : 0);
-  store_barrier(store, prefix, world_size, timeout);
+  store_barrier(store, prefix, rank, world_size, timeout, what, group_ranks);
   return store.add(prefix + "failures", 0);
 }
 
@@ -124,10 +153,10 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   }
   if (requested_ != plan::Algorithm::kFallback) {
     if (num_hosts_ == 1 && size_ > 1) {
-      channel_ = open_shared_memory("xdev/shm/", size_, rank_);
+      channel_ = open_shared_memory("xdev/shm/", size_, rank_, {});
     } else if (num_hosts_ > 1 && hosts_even_ && local_world_size_ > 1) {
       host_channel_ = open_shared_memory("xdev/host_shm/" + std::to_string(host_index_) + "/",
-                                         local_world_size_, local_rank_);
+                                         local_world_size_, local_rank_, host_ranks_);
       host_channel_->name_ranks(host_ranks_);
     }
   }
@@ -163,6 +192,7 @@ void GroupContext::rendezvous_hosts() {
       machine_identity(config_.hostname) + "\n" + std::to_string(cores) + "\n" + config_.hostname;
   for (const std::string& setting : plan_settings(config_)) mine += "\n" + setting;
   store_->set("xdev/host/" + std::to_string(rank_), mine);
+  wait_for_ranks(*store_, "xdev/host/", size_, config_.timeout, "creating the group");
   std::vector<Entry> entries;
   for (int r = 0; r < size_; ++r) {
     std::vector<std::string> lines;
@@ -194,7 +224,8 @@ void GroupContext::rendezvous_hosts() {
     // Every rank finds the same difference: none leaves (rank 0's process
     // holds the Store) before all have read every entry, so each raises this
     // error rather than a peer's broken connection.
-    store_barrier(*store_, "xdev/host/read/", size_, config_.timeout);
+    store_barrier(*store_, "xdev/host/read/", rank_, size_, config_.timeout,
+                  "comparing the ranks' settings");
     throw;
   }
 
@@ -240,8 +271,8 @@ void GroupContext::rendezvous_hosts() {
 // The channel's first rank creates the segment and publishes its name; once
 // every rank has mapped it (counted through the store), it unlinks the name,
 // so the memory disappears with the last process that maps it, crash or not.
-std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const std::string& prefix,
-                                                                        int ranks, int rank) {
+std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(
+    const std::string& prefix, int ranks, int rank, const std::vector<int>& group_ranks) {
   const auto slot_bytes = static_cast<size_t>(config_.shm_slot_bytes);
   // A rank that cannot create or map the segment says so at once: its peers would otherwise
   // wait for its key or its arrival until the timeout, then fail without the reason.
@@ -255,18 +286,17 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
       name = transport::ShmSegment::make_name();
       channel = transport::ShmChannel::create(name, ranks, rank, slot_bytes);
     } catch (const std::exception& e) {
-      store_->set(prefix + "name", std::string(1, kFailed) + e.what());
+      store_->set(prefix + "name/0", std::string(1, kFailed) + e.what());
       throw;
     }
-    store_->set(prefix + "name", name);
+    store_->set(prefix + "name/0", name);
   } else {
-    std::string name;
-    try {
-      name = store_->get_to_str(prefix + "name");
-    } catch (...) {
-      remove_orphans_after_a_failed_wait();  // rank 0 may have died with its segment linked
-      throw;
-    }
+    // Rank 0 may have died with its segment linked.
+    wait_for_peers([&] {
+      wait_for_ranks(*store_, prefix + "name/", 1, config_.timeout,
+                     "opening this host's shared memory", group_ranks);
+    });
+    const std::string name = store_->get_to_str(prefix + "name/0");
     if (!name.empty() && name[0] == kFailed) {
       throw std::runtime_error(
           "xdev: the first rank of this host could not create the shared memory its ranks "
@@ -279,16 +309,11 @@ std::unique_ptr<transport::ShmChannel> GroupContext::open_shared_memory(const st
       failure = std::current_exception();
     }
   }
-  int64_t failed = 0;
-  try {
-    failed = count_failures_across_ranks(*store_, prefix + "attached/", failure != nullptr, ranks,
-                                         config_.timeout);
-  } catch (...) {
-    // A rank is gone or stuck (the wait timed out): if it was the creator, its
-    // segment's name is still linked, and its crash unlinks nothing.
-    remove_orphans_after_a_failed_wait();
-    throw;
-  }
+  const int64_t failed = wait_for_peers([&] {
+    return count_failures_across_ranks(*store_, prefix + "attached/", failure != nullptr, rank,
+                                       ranks, config_.timeout, "mapping this host's shared memory",
+                                       group_ranks);
+  });
   if (rank == 0) channel.unlink_name();  // every rank that could has mapped it
   if (failure) std::rethrow_exception(failure);
   if (failed > 0) {

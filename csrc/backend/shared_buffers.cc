@@ -71,7 +71,8 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
     why = e.what();
   }
   c10d::Store& store = group.store();
-  store_barrier(store, "xdev/heap/published/", group.size(), group.config().timeout);
+  store_barrier(store, "xdev/heap/published/", group.rank(), group.size(), group.config().timeout,
+                "publishing the symmetric heap");
   for (int r = 0; r < channel->world_size() && why.empty(); ++r) {
     if (!channel->shares_pid_namespace(r)) {
       // Its arena's /proc/<pid>/fd path would name another process here.
@@ -84,8 +85,8 @@ SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
       why = e.what();
     }
   }
-  if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.size(),
-                                  group.config().timeout) == 0) {
+  if (count_failures_across_ranks(store, "xdev/heap/", !why.empty(), group.rank(), group.size(),
+                                  group.config().timeout, "mapping the symmetric heap") == 0) {
     heap_ = std::move(heap);
     heap_note_ = std::string("on: CPU tensors from allocateTensor (DDP's buckets) lie in memory ") +
                  (group.num_hosts() == 1 ? "every rank maps" : "every rank of their host maps");
@@ -261,17 +262,6 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     my_failure = std::current_exception();
     my_reason = e.what();
   }
-  // A peer that dies between creating its segment and unlinking its name
-  // (once every rank has mapped it) leaves the name linked: when a wait for
-  // the peers fails, the survivors remove the segments of exited creators.
-  const auto waiting_for_peers = [](auto&& wait) {
-    try {
-      return wait();
-    } catch (...) {
-      remove_orphans_after_a_failed_wait();
-      throw;
-    }
-  };
   c10d::Store& store = group_.store();
   const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
   store.set(prefix + std::to_string(rank),
@@ -279,7 +269,9 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
   // A rank that never calls it: the group's timeout.
-  waiting_for_peers([&] { store.wait(keys, timeout); });
+  wait_for_peers([&] {
+    wait_for_ranks(store, prefix, size, timeout, "torch_xdev.shared_empty #" + std::to_string(id));
+  });
   std::vector<std::string> names(static_cast<size_t>(size));
   std::string asked;
   std::string failed;
@@ -323,9 +315,9 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     open_failure = e.what();
   }
   // Every rank has opened its peers' segments (or failed to) before any name goes.
-  const int64_t failures = waiting_for_peers([&] {
-    return count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), size,
-                                       timeout);
+  const int64_t failures = wait_for_peers([&] {
+    return count_failures_across_ranks(store, prefix + "mapped/", !open_failure.empty(), rank, size,
+                                       timeout, "torch_xdev.shared_empty #" + std::to_string(id));
   });
   mine.unlink();
   if (!open_failure.empty()) throw std::runtime_error(open_failure);

@@ -287,7 +287,8 @@ class CudaCollectivesImpl : public CudaCollectives {
       channel_.reset();
     }
     const int64_t failures =
-        count_failures_across_ranks(store, key, !why.empty(), g_.size(), g_.config().timeout);
+        count_failures_across_ranks(store, key, !why.empty(), g_.rank(), g_.size(),
+                                    g_.config().timeout, "opening the CUDA transport");
     if (failures == 0) {
       watch_peers();
       info->transport = true;
