@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "setup_waits.h"
 #include "staged_broadcast.h"
 #include "tensor_helpers.h"
 

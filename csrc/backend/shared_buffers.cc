@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "setup_waits.h"
 #include "tensor_helpers.h"
 
 namespace xdev::backend {

@@ -26,6 +26,7 @@
 #include "../allreduce_call.h"
 #include "../cuda_collectives.h"
 #include "../group_context.h"
+#include "../setup_waits.h"
 #include "../tensor_helpers.h"
 #include "cuda_gpu_exchange.h"
 #include "cuda_heap_tensors.h"
