@@ -238,6 +238,11 @@ def _mismatch(rank: int, world: int) -> None:
         ok = torch.full((33,), float(rank + 1))
         dist.all_reduce(ok)
         assert torch.equal(ok, torch.full((33,), float(sum(range(1, world + 1)))))
+    # Same bytes, different dtypes: the message counts bytes and says the dtypes differ.
+    with pytest.raises(dist.DistBackendError, match="mismatched collectives") as info:
+        dist.broadcast(torch.zeros(4, dtype=torch.int32 if rank == 1 else torch.float32), src=0)
+    assert "(elements are bytes), 1 tensor(s), 16 element(s)" in str(info.value), info.value
+    assert "hash of the tensors' dtypes and sizes" in str(info.value), info.value
     # One rank in a barrier, the other in an allreduce.
     with pytest.raises(dist.DistBackendError, match="mismatched"):
         if rank == 0:

@@ -372,7 +372,7 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
                            : " (staged)");
       break;
     case Collective::kBroadcast:
-      s = "broadcast from rank " + std::to_string(d.root);
+      s = "broadcast from rank " + std::to_string(d.root) + " (elements are bytes)";
       break;
     case Collective::kReduceScatter:
       s = std::string("reduce_scatter ") +
@@ -390,8 +390,8 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
       s = "unknown collective";
   }
   return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " + std::to_string(d.total_elems) +
-         " element(s), element counts hash " + std::to_string(d.counts_hash % 100000) + " (op #" +
-         std::to_string(d.seq) + ")";
+         " element(s), hash of the tensors' dtypes and sizes " +
+         std::to_string(d.counts_hash % 100000) + " (op #" + std::to_string(d.seq) + ")";
 }
 
 transport::OpContext GroupContext::make_context(const transport::OpDescriptor& desc,
