@@ -427,6 +427,9 @@ def _shapes_on_every_path(rank: int, world: int) -> None:
         stacked = torch.zeros(world, n)
         dist.all_gather_into_tensor(stacked, inputs[rank][:n].clone(), group=group)
         assert torch.equal(stacked, gathered), f"{path} all_gather_into_tensor (world, n)"
+        strided = torch.zeros(n, world).t()  # (world, n), not contiguous: Gloo refused it
+        dist.all_gather_into_tensor(strided, inputs[rank][:n].clone(), group=group)
+        assert torch.equal(strided, gathered), f"{path} all_gather_into_tensor, strided output"
         scalars = torch.zeros(world)
         dist.all_gather_into_tensor(scalars, inputs[rank][0].clone(), group=group)
         assert torch.equal(scalars, gathered[:, 0]), f"{path} all_gather_into_tensor of 0-dim"

@@ -247,12 +247,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
   const auto sel = select_gather_scatter("all_gather", {output, input}, {output}, {input}, nullptr);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     check_pairs("all_gather_into_tensor", {output}, {input}, size_);  // as the native path
-    if (!output.is_contiguous()) {
-      return fallbacks_.track(delegate(input)->_allgather_base(output, input, opts));
-    }
-    at::Tensor flat_out = output.view({-1});
-    at::Tensor flat_in = input.reshape({-1});
-    return fallbacks_.track(delegate(input)->_allgather_base(flat_out, flat_in, opts));
+    // Gloo wants a contiguous output of the input's shape times the world; a
+    // strided output (the native path takes one) gets a contiguous copy.
+    c10d::Backend* engine = delegate(input);
+    std::vector<at::Tensor> outputs{output};
+    return fallbacks_.on_contiguous(group_, outputs, c10d::OpType::_ALLGATHER_BASE,
+                                    "xdev:all_gather_into_tensor",
+                                    [engine, &input, &opts](std::vector<at::Tensor>& outs) {
+                                      at::Tensor flat_out = outs[0].view({-1});
+                                      at::Tensor flat_in = input.reshape({-1});
+                                      return engine->_allgather_base(flat_out, flat_in, opts);
+                                    });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
