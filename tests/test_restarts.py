@@ -9,8 +9,11 @@
 - The same processes destroying and making the default group again, several times, on one
   store they keep: each round's DDP step must give the reference's gradients.
 
-xdev names its keys after the attempt and after how many backends of the group's name the
-process has made (``store_of_this_backend``).
+- A group name that comes back after a destroy with other members (c10d numbers subgroups
+  from 1 again).
+
+xdev names its keys after the attempt, the group's members and how many backends of that name
+and membership the process has made (``store_of_this_backend``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -137,3 +141,27 @@ def test_groups_made_again_on_the_same_store() -> None:
     expected = model.weight.grad.sum().item()
     for sums in results:
         assert sums == pytest.approx([expected] * 3, rel=1e-5), (sums, expected)
+
+
+def _a_group_name_back_with_other_members(rank: int, world: int, directory: str) -> list[float]:
+    """Two rounds on fresh stores; c10d names each round's first subgroup "1", with members
+    [0, 1] and then [1, 2]: rank 1 has made a backend of that name before, rank 2 has not."""
+    sums = []
+    for round_, members in enumerate(([0, 1], [1, 2])):
+        store = dist.FileStore(os.path.join(directory, f"round{round_}"), world)
+        dist.init_process_group("xdev", store=store, rank=rank, world_size=world)
+        group = dist.new_group(members, timeout=timedelta(seconds=20))
+        if rank in members:
+            summed = torch.full((4,), float(rank + 1))
+            dist.all_reduce(summed, group=group)
+            sums.append(summed[0].item())
+        dist.barrier()
+        dist.destroy_process_group()
+    return sums
+
+
+def test_a_group_name_that_comes_back_with_other_members(tmp_path: Path) -> None:
+    # The keys were named after the backends each process had made for the name: ranks 1
+    # and 2 waited for each other under different keys until the timeout.
+    results = run_ranks(_a_group_name_back_with_other_members, 3, str(tmp_path), timeout=120)
+    assert results == [[3.0], [3.0, 5.0], [5.0]], results

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import sys
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -236,36 +237,44 @@ def _agree_on_setup(
         )
 
 
-# How many backends this process has made for each group name. A group destroyed and made
-# again in the same processes (init_process_group after destroy_process_group) gets the same
-# name and, where the caller keeps its store, the same store.
-_backends_made: dict[str, int] = {}
+# How many backends this process has made for each group name and membership. A group
+# destroyed and made again in the same processes (init_process_group after
+# destroy_process_group) gets the same name and, where the caller keeps its store, the same
+# store.
+_backends_made: dict[tuple[str, str], int] = {}
 
 
-def store_of_this_backend(store: Any, group_name: str) -> Any:
+def store_of_this_backend(store: Any, group_name: str, global_ranks: Sequence[int]) -> Any:
     """The part of ``store`` that a new backend of ``group_name`` owns: no earlier backend of
     that name wrote there, in this attempt of the job or an earlier one.
 
     Keys an earlier backend left (a rank's Gloo address, its setup verdict, its shared
     memory's names) would otherwise be read as this one's, sending ranks to a closed port or
     a segment that is gone; Gloo and NCCL race on their own keys the same way (PyTorch issue
-    167288). Two counts name the keys:
+    167288). Three things name the keys:
 
-    - the backends this process has made for the group name: the ranks destroy and make a
-      group together, so the count agrees across them;
+    - the group's members (``global_ranks``, empty for the default group): c10d numbers
+      groups from 1 again after destroy_process_group, so one name can come back with other
+      members;
+    - the backends this process has made for that name and membership: the members destroy
+      and make a group together, so the count agrees across them (a count per name alone
+      did not: a rank that was a member of an earlier group of the name, and one that was
+      not, counted differently and waited for each other under different keys);
     - under torchrun, the attempt: torchrun keeps one store for every attempt and restarts
       its workers (``--max-restarts``) with TORCHELASTIC_RESTART_COUNT one higher. With one
       agent (GROUP_WORLD_SIZE 1: one host) every worker of an attempt has the same count;
       with several, the counts can differ (an agent that restarts its workers because a
       node joins does not count that), so the attempt is left out there, as Gloo leaves it.
     """
-    made = _backends_made.get(group_name, 0)
-    _backends_made[group_name] = made + 1
-    prefix = f"xdev/backend{made}/"
+    members = ",".join(str(r) for r in global_ranks)
+    made = _backends_made.get((group_name, members), 0)
+    _backends_made[(group_name, members)] = made + 1
+    # A digest keeps the keys short in groups of thousands of ranks.
+    backend = f"{hashlib.sha256(members.encode()).hexdigest()[:16]}/backend{made}/"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-        prefix = f"xdev/attempt{attempt}/backend{made}/"
-    return PrefixStore(prefix, store)
+        return PrefixStore(f"xdev/attempt{attempt}/{backend}", store)
+    return PrefixStore(f"xdev/{backend}", store)
 
 
 def _create_backend(
@@ -277,7 +286,9 @@ def _create_backend(
     group_id = str(dist_opts.group_id)
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     store = (
-        dist_opts.store if store_is_its_own else store_of_this_backend(dist_opts.store, group_id)
+        dist_opts.store
+        if store_is_its_own
+        else store_of_this_backend(dist_opts.store, group_id, dist_opts.global_ranks_in_group)
     )
     try:
         options = resolve_options(pg_options)
