@@ -90,8 +90,10 @@ def test_a_peer_arriving_after_the_timeout_fails_the_call_too() -> None:
         assert f"timed out in {call}" in m and "before this rank arrived" in m, m
 
 
-def _rank_that_never_creates_the_group(rank: int, world: int) -> str:
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_that_never_creates_the_group(rank: int, world: int, file_store: str) -> str:
+    # A FileStore's wait times out with a plain RuntimeError, a TCPStore's with DistStoreError.
+    init_method = f"file://{file_store}" if file_store else None
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
     if rank == world - 1:  # alive, but never makes the group
         store.wait(["peers failed"], timedelta(seconds=120))
@@ -107,8 +109,10 @@ def _rank_that_never_creates_the_group(rank: int, world: int) -> str:
     return str(info.value)
 
 
-def test_a_rank_that_never_creates_the_group_is_named() -> None:
-    messages = run_ranks(_rank_that_never_creates_the_group, 3, timeout=120)
+@pytest.mark.parametrize("store", ["tcp", "file"])
+def test_a_rank_that_never_creates_the_group_is_named(store: str, tmp_path: Any) -> None:
+    file_store = str(tmp_path / "store") if store == "file" else ""
+    messages = run_ranks(_rank_that_never_creates_the_group, 3, file_store, timeout=120)
     for message in messages[:2]:
         assert "creating the group timed out" in message, message
         assert "waiting for rank(s) 2:" in message, message

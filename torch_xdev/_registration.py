@@ -189,10 +189,10 @@ def _wait_for_ranks(store: Any, keys: list[str], timeout: timedelta, what: str) 
     ranks whose keys are missing: the store's own message lists keys, not processes."""
     try:
         store.wait(keys, timeout)
-    except dist.DistStoreError as error:
+    except RuntimeError as error:  # DistStoreError; FileStore's timeout is a plain RuntimeError
         try:
             missing = [str(peer) for peer, key in enumerate(keys) if not store.check([key])]
-        except dist.DistError:
+        except RuntimeError:
             raise error from None  # the store itself is gone: its error says so
         if not missing:
             raise  # all arrived just after the timeout
@@ -229,7 +229,7 @@ def _agree_on_setup(
         store.set(f"xdev/setup/read/{rank}", "1")
         try:
             store.wait([f"xdev/setup/read/{peer}" for peer in range(size)], _VERDICT_READ_TIMEOUT)
-        except dist.DistError:
+        except RuntimeError:  # DistError; FileStore's timeout is a plain RuntimeError
             pass  # a peer died: it reads nothing, and our own error says enough
     if failed and error is None:
         raise ValueError(

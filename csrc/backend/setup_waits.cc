@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <exception>
+
 #include "../transport/shm_segment.h"
 
 namespace xdev::backend {
@@ -21,7 +23,8 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, int world_siz
   for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
   try {
     store.wait(keys, timeout);
-  } catch (const c10::DistStoreError& e) {
+  } catch (const c10::Error& e) {  // DistStoreError; a FileStore's timeout is a plain c10::Error
+    const std::exception_ptr timed_out = std::current_exception();
     std::string missing;
     try {
       for (int r = 0; r < world_size; ++r) {
@@ -30,7 +33,7 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, int world_siz
         missing += (missing.empty() ? "" : ", ") + std::to_string(named);
       }
     } catch (const std::exception&) {
-      throw e;  // the store itself is gone: its error says so
+      std::rethrow_exception(timed_out);  // the store itself is gone: its error says so
     }
     if (missing.empty()) throw;  // all arrived just after the timeout
     C10_THROW_ERROR(DistStoreError,
