@@ -473,7 +473,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   const auto check = [&] {
     check_root();
     // The root's tensor too: the staged paths copy every rank's result back.
-    check_written("broadcast", tensors);
+    check_written("broadcast (which writes the root's tensor too)", tensors);
   };
   if (two_level_broadcast_ != nullptr) {  // across hosts: two levels or the engine's tree
     const plan::AcrossHostsChoice c =
