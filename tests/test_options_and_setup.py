@@ -493,3 +493,12 @@ def test_a_rank_refusing_its_settings_stops_every_rank() -> None:
     for peer in (0, 2):
         assert "a peer refused its settings" in errors[peer], errors[peer]
         assert "rank 1 failed" in errors[peer] and "XDEV_ALGO" in errors[peer], errors[peer]
+
+
+def test_a_host_name_with_a_line_break_is_refused_at_once() -> None:
+    # The name went into a line-based record and came back cut short: every rank waited for
+    # the shared memory of a host it no longer matched, until the group's timeout.
+    env = [{"XDEV_HOSTNAME": "host-a\n"}, {"XDEV_HOSTNAME": "host-b\n"}]
+    errors = run_ranks(_init_and_report, 2, per_rank_env=env, timeout=120)
+    for rank, error in enumerate(errors):
+        assert "XDEV_HOSTNAME must be one line" in error, (rank, error)

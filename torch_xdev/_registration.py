@@ -33,7 +33,11 @@ BACKEND_NAME = "xdev"
 
 def host_identity() -> str:
     """The name ranks compare to find who shares their host (XDEV_HOSTNAME overrides)."""
-    return os.environ.get("XDEV_HOSTNAME") or socket.gethostname()
+    name = os.environ.get("XDEV_HOSTNAME") or socket.gethostname()
+    # The ranks exchange it as a line of text: a line break would cut it short on its way.
+    if any(c in name for c in "\r\n"):
+        raise ValueError(f"xdev: XDEV_HOSTNAME must be one line; got {name!r}")
+    return name
 
 
 # Fields of a cost-model file (benchmarks/calibrate.py --out) and the config fields they set.
