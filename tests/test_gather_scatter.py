@@ -427,6 +427,11 @@ def _shapes_on_every_path(rank: int, world: int) -> None:
         stacked = torch.zeros(world, n)
         dist.all_gather_into_tensor(stacked, inputs[rank][:n].clone(), group=group)
         assert torch.equal(stacked, gathered), f"{path} all_gather_into_tensor (world, n)"
+        for dtype in (torch.int16, torch.complex64):  # Gloo lacks them: they go as bytes
+            want = (torch.arange(5) + 1).to(dtype)
+            sent = want.clone() if rank == 0 else torch.zeros(5, dtype=dtype)
+            dist.broadcast(sent, 0, group=group)
+            assert torch.equal(sent, want), f"{path} broadcast of {dtype}"
         strided = torch.zeros(n, world).t()  # (world, n), not contiguous: Gloo refused it
         dist.all_gather_into_tensor(strided, inputs[rank][:n].clone(), group=group)
         assert torch.equal(strided, gathered), f"{path} all_gather_into_tensor, strided output"

@@ -210,6 +210,39 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
               });
 }
 
+c10::intrusive_ptr<c10d::Work> FallbackEngines::broadcast(GroupContext& group,
+                                                          std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  c10d::Backend* engine = for_tensors(tensors);
+  // The dtypes both Gloo and NCCL take; any other goes as bytes.
+  const auto engine_takes = [](const at::Tensor& t) {
+    switch (t.scalar_type()) {
+      case at::kFloat:
+      case at::kDouble:
+      case at::kHalf:
+      case at::kBFloat16:
+      case at::kChar:
+      case at::kByte:
+      case at::kBool:
+      case at::kInt:
+      case at::kLong:
+        return true;
+      default:
+        return t.layout() != at::kStrided;  // a sparse tensor is the engine's business
+    }
+  };
+  return on_contiguous(group, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
+                       [engine, &opts, engine_takes](std::vector<at::Tensor>& ts) {
+                         if (std::all_of(ts.begin(), ts.end(), engine_takes)) {
+                           return engine->broadcast(ts, opts);
+                         }
+                         std::vector<at::Tensor> bytes;
+                         for (const at::Tensor& t : ts)
+                           bytes.push_back(t.view({-1}).view(at::kByte));
+                         return engine->broadcast(bytes, opts);
+                       });
+}
+
 bool FallbackEngines::integer_avg_without_engine(const c10d::ReduceOp& op,
                                                  const c10d::Backend& engine,
                                                  const std::vector<at::Tensor>& tensors) const {

@@ -81,6 +81,12 @@ class FallbackEngines {
                                                 const c10d::ReduceScatterOptions& opts,
                                                 c10d::OpType type, const ReduceScatterCall& call);
 
+  // A broadcast through the engine for these tensors (on contiguous copies
+  // where they are not). It moves bytes, so a dtype the engine lacks (int16,
+  // uint16, uint32, uint64, complex, ...) goes as bytes.
+  c10::intrusive_ptr<c10d::Work> broadcast(GroupContext& group, std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts);
+
   // A reduce to opts.rootRank through the engine for these tensors (on
   // contiguous copies where they are not). An integer AVG on Gloo runs as SUM,
   // then a truncating divide of the root's result, like the reduce-scatter.

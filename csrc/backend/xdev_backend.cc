@@ -461,10 +461,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   }
   if (!refusal.empty()) {
     record("fallback", refusal);
-    c10d::Backend* engine = fallbacks_.for_tensors(tensors);
-    return fallbacks_.on_contiguous(
-        group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
-        [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
+    return fallbacks_.broadcast(group_, tensors, opts);
   }
   const auto check_root = [&] {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "xdev broadcast: root rank ",
@@ -486,10 +483,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
     record(path, c.reason);
     if (!c.two_level) {
       check_root();  // alone: Gloo's peers would not meet a refusal
-      c10d::Backend* engine = fallbacks_.cpu();
-      return fallbacks_.on_contiguous(
-          group_, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
-          [engine, &opts](std::vector<at::Tensor>& ts) { return engine->broadcast(ts, opts); });
+      return fallbacks_.broadcast(group_, tensors, opts);
     }
     check_native_call(Collective::kBroadcast, "broadcast", false, opts.timeout, check);
     return two_level_broadcast_->broadcast(tensors, static_cast<int>(opts.rootRank), opts.timeout,
