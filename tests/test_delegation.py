@@ -218,3 +218,43 @@ def test_monitored_barrier_needs_a_gloo_side_group() -> None:
             assert seen[r].get("plain") == "passed", seen[r]
     assert "Rank 1 failed to pass monitoredBarrier" in seen[0].get("missing", ""), seen[0]
     assert "missing" not in seen[1]
+
+
+def _values(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    # 40000 + 40000 overflows float16 (its largest is 65504); their mean does not.
+    return torch.tensor([40000.0, 1.0, 3.0, -7.25, 0.5, 1e-3] * 2, dtype=dtype) + rank
+
+
+def _reduced_precision_avg(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    forced = dist.new_group(pg_options=torch_xdev.Options(algorithm="fallback"))
+    for dtype in (torch.float16, torch.bfloat16):
+        # The mean of the same inputs in float64, rounded once.
+        want = torch.stack([_values(r, dtype) for r in range(world)]).double().mean(0).to(dtype)
+        block = want.numel() // world
+        for group, path in ((None, "native"), (forced, "engine")):
+            what = f"{path} AVG of {dtype}"
+            summed = _values(rank, dtype)
+            dist.all_reduce(summed, op=dist.ReduceOp.AVG, group=group)
+            assert torch.equal(summed, want), (what, summed, want)
+            scattered = torch.empty(block, dtype=dtype)
+            dist.reduce_scatter_tensor(
+                scattered, _values(rank, dtype), op=dist.ReduceOp.AVG, group=group
+            )
+            assert torch.equal(scattered, want[rank * block : (rank + 1) * block]), what
+            listed = torch.empty(block, dtype=dtype)
+            dist.reduce_scatter(
+                listed, list(_values(rank, dtype).chunk(world)), op=dist.ReduceOp.AVG, group=group
+            )
+            assert torch.equal(listed, want[rank * block : (rank + 1) * block]), what
+            reduced = _values(rank, dtype)
+            dist.reduce(reduced, dst=0, op=dist.ReduceOp.AVG, group=group)
+            if rank == 0:
+                assert torch.equal(reduced, want), (what, reduced, want)
+    dist.destroy_process_group()
+
+
+def test_an_average_in_half_precision_is_the_same_on_every_path() -> None:
+    # On the engine's path the AVG was a float16 SUM on Gloo, then a division: inf where the
+    # native kernels, which add in float32, give the mean.
+    run_ranks(_reduced_precision_avg, 2)

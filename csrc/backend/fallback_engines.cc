@@ -114,6 +114,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   const int64_t divisor = avg_as_sum_then_divide ? group.size() : 0;
   const auto run = [&](std::vector<at::Tensor>& some) {
+    const bool in_float = avg_as_sum_then_divide && avg_adds_in_float(some);
     return on_contiguous(
         group, some, c10d::OpType::ALLREDUCE, "xdev:all_reduce",
         [engine, &o, coalesced](std::vector<at::Tensor>& ts) {
@@ -123,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
           co.timeout = o.timeout;
           return engine->allreduce_coalesced(ts, co);
         },
-        divisor);
+        divisor, in_float);
   };
   // Gloo's coalesced allreduce takes one dtype (NCCL's any), where the native
   // path takes several: one call per dtype, in the order they first appear.
@@ -183,7 +184,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
     GroupContext& group, std::vector<at::Tensor>& tensors, c10d::OpType type,
-    const char* profiling_name, const TensorsCall& call, int64_t avg_divisor) {
+    const char* profiling_name, const TensorsCall& call, int64_t avg_divisor, bool in_float) {
   // Sparse tensors (DDP's sparse gradients) are the engine's own business.
   const bool strided = std::all_of(tensors.begin(), tensors.end(),
                                    [](const at::Tensor& t) { return t.layout() == at::kStrided; });
@@ -196,6 +197,9 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
                 });
   }
   std::vector<at::Tensor> flat = contiguous(tensors);
+  if (in_float) {
+    for (at::Tensor& t : flat) t = in_float_if_reduced(t);
+  }
   bool as_given = true;
   for (size_t i = 0; i < tensors.size(); ++i) as_given = as_given && flat[i].is_same(tensors[i]);
   c10::intrusive_ptr<c10d::Work> work = track(call(as_given ? tensors : flat));
@@ -243,42 +247,48 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::broadcast(GroupContext& group,
                        });
 }
 
-bool FallbackEngines::integer_avg_without_engine(const c10d::ReduceOp& op,
-                                                 const c10d::Backend& engine,
-                                                 const std::vector<at::Tensor>& tensors) const {
-  return op.op_ == c10d::ReduceOp::AVG && !has_native_avg(engine) &&
-         std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-           return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
-         });
+FallbackEngines::AvgOnEngine FallbackEngines::avg_on_engine(
+    const c10d::ReduceOp& op, const c10d::Backend& engine,
+    const std::vector<at::Tensor>& tensors) const {
+  if (op.op_ != c10d::ReduceOp::AVG || has_native_avg(engine)) return {};
+  const bool integers = std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
+  });
+  const bool in_float = avg_adds_in_float(tensors);
+  return {integers || in_float, in_float};
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce(GroupContext& group,
                                                        std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   c10d::Backend* engine = for_tensors(tensors);
-  const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, tensors);
+  const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, tensors);
   c10d::ReduceOptions o = opts;
-  if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   // Only the root's tensors hold the sum (the others', as the engine left them).
-  const int64_t divisor = integer_avg && group.rank() == opts.rootRank ? group.size() : 0;
+  const int64_t divisor = avg.as_sum && group.rank() == opts.rootRank ? group.size() : 0;
   return on_contiguous(
       group, tensors, c10d::OpType::REDUCE, "xdev:reduce",
-      [engine, &o](std::vector<at::Tensor>& ts) { return engine->reduce(ts, o); }, divisor);
+      [engine, &o](std::vector<at::Tensor>& ts) { return engine->reduce(ts, o); }, divisor,
+      avg.in_float);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
-  const bool integer_avg = integer_avg_without_engine(opts.reduceOp, *engine, outputs);
+  const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, outputs);
   c10d::ReduceScatterOptions o = opts;
-  if (integer_avg) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
   std::vector<at::Tensor> targets = outputs;
+  const bool in_float = avg.in_float;
   return on_contiguous(
       group, targets, type, "xdev:reduce_scatter",
-      [engine, &o, &call](std::vector<at::Tensor>& outs) { return call(*engine, o, outs); },
-      integer_avg ? group.size() : 0);
+      [engine, &o, &call, in_float](std::vector<at::Tensor>& outs) {
+        return call(*engine, o, outs, in_float);
+      },
+      avg.as_sum ? group.size() : 0, in_float);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,

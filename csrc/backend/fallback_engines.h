@@ -53,7 +53,7 @@ class FallbackEngines {
   // An allreduce through the engine for these tensors. With
   // avg_as_sum_then_divide (an AVG the engine lacks) it runs SUM, then a
   // divide, completed on the group's queue for CPU tensors so that the
-  // returned Work covers the division.
+  // returned Work covers the division; float16 and bfloat16 add in float32.
   c10::intrusive_ptr<c10d::Work> allreduce(GroupContext& group, std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts, bool coalesced,
                                            bool avg_as_sum_then_divide);
@@ -72,10 +72,13 @@ class FallbackEngines {
   // A reduce-scatter through the engine for `outputs`: `call` runs it with
   // the options and the outputs it is given (contiguous copies of strided
   // ones, which Gloo would write as if they were contiguous; the returned
-  // Work covers copying them back). An integer AVG on Gloo runs as SUM, then
-  // a truncating divide (the native path's result), like the allreduce.
+  // Work covers copying them back). An AVG on Gloo of integers runs as SUM,
+  // then a truncating divide (the native path's result), like the allreduce;
+  // of float16 or bfloat16, as a float32 SUM and divide: `call` is then told
+  // to give the engine its inputs in float32 (in_float_if_reduced).
   using ReduceScatterCall = std::function<c10::intrusive_ptr<c10d::Work>(
-      c10d::Backend&, const c10d::ReduceScatterOptions&, std::vector<at::Tensor>& outputs)>;
+      c10d::Backend&, const c10d::ReduceScatterOptions&, std::vector<at::Tensor>& outputs,
+      bool inputs_in_float)>;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(GroupContext& group,
                                                 const std::vector<at::Tensor>& outputs,
                                                 const c10d::ReduceScatterOptions& opts,
@@ -88,8 +91,8 @@ class FallbackEngines {
                                            const c10d::BroadcastOptions& opts);
 
   // A reduce to opts.rootRank through the engine for these tensors (on
-  // contiguous copies where they are not). An integer AVG on Gloo runs as SUM,
-  // then a truncating divide of the root's result, like the reduce-scatter.
+  // contiguous copies where they are not). An AVG on Gloo runs as SUM, then a
+  // divide of the root's result, like the reduce-scatter.
   c10::intrusive_ptr<c10d::Work> reduce(GroupContext& group, std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts);
 
@@ -101,13 +104,16 @@ class FallbackEngines {
   // contiguous copies (contiguous()) for the engine, and the results are
   // copied back once it is done (the returned Work covers the copy). With
   // `avg_divisor` > 0 (an AVG run as the engine's SUM) each result is divided
-  // by it first, once: memory listed twice is not divided twice.
+  // by it first, once: memory listed twice is not divided twice. With
+  // `in_float`, float16 and bfloat16 tensors go to the engine as float32
+  // copies, rounded back once at the end (an AVG adds in float32, as the
+  // native kernels do: a float16 sum whose mean fits may overflow).
   using TensorsCall =
       std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>& tensors)>;
   c10::intrusive_ptr<c10d::Work> on_contiguous(GroupContext& group,
                                                std::vector<at::Tensor>& tensors, c10d::OpType type,
                                                const char* profiling_name, const TensorsCall& call,
-                                               int64_t avg_divisor = 0);
+                                               int64_t avg_divisor = 0, bool in_float = false);
 
   // Remembers a Work handed to an engine until it is done, and returns it.
   // xdev's barrier waits for them, as Gloo's own barrier waits for its work in
@@ -153,10 +159,16 @@ class FallbackEngines {
   // Whether the current stream of the group's GPU is capturing a CUDA graph
   // (false before the group's first CUDA collective).
   bool capturing() const;
-  // An AVG of integer tensors on an engine without AVG (Gloo averages in
-  // floating point and cannot write the quotient into integer tensors).
-  bool integer_avg_without_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,
-                                  const std::vector<at::Tensor>& tensors) const;
+  // How an AVG of these tensors runs on an engine without AVG of its own
+  // (Gloo, whose reduce and reduce-scatter average in floating point): as its
+  // SUM, then a division (integers: Gloo cannot write the quotient into them),
+  // and in float32 for float16 or bfloat16 (avg_adds_in_float).
+  struct AvgOnEngine {
+    bool as_sum = false;
+    bool in_float = false;
+  };
+  AvgOnEngine avg_on_engine(const c10d::ReduceOp& op, const c10d::Backend& engine,
+                            const std::vector<at::Tensor>& tensors) const;
   // Completes `work` (an engine's, named `what` in errors), then runs
   // `finish`; the returned Work covers both. A failure of either fails this
   // call alone (CallError), not the group's native path: on CPU tensors on

@@ -259,9 +259,11 @@ std::vector<at::Tensor> flat_views(const std::vector<at::Tensor>& contiguous_ten
   return views;
 }
 
-std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors, bool in_float) {
   std::vector<at::Tensor> flat;
-  for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}));
+  for (const at::Tensor& t : tensors) {
+    flat.push_back(in_float ? in_float_if_reduced(t.reshape({-1})) : t.reshape({-1}));
+  }
   return flat;
 }
 
@@ -288,6 +290,19 @@ void divide_for_avg(const at::Tensor& t, int64_t divisor) {
   } else {
     t.div_(divisor);
   }
+}
+
+bool avg_adds_in_float(const std::vector<at::Tensor>& tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+  });
+}
+
+at::Tensor in_float_if_reduced(const at::Tensor& t) {
+  const bool reduced = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+  return reduced
+             ? t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous)
+             : t;
 }
 
 void unpack_into(const at::Tensor& packed, const std::vector<at::Tensor>& tensors) {

@@ -60,7 +60,8 @@ std::vector<bool> spans_meet_another(const std::vector<at::Tensor>& tensors);
 // what Gloo is handed, so that it accepts every shape whose element counts fit, as xdev's
 // native paths and NCCL do.
 std::vector<at::Tensor> flat_views(const std::vector<at::Tensor>& contiguous_tensors);
-std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors);
+// With in_float, float16 and bfloat16 tensors come as float32 copies (in_float_if_reduced).
+std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors, bool in_float = false);
 void copy_back(const std::vector<at::Tensor>& flat, const std::vector<at::Tensor>& tensors);
 
 // Reduce-scatter and all-gather pair a full tensor (world blocks) with a block
@@ -107,6 +108,13 @@ Options with_sum(Options opts) {
 // AVG after a SUM by an engine that has none: t /= divisor in place, as the
 // native kernels divide (integers truncated toward zero).
 void divide_for_avg(const at::Tensor& t, int64_t divisor);
+
+// Whether an AVG of these tensors through an engine should add in float32: a
+// float16 or bfloat16 one (the native kernels add in float32, and a float16
+// sum of values whose mean fits can overflow where their float32 sum cannot).
+bool avg_adds_in_float(const std::vector<at::Tensor>& tensors);
+// t as float32 where it is float16 or bfloat16 (a copy), else t itself.
+at::Tensor in_float_if_reduced(const at::Tensor& t);
 
 // Copies consecutive pieces of the 1-D `packed` into `tensors`, each its own numel, in order:
 // the inverse of concatenating the tensors' flattened forms.

@@ -407,11 +407,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-                                         std::vector<at::Tensor>& outs) {
+                                         std::vector<at::Tensor>& outs, bool in_float) {
                                        std::vector<at::Tensor> flat_outs = flat_views(outs);
                                        std::vector<std::vector<at::Tensor>> flat_inputs;
                                        for (const std::vector<at::Tensor>& list : inputs)
-                                         flat_inputs.push_back(flattened(list));
+                                         flat_inputs.push_back(flattened(list, in_float));
                                        return engine.reduce_scatter(flat_outs, flat_inputs, o);
                                      });
   }
@@ -443,9 +443,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-                                         std::vector<at::Tensor>& outs) {
+                                         std::vector<at::Tensor>& outs, bool in_float) {
                                        at::Tensor flat_out = outs[0].view({-1});
                                        at::Tensor flat_in = input.reshape({-1});
+                                       if (in_float) flat_in = in_float_if_reduced(flat_in);
                                        return engine._reduce_scatter_base(flat_out, flat_in, o);
                                      });
   }
@@ -478,14 +479,14 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   if (sel.path == plan::GatherScatterPath::kFallback) {
     check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(group_, outputs, opts, reduce_scatter_coalesced_op_type(),
-                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-                                         std::vector<at::Tensor>& outs) {
-                                       std::vector<at::Tensor> flat_outs = flat_views(outs);
-                                       std::vector<at::Tensor> flat_ins = flattened(inputs);
-                                       return engine.reduce_scatter_tensor_coalesced(flat_outs,
-                                                                                     flat_ins, o);
-                                     });
+    return fallbacks_.reduce_scatter(
+        group_, outputs, opts, reduce_scatter_coalesced_op_type(),
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+            std::vector<at::Tensor>& outs, bool in_float) {
+          std::vector<at::Tensor> flat_outs = flat_views(outs);
+          std::vector<at::Tensor> flat_ins = flattened(inputs, in_float);
+          return engine.reduce_scatter_tensor_coalesced(flat_outs, flat_ins, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
