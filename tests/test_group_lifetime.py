@@ -30,6 +30,7 @@ def _last_reference_dropped_in_a_callback(rank: int, world: int, algorithm: str)
         group_id="dropped-in-callback",
         group_rank=rank,
         group_size=world,
+        global_ranks_in_group=list(range(world)),
         store=store,
         timeout=timedelta(seconds=60),
     )

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 from torch.distributed.tensor import DTensor
 
-import torch_xdev  # noqa: F401  (registers the "xdev" backend, in the spawned ranks too)
+import torch_xdev
 from collective_cases import check_close, make_input, reference
 from harness import run_ranks
 from training_cases import sgd_losses, sharded_mlp
@@ -160,6 +160,7 @@ def _refused_on_one_rank(rank: int, world: int) -> None:
     # rather than the peers' SUM pairing with rank 0's next call, whatever path the SUM takes.
     dist.init_process_group("xdev", rank=rank, world_size=world)
     for form in ("all_reduce", "reduce_scatter_tensor", "reduce"):
+        last_allreduce = torch_xdev.describe()["last_allreduce"]
         lopsided = torch.ones(4 * world, dtype=torch.int64 if rank == 0 else torch.float32)
         with pytest.raises(ValueError) as refused:
             if form == "all_reduce":
@@ -171,6 +172,8 @@ def _refused_on_one_rank(rank: int, world: int) -> None:
                 dist.reduce_scatter_tensor(out, lopsided, op=_premul(2.0))
         want = "floating-point tensors" if rank == 0 else "refused by another rank"
         assert want in str(refused.value), (form, refused.value)
+        # Not the ranks' vote on the refusal (a MAX of one int): the caller's last allreduce.
+        assert torch_xdev.describe()["last_allreduce"] == last_allreduce, form
         after = torch.ones(8) * (rank + 1)
         dist.all_reduce(after)  # the group goes on, its calls paired as they should be
         assert torch.equal(after, torch.full((8,), float(world * (world + 1) // 2))), form

@@ -249,7 +249,13 @@ void XdevBackend::refuse_premul_with_peers(const std::vector<at::Tensor>& tensor
     c10d::AllreduceOptions max;
     max.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
     max.timeout = timeout;
+    const std::pair<std::string, std::string> last_before = last_selection();
     dispatch_allreduce(vote, max, false)->wait();
+    {
+      // describe()'s last_allreduce is the last one the caller made, not this vote.
+      std::lock_guard<std::mutex> lock(selection_mutex_);
+      last_selection_ = last_before;
+    }
     if (!refusal && vote[0].item<int>() != 0) {
       TORCH_CHECK_VALUE(false,
                         "xdev: ReduceOp.PREMUL_SUM refused by another rank of the group (its own "
