@@ -282,13 +282,12 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
   if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   // Gloo writes a strided output as if it were contiguous: it gets contiguous copies.
   std::vector<at::Tensor> targets = outputs;
-  const bool in_float = avg.in_float;
   return on_contiguous(
       group, targets, type, "xdev:reduce_scatter",
-      [engine, &o, &call, in_float](std::vector<at::Tensor>& outs) {
-        return call(*engine, o, outs, in_float);
+      [engine, &o, &call, avg](std::vector<at::Tensor>& outs) {
+        return call(*engine, o, outs, avg.in_float);
       },
-      avg.as_sum ? group.size() : 0, in_float);
+      avg.as_sum ? group.size() : 0, avg.in_float);
 }
 
 c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,

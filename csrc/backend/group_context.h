@@ -204,9 +204,8 @@ class GroupContext {
   void rendezvous_hosts();
   void add_options_note(const std::string& note);
   // A channel of `ranks` ranks (this one is `rank` among them), agreed on
-  // through Store keys under `prefix`.
-  // `ranks` ranks numbered from 0, this one `rank`, group rank group_ranks[r]
-  // (empty: the same numbers) for errors.
+  // through Store keys under `prefix`. Errors name index r as group rank
+  // group_ranks[r] (empty: the same numbers).
   std::unique_ptr<transport::ShmChannel> open_shared_memory(const std::string& prefix, int ranks,
                                                             int rank,
                                                             const std::vector<int>& group_ranks);

@@ -292,15 +292,18 @@ void divide_for_avg(const at::Tensor& t, int64_t divisor) {
   }
 }
 
+namespace {
+bool half_or_bfloat16(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+}  // namespace
+
 bool avg_adds_in_float(const std::vector<at::Tensor>& tensors) {
-  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-    return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-  });
+  return std::any_of(tensors.begin(), tensors.end(), half_or_bfloat16);
 }
 
 at::Tensor in_float_if_reduced(const at::Tensor& t) {
-  const bool reduced = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-  return reduced
+  return half_or_bfloat16(t)
              ? t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous)
              : t;
 }
