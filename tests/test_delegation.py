@@ -258,3 +258,35 @@ def test_an_average_in_half_precision_is_the_same_on_every_path() -> None:
     # On the engine's path the AVG was a float16 SUM on Gloo, then a division: inf where the
     # native kernels, which add in float32, give the mean.
     run_ranks(_reduced_precision_avg, 2)
+
+
+def _bool_avg(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    flags = torch.tensor([True, False, rank == 0, rank == 1])
+    before = flags.clone()
+    out = torch.zeros(flags.numel() // world, dtype=torch.bool)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(flags, op=dist.ReduceOp.AVG),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([flags], op=dist.ReduceOp.AVG),
+        "reduce": lambda: dist.reduce(flags, dst=0, op=dist.ReduceOp.AVG),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            out, flags, op=dist.ReduceOp.AVG
+        ),
+        "reduce_scatter": lambda: dist.reduce_scatter(
+            out, list(flags.chunk(world)), op=dist.ReduceOp.AVG
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="AVG of bool tensors has no bool result"):
+            call()
+        assert torch.equal(flags, before) and not out.any(), name
+    # The group stays usable, and MAX is the logical or the message suggests.
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    assert flags.tolist() == [True, False, True, True]
+    dist.destroy_process_group()
+
+
+def test_an_average_of_bool_tensors_is_refused_before_anything_changes() -> None:
+    # It went to the engine as a SUM, which overwrote the tensors, and then failed in the
+    # division with torch's "result type Float can't be cast to the desired output type Bool".
+    run_ranks(_bool_avg, 2)

@@ -271,6 +271,17 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
   for (const at::Tensor& t : tensors) premul_factor(t, op);
 }
 
+void refuse_avg_of_bool(const char* what, const c10d::ReduceOp& op,
+                        const std::vector<at::Tensor>& tensors) {
+  if (op.op_ != c10d::ReduceOp::AVG) return;
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK_TYPE(t.scalar_type() != at::kBool, "xdev ", what,
+                     ": ReduceOp.AVG of bool tensors has no bool result (NCCL refuses it too); "
+                     "use ReduceOp.MAX for a logical or, ReduceOp.MIN for a logical and, or "
+                     "average a floating-point copy. Nothing was changed; the group stays usable.");
+  }
+}
+
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op) {
   const PremulFactor factor = premul_factor(t, op);
   if (factor.is_one()) return t;  // a reduce-scatter leaves its input unchanged anyway

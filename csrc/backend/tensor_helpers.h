@@ -97,6 +97,11 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
                                       const c10d::ReduceOp& op);
+// Raises TypeError for an AVG of bool tensors, as NCCL does: a mean of booleans
+// has no bool to go in, and the engine's SUM would have overwritten the tensors
+// before the division failed. Checked before anything runs.
+void refuse_avg_of_bool(const char* what, const c10d::ReduceOp& op,
+                        const std::vector<at::Tensor>& tensors);
 
 // Options with their reduce op replaced by SUM (after premultiply_ / premultiplied).
 template <typename Options>

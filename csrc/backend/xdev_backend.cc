@@ -432,12 +432,14 @@ void XdevBackend::prepare_cuda_graph_capture(int device) {
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("all_reduce", opts.reduceOp, tensors);
   return dispatch_allreduce(tensors, opts, false);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("all_reduce_coalesced", opts.reduceOp, tensors);
   return dispatch_allreduce(tensors, opts, true);
 }
 

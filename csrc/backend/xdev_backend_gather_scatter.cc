@@ -204,6 +204,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
   if (premultiplies_here(opts.reduceOp, tensors)) {
     refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
     // The root's tensor receives the result, so it is scaled in place; the
@@ -388,6 +389,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("reduce_scatter", opts.reduceOp, outputs);
   if (premultiplies_here(opts.reduceOp, outputs)) {
     std::vector<at::Tensor> all_inputs;
     for (const std::vector<at::Tensor>& list : inputs) {
@@ -431,6 +433,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("reduce_scatter_tensor", opts.reduceOp, {output});
   if (premultiplies_here(opts.reduceOp, {output})) {
     refuse_premul_with_peers({input}, opts.reduceOp, opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
@@ -468,6 +471,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  refuse_avg_of_bool("reduce_scatter_tensor_coalesced", opts.reduceOp, outputs);
   if (premultiplies_here(opts.reduceOp, outputs)) {
     refuse_premul_with_peers(inputs, opts.reduceOp, opts.timeout);
     std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
