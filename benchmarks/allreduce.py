@@ -452,7 +452,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         # 0 pieces would be the model's choice, the auto row again, not a forced count.
         if not all(n.isdigit() and int(n) >= 1 for n in pieces):
             sys.exit(f"--pieces takes piece counts >= 1, e.g. 2,4; got {args.pieces!r}")
-        algorithms += [f"{PIECES}{int(n)}" for n in pieces]
+        # Each count once: a repeated one would time two groups under one row's name.
+        algorithms += [f"{PIECES}{n}" for n in dict.fromkeys(int(n) for n in pieces)]
         args.no_deepspeed = True
     elif args.pieces:
         sys.exit("--pieces needs --hosts")

@@ -7,7 +7,8 @@ Usage::
 One process, no peers. Prints the median and minimum wall time of:
 
 - one in-place PyTorch op on a 4 KiB tensor (on CUDA: one kernel launch);
-- ``dist.all_reduce(t, async_op=True)`` on a world of one, for Gloo and, on CUDA, NCCL.
+- ``dist.all_reduce(t, async_op=True)`` on a world of one, for xdev, Gloo and, on CUDA, NCCL
+  (a world of one moves no data: what remains is each backend's cost of a call).
 
 ``benchmarks/allreduce.py`` reports each backend's host overhead per call; this script says
 how much of that any call from Python pays here before a backend does anything.
@@ -24,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+import torch_xdev  # noqa: F401  (registers the xdev backend)
 
 WARMUP = 20
 
@@ -56,7 +59,9 @@ def main() -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     x = torch.ones(1024, device=device)
     rows = [("x.add_(1)", timed_us(lambda: x.add_(1), args.calls, device))]
-    backends = ["gloo"] + (["nccl"] if args.device == "cuda" and dist.is_nccl_available() else [])
+    backends = ["xdev", "gloo"] + (
+        ["nccl"] if args.device == "cuda" and dist.is_nccl_available() else []
+    )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     for backend in backends:
