@@ -403,3 +403,14 @@ def test_json_to_a_missing_folder(
     captured = capsys.readouterr()
     assert "4096" in captured.out  # the table came first
     assert f"error: cannot write {out}: No such file or directory" in captured.err
+
+
+@pytest.mark.parametrize("hosts", ["1", "2"])
+def test_json_to_stdout_leaves_the_table_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hosts: str
+) -> None:
+    argv = ["--topology", "hgx-h100", "--sizes", "4KiB,64KiB", "--hosts", hosts]
+    assert plan.main([*argv, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == json_rows(tmp_path, *argv)  # stdout is the JSON alone
+    assert "65536" in captured.err and "nccl_ring" in captured.err

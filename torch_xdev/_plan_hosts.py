@@ -9,7 +9,15 @@ import sys
 
 from ._C import plan as _plan
 from ._registration import MODEL_RANGES
-from .plan import COLUMNS, DEFAULT_NIC_GBPS, MachineModel, Row, format_row, write_json
+from .plan import (
+    COLUMNS,
+    DEFAULT_NIC_GBPS,
+    MachineModel,
+    Row,
+    format_row,
+    table_stream,
+    write_json,
+)
 
 INT_MAX = (1 << 31) - 1
 MAX_HOSTS = 1 << 16  # 65536 hosts: half a million GPUs
@@ -64,6 +72,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
     if not 1 <= nics <= MAX_NICS or not low <= args.nic_gbps <= high:
         parser.error(f"--nics must be in 1..{MAX_NICS}, and --nic-gbps in {low:g}..{high:g}")
     cpu = "AMD" if args.amd_cpu else "Intel"
+    out = table_stream(args.json)
     print(
         f"# machine: {args.hosts} hosts x {model.name} ({model.num_devices} GPUs each), "
         f"{nics} NICs x {args.nic_gbps:g} GB/s per host, {cpu} CPUs\n"
@@ -71,13 +80,14 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Machi
         "# predicted allreduce of float32 sums over all ranks; nccl_* rows: NCCL's tuning model "
         "across nodes, * = its choice (what auto runs); two_level: xdev inside each host, NCCL "
         "across (not built for CUDA tensors)\n#\n" + COLUMNS,
+        file=out,
         flush=True,
     )
     table: list[Row] = []
     for i, size in enumerate(args.sizes):
         size_table, reason = hosts_rows(model, args.hosts, size, nics, args.nic_gbps, args.amd_cpu)
         block = "\n".join(format_row(r) for r in size_table)
-        print(("\n" if i > 0 else "") + block + "\n  # " + reason, flush=True)
+        print(("\n" if i > 0 else "") + block + "\n  # " + reason, file=out, flush=True)
         table += size_table
     if args.json is not None:
         try:

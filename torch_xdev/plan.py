@@ -90,13 +90,12 @@ Sizes are in bytes of float32 elements, so they must be multiples of 4.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
 import signal
 import sys
-from typing import Any, Sequence, TypedDict
+from typing import Sequence, TextIO, TypedDict
 
 from . import topology as _topology
 from .options import MAX_PACKS
@@ -371,10 +370,19 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
 
 
 def write_json(path: str, table: Sequence[Row]) -> None:
-    """``--json``: the rows as a JSON list."""
+    """``--json``: the rows as a JSON list, into a file or, for ``-``, onto stdout."""
+    if path == "-":
+        json.dump(list(table), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
     with open(path, "w", encoding="utf-8") as f:
         json.dump(list(table), f, indent=1)
         f.write("\n")
+
+
+def table_stream(json_path: str | None) -> TextIO:
+    """Where the human-readable table goes: stderr when the JSON goes to stdout."""
+    return sys.stderr if json_path == "-" else sys.stdout
 
 
 def format_row(r: Row) -> str:
@@ -394,72 +402,6 @@ def format_table(model: MachineModel, table: Sequence[Row], collective: str = "a
             lines.append("")
         lines.append(format_row(r))
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------
-# Plot
-
-
-def _import_pyplot() -> Any:
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    return importlib.import_module("matplotlib.pyplot")
-
-
-def plot(
-    model: MachineModel,
-    table: Sequence[Row],
-    path: str,
-    pyplot: Any,
-    collective: str = "allreduce",
-) -> None:
-    """busbw against size, one line per algorithm (its best num_packs at each size)."""
-    families: dict[str, dict[int, Row]] = {}
-    for r in table:
-        family = "ring (reference)" if r["ring_reference"] else r["algorithm"]
-        best = families.setdefault(family, {})
-        if r["size"] not in best or r["time_us"] < best[r["size"]]["time_us"]:
-            best[r["size"]] = r
-    fig, ax = pyplot.subplots(figsize=(9, 5.5))
-    for family, by_size in families.items():
-        sizes = sorted(by_size)
-        ring = family.startswith("ring")
-        packed = any(r["num_packs"] > 0 for r in table if r["algorithm"] == family)
-        ax.plot(
-            sizes,
-            [by_size[s]["busbw_gbps"] for s in sizes],
-            linestyle="--" if ring else "-",
-            color="black" if ring else None,
-            marker=None if ring else "o",
-            markersize=3,
-            label=f"{family} (best num_packs)" if packed and not ring else family,
-        )
-    chosen = [r for r in table if r["chosen"]]
-    ax.scatter(
-        [r["size"] for r in chosen],
-        [r["busbw_gbps"] for r in chosen],
-        s=80,
-        facecolors="none",
-        edgecolors="red",
-        zorder=3,
-        label="chosen",
-    )
-    sizes_all = sorted({r["size"] for r in table})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes_all)
-    ax.set_xticklabels([format_size(s) for s in sizes_all], rotation=45, ha="right")
-    ax.minorticks_off()
-    ax.set_xlabel(f"size (bytes, float32 {collective})")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(f"Predicted {collective} busbw on {model.name}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot.close(fig)
 
 
 # ---------------------------------------------------------------------------------------
@@ -534,7 +476,12 @@ def _parser() -> argparse.ArgumentParser:
         "--amd-cpu", action="store_true", help="with --hosts: NCCL's figures for AMD CPUs"
     )
     parser.add_argument("--plot", metavar="PNG", help="plot busbw against size (matplotlib)")
-    parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the rows as a JSON list to FILE; '-' writes them to stdout (the table then "
+        "goes to stderr)",
+    )
     return parser
 
 
@@ -552,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nics, --nic-gbps and --amd-cpu apply with --hosts")
     pyplot = None
     if args.plot is not None:
-        pyplot = _import_pyplot()
+        from . import _plan_plot  # imports this module
+
+        pyplot = _plan_plot.import_pyplot()
         if pyplot is None:
             print("error: install matplotlib to plot (pip install matplotlib)", file=sys.stderr)
             return 1
@@ -566,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return _plan_hosts.main(parser, args, model)
     # Printed size by size: large payloads on a CPU model take a while to simulate.
-    print(format_header(model, args.collective), flush=True)
+    out = table_stream(args.json)
+    print(format_header(model, args.collective), file=out, flush=True)
     table: list[Row] = []
     for i, size in enumerate(args.sizes):
         if gather_scatter:
@@ -576,13 +526,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             table_rows = size_rows(model, size, args.num_packs)
         block = "\n".join(format_row(r) for r in table_rows)
-        print(("\n" if i > 0 else "") + block, flush=True)
+        print(("\n" if i > 0 else "") + block, file=out, flush=True)
         table += table_rows
     try:
         if args.json is not None:
             write_json(args.json, table)
         if pyplot is not None:
-            plot(model, table, args.plot, pyplot, args.collective)
+            _plan_plot.plot(model, table, args.plot, pyplot, args.collective)
     except OSError as e:  # e.g. a folder that does not exist: the table is printed already
         print(f"error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
         return 1
