@@ -134,13 +134,15 @@ def get_extensions() -> list[CppExtension]:
         sources += sorted(glob.glob(os.path.join("csrc", layer, "*.cc")))
     debug = os.environ.get("XDEV_DEBUG_BUILD", "0") == "1"
     cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
+    # -G: device code without optimisation, for cuda-gdb; -lineinfo: source lines for profilers.
+    nvcc_flags = (["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]) + ["-std=c++17"]
     cxx_flags += ["-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
     if USE_CUDA:
         return [
             CUDAExtension(
                 "torch_xdev._C",
                 sources + CUDA_SOURCES,
-                extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "-std=c++17"]},
+                extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
                 define_macros=[("XDEV_WITH_CUDA", "1")],
             )
         ]
