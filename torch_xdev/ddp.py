@@ -75,7 +75,9 @@ def avg_comm_hook(
     Register with ``model.register_comm_hook(state, torch_xdev.avg_comm_hook)``, where
     ``state`` is the process group DDP was built on, or ``None`` for the default group. Works on
     any backend that supports AVG; results equal DDP's default hook within floating-point
-    rounding (the sum is divided once instead of every term).
+    rounding (the sum is divided once instead of every term), except under
+    ``Join(..., divide_by_initial_world_size=False)``: DDP's default hook then divides by the
+    ranks still training, this one (as PyTorch's ``allreduce_hook``) by the group's size.
     """
     buffer = bucket.buffer()
     if not buffer.is_cuda and waits_for_cpu_buckets(process_group):

@@ -386,6 +386,16 @@ at::Tensor XdevBackend::allocateTensor(long size, at::TensorOptions options) {
                                         : "its GPU is cuda:" + std::to_string(info->device),
                       ")");
   }
+  if (at::isComplexType(dtype)) {
+    // PyTorch's Reducer (2.13, 2.14) takes the real view of a complex bucket only when it
+    // allocates the bucket itself, and fails on one from allocateTensor. A complex tensor is
+    // what the call asks for (FSDP2 uses it so), so it is returned; the warning names DDP's fix.
+    TORCH_WARN_ONCE(
+        "xdev allocateTensor: a complex tensor. If this is a DDP bucket, PyTorch's Reducer "
+        "fails on it (\"setStorage: ... out of bounds\"): for a model with complex "
+        "parameters set XDEV_SHARED_BUCKETS=0 (or DDP_DISABLE_COMM_MEM=1) before creating the "
+        "process group, and DDP allocates its buckets itself.");
+  }
   try {
     return cuda ? cuda_->allocate_tensor(size, dtype) : shared_.allocate(size, dtype);
   } catch (const std::invalid_argument& e) {
