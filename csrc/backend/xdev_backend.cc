@@ -316,6 +316,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   in.op_supported = native_ok;
   in.num_tensors = static_cast<int64_t>(tensors.size());
   in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+  in.engine_may_drop_nan = min_or_max_of_floats(opts.reduceOp, tensors);
   if (in.op_is_avg)
     in.fallback_has_avg = fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors));
   SharedPlacement shared;

@@ -81,9 +81,10 @@ Selection across_hosts(const SelectionInput& in) {
         "select_allreduce: the two-level plan needs a host and a network "
         "model");
   }
-  const AcrossHostsChoice c =
+  AcrossHostsChoice c =
       choose_across_hosts({in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
                           *in.network, *in.host_model, in.two_level_pieces);
+  if (in.engine_may_drop_nan) keep_nan_across_hosts(c);
   s.reason = c.reason;
   s.predicted_s = c.predicted_s;
   if (c.two_level) {
@@ -385,9 +386,10 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
       throw std::invalid_argument(
           "select_gather_scatter: the two-level form needs a host and a network model");
     }
-    const AcrossHostsChoice c = choose_gather_scatter_across_hosts(
+    AcrossHostsChoice c = choose_gather_scatter_across_hosts(
         in.kind, {in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
         in.elem_bytes, *in.network, *in.host_model);
+    if (in.engine_may_drop_nan) keep_nan_across_hosts(c);
     s.reason = c.reason;
     s.predicted_s = c.predicted_s;
     if (c.two_level) {

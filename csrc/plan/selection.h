@@ -135,6 +135,9 @@ struct SelectionInput {
   int ranks_per_host = 1;
   const MachineModel* host_model = nullptr;
   const NetworkParams* network = nullptr;
+  // A floating-point MIN or MAX: where the two-level plan can run it runs, as
+  // the engine's ring can drop a NaN (keep_nan_across_hosts).
+  bool engine_may_drop_nan = false;
   // The pieces the two-level allreduce is pipelined in (Options.two_level_pieces);
   // 0: the model's choice (schedule_two_level).
   int two_level_pieces = 0;
@@ -260,6 +263,8 @@ struct GatherScatterInput {
   int ranks_per_host = 1;
   const MachineModel* host_model = nullptr;
   const NetworkParams* network = nullptr;
+  // A floating-point MIN or MAX reduce-scatter: as SelectionInput's.
+  bool engine_may_drop_nan = false;
 };
 
 struct GatherScatterSelection {

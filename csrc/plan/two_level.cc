@@ -235,6 +235,7 @@ AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
   AcrossHostsChoice c;
   c.two_level = two.predicted_s < ring;
   c.predicted_s = std::min(two.predicted_s, ring);
+  c.two_level_s = two.predicted_s;
   c.pieces = two.pieces;
   c.leader = two.leader;
   const std::string in_pieces = two.leader ? " (leader form: one rank per host crosses)"
@@ -356,6 +357,7 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
   }
   AcrossHostsChoice c;
   c.two_level = two < ring;
+  c.two_level_s = two;
   c.leader = leader;
   c.predicted_s = std::min(two, ring);
   char buf[320];
@@ -366,6 +368,15 @@ AcrossHostsChoice choose_gather_scatter_across_hosts(GatherScatterKind kind,
                 leader ? " (leader form: one rank per host crosses)" : "", ring * 1e6);
   c.reason = buf;
   return c;
+}
+
+void keep_nan_across_hosts(AcrossHostsChoice& c) {
+  if (c.two_level) return;
+  c.two_level = true;
+  c.predicted_s = c.two_level_s;
+  c.reason +=
+      "; two levels all the same: a floating-point MIN or MAX keeps a NaN there, which the "
+      "engine's ring can drop";
 }
 
 double predict_flat_broadcast_s(const HostLayout& hosts, int64_t bytes, const NetworkParams& net) {

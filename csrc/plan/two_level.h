@@ -167,8 +167,9 @@ TwoLevelSchedule schedule_two_level(const HostLayout& hosts, int64_t bytes,
 struct AcrossHostsChoice {
   bool two_level = false;
   double predicted_s = 0;
-  int pieces = 1;       // the two-level allreduce's pipeline (schedule_two_level)
-  bool leader = false;  // its leader form (schedule_two_level; a gather/scatter's own)
+  double two_level_s = 0;  // the two-level plan's prediction, chosen or not
+  int pieces = 1;          // the two-level allreduce's pipeline (schedule_two_level)
+  bool leader = false;     // its leader form (schedule_two_level; a gather/scatter's own)
   std::string reason;
 };
 
@@ -176,6 +177,12 @@ struct AcrossHostsChoice {
 AcrossHostsChoice choose_across_hosts(const HostLayout& hosts, int64_t bytes,
                                       const NetworkParams& net, const MachineModel& host,
                                       int forced_pieces = 0);
+
+// Two levels whatever the model predicts, the reason says why: for a
+// floating-point MIN or MAX, whose NaN the two-level plans keep (xdev's kernels
+// reduce across hosts) and the engine's ring can drop, so that the result does
+// not depend on the size.
+void keep_nan_across_hosts(AcrossHostsChoice& c);
 
 // ---- Reduce-scatter and all-gather across hosts ----
 //

@@ -471,3 +471,35 @@ TEST(select_gather_scatter_across_hosts) {
   no.requested = Algorithm::kFallback;
   CHECK_EQ(select_gather_scatter(no).path, GatherScatterPath::kFallback);
 }
+
+TEST(a_floating_point_min_or_max_takes_two_levels_where_the_ring_is_predicted_faster) {
+  // The engine's ring can drop a NaN that the two-level plans keep: the result must not
+  // depend on which one the model predicts faster.
+  const NetworkParams net = xdev_test::fast_network();
+  const MachineModel host = xdev_test::slow_cpu_host(2);
+  SelectionInput in = across_hosts_input(host, net, 2, 2, 64 * kMiB);
+  const Selection sum = select_allreduce(in);
+  CHECK(!sum.two_level);  // the model's own choice: the ring
+  in.engine_may_drop_nan = true;
+  const Selection max = select_allreduce(in);
+  CHECK(max.two_level && max.algorithm == Algorithm::kFlat);
+  CHECK(max.predicted_s > sum.predicted_s);  // the two-level plan's time, not the ring's
+  CHECK(max.reason.find("keeps a NaN") != std::string::npos);
+  in.two_level_available = false;  // where two levels cannot run, the engine still does
+  CHECK(!select_allreduce(in).two_level);
+
+  GatherScatterInput gs;
+  gs.world_size = 4;
+  gs.num_hosts = 2;
+  gs.transport_available = false;
+  gs.payload_bytes = 64 * kMiB;
+  gs.two_level_available = true;
+  gs.ranks_per_host = 2;
+  gs.host_model = &host;
+  gs.network = &net;
+  CHECK_EQ(select_gather_scatter(gs).path, GatherScatterPath::kFallback);
+  gs.engine_may_drop_nan = true;
+  const GatherScatterSelection s = select_gather_scatter(gs);
+  CHECK_EQ(s.path, GatherScatterPath::kTwoLevel);
+  CHECK(s.reason.find("keeps a NaN") != std::string::npos);
+}
