@@ -349,16 +349,21 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
   if (sel.path == plan::GatherScatterPath::kFallback) {
     // Checked here: Gloo reads each output's blocks without checking their sizes.
     check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, size_);
-    const bool contiguous = std::all_of(outputs.begin(), outputs.end(),
-                                        [](const at::Tensor& t) { return t.is_contiguous(); });
-    if (!contiguous) {
-      return fallbacks_.track(
-          delegate(inputs)->allgather_into_tensor_coalesced(outputs, inputs, opts));
-    }
-    std::vector<at::Tensor> flat_outs = flat_views(outputs);
-    std::vector<at::Tensor> flat_ins = flattened(inputs);
-    return fallbacks_.track(
-        delegate(inputs)->allgather_into_tensor_coalesced(flat_outs, flat_ins, opts));
+    // Gloo packs every pair into one buffer of one dtype, which garbled pairs of
+    // several dtypes: an all-gather moves bytes, so the engine gets bytes, and
+    // strided outputs as contiguous copies (on_contiguous copies them back).
+    c10d::Backend* engine = delegate(inputs);
+    std::vector<at::Tensor> byte_inputs;
+    for (const at::Tensor& t : inputs)
+      byte_inputs.push_back(t.reshape({-1}).contiguous().view(at::kByte));
+    return fallbacks_.on_contiguous(
+        group_, outputs, c10d::OpType::COALESCED, "xdev:all_gather_into_tensor_coalesced",
+        [engine, &byte_inputs, &opts](std::vector<at::Tensor>& contiguous_outputs) {
+          std::vector<at::Tensor> byte_outputs;
+          for (const at::Tensor& t : contiguous_outputs)
+            byte_outputs.push_back(t.view({-1}).view(at::kByte));
+          return engine->allgather_into_tensor_coalesced(byte_outputs, byte_inputs, opts);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather(outputs, inputs, c10d::OpType::COALESCED,
