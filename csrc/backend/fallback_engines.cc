@@ -307,7 +307,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::then(GroupContext& group,
     try {
       finish();
     } catch (const std::exception& e) {
-      // E.g. an AVG of bool tensors, whose quotient has no bool to go in.
+      // The division or the copy back, which fails on this rank alone.
       throw CallError(std::string("after the engine's ") + what + ": " + e.what());
     }
   };
