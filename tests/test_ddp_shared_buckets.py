@@ -351,11 +351,15 @@ class ComplexNet(torch.nn.Module):
         return (self.weights * x).abs().sum() + self.head(x.real).sum()
 
 
-def complex_gradients(rank: int, group: Optional[dist.ProcessGroup]) -> list[complex]:
-    model = DDP(ComplexNet(), process_group=group)
+def complex_gradients(
+    rank: int, group: Optional[dist.ProcessGroup], ddp: bool = True
+) -> list[complex]:
+    """The gradient of `rank`'s batch: averaged over the group by DDP, or this rank's own."""
+    net = ComplexNet()
+    model = DDP(net, process_group=group) if ddp else net
     x = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(rank))
     model(x).backward()
-    grad = model.module.weights.grad
+    grad = net.weights.grad
     assert grad is not None
     return [complex(v) for v in grad.tolist()]
 
@@ -382,7 +386,7 @@ def test_a_model_with_complex_parameters(
     results = run_ranks(complex_worker, 2, timeout=SPAWN_TIMEOUT_S, env=clean_env)
     ranks_stderr = capfd.readouterr().err
     # The mean of both ranks' gradients, from each rank's own, computed here.
-    local = [complex_gradients_alone(rank) for rank in range(2)]
+    local = [complex_gradients(rank, None, ddp=False) for rank in range(2)]
     mean = [(a + b) / 2 for a, b in zip(*local)]
     for rank, result in enumerate(results):
         assert result["gloo"] == pytest.approx(mean, rel=1e-6), rank
@@ -396,12 +400,3 @@ def test_a_model_with_complex_parameters(
             assert "XDEV_SHARED_BUCKETS=0" in ranks_stderr
         else:
             assert shared == result["gloo"], rank
-
-
-def complex_gradients_alone(rank: int) -> list[complex]:
-    model = ComplexNet()
-    x = torch.randn(6, dtype=torch.complex64, generator=torch.Generator().manual_seed(rank))
-    model(x).backward()
-    grad = model.weights.grad
-    assert grad is not None
-    return [complex(v) for v in grad.tolist()]

@@ -449,13 +449,15 @@ def _shapes_on_every_path(rank: int, world: int) -> None:
         # Pairs of several dtypes in one coalesced call (functional collectives, FSDP2's
         # mixed-precision buffers): Gloo packed them into one buffer of one dtype.
         pairs = [(torch.float32, (n,)), (torch.float64, (2, 3)), (torch.int64, (5,))]
-        mine = [(torch.arange(math.prod(s)) + 100 * rank).to(d).view(s) for d, s in pairs]
+
+        def block(r: int, d: torch.dtype, s: tuple[int, ...]) -> torch.Tensor:
+            return (torch.arange(math.prod(s)) + 100 * r).to(d).view(s)
+
+        mine = [block(rank, d, s) for d, s in pairs]
         outs = [torch.zeros(world * x.shape[0], *x.shape[1:], dtype=x.dtype) for x in mine]
         pg.allgather_into_tensor_coalesced(outs, mine).wait()
         for out, (d, s) in zip(outs, pairs):
-            want = torch.cat(
-                [(torch.arange(math.prod(s)) + 100 * r).to(d).view(s) for r in range(world)]
-            )
+            want = torch.cat([block(r, d, s) for r in range(world)])
             assert torch.equal(out, want), f"{path} all_gather_into_tensor_coalesced of {d}"
         with pytest.raises(ValueError, match="element"):
             pg.reduce_scatter_tensor_coalesced([torch.zeros(n)], [torch.ones(world * n + 1)])

@@ -90,6 +90,7 @@ Sizes are in bytes of float32 elements, so they must be multiples of 4.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -371,11 +372,9 @@ def format_header(model: MachineModel, collective: str = "allreduce") -> str:
 
 def write_json(path: str, table: Sequence[Row]) -> None:
     """``--json``: the rows as a JSON list, into a file or, for ``-``, onto stdout."""
-    if path == "-":
-        json.dump(list(table), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return
-    with open(path, "w", encoding="utf-8") as f:
+    with (
+        contextlib.nullcontext(sys.stdout) if path == "-" else open(path, "w", encoding="utf-8")
+    ) as f:
         json.dump(list(table), f, indent=1)
         f.write("\n")
 

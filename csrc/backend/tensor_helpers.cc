@@ -271,12 +271,6 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
   for (const at::Tensor& t : tensors) premul_factor(t, op);
 }
 
-bool min_or_max_of_floats(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors) {
-  return (op.op_ == c10d::ReduceOp::MIN || op.op_ == c10d::ReduceOp::MAX) &&
-         std::any_of(tensors.begin(), tensors.end(),
-                     [](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()); });
-}
-
 void refuse_avg_of_bool(const char* what, const c10d::ReduceOp& op,
                         const std::vector<at::Tensor>& tensors) {
   if (op.op_ != c10d::ReduceOp::AVG) return;

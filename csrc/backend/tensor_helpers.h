@@ -97,9 +97,6 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
                                       const c10d::ReduceOp& op);
-// A MIN or MAX of floating-point tensors: xdev's kernels keep a NaN from any
-// rank, where Gloo's comparison can drop it.
-bool min_or_max_of_floats(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors);
 // Raises TypeError for an AVG of bool tensors, as NCCL does: a mean of booleans
 // has no bool to go in, and the engine's SUM would have overwritten the tensors
 // before the division failed. Checked before anything runs.

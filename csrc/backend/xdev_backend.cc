@@ -285,7 +285,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   ++collectives_called_;
   TORCH_CHECK_VALUE(!tensors.empty(), "xdev allreduce: no tensors given");
   const c10::Device device = tensors[0].device();
-  bool native_ok = native_op(opts.reduceOp).has_value();
+  const std::optional<kernels::ReduceOp> reduce_op = native_op(opts.reduceOp);
+  bool native_ok = reduce_op.has_value();
   for (const at::Tensor& t : tensors) {
     TORCH_CHECK_VALUE(t.device() == device,
                       "xdev allreduce: all tensors must be on one device; got ", device, " and ",
@@ -316,7 +317,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   in.op_supported = native_ok;
   in.num_tensors = static_cast<int64_t>(tensors.size());
   in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
-  in.engine_may_drop_nan = min_or_max_of_floats(opts.reduceOp, tensors);
+  // Where the two-level plan keeps a NaN the engine's ring can drop (one dtype: its condition).
+  in.engine_may_drop_nan = reduce_op && gathers_across_hosts(*reduce_op, tensors[0].scalar_type());
   if (in.op_is_avg)
     in.fallback_has_avg = fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors));
   SharedPlacement shared;

@@ -172,7 +172,9 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
     in.ranks_per_host = group_.local_world_size();
     in.host_model = &two_level_->host_model();
     in.network = &two_level_->network();
-    in.engine_may_drop_nan = op != nullptr && min_or_max_of_floats(*op, full_tensors);
+    const std::optional<kernels::ReduceOp> reduce = op ? native_op(*op) : std::nullopt;
+    in.engine_may_drop_nan = reduce && !full_tensors.empty() &&
+                             gathers_across_hosts(*reduce, full_tensors[0].scalar_type());
   }
   plan::GatherScatterSelection sel = plan::select_gather_scatter(in);
   if (sel.path == plan::GatherScatterPath::kFallback && in.payload_bytes != full_bytes) {
