@@ -381,6 +381,26 @@ def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
     assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]
 
 
+def test_an_extension_built_for_another_torch_minor_version_is_refused_at_import() -> None:
+    assert torch_xdev._torch_mismatch(_C.built_with_torch, torch.__version__) is None
+    assert torch_xdev._torch_mismatch("2.13.0", "2.13.1+cpu") is None  # one ABI per minor version
+    # A torch upgraded under an installed torch_xdev: the import says what to rebuild against.
+    upgraded = (
+        "import torch; torch.__version__ = '2.99.0+cpu'\n"
+        "try:\n    import torch_xdev\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", upgraded],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"built against torch {_C.built_with_torch}, but torch 2.99.0+cpu is running" in out
+    assert "pip install --no-build-isolation ." in out
+
+
 def test_ddp_comm_mem_default_changes_no_other_backend(tmp_path: Path) -> None:
     # Set for the user only when unset and no GPU is visible (no NCCL group can exist).
     env: dict[str, str] = {}

@@ -99,6 +99,7 @@ def wait_for_detached_teardowns(timeout: timedelta) -> bool: ...
 def detached_teardowns() -> tuple[int, int]: ...
 
 built_with_cuda: bool
+built_with_torch: str
 
 class plan:
     """The submodule torch_xdev._C.plan (csrc/backend/plan_bindings.cc): the cost model.

@@ -33,6 +33,27 @@ except ImportError as e:  # typically: importing the source tree instead of the 
     raise ImportError(
         f"torch_xdev's C++ extension could not be loaded from {__path__[0]} ({e}). {hint}"
     ) from e
+
+
+def _torch_mismatch(built_with: str, running: str) -> Optional[str]:
+    """Why an extension built against torch ``built_with`` cannot run in torch ``running``.
+
+    None when their major and minor versions agree: torch keeps its C++ ABI within a minor
+    version, not across them, and an extension that still loads across them can crash later.
+    """
+    if built_with.split("+")[0].split(".")[:2] == running.split("+")[0].split(".")[:2]:
+        return None
+    return (
+        f"torch_xdev was built against torch {built_with}, but torch {running} is running: a C++ "
+        "extension of torch runs only with the torch minor version it was compiled against. "
+        "Rebuild it against the torch you run: `pip install --no-build-isolation .` (or "
+        "`python setup.py build_ext --inplace` in the checkout)."
+    )
+
+
+_mismatch = _torch_mismatch(_C.built_with_torch, torch.__version__)
+if _mismatch is not None:
+    raise ImportError(_mismatch)
 from ._registration import (
     BACKEND_NAME,
     backend_of,

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 #include <optional>
 
@@ -312,6 +313,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "(started, in flight): threads that finish destroying a group, since the process began.");
 
+  // The extension's C++ ABI is that of the torch it was compiled against;
+  // torch_xdev's import compares it with the torch that loads it.
+  m.attr("built_with_torch") = TORCH_VERSION;
 #ifdef XDEV_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else
