@@ -1,4 +1,4 @@
-"""GPU link matrices shared by the topology and CUDA tests."""
+"""GPU link matrices shared by the topology, NVML probe and CUDA tests."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ DGX1_V100: list[list[int]] = [
     [0, 0, 1, 0, 1, 2, 0, 2],
     [0, 0, 0, 1, 2, 1, 2, 0],
 ]
+
+
+def zeros(n: int) -> list[list[int]]:
+    """No link between any of n GPUs."""
+    return [[0] * n for _ in range(n)]
