@@ -32,7 +32,7 @@ from collective_cases import (
     reference,
 )
 from harness import run_ranks
-from test_two_level import _assert_sums, _hosts_env, _killed_on_one_host
+from test_two_level import TIMEOUT_S, _assert_sums, _hosts_env, _killed_on_one_host
 
 SMALL_SLOT = 4096  # bytes per slot: the larger pieces span several windows
 SIZES = (1, 2, 7, 1021, 70001)
@@ -143,10 +143,12 @@ def test_killed_rank_mid_pipeline_fails_every_rank_of_every_host(tmp_path: Path)
     # Slow streams, so the 256 KiB allreduce after the kill runs two levels in 4 pieces.
     model = _network_model(tmp_path, net_stream_gbps=0.01)
     env = [{**e, "XDEV_CPU_MODEL": model, "XDEV_TWO_LEVEL_PIECES": "4"} for e in _hosts_env([2, 2])]
-    messages = run_ranks(
-        _killed_on_one_host, 4, 3, 1 << 16, per_rank_env=env, timeout=180, expect_dead=(3,)
+    results = run_ranks(
+        _killed_on_one_host, 4, 3, 1 << 16, per_rank_env=env, timeout=240, expect_dead=(3,)
     )
-    assert all(m for m in messages[:3]), messages
+    messages = [m for m, _ in results[:3]]
+    assert all(messages), messages
+    assert all(seconds < TIMEOUT_S / 3 for _, seconds in results[:3]), results
     # Its host's other rank sees it exit in the first piece's reduce-scatter inside the host.
     assert "exited" in messages[2] and "group ranks 2, 3" in messages[2], messages[2]
 

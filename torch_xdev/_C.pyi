@@ -108,6 +108,8 @@ class plan:
     it is a module. Prediction and Choice exist for type checking only.
     """
 
+    MAX_PACKS: int
+
     class MachineModel:
         @property
         def name(self) -> str: ...

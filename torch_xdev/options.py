@@ -110,13 +110,14 @@ def _check_optional_count(name: str, value: Any) -> None:
         )
 
 
-# Plans, executors and the CPU cost model take time linear in the number of packs (packs from
-# bytes_per_pack or one per tensor are not capped). Under auto the model predicts at the count
-# a user sets, and on GPU hosts, where packs pipeline, its simulation shares bandwidth among
-# the flows in progress at every event. Choosing for one size class (1 MiB / 32 MiB) takes
-# 0.5 / 1.4 s on dgx1-v100 at 1024 packs and 7 / 23 s at 4096; on cpu-8 0.5 / 2.3 s and
-# 2 / 9 s. Nothing gains from more: auto's own candidates go up to 48 packs per rank.
-MAX_PACKS = 1 << 10
+# Plans, executors and the CPU cost model take time linear in the number of packs (packs
+# from one per tensor are not capped; bytes_per_pack makes at most this many too, see
+# csrc/plan/packing.h). Under auto the model predicts at the count a user sets, and on GPU
+# hosts, where packs pipeline, its simulation shares bandwidth among the flows in progress at
+# every event. Choosing for one size class (1 MiB / 32 MiB) takes 0.5 / 1.4 s on dgx1-v100 at
+# 1024 packs and 7 / 23 s at 4096; on cpu-8 0.5 / 2.3 s and 2 / 9 s. Nothing gains from more:
+# auto's own candidates go up to 48 packs per rank.
+MAX_PACKS: int = _C.plan.MAX_PACKS
 
 
 def _check_packs(name: str, value: Any) -> None:
@@ -212,7 +213,8 @@ class Options:
         agg_small_grads_max_bytes, agg_small_grads_max_group: small-tensor
             aggregation when both are > 0, ``num_packs`` is 0 or ``None`` and
             ``bytes_per_pack`` is 0.
-        bytes_per_pack: cut the payload into packs of this many bytes (0: off).
+        bytes_per_pack: cut the payload into packs of this many bytes (0: off; at most
+            1024 packs).
         reduce_to_rank: the root of reduce-to-one.
         timeout: per-collective timeout; ``None`` uses the group's timeout.
         shm_slot_bytes: staging bytes per rank and slot set; larger payloads

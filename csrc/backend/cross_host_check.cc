@@ -61,7 +61,7 @@ const int64_t* fields_in(const at::Tensor& messages, int host) {
 
 }  // namespace
 
-CrossHostCheck::CrossHostCheck(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
+CrossHostCheck::CrossHostCheck(GroupContext& group, std::shared_ptr<CrossHostEngine> engine)
     : group_(group), engine_(std::move(engine)) {}
 
 const char* CrossHostCheck::payload_of(const at::Tensor& messages, int host) {
@@ -85,7 +85,7 @@ c10::intrusive_ptr<c10d::Work> CrossHostCheck::start_all_gather(
   at::Tensor out = all;
   c10d::AllgatherOptions opts;
   opts.timeout = engine_timeout(deadline);
-  return engine_->_allgather_base(out, in, opts);
+  return engine_->get()._allgather_base(out, in, opts);
 }
 
 void CrossHostCheck::wait_all_gather(const c10::intrusive_ptr<c10d::Work>& work,

@@ -31,11 +31,13 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "../kernels/cpu_reduce.h"
 #include "../transport/shm_channel.h"
+#include "cross_host_engine.h"
 #include "group_context.h"
 
 namespace xdev::backend {
@@ -43,7 +45,7 @@ namespace xdev::backend {
 class CrossHostCheck {
  public:
   // engine: this rank's cross-host group (its ranks there are host indices).
-  CrossHostCheck(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+  CrossHostCheck(GroupContext& group, std::shared_ptr<CrossHostEngine> engine);
 
   // On the op thread, before any data of the collective crosses hosts. `call`
   // describes this rank's call (its seq is ignored); `what` names the
@@ -132,7 +134,7 @@ class CrossHostCheck {
                               transport::Clock::time_point deadline);
 
   GroupContext& group_;
-  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::shared_ptr<CrossHostEngine> engine_;
 };
 
 }  // namespace xdev::backend

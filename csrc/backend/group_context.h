@@ -199,6 +199,10 @@ class GroupContext {
   // Whether a failure has made the group unusable (set before the failed
   // call's Work completes, so a caller told of the failure sees it).
   bool poisoned() const { return poisoned_flag_.load(); }
+  // Runs `hook` on the op thread when a failure poisons the group, after the
+  // failed call's body has unwound and before its Work completes. Set before
+  // the first collective (the backend's constructor).
+  void on_poison(std::function<void()> hook) { on_poison_ = std::move(hook); }
 
  private:
   void rendezvous_hosts();
@@ -249,7 +253,9 @@ class GroupContext {
     poisoned_ = why;
     poisoned_flag_.store(true);
     mark_left();
+    if (on_poison_) on_poison_();
   }
+  std::function<void()> on_poison_;
 
   std::mutex log_mutex_;
   std::set<std::string> logged_;

@@ -13,6 +13,7 @@
 #include "../plan/cuda_across_hosts.h"
 #include "../plan/gather_scatter_predict.h"
 #include "../plan/machines.h"
+#include "../plan/packing.h"
 #include "../plan/predict.h"
 #include "../plan/schedule.h"
 #include "../plan/selection.h"
@@ -131,6 +132,9 @@ void bind_plan(py::module_& parent) {
       .def("__repr__", [](const plan::MachineModel& mm) {
         return "<MachineModel " + mm.name() + ": " + std::to_string(mm.num_devices()) + " devices>";
       });
+
+  // Options.num_packs' bound; bytes_per_pack makes no more packs either.
+  m.attr("MAX_PACKS") = plan::kMaxPacks;
 
   m.def("builtin_machine", &plan::builtin_machine, py::arg("name"),
         "A built-in machine model by name, one of builtin_machine_names() (e.g. hgx-h100, "

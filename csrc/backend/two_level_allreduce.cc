@@ -118,7 +118,7 @@ void run_in_host_step(GroupContext& group, transport::GatherScatterExecutor& exe
 }
 
 TwoLevelAllreduce::TwoLevelAllreduce(GroupContext& group, const SharedBuffers& shared,
-                                     c10::intrusive_ptr<c10d::Backend> engine)
+                                     std::shared_ptr<CrossHostEngine> engine)
     : group_(group),
       shared_(shared),
       host_model_(cpu_host_model(group.config(), group.local_world_size(), group.machine_cores())),
@@ -212,14 +212,14 @@ void TwoLevelAllreduce::run(const at::Tensor& flat, kernels::ReduceOp op, int pi
       c10d::AllgatherOptions opts;
       opts.timeout = engine_timeout(deadline);
       at::Tensor in = p.slice;
-      p.engine_work = engine_->_allgather_base(p.gathered, in, opts);
+      p.engine_work = engine_->get()._allgather_base(p.gathered, in, opts);
       return;
     }
     std::vector<at::Tensor> engine_tensors{p.slice};
     c10d::AllreduceOptions opts;
     opts.reduceOp = two_level_engine_op(op);
     opts.timeout = engine_timeout(deadline);
-    p.engine_work = engine_->allreduce(engine_tensors, opts);
+    p.engine_work = engine_->get().allreduce(engine_tensors, opts);
   };
   const auto finish = [&](Piece& p) {
     if (p.engine_work) {
@@ -267,7 +267,7 @@ void TwoLevelAllreduce::barrier(transport::Clock::time_point deadline) {
   group_.host_channel()->barrier(deadline, "barrier (the ranks of this host" + where_);
   c10d::BarrierOptions opts;
   opts.timeout = engine_timeout(deadline);
-  wait_for_engine(engine_->barrier(opts), opts.timeout,
+  wait_for_engine(engine_->get().barrier(opts), opts.timeout,
                   "barrier: the engine's barrier across hosts");
 }
 

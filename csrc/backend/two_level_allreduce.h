@@ -96,7 +96,7 @@ class TwoLevelAllreduce {
   // there are host indices).
   // shared: says which tensors lie in this host's symmetric heap.
   TwoLevelAllreduce(GroupContext& group, const SharedBuffers& shared,
-                    c10::intrusive_ptr<c10d::Backend> engine);
+                    std::shared_ptr<CrossHostEngine> engine);
 
   const plan::MachineModel& host_model() const { return host_model_; }
   const plan::NetworkParams& network() const { return network_; }
@@ -166,7 +166,7 @@ class TwoLevelAllreduce {
   plan::NetworkParams network_;
   transport::GatherScatterExecutor executor_;
   transport::ShmExecutor broadcast_executor_;  // the leader form's last step
-  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::shared_ptr<CrossHostEngine> engine_;
   CrossHostCheck check_;
   std::string where_;  // how errors name this host and its ranks
 };

@@ -12,7 +12,7 @@
 
 namespace xdev::backend {
 
-TwoLevelBroadcast::TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine)
+TwoLevelBroadcast::TwoLevelBroadcast(GroupContext& group, std::shared_ptr<CrossHostEngine> engine)
     : group_(group),
       executor_(*group.host_channel()),
       engine_(engine),
@@ -97,7 +97,7 @@ c10::intrusive_ptr<c10d::Work> TwoLevelBroadcast::broadcast(std::vector<at::Tens
               c10d::BroadcastOptions opts;
               opts.rootRank = root_host;
               opts.timeout = engine_timeout(deadline);
-              wait_for_engine(engine_->broadcast(engine_tensors, opts), opts.timeout,
+              wait_for_engine(engine_->get().broadcast(engine_tensors, opts), opts.timeout,
                               "two-level broadcast: the engine's broadcast across hosts");
             }
             if (bytes.size() > 1) unpack_into(payload, bytes);

@@ -32,7 +32,7 @@ class TwoLevelBroadcast {
   // The group must have a host channel (GroupContext::host_channel). engine:
   // the ranks of this rank's local index, one per host (their ranks there are
   // host indices).
-  TwoLevelBroadcast(GroupContext& group, c10::intrusive_ptr<c10d::Backend> engine);
+  TwoLevelBroadcast(GroupContext& group, std::shared_ptr<CrossHostEngine> engine);
 
   // Every rank's tensors become root's (group rank).
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor> tensors, int root,
@@ -41,7 +41,7 @@ class TwoLevelBroadcast {
  private:
   GroupContext& group_;
   transport::ShmExecutor executor_;
-  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::shared_ptr<CrossHostEngine> engine_;
   CrossHostCheck check_;
   std::string what_;  // how errors name the step inside the host
 };

@@ -32,7 +32,7 @@ at::Tensor flat_for_list(const char* what, const std::vector<at::Tensor>& list,
 }  // namespace
 
 TwoLevelGatherScatter::TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
-                                             c10::intrusive_ptr<c10d::Backend> engine,
+                                             std::shared_ptr<CrossHostEngine> engine,
                                              TwoLevelAllreduce& allreduce)
     : group_(group),
       shared_(shared),
@@ -201,7 +201,7 @@ void TwoLevelGatherScatter::run_all_gather(const std::vector<at::Tensor>& output
     c10d::AllgatherOptions opts;
     opts.timeout = engine_timeout(deadline);
     at::Tensor in = mine;
-    wait_for_engine(engine_->_allgather_base(gathered, in, opts), opts.timeout,
+    wait_for_engine(engine_->get()._allgather_base(gathered, in, opts), opts.timeout,
                     "two-level all_gather: the engine's all-gather across hosts");
   }
   // Where host h's blocks lie (the all-gather inside the host only reads them).
@@ -377,7 +377,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     at::Tensor out = rows;
     at::Tensor in = packed;
     std::vector<int64_t> even;  // empty: every host sends each host the same share
-    wait_for_engine(engine_->alltoall_base(out, in, even, even, opts), opts.timeout,
+    wait_for_engine(engine_->get().alltoall_base(out, in, even, even, opts), opts.timeout,
                     "two-level reduce_scatter: the engine's all-to-all across hosts");
     reduce_rows_in_host_order(rows, hosts, op, mine);
   } else if (total > 0) {
@@ -386,7 +386,7 @@ void TwoLevelGatherScatter::run_reduce_scatter(const std::vector<at::Tensor>& ou
     opts.timeout = engine_timeout(deadline);
     at::Tensor out = mine;
     at::Tensor in = packed;
-    wait_for_engine(engine_->_reduce_scatter_base(out, in, opts), opts.timeout,
+    wait_for_engine(engine_->get()._reduce_scatter_base(out, in, opts), opts.timeout,
                     "two-level reduce_scatter: the engine's reduce-scatter across hosts");
   }
   if (ops.divide_after && !carried) divide_for_avg(mine, group_.size());

@@ -75,7 +75,7 @@ class TwoLevelGatherScatter {
   // group's two-level allreduce, which runs the reduce-scatter's leader form
   // (it must outlive this object).
   TwoLevelGatherScatter(GroupContext& group, const SharedBuffers& shared,
-                        c10::intrusive_ptr<c10d::Backend> engine, TwoLevelAllreduce& allreduce);
+                        std::shared_ptr<CrossHostEngine> engine, TwoLevelAllreduce& allreduce);
 
   // outputs[i] (P * C_i elements) = every rank's inputs[i] (C_i elements) in
   // rank order. Any dtype: bytes move. `leader`: in the leader form (the
@@ -147,7 +147,7 @@ class TwoLevelGatherScatter {
   const SharedBuffers& shared_;
   transport::GatherScatterExecutor executor_;
   transport::ShmExecutor broadcast_executor_;  // the all-gather leader form's last step
-  c10::intrusive_ptr<c10d::Backend> engine_;
+  std::shared_ptr<CrossHostEngine> engine_;
   TwoLevelAllreduce& allreduce_;
   CrossHostCheck check_;
   // Group ranks in host-major order; undefined when that is rank order.

@@ -33,9 +33,14 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   if (group_.num_hosts() > 1) {
     if (group_.host_channel() != nullptr && cross_host_engine) {
       // One engine per local index: the ranks of local rank l on every host.
-      const c10::intrusive_ptr<c10d::Backend> engine =
+      const auto engine = std::make_shared<CrossHostEngine>(
           cross_host_engine("xdev/cross/" + std::to_string(group_.local_rank()) + "/",
-                            group_.host_index(), group_.num_hosts());
+                            group_.host_index(), group_.num_hosts()));
+      // An unusable group lets go of it, so that partners waiting there for
+      // this rank fail at once (see CrossHostEngine).
+      group_.on_poison([weak = std::weak_ptr<CrossHostEngine>(engine)] {
+        if (const std::shared_ptr<CrossHostEngine> held = weak.lock()) held->close();
+      });
       two_level_ = std::make_unique<TwoLevelAllreduce>(group_, shared_, engine);
       two_level_gather_scatter_ =
           std::make_unique<TwoLevelGatherScatter>(group_, shared_, engine, *two_level_);

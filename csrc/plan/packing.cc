@@ -83,7 +83,8 @@ std::vector<Range> make_packs(const FlatLayout& layout, size_t elem_size,
   if (options.num_packs > 0) return concat_and_split(total, options.num_packs);
   if (options.bytes_per_pack > 0) {
     const int64_t per_pack =
-        std::max<int64_t>(1, options.bytes_per_pack / static_cast<int64_t>(elem_size));
+        std::max({int64_t{1}, options.bytes_per_pack / static_cast<int64_t>(elem_size),
+                  (total + kMaxPacks - 1) / kMaxPacks});
     std::vector<Range> packs;
     for (int64_t begin = 0; begin < total; begin += per_pack) {
       packs.push_back({begin, std::min(total, begin + per_pack)});

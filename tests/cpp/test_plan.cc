@@ -312,6 +312,21 @@ TEST(bytes_per_pack_cuts_every_n_elements) {
   CHECK_EQ(make_packs(FlatLayout({3}), 8, o).size(), size_t{3});
 }
 
+TEST(bytes_per_pack_makes_at_most_kMaxPacks_packs) {
+  // One byte per pack of 100,000 floats would be 100,000 packs: seconds of
+  // planning per call. The packs grow instead, to ceil(total / kMaxPacks).
+  PackingOptions o;
+  o.bytes_per_pack = 1;
+  const FlatLayout layout({60000, 1, 39999});
+  const auto packs = make_packs(layout, 4, o);
+  CHECK(tiles(packs, layout.total()));
+  CHECK_EQ(packs.size(), size_t{1021});  // ceil(100000 / 1024) = 98 elements a pack
+  for (size_t i = 0; i + 1 < packs.size(); ++i) CHECK_EQ(packs[i].size(), int64_t{98});
+  // At exactly kMaxPacks packs' worth the option is taken as given.
+  o.bytes_per_pack = 8;
+  CHECK_EQ(static_cast<int64_t>(make_packs(FlatLayout({2 * kMaxPacks}), 4, o).size()), kMaxPacks);
+}
+
 TEST(small_tensor_aggregation_groups_runs_of_small_tensors) {
   // Bytes per tensor (elem size 4): 4 4 400 4 4 4 4 4 with max_bytes 16 and max_group 3.
   PackingOptions o;
