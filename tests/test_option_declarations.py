@@ -6,14 +6,22 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
+import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import torch_xdev
 from torch_xdev import _C
-from torch_xdev.options import backend_config
+from torch_xdev.options import (
+    ENV_KNOBS,
+    OTHER_VARIABLES,
+    backend_config,
+    resolve_options,
+    unknown_variables,
+)
 
 STUB = os.path.join(os.path.dirname(torch_xdev.__file__), "_C.pyi")
 
@@ -164,3 +172,31 @@ def test_the_options_docstring_describes_every_option() -> None:
     attributes = doc.split("Attributes:", 1)[1]
     for f in dataclasses.fields(torch_xdev.Options):
         assert f"{f.name}:" in attributes or f"{f.name}," in attributes, f.name
+
+
+def test_every_variable_read_is_known_to_the_misspelling_check() -> None:
+    # A variable read somewhere but missing from OTHER_VARIABLES would be called unknown.
+    root = Path(torch_xdev.__file__).resolve().parents[1]
+    sources = [*root.glob("torch_xdev/*.py"), root / "setup.py", root / "tests" / "cuda_ranks.py"]
+    read = {m for path in sources for m in re.findall(r"\"(XDEV_[A-Z0-9_]+)\"", path.read_text())}
+    read.discard("XDEV_WITH_CUDA")  # the C++ macro setup.py defines, not a variable
+    known = {variable for _, variable, _ in ENV_KNOBS} | set(OTHER_VARIABLES)
+    assert read - known == set(), read - known
+    assert set(OTHER_VARIABLES) <= read  # and nothing there is stale
+
+
+def test_a_misspelt_variable_is_named_with_the_nearest_one() -> None:
+    env = {"XDEV_ALGORITHM": "direct", "XDEV_HOST_ID": "node-1", "XDEV_ALGO": "flat", "XDEV_X": "1"}
+    with pytest.warns(UserWarning) as caught:
+        options = resolve_options(None, env)
+    assert options.algorithm == "flat"  # the misspelt one changed nothing
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "XDEV_ALGORITHM (did you mean XDEV_ALGO?)" in message, message
+    assert "XDEV_HOST_ID (did you mean XDEV_HOSTNAME?)" in message, message
+    assert "XDEV_X: it changes nothing" in message, message
+    assert unknown_variables({"XDEV_ALGO": "flat", "XDEV_HOSTNAME": "a", "OTHER": "1"}) == []
+    with pytest.raises(
+        ValueError, match=r"expected an integer \(decimal, or hex as 0x...\) or none"
+    ):
+        resolve_options(None, {"XDEV_NUM_PACKS": "abc"})

@@ -10,8 +10,10 @@ fails when the two declarations disagree.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -38,7 +40,12 @@ def _parse_int(text: str) -> int:
 
 
 def _parse_optional_int(text: str) -> Optional[int]:
-    return None if text.strip().lower() == "none" else _parse_int(text)
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return _parse_int(text)
+    except ValueError:
+        raise ValueError("expected an integer (decimal, or hex as 0x...) or none") from None
 
 
 def _parse_name(text: str) -> str:
@@ -320,6 +327,45 @@ def fields_from_environment(environ: Optional[Mapping[str, str]] = None) -> set[
     return {field for field, _, _ in _set_in_environment(environ)}
 
 
+# The XDEV_* variables read that set no Options field: a host's name (_registration.py), a CPU
+# cost model (_registration.py), a GPU topology file (topology.py), the debug build (setup.py)
+# and the switch that makes the GPU tests fail where they would skip (tests/cuda_ranks.py).
+OTHER_VARIABLES = (
+    "XDEV_HOSTNAME",
+    "XDEV_CPU_MODEL",
+    "XDEV_TOPO_FILE",
+    "XDEV_DEBUG_BUILD",
+    "XDEV_TEST_REQUIRE_CUDA",
+)
+
+
+def unknown_variables(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The XDEV_* variables set here that torch_xdev does not read, each with the nearest name
+    it reads, if one is close: a misspelt name would otherwise change nothing, silently."""
+    env = os.environ if environ is None else environ
+    known = [variable for _, variable, _ in ENV_KNOBS] + list(OTHER_VARIABLES)
+    notes = []
+    for name in sorted(n for n in env if n.startswith("XDEV_") and n not in known):
+        notes.append(f"{name} (did you mean {near}?)" if (near := _nearest(name, known)) else name)
+    return notes
+
+
+def _nearest(name: str, known: list[str]) -> Optional[str]:
+    # Compared without the XDEV_ all share: ALGORITHM is near ALGO, FOO near nothing; else a
+    # first word one starts the other's with (HOST_ID, HOSTNAME).
+    tail = name[len("XDEV_") :]
+    tails = {k[len("XDEV_") :]: k for k in known}
+    close = difflib.get_close_matches(tail, list(tails), n=1, cutoff=0.6)
+    if close:
+        return tails[close[0]]
+    word = tail.split("_")[0]
+    for t, variable in tails.items():
+        first = t.split("_")[0]
+        if min(len(word), len(first)) >= 4 and (first.startswith(word) or word.startswith(first)):
+            return variable
+    return None
+
+
 def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] = None) -> Options:
     """Returns a validated copy of ``given`` (or defaults) with XDEV_* overrides applied."""
     if given is not None and not isinstance(given, Options):
@@ -327,6 +373,13 @@ def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] 
             f"pg_options for the xdev backend must be torch_xdev.Options; got {type(given).__name__}"
         )
     env = os.environ if environ is None else environ
+    unknown = unknown_variables(env)
+    if unknown:
+        warnings.warn(
+            f"torch_xdev reads no variable named {', '.join(unknown)}: it changes nothing. The "
+            "variables it reads are in the README's Options table.",
+            stacklevel=2,
+        )
     changes: dict[str, Any] = {}
     for field, variable, parse in ENV_KNOBS:
         text = env.get(variable)
