@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -379,6 +380,33 @@ def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
     bad.write_text('{"nvlink": [[0, 1], [2, 0]]}')  # not symmetric
     errors = run_ranks(_init_with_topology, 1, env={"XDEV_TOPO_FILE": str(bad)})
     assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]
+
+
+def test_ranks_given_different_world_sizes_are_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks started by hand (tcp://) with world sizes 2 and 3: the one that sees every key it
+    # waits for names the sizes instead of waiting in Gloo's rendezvous; the other waits for a
+    # rank 2 that never comes, and names it at its timeout.
+    from torch_xdev import _registration
+
+    monkeypatch.setattr(_registration, "_VERDICT_READ_TIMEOUT", timedelta(seconds=1))
+    store = dist.HashStore()
+    errors: dict[int, BaseException] = {}
+
+    def setup(rank: int, size: int) -> None:
+        try:
+            _registration._agree_on_setup(store, rank, size, timedelta(seconds=3), None)
+        except Exception as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=setup, args=(rank, 2 + rank)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert isinstance(errors[0], ValueError), errors
+    assert "different world sizes (this rank, 0: 2; rank 1: 3)" in str(errors[0]), errors[0]
+    assert isinstance(errors[1], dist.DistStoreError), errors
+    assert "waiting for rank(s) 2" in str(errors[1]), errors[1]
 
 
 def test_an_extension_built_for_another_torch_minor_version_is_refused_at_import() -> None:

@@ -216,16 +216,27 @@ def _agree_on_setup(
     Raises on a rank whose peer failed; the failing rank raises its own error after. A rank
     that never comes gives a DistStoreError naming it at the group's timeout."""
     verdict = "ok" if error is None else f"failed: {type(error).__name__}: {error}"
-    store.set(f"xdev/setup/{rank}", verdict)
+    # With the size this rank was given: ranks started by hand with different world sizes
+    # would otherwise pass here and wait in Gloo's rendezvous, where the message names a key.
+    store.set(f"xdev/setup/{rank}", f"{size};{verdict}")
     keys = [f"xdev/setup/{peer}" for peer in range(size)]
     _wait_for_ranks(store, keys, timeout, "creating the group")
     # One round trip for all the verdicts, not one per peer.
-    verdicts = store.multi_get(keys)
-    failed = [
-        f"rank {peer} {reason.decode()}"
-        for peer, reason in enumerate(verdicts)
-        if reason.decode() != "ok" and peer != rank
+    verdicts = [value.decode().split(";", 1) for value in store.multi_get(keys)]
+    refused = [
+        f"rank {peer} {reason}"
+        for peer, (_, reason) in enumerate(verdicts)
+        if reason != "ok" and peer != rank
     ]
+    failed = ["a peer refused its settings; " + "; ".join(refused)] if refused else []
+    sizes = [
+        f"rank {peer}: {given}" for peer, (given, _) in enumerate(verdicts) if given != str(size)
+    ]
+    if sizes:
+        failed.append(
+            f"the ranks were given different world sizes (this rank, {rank}: {size}; "
+            f"{'; '.join(sizes)}): start every rank with the same world_size"
+        )
     if failed or error is not None:
         # Every rank is about to raise. The rank hosting the store (rank 0 under a plain
         # init_process_group) must not exit before its peers have read the verdicts, or they
@@ -236,9 +247,7 @@ def _agree_on_setup(
         except RuntimeError:  # DistError; FileStore's timeout is a plain RuntimeError
             pass  # a peer died: it reads nothing, and our own error says enough
     if failed and error is None:
-        raise ValueError(
-            "xdev: the group cannot start because a peer refused its settings; " + "; ".join(failed)
-        )
+        raise ValueError("xdev: the group cannot start because " + "; ".join(failed))
 
 
 # How many backends this process has made for each group name and membership. A group
