@@ -359,7 +359,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=int,
         default=5,
         help="steps of the same DDP model with a no-op comm hook, timed after training to "
-        "report the communication share (0: skip)",
+        "report the communication share (0: skip; not with --shared-grads, which trains "
+        "without DDP)",
     )
     parser.add_argument("--save", metavar="PATH", help="rank 0 saves the final state_dict here")
     return parser.parse_args(argv)

@@ -351,8 +351,6 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path: Path) -> None:
             "2",
             "--nproc_per_node",
             "2",
-            "--node_rank",
-            str(node),
             "--rdzv_backend",
             "c10d",
             "--rdzv_endpoint",

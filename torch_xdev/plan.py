@@ -415,7 +415,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torch_xdev.plan",
         description="Predicted allreduce, reduce-scatter or all-gather times of xdev's plans "
-        "(and NCCL's ring, for reference) on a machine model.",
+        "(and, on GPU machines, NCCL's own algorithms by its tuning model) on a machine model.",
         epilog="Topology file format and size syntax: see `pydoc torch_xdev.plan`.",
     )
     parser.add_argument(
