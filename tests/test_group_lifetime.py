@@ -192,3 +192,34 @@ def test_a_group_whose_last_reference_goes_in_a_callback_shuts_down(algorithm: s
     # torch 2.13).
     for values in run_ranks(_last_reference_dropped_in_a_callback, 2, algorithm, timeout=120):
         assert values == [3.0] * 4
+
+
+def _heap_arenas_mapped() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:xdev-heap" in line for line in maps)
+
+
+def _destroyed_groups_kept(rank: int, world: int) -> tuple[int, int]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    before = _heap_arenas_mapped()
+    kept = []
+    for _ in range(3):
+        group = dist.new_group(backend="xdev")
+        bucket = group._get_backend(cpu).allocate_tensor(1 << 18, dtype=torch.float32, device=cpu)
+        bucket.fill_(1.0)
+        dist.all_reduce(bucket, group=group)  # in place: every rank maps every rank's arena
+        assert torch.equal(bucket, torch.full_like(bucket, world))
+        del bucket
+        dist.destroy_process_group(group)
+        kept.append(group)  # a handle kept (a list of groups, a closure, a DeviceMesh)
+    after = _heap_arenas_mapped()
+    dist.destroy_process_group()
+    return before, after
+
+
+def test_a_destroyed_group_kept_by_python_holds_no_heap_arena() -> None:
+    # Its heap tensors are gone: its arenas (memory every rank wrote) go with the destroy,
+    # not with the last Python reference to the group.
+    for rank, (before, after) in enumerate(run_ranks(_destroyed_groups_kept, 2)):
+        assert after == before, (rank, before, after)

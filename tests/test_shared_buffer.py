@@ -291,3 +291,27 @@ def _without_shared_memory(rank: int, world: int) -> None:
 
 def test_shared_empty_without_shared_memory_gives_an_ordinary_tensor() -> None:
     run_ranks(_without_shared_memory, 2)
+
+
+def _store_keys_over_calls(rank: int, world: int) -> list[int]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    store = dist.distributed_c10d._get_default_store()
+    counts = []
+    for calls in range(12):
+        t = torch_xdev.shared_empty(1000 + calls)
+        t.fill_(rank)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full_like(t, sum(range(world))))
+        del t
+        dist.barrier()  # every rank is out of this call (and forgot its keys of the one before)
+        if calls >= 2:
+            counts.append(store.num_keys())
+        dist.barrier()  # before anyone starts the next call
+    dist.destroy_process_group()
+    return counts
+
+
+def test_shared_empty_called_every_step_leaves_no_store_keys_behind() -> None:
+    # A call's keys go once every rank has left it: the store stays the same size.
+    for rank, counts in enumerate(run_ranks(_store_keys_over_calls, 2)):
+        assert len(set(counts)) == 1, (rank, counts)

@@ -16,6 +16,25 @@
 namespace xdev::backend {
 namespace {
 
+std::string shared_empty_prefix(int64_t id) {
+  return "xdev/shared/" + std::to_string(id) + "/";
+}
+
+// A rank's store keys of shared_empty call `id` (its entry and its arrival at
+// the mapping barrier; rank 0 also the barrier's failure count), once every
+// rank is past that call: a job that calls shared_empty every step would
+// otherwise grow the store by 2W+1 keys a call. Best effort: a key left
+// behind costs a few bytes, a failed call a peer's tensor.
+void forget_shared_empty_keys(c10d::Store& store, int64_t id, int rank) {
+  const std::string prefix = shared_empty_prefix(id);
+  try {
+    store.deleteKey(prefix + std::to_string(rank));
+    store.deleteKey(prefix + "mapped/arrived/" + std::to_string(rank));
+    if (rank == 0) store.deleteKey(prefix + "mapped/failures");
+  } catch (const std::exception&) {
+  }
+}
+
 // A shared_empty segment's size: its bytes (at least one) in whole pages.
 size_t page_round(size_t bytes) {
   constexpr size_t kPage = 4096;
@@ -103,14 +122,25 @@ transport::ShmChannel* SharedBuffers::heap_channel() const {
 }
 
 void SharedBuffers::close() {
-  if (heap_ != nullptr) heap_->close();  // waits for an allocation under way
+  std::shared_ptr<transport::SymmetricHeap> heap;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    heap = std::move(heap_);
+    closed_ = true;
+  }
+  if (heap != nullptr) heap->close();  // waits for an allocation under way
 }
 
 at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
-  if (heap_ != nullptr && heap_->closed()) {
-    throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
+  std::shared_ptr<transport::SymmetricHeap> heap;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) {
+      throw std::invalid_argument("xdev allocateTensor: this process group has been destroyed");
+    }
+    heap = heap_;
   }
-  if (!heap_available()) {
+  if (heap == nullptr) {
     throw std::invalid_argument("xdev allocateTensor: this group has no symmetric heap (" +
                                 heap_note_ + ")");
   }
@@ -135,7 +165,7 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
   // destroyed (std::invalid_argument, which goes to the caller).
   std::optional<transport::SymmetricHeap::Block> placed;
   try {
-    placed = heap_->allocate(bytes);
+    placed = heap->allocate(bytes);
   } catch (const std::runtime_error& e) {
     // The heap cannot grow on this rank (memory, an address-space limit, its
     // last arena). Its peers' may have: raising here alone would leave them
@@ -155,11 +185,11 @@ at::Tensor SharedBuffers::allocate(int64_t numel, at::ScalarType dtype) {
                  "[xdev] group '%s' rank %d: allocateTensor %" PRId64
                  " x %s (%zu bytes) at heap arena %d offset %" PRId64 " (%zu bytes in use)\n",
                  group_.config().group_name.c_str(), group_.rank(), numel, c10::toString(dtype),
-                 bytes, block.where.arena, block.where.offset, heap_->bytes_in_use());
+                 bytes, block.where.arena, block.where.offset, heap->bytes_in_use());
   }
   // The tensor's storage returns the block; it holds the heap, which may so outlive the group.
   return at::from_blob(
-      block.data, {numel}, [heap = heap_, where = block.where](void*) { heap->free(where); },
+      block.data, {numel}, [heap, where = block.where](void*) { heap->free(where); },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
@@ -264,7 +294,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
     my_reason = e.what();
   }
   c10d::Store& store = group_.store();
-  const std::string prefix = "xdev/shared/" + std::to_string(id) + "/";
+  const std::string prefix = shared_empty_prefix(id);
   store.set(prefix + std::to_string(rank),
             my_failure ? "!" + my_reason : mine.name() + " " + asked_for);
   std::vector<std::string> keys;
@@ -273,6 +303,8 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   wait_for_peers([&] {
     wait_for_ranks(store, prefix, size, timeout, "torch_xdev.shared_empty #" + std::to_string(id));
   });
+  // Every rank has left the call before (it set its key of this one after).
+  if (id > 0) forget_shared_empty_keys(store, id - 1, rank);
   std::vector<std::string> names(static_cast<size_t>(size));
   std::string asked;
   std::string failed;

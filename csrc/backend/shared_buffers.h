@@ -71,7 +71,10 @@ class SharedBuffers {
   SharedPlacement find(const at::Tensor& t) const;
 
   // Whether allocate() can give CPU tensors from the symmetric heap, and why (not).
-  bool heap_available() const { return heap_ != nullptr && !heap_->closed(); }
+  bool heap_available() const {
+    std::lock_guard<std::mutex> lock(mutex_);  // c10d asks outside the call gate
+    return heap_ != nullptr;
+  }
   // The channel whose ranks share the heap: the group's on one host; on
   // several, this host's (its ranks are the host's local ranks). Null once closed.
   transport::ShmChannel* heap_channel() const;
@@ -83,14 +86,17 @@ class SharedBuffers {
   // Null without a heap.
   const transport::SymmetricHeap* heap() const { return heap_.get(); }
   // Before the group's channels close (its collectives done): see
-  // SymmetricHeap::close. Later allocations raise; tensors already made stay.
+  // SymmetricHeap::close. Later allocations raise; tensors already made stay,
+  // and hold the heap (its own arenas) until the last of them goes: the
+  // group's object, which Python may keep long after, does not.
   void close();
 
  private:
   GroupContext& group_;
-  std::shared_ptr<transport::SymmetricHeap> heap_;  // tensors share it: it outlives the group
+  std::shared_ptr<transport::SymmetricHeap> heap_;  // tensors share it; null once closed
+  bool closed_ = false;
   std::string heap_note_;
-  mutable std::mutex mutex_;
+  mutable std::mutex mutex_;  // guards buffers_, and heap_ against close()
   int64_t next_id_ = 0;
   std::vector<std::weak_ptr<transport::SharedBuffer>> buffers_;
 };
