@@ -2,6 +2,7 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/view_as_real.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -269,6 +270,22 @@ std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& tensors, bool i
 
 void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
   for (const at::Tensor& t : tensors) premul_factor(t, op);
+}
+
+bool reduces_complex_as_real(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors) {
+  if (op.op_ != c10d::ReduceOp::SUM && op.op_ != c10d::ReduceOp::AVG) return false;
+  bool complex = false;
+  for (const at::Tensor& t : tensors) {
+    if (t.is_conj()) return false;
+    complex = complex || t.is_complex();
+  }
+  return complex;
+}
+
+std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  for (const at::Tensor& t : tensors) views.push_back(t.is_complex() ? at::view_as_real(t) : t);
+  return views;
 }
 
 void refuse_avg_of_bool(const char* what, const c10d::ReduceOp& op,

@@ -97,6 +97,15 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
 at::Tensor premultiplied(const at::Tensor& t, const c10d::ReduceOp& op);
 std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
                                       const c10d::ReduceOp& op);
+// c10d hands a complex allreduce of SUM or AVG to the backend as real views
+// (view_as_real); it does not for a reduce-scatter. A complex sum is the sum
+// of the parts, element by element, so the same views make a reduce-scatter
+// native too, with the bits of the allreduce of those views. Whether `tensors`
+// hold a complex one to view so (none conjugated: view_as_real refuses those).
+bool reduces_complex_as_real(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors);
+// The complex tensors as view_as_real views, the others as they are.
+std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& tensors);
+
 // Raises TypeError for an AVG of bool tensors, as NCCL does: a mean of booleans
 // has no bool to go in, and the engine's SUM would have overwritten the tensors
 // before the division failed. Checked before anything runs.

@@ -1,6 +1,7 @@
 // XdevBackend's all-gather and reduce-scatter entry points (every c10d form:
 // native on one host, in two levels across hosts, else the engine), their
 // selection, and the collectives it always hands to the engine.
+#include <ATen/ops/view_as_real.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -410,6 +411,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     }
     return reduce_scatter(outputs, scaled, with_sum(opts));
   }
+  std::vector<at::Tensor> every = outputs;
+  for (const std::vector<at::Tensor>& list : inputs)
+    every.insert(every.end(), list.begin(), list.end());
+  if (reduces_complex_as_real(opts.reduceOp, every)) {
+    std::vector<at::Tensor> real_outputs = real_views(outputs);
+    std::vector<std::vector<at::Tensor>> real_inputs;
+    for (const std::vector<at::Tensor>& list : inputs) real_inputs.push_back(real_views(list));
+    return reduce_scatter(real_outputs, real_inputs, opts);
+  }
   const ListCall call = list_call(outputs, inputs);
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, outputs,
                                          &opts.reduceOp, call.uneven, inputs.size() == 1);
@@ -446,6 +456,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     refuse_premul_with_peers({input}, opts.reduceOp, opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
     return _reduce_scatter_base(output, scaled, with_sum(opts));
+  }
+  if (reduces_complex_as_real(opts.reduceOp, {output, input})) {
+    at::Tensor real_output = output.is_complex() ? at::view_as_real(output) : output;
+    at::Tensor real_input = input.is_complex() ? at::view_as_real(input) : input;
+    return _reduce_scatter_base(real_output, real_input, opts);
   }
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, {output}, &opts.reduceOp);
@@ -487,6 +502,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
+  if (reduces_complex_as_real(opts.reduceOp, all)) {
+    std::vector<at::Tensor> real_outputs = real_views(outputs);
+    std::vector<at::Tensor> real_inputs = real_views(inputs);
+    return reduce_scatter_tensor_coalesced(real_outputs, real_inputs, opts);
+  }
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, outputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts

@@ -1,0 +1,70 @@
+"""Complex reduce-scatters of SUM and AVG run natively, as real views, like the allreduce.
+
+c10d hands a complex allreduce to the backend as view_as_real views, but a reduce-scatter as
+the complex tensors themselves; xdev views them the same way. Each form's result is checked
+against a sum computed here and, bitwise, against the matching slice of xdev's own flat
+allreduce of the same inputs; the last call's path is the native one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import torch_xdev
+from harness import run_ranks
+
+DTYPES = (torch.complex64, torch.complex128)
+OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+def _input(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    return torch.randn(numel, dtype=dtype, generator=g)
+
+
+def _complex_reduce_scatters(rank: int, world: int) -> int:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    flat = dist.new_group(backend="xdev", pg_options=torch_xdev.Options(algorithm="flat"))
+    cases = 0
+    for d, dtype in enumerate(DTYPES):
+        for o, op in enumerate(OPS):
+            for numel in (1, 7, 3001):
+                seed = d * 1000 + o * 100 + numel
+                inputs = [_input(seed, r, world * numel, dtype) for r in range(world)]
+                total = torch.stack(inputs).sum(0)
+                want = total / world if op == dist.ReduceOp.AVG else total
+                mine = slice(rank * numel, (rank + 1) * numel)
+                reduced = inputs[rank].clone()
+                dist.all_reduce(reduced, op=op, group=flat)
+                what = f"{dtype} {op} block={numel}"
+
+                def check(got: torch.Tensor, form: str) -> None:
+                    torch.testing.assert_close(got, want[mine], msg=f"{form} {what}")
+                    assert torch.equal(got, reduced[mine]), f"{form} {what}: not the allreduce's"
+                    path = torch_xdev.describe()["last_gather_scatter"][1]
+                    assert path != "fallback", (form, what, torch_xdev.describe())
+
+                got = torch.zeros(numel, dtype=dtype)
+                dist.reduce_scatter_tensor(got, inputs[rank].clone(), op=op)
+                check(got, "tensor")
+                got = torch.zeros(numel, dtype=dtype)
+                dist.reduce_scatter(got, list(inputs[rank].clone().chunk(world)), op=op)
+                check(got, "list")
+                got = torch.zeros(numel, dtype=dtype)
+                other = torch.zeros(numel)  # a float pair beside it in one coalesced call
+                with _coalescing_manager(async_ops=False):
+                    dist.reduce_scatter_tensor(got, inputs[rank].clone(), op=op)
+                    dist.reduce_scatter_tensor(other, torch.ones(world * numel), op=op)
+                check(got, "coalesced")
+                assert torch.equal(other, torch.full_like(other, 1.0 if op == OPS[1] else world))
+                cases += 3
+    dist.destroy_process_group()
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_complex_reduce_scatter_is_native_with_the_allreduces_bits(world: int) -> None:
+    assert run_ranks(_complex_reduce_scatters, world, timeout=300)[0] == 36
