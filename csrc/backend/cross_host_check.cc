@@ -190,11 +190,9 @@ at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const 
   // Step 2: this host's other ranks must stop too; a descriptor no call has
   // fails their next check unless they refuse as well.
   const std::string name = std::string(what) + " (the check across hosts)";
-  uint64_t seq = 0;
   if (host_step_follows) {
     transport::OpDescriptor refused =
         group_.next_descriptor(static_cast<Collective>(call.collective));
-    seq = refused.seq;
     refused.num_tensors = kRefused;
     try {
       group_.host_channel()->open_collective(group_.make_context(refused, name.c_str(), deadline));
@@ -215,9 +213,8 @@ at::Tensor CrossHostCheck::finish(Exchange& sent, bool host_step_follows, const 
              "calls)";
       continue;
     }
-    transport::OpDescriptor d = from_fields(f);
-    d.seq = seq;
-    msg += "\n  host " + std::to_string(h) + ": " + group_.describe_op(d);
+    const transport::OpDescriptor d = from_fields(f);
+    msg += "\n  host " + std::to_string(h) + ": " + group_.describe_call(d);
     if (d.num_packs > 1) msg += ", cut in " + std::to_string(d.num_packs) + " pieces";
   }
   msg +=

@@ -341,18 +341,15 @@ transport::Clock::time_point GroupContext::deadline_for(std::chrono::millisecond
   return transport::Clock::now() + transport::bounded_timeout(timeout_for(timeout));
 }
 
-std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
+std::string GroupContext::describe_call(const transport::OpDescriptor& d) const {
   if (d.num_tensors == kRefusedCall) {
-    return "nothing: it refused its own arguments (see its error) (op #" + std::to_string(d.seq) +
-           ")";
+    return "nothing: it refused its own arguments (see its error)";
   }
   if (d.num_tensors == kFailedBeforePeers) {
-    return "nothing: it failed before it met its peers (see its error) (op #" +
-           std::to_string(d.seq) + ")";
+    return "nothing: it failed before it met its peers (see its error)";
   }
   if (d.num_tensors < 0) {  // CrossHostCheck's refusal
-    return "nothing: its call differs from a rank's on another host (op #" + std::to_string(d.seq) +
-           ")";
+    return "nothing: its call differs from a rank's on another host";
   }
   std::string s;
   switch (static_cast<Collective>(d.collective)) {
@@ -383,15 +380,19 @@ std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
       s = "all_gather (staged, elements are bytes per rank)";
       break;
     case Collective::kBarrier:
-      return "barrier (op #" + std::to_string(d.seq) + ")";
+      return "barrier";
     case Collective::kSharedEmpty:
-      return "torch_xdev.shared_empty (op #" + std::to_string(d.seq) + ")";
+      return "torch_xdev.shared_empty";
     default:
       s = "unknown collective";
   }
   return s + ", " + std::to_string(d.num_tensors) + " tensor(s), " + std::to_string(d.total_elems) +
          " element(s), hash of the tensors' dtypes and sizes " +
-         std::to_string(d.counts_hash % 100000) + " (op #" + std::to_string(d.seq) + ")";
+         std::to_string(d.counts_hash % 100000);
+}
+
+std::string GroupContext::describe_op(const transport::OpDescriptor& d) const {
+  return describe_call(d) + " (op #" + std::to_string(d.seq) + ")";
 }
 
 transport::OpContext GroupContext::make_context(const transport::OpDescriptor& desc,

@@ -135,8 +135,11 @@ class GroupContext {
     return timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
   }
   transport::Clock::time_point deadline_for(std::chrono::milliseconds timeout) const;
-  // How errors and logs name a collective: "allreduce sum float32 via flat (staged), ...".
+  // How errors and logs name a collective: "allreduce sum float32 via flat (staged), ...
+  // (op #12)", the number counting this group's calls on this host's channel.
   std::string describe_op(const transport::OpDescriptor& d) const;
+  // The same without the number: a call on another host, whose count may differ.
+  std::string describe_call(const transport::OpDescriptor& d) const;
 
   // Runs fn after every earlier collective of this group and completes the
   // returned Work with its outcome: on the worker thread, or inline when the
