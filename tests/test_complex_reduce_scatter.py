@@ -68,3 +68,28 @@ def _complex_reduce_scatters(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 3])
 def test_complex_reduce_scatter_is_native_with_the_allreduces_bits(world: int) -> None:
     assert run_ranks(_complex_reduce_scatters, world, timeout=300)[0] == 36
+
+
+def _mixed_dtypes_refused(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    messages = []
+    # Only one side complex, or two complex dtypes: refused as before, naming the user's dtypes
+    # (viewed as real, the first pair would have passed as float32 and been reinterpreted).
+    for out, inp in (
+        (torch.zeros(2, dtype=torch.complex64), torch.ones(4 * world)),
+        (torch.zeros(4), torch.ones(2 * world, dtype=torch.complex64)),
+        (torch.zeros(2, dtype=torch.complex64), torch.ones(2 * world, dtype=torch.complex128)),
+    ):
+        with pytest.raises(ValueError, match="dtypes differ") as info:
+            dist.reduce_scatter_tensor(out, inp)
+        messages.append(str(info.value))
+    got = torch.zeros(3, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(got, torch.full((3 * world,), 1 + 2j, dtype=torch.complex64))
+    assert torch.equal(got, torch.full((3,), world * (1 + 2j), dtype=torch.complex64))
+    dist.destroy_process_group()
+    return messages
+
+
+def test_complex_and_real_mixed_are_refused_naming_the_dtypes() -> None:
+    messages = run_ranks(_mixed_dtypes_refused, 2)[0]
+    assert "ComplexFloat" in messages[0] and "ComplexDouble" in messages[2], messages

@@ -51,6 +51,12 @@ def _torch_mismatch(built_with: str, running: str) -> Optional[str]:
     )
 
 
+if not hasattr(_C, "built_with_torch"):  # an in-place build older than these files
+    raise ImportError(
+        f"torch_xdev's C++ extension in {__path__[0]} is older than its Python files: rebuild "
+        "it (`python setup.py build_ext --inplace` in the checkout, or `pip install "
+        "--no-build-isolation .`)."
+    )
 _mismatch = _torch_mismatch(_C.built_with_torch, torch.__version__)
 if _mismatch is not None:
     raise ImportError(_mismatch)

@@ -160,18 +160,20 @@ def _gloo_devices() -> list[Any]:
     GLOO_SOCKET_IFNAME (comma-separated), else the default (the host name's address)."""
     interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
     if interfaces:
-        return [ProcessGroupGloo.create_device(interface=i, lazy_init=True) for i in interfaces]
-    return [ProcessGroupGloo.create_default_device(lazy_init=True)]
+        return [ProcessGroupGloo.create_device(interface=i, lazy_init=False) for i in interfaces]
+    return [ProcessGroupGloo.create_default_device(lazy_init=False)]
 
 
 def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, int], Any]:
     """Makes the Gloo group of the two-level allreduce's step across hosts.
 
     The backend calls it once per group where ranks span hosts evenly: the ranks of one local
-    index, one per host. Its devices connect lazily, so a group that never allreduces across
-    hosts connects to no peer (each still listens). Like torch's own Gloo groups, it uses the
-    interfaces GLOO_SOCKET_IFNAME names (on clusters whose host names resolve to loopback,
-    that is what lets hosts reach each other), else the host name's address.
+    index, one per host. It connects to them when it is made, as torch's own Gloo groups do, so
+    that a peer that dies or lets go of its engine later (a failed group closes it) resets the
+    connection and a call waiting on it fails at once. (Connected lazily, a pair whose peer
+    died first waited for that connection until the timeout.) Like torch's own Gloo groups, it
+    uses the interfaces GLOO_SOCKET_IFNAME names (on clusters whose host names resolve to
+    loopback, that is what lets hosts reach each other), else the host name's address.
     """
 
     def make(prefix: str, rank: int, size: int) -> Any:
@@ -243,7 +245,9 @@ def _agree_on_setup(
         # get a closed connection instead of the reason.
         store.set(f"xdev/setup/read/{rank}", "1")
         try:
-            store.wait([f"xdev/setup/read/{peer}" for peer in range(size)], _VERDICT_READ_TIMEOUT)
+            # Within the group's timeout: a peer given a larger world size never reads.
+            read_timeout = min(_VERDICT_READ_TIMEOUT, timeout)
+            store.wait([f"xdev/setup/read/{peer}" for peer in range(size)], read_timeout)
         except RuntimeError:  # DistError; FileStore's timeout is a plain RuntimeError
             pass  # a peer died: it reads nothing, and our own error says enough
     if failed and error is None:
@@ -370,7 +374,8 @@ def split_backend(
     return _create_backend(dist_opts, options, store_is_its_own=True)
 
 
-# How long the interpreter's exit waits for groups still being destroyed on threads of their own.
+# How long the interpreter's exit waits for groups (and the engines across hosts of failed
+# groups) still being destroyed on threads of their own.
 _TEARDOWN_WAIT = timedelta(seconds=10)
 
 
@@ -380,9 +385,9 @@ def _wait_for_detached_teardowns() -> None:
     if not _C.wait_for_detached_teardowns(_TEARDOWN_WAIT):
         in_flight = _C.detached_teardowns()[1]
         print(
-            f"[xdev] exiting while {in_flight} process group(s) are still being destroyed "
-            f"after {_TEARDOWN_WAIT.total_seconds():g} s (a callback or engine that does not "
-            "return?)",
+            f"[xdev] exiting while {in_flight} process group(s) or engine(s) across hosts are "
+            f"still being destroyed after {_TEARDOWN_WAIT.total_seconds():g} s (a callback, or "
+            "an engine call waiting on a stuck peer, that does not return?)",
             file=sys.stderr,
         )
 

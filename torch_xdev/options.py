@@ -377,7 +377,8 @@ def resolve_options(given: Optional[Options], environ: Optional[dict[str, str]] 
     if unknown:
         warnings.warn(
             f"torch_xdev reads no variable named {', '.join(unknown)}: it changes nothing. The "
-            "variables it reads are in the README's Options table.",
+            "README names the variables it reads (its Options table, XDEV_HOSTNAME, "
+            "XDEV_CPU_MODEL, XDEV_TOPO_FILE).",
             stacklevel=2,
         )
     changes: dict[str, Any] = {}

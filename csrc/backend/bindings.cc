@@ -136,7 +136,7 @@ py::dict describe(const XdevBackend& b) {
   d["shared_buffers"] = b.live_shared_buffers();
   d["ddp_shared_buckets"] = b.heap_available();
   d["ddp_shared_buckets_note"] = b.heap_note();
-  if (const transport::SymmetricHeap* heap = b.heap()) {
+  if (const std::shared_ptr<const transport::SymmetricHeap> heap = b.heap()) {
     py::dict h;
     h["arenas"] = heap->arenas();
     h["bytes_reserved"] = heap->bytes_reserved();

@@ -83,8 +83,12 @@ class SharedBuffers {
   // heap. Not collective; every rank should allocate the same sizes in the
   // same order (DDP does). Throws std::invalid_argument without a heap.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
-  // Null without a heap.
-  const transport::SymmetricHeap* heap() const { return heap_.get(); }
+  // Null without a heap, or once closed. Held by the caller: close() may run
+  // meanwhile on another thread.
+  std::shared_ptr<const transport::SymmetricHeap> heap() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return heap_;
+  }
   // Before the group's channels close (its collectives done): see
   // SymmetricHeap::close. Later allocations raise; tensors already made stay,
   // and hold the heap (its own arenas) until the last of them goes: the

@@ -272,12 +272,20 @@ void check_premultipliable(const std::vector<at::Tensor>& tensors, const c10d::R
   for (const at::Tensor& t : tensors) premul_factor(t, op);
 }
 
-bool reduces_complex_as_real(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors) {
+bool reduces_complex_as_real(const c10d::ReduceOp& op,
+                             const std::vector<std::vector<at::Tensor>>& pairs) {
   if (op.op_ != c10d::ReduceOp::SUM && op.op_ != c10d::ReduceOp::AVG) return false;
   bool complex = false;
-  for (const at::Tensor& t : tensors) {
-    if (t.is_conj()) return false;
-    complex = complex || t.is_complex();
+  for (const std::vector<at::Tensor>& pair : pairs) {
+    for (const at::Tensor& t : pair) {
+      // A pair is complex of one dtype throughout, or not complex: a mix, viewed,
+      // would pass the dtype checks it must fail.
+      if (t.is_conj() || t.is_complex() != pair[0].is_complex() ||
+          (t.is_complex() && t.scalar_type() != pair[0].scalar_type())) {
+        return false;
+      }
+    }
+    complex = complex || (!pair.empty() && pair[0].is_complex());
   }
   return complex;
 }
@@ -370,6 +378,15 @@ void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                       " has ", full[i].numel(), " element(s) where ", world, " x ",
                       block[i].numel(), " are needed");
   }
+}
+
+bool pairs_fit(const std::vector<at::Tensor>& full, const std::vector<at::Tensor>& block,
+               int world) {
+  if (full.size() != block.size()) return false;
+  for (size_t i = 0; i < full.size(); ++i) {
+    if (full[i].numel() != block[i].numel() * world) return false;
+  }
+  return true;
 }
 
 ListProblem check_list(const char* what, const std::vector<at::Tensor>& list,

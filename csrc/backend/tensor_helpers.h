@@ -100,9 +100,13 @@ std::vector<at::Tensor> premultiplied(const std::vector<at::Tensor>& tensors,
 // c10d hands a complex allreduce of SUM or AVG to the backend as real views
 // (view_as_real); it does not for a reduce-scatter. A complex sum is the sum
 // of the parts, element by element, so the same views make a reduce-scatter
-// native too, with the bits of the allreduce of those views. Whether `tensors`
-// hold a complex one to view so (none conjugated: view_as_real refuses those).
-bool reduces_complex_as_real(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors);
+// native too, with the bits of the allreduce of those views. Whether the
+// call's `pairs` (each output with its inputs) hold a complex one, and each is
+// complex of one dtype or not complex at all, none conjugated (view_as_real
+// refuses those). A call that is not (its own mistake) keeps its tensors, so
+// that its errors name them.
+bool reduces_complex_as_real(const c10d::ReduceOp& op,
+                             const std::vector<std::vector<at::Tensor>>& pairs);
 // The complex tensors as view_as_real views, the others as they are.
 std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& tensors);
 
@@ -148,6 +152,9 @@ void check_written(const char* what, const std::vector<at::Tensor>& written);
 // block[i], of its dtype (ValueError naming `what` otherwise).
 void check_pairs(const char* what, const std::vector<at::Tensor>& full,
                  const std::vector<at::Tensor>& block, int world);
+// Whether check_pairs would find the sizes right (dtypes aside).
+bool pairs_fit(const std::vector<at::Tensor>& full, const std::vector<at::Tensor>& block,
+               int world);
 
 // What is wrong with a list form's list, if anything: it must hold one tensor
 // per rank, of one dtype with `mine`, and this rank's entry must have the size

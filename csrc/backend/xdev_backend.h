@@ -172,7 +172,7 @@ class XdevBackend : public c10d::Backend {
   void prepare_cuda_graph_capture(int device);
   bool heap_available() const { return shared_.heap_available(); }
   const std::string& heap_note() const { return shared_.heap_note(); }
-  const transport::SymmetricHeap* heap() const { return shared_.heap(); }
+  std::shared_ptr<const transport::SymmetricHeap> heap() const { return shared_.heap(); }
 
   // torch_xdev.shared_empty (SharedBuffers::empty).
   at::Tensor shared_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {

@@ -411,10 +411,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     }
     return reduce_scatter(outputs, scaled, with_sum(opts));
   }
-  std::vector<at::Tensor> every = outputs;
-  for (const std::vector<at::Tensor>& list : inputs)
-    every.insert(every.end(), list.begin(), list.end());
-  if (reduces_complex_as_real(opts.reduceOp, every)) {
+  // Each output with its list of one tensor per rank.
+  std::vector<std::vector<at::Tensor>> pairs;
+  bool lists_fit = outputs.size() == inputs.size();
+  for (size_t i = 0; i < outputs.size() && i < inputs.size(); ++i) {
+    lists_fit = lists_fit && static_cast<int>(inputs[i].size()) == size_;
+    pairs.push_back(inputs[i]);
+    pairs.back().push_back(outputs[i]);
+  }
+  if (lists_fit && reduces_complex_as_real(opts.reduceOp, pairs)) {
     std::vector<at::Tensor> real_outputs = real_views(outputs);
     std::vector<std::vector<at::Tensor>> real_inputs;
     for (const std::vector<at::Tensor>& list : inputs) real_inputs.push_back(real_views(list));
@@ -457,7 +462,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
     return _reduce_scatter_base(output, scaled, with_sum(opts));
   }
-  if (reduces_complex_as_real(opts.reduceOp, {output, input})) {
+  if (pairs_fit({input}, {output}, size_) &&
+      reduces_complex_as_real(opts.reduceOp, {{output, input}})) {
     at::Tensor real_output = output.is_complex() ? at::view_as_real(output) : output;
     at::Tensor real_input = input.is_complex() ? at::view_as_real(input) : input;
     return _reduce_scatter_base(real_output, real_input, opts);
@@ -502,7 +508,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  if (reduces_complex_as_real(opts.reduceOp, all)) {
+  std::vector<std::vector<at::Tensor>> pairs;
+  for (size_t i = 0; i < outputs.size() && i < inputs.size(); ++i) {
+    pairs.push_back({outputs[i], inputs[i]});
+  }
+  if (pairs_fit(inputs, outputs, size_) && reduces_complex_as_real(opts.reduceOp, pairs)) {
     std::vector<at::Tensor> real_outputs = real_views(outputs);
     std::vector<at::Tensor> real_inputs = real_views(inputs);
     return reduce_scatter_tensor_coalesced(real_outputs, real_inputs, opts);

@@ -26,16 +26,18 @@ inline bool operator==(const Range& a, const Range& b) {
   return a.begin == b.begin && a.end == b.end;
 }
 
+// The most packs num_packs may ask for, and bytes_per_pack makes: plans,
+// executors and the cost model take time linear in the pack count (tens of
+// microseconds a pack), and no plan gains from more. A bytes_per_pack that
+// would make more packs makes packs of ceil(total / kMaxPacks) elements.
+inline constexpr int64_t kMaxPacks = 1024;
+
 // TensorFlow's packing knobs (num_packs, agg_small_grads_*) plus the
 // bytes_per_pack of its CollectiveHints. Precedence:
 // num_packs > 0 (concat-and-split), else bytes_per_pack > 0 (cut the payload
-// every bytes_per_pack bytes, or into kMaxPacks packs if that makes more), else small-tensor
-// aggregation when both agg_* fields are > 0, else no packing (every tensor is its own pack). The
-// most packs an allreduce is cut into by num_packs or bytes_per_pack. Plans, executors and the cost
-// model take time linear in the pack count (tens of microseconds a pack), and no plan gains from
-// more: a payload of N bytes with bytes_per_pack < N / kMaxPacks is cut into kMaxPacks packs.
-inline constexpr int64_t kMaxPacks = 1024;
-
+// every bytes_per_pack bytes, into at most kMaxPacks packs), else
+// small-tensor aggregation when both agg_* fields are > 0, else no packing
+// (every tensor is its own pack).
 struct PackingOptions {
   int64_t num_packs = 0;
   int64_t agg_small_grads_max_bytes = 0;
