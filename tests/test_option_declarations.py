@@ -176,8 +176,9 @@ def test_the_options_docstring_describes_every_option() -> None:
 
 def test_every_variable_read_is_known_to_the_misspelling_check() -> None:
     # A variable read somewhere but missing from OTHER_VARIABLES would be called unknown.
-    root = Path(torch_xdev.__file__).resolve().parents[1]
-    sources = [*root.glob("torch_xdev/*.py"), root / "setup.py", root / "tests" / "cuda_ranks.py"]
+    package = Path(torch_xdev.__file__).resolve().parent  # the installed one, or the checkout's
+    checkout = Path(__file__).resolve().parents[1]
+    sources = [*package.glob("*.py"), checkout / "setup.py", checkout / "tests" / "cuda_ranks.py"]
     read = {m for path in sources for m in re.findall(r"\"(XDEV_[A-Z0-9_]+)\"", path.read_text())}
     read.discard("XDEV_WITH_CUDA")  # the C++ macro setup.py defines, not a variable
     known = {variable for _, variable, _ in ENV_KNOBS} | set(OTHER_VARIABLES)

@@ -409,7 +409,9 @@ def test_ranks_given_different_world_sizes_are_told_so(monkeypatch: pytest.Monke
     assert "waiting for rank(s) 2" in str(errors[1]), errors[1]
 
 
-def test_an_extension_built_for_another_torch_minor_version_is_refused_at_import() -> None:
+def test_an_extension_built_for_another_torch_minor_version_is_refused_at_import(
+    tmp_path: Path,
+) -> None:
     assert torch_xdev._torch_mismatch(_C.built_with_torch, torch.__version__) is None
     assert torch_xdev._torch_mismatch("2.13.0", "2.13.1+cpu") is None  # one ABI per minor version
     # A torch upgraded under an installed torch_xdev: the import says what to rebuild against.
@@ -419,6 +421,7 @@ def test_an_extension_built_for_another_torch_minor_version_is_refused_at_import
     )
     out = subprocess.run(
         [sys.executable, "-c", upgraded],
+        cwd=tmp_path,  # not the checkout, whose torch_xdev has no extension when installed
         env=subprocess_env(),
         capture_output=True,
         text=True,
