@@ -464,8 +464,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   }
   if (pairs_fit({input}, {output}, size_) &&
       reduces_complex_as_real(opts.reduceOp, {{output, input}})) {
-    at::Tensor real_output = output.is_complex() ? at::view_as_real(output) : output;
-    at::Tensor real_input = input.is_complex() ? at::view_as_real(input) : input;
+    at::Tensor real_output = at::view_as_real(output);  // both complex: the check says so
+    at::Tensor real_input = at::view_as_real(input);
     return _reduce_scatter_base(real_output, real_input, opts);
   }
   const auto sel =
