@@ -44,8 +44,8 @@ def _parse_optional_int(text: str) -> Optional[int]:
         return None
     try:
         return _parse_int(text)
-    except ValueError:
-        raise ValueError("expected an integer (decimal, or hex as 0x...) or none") from None
+    except ValueError as e:
+        raise ValueError(f"{e} or none") from None
 
 
 def _parse_name(text: str) -> str:
