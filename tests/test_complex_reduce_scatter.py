@@ -93,3 +93,35 @@ def _mixed_dtypes_refused(rank: int, world: int) -> list[str]:
 def test_complex_and_real_mixed_are_refused_naming_the_dtypes() -> None:
     messages = run_ranks(_mixed_dtypes_refused, 2)[0]
     assert "ComplexFloat" in messages[0] and "ComplexDouble" in messages[2], messages
+
+
+def _async_results(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    numel = 5
+    inputs = [_input(7, r, world * numel, torch.complex64) for r in range(world)]
+    want = torch.stack(inputs).sum(0)[rank * numel : (rank + 1) * numel]
+    tensor_out = torch.zeros(numel, dtype=torch.complex64)
+    list_out = torch.zeros(numel, dtype=torch.complex64)
+    works = {
+        "tensor": (
+            dist.reduce_scatter_tensor(tensor_out, inputs[rank].clone(), async_op=True),
+            tensor_out,
+        ),
+        "list": (
+            dist.reduce_scatter(list_out, list(inputs[rank].clone().chunk(world)), async_op=True),
+            list_out,
+        ),
+    }
+    for form, (work, out) in works.items():
+        future = work.get_future()
+        work.wait()
+        # The caller's complex tensor, not the real view the collective ran on.
+        for shown in (work.result()[0], future.value()[0]):
+            assert shown.dtype == torch.complex64 and shown.shape == (numel,), (form, shown)
+            assert shown.data_ptr() == out.data_ptr(), form
+        torch.testing.assert_close(out, want, msg=form)
+    dist.destroy_process_group()
+
+
+def test_async_complex_reduce_scatter_shows_the_complex_tensors() -> None:
+    run_ranks(_async_results, 2)

@@ -27,6 +27,15 @@ constexpr c10d::OpType reduce_scatter_coalesced_op_type() {
   return coalesced_reduce_scatter<c10d::OpType>(0);
 }
 
+// The Work of a complex reduction run on real views of the caller's tensors:
+// its result and future show the complex tensors, as a Work of theirs would.
+c10::intrusive_ptr<c10d::Work> shown_as(c10::intrusive_ptr<c10d::Work> work,
+                                        const std::vector<at::Tensor>& complex_outputs) {
+  const c10d::OpType type = work->retrieveOpType();
+  return c10::make_intrusive<ShownResultWork>(std::move(work), type, complex_outputs,
+                                              c10::IValue(complex_outputs));
+}
+
 // A list form's tensors as select_gather_scatter takes them: `all` (this
 // rank's own tensors, then every list's), `full` (every list's: what the call
 // moves), and whether a list holds a size unlike this rank's tensor's.
@@ -338,8 +347,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
                 std::move(lists), inputs, c10d::OpType::ALLGATHER_COALESCED, sel.two_level_leader,
                 opts.timeout, opts.asyncOp)
           : gather_scatter_->all_gather_list(std::move(lists), inputs, opts.timeout, opts.asyncOp);
-  return c10::make_intrusive<NestedListWork>(std::move(work), c10d::OpType::ALLGATHER_COALESCED,
-                                             outputs);
+  std::vector<at::Tensor> written = work->result();
+  return c10::make_intrusive<ShownResultWork>(std::move(work), c10d::OpType::ALLGATHER_COALESCED,
+                                              std::move(written), c10::IValue(outputs));
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
@@ -423,7 +433,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor> real_outputs = real_views(outputs);
     std::vector<std::vector<at::Tensor>> real_inputs;
     for (const std::vector<at::Tensor>& list : inputs) real_inputs.push_back(real_views(list));
-    return reduce_scatter(real_outputs, real_inputs, opts);
+    return shown_as(reduce_scatter(real_outputs, real_inputs, opts), outputs);
   }
   const ListCall call = list_call(outputs, inputs);
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, outputs,
@@ -466,7 +476,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
       reduces_complex_as_real(opts.reduceOp, {{output, input}})) {
     at::Tensor real_output = at::view_as_real(output);  // both complex: the check says so
     at::Tensor real_input = at::view_as_real(input);
-    return _reduce_scatter_base(real_output, real_input, opts);
+    return shown_as(_reduce_scatter_base(real_output, real_input, opts), {output});
   }
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, {output}, &opts.reduceOp);
@@ -515,7 +525,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   if (pairs_fit(inputs, outputs, size_) && reduces_complex_as_real(opts.reduceOp, pairs)) {
     std::vector<at::Tensor> real_outputs = real_views(outputs);
     std::vector<at::Tensor> real_inputs = real_views(inputs);
-    return reduce_scatter_tensor_coalesced(real_outputs, real_inputs, opts);
+    return shown_as(reduce_scatter_tensor_coalesced(real_outputs, real_inputs, opts), outputs);
   }
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, outputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {

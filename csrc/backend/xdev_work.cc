@@ -89,11 +89,14 @@ void XdevWork::fail(std::exception_ptr error) {
   finish(error);
 }
 
-NestedListWork::NestedListWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
-                               std::vector<std::vector<at::Tensor>> lists)
-    : c10d::Work(-1, op_type), inner_(std::move(inner)), lists_(std::move(lists)) {}
+ShownResultWork::ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
+                                 std::vector<at::Tensor> result, c10::IValue future_value)
+    : c10d::Work(-1, op_type),
+      inner_(std::move(inner)),
+      result_(std::move(result)),
+      future_value_(std::move(future_value)) {}
 
-c10::intrusive_ptr<c10::ivalue::Future> NestedListWork::getFuture() {
+c10::intrusive_ptr<c10::ivalue::Future> ShownResultWork::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!future_) {
     // Asked of the inner Work only now: its getFuture() is where a native
@@ -101,11 +104,11 @@ c10::intrusive_ptr<c10::ivalue::Future> NestedListWork::getFuture() {
     // inner future's error passes on as the callback's (then() sets the
     // child's error only from an exception the callback throws).
     future_ = inner_->getFuture()->then(
-        [lists = lists_](c10::ivalue::Future& inner) {
+        [value = future_value_](c10::ivalue::Future& inner) {
           if (inner.hasError()) std::rethrow_exception(inner.exception_ptr());
-          return c10::IValue(lists);
+          return value;
         },
-        c10::ListType::create(c10::ListType::ofTensors()));
+        future_value_.type());
   }
   return future_;
 }

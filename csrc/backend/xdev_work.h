@@ -88,14 +88,16 @@ class XdevWork : public c10d::Work {
   std::shared_ptr<TaskRelease> task_release_ = std::make_shared<TaskRelease>();
 };
 
-// The Work of all_gather_coalesced, whose future's value c10d hands to the
-// caller as is (torch.distributed.all_gather_coalesced returns the future):
-// the output lists, one per rank, as Gloo gives them. The Work that runs the
-// call carries the flat list its collective wrote.
-class NestedListWork : public c10d::Work {
+// A Work that shows the caller other tensors than the ones its collective
+// wrote: result() and the future's value are `shown`. all_gather_coalesced's
+// future carries the output lists, one per rank, as Gloo gives them (c10d
+// hands that value to the caller as is), while its collective wrote one flat
+// list; a complex reduce-scatter runs on real views of the caller's complex
+// tensors, and its result is the complex tensors, not the views.
+class ShownResultWork : public c10d::Work {
  public:
-  NestedListWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
-                 std::vector<std::vector<at::Tensor>> lists);
+  ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
+                  std::vector<at::Tensor> result, c10::IValue future_value);
 
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess(); }
@@ -105,12 +107,13 @@ class NestedListWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
     return inner_->wait(timeout);
   }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
+  std::vector<at::Tensor> result() override { return result_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
   const c10::intrusive_ptr<c10d::Work> inner_;
-  const std::vector<std::vector<at::Tensor>> lists_;
+  const std::vector<at::Tensor> result_;
+  const c10::IValue future_value_;
   std::mutex mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on the first getFuture()
 };
