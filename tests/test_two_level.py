@@ -381,6 +381,8 @@ def test_killed_rank_fails_every_rank_of_every_host(leader: bool, tmp_path: Path
     # the engine's reason, and what keeps a rank on another host away.
     assert "exchange of calls across hosts failed (" in messages[0], messages[0]
     assert "A rank on another host has exited" in messages[0], messages[0]
+    # A host-mate that failed first is named with its error, not as a rank that left the group.
+    assert not any("has left the group" in m for m in messages), messages
 
 
 def _broadcasts(rank: int, world: int, sizes: tuple[int, ...]) -> None:

@@ -191,10 +191,11 @@ class GroupContext {
   }
 
   // Tells peers on the shared-memory channels that this rank runs no more
-  // barriers (a peer waiting for it fails at its next liveness check).
-  void mark_left() {
-    if (channel_) channel_->mark_left();
-    if (host_channel_) host_channel_->mark_left();
+  // barriers (a peer waiting for it fails at its next liveness check), and
+  // why, where a failure is the reason.
+  void mark_left(const std::string& failure = "") {
+    if (channel_) channel_->mark_left(failure);
+    if (host_channel_) host_channel_->mark_left(failure);
   }
 
   // With Options.debug, prints message once per key (stderr, tagged with group and rank).
@@ -255,7 +256,7 @@ class GroupContext {
   void poison(const std::string& why) {
     poisoned_ = why;
     poisoned_flag_.store(true);
-    mark_left();
+    mark_left(why);
     if (on_poison_) on_poison_();
   }
   std::function<void()> on_poison_;

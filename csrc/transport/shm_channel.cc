@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -22,8 +23,13 @@ namespace xdev::transport {
 namespace {
 
 constexpr uint64_t kMagic = 0x7864657673686d31ull;  // "xdevshm1"
-constexpr uint32_t kVersion = 6;
+constexpr uint32_t kVersion = 7;
 constexpr size_t kCacheLine = 64;
+// RankControl::left: whether and how a rank left the group.
+constexpr int32_t kStillHere = 0;
+constexpr int32_t kDestroyed = 1;     // its group was destroyed
+constexpr int32_t kAfterFailure = 2;  // a failure made its group unusable: left_reason says which
+constexpr size_t kLeftReasonBytes = 512;
 constexpr size_t kPage = 4096;
 constexpr int kPausesPerClockRead = 16;
 // Header::outcome's radix: it names a rank r as r + 1, below it.
@@ -63,7 +69,7 @@ static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word lay
 struct alignas(kCacheLine) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // number of barriers this rank has reached
   std::atomic<int32_t> pid;
-  std::atomic<int32_t> left;  // 1 once this rank has closed its channel (mark_left)
+  std::atomic<int32_t> left;  // a LeftHow once this rank has left the group (mark_left)
   uint64_t pid_namespace;     // where pid means this rank's process (pid_namespace())
   char pad[kCacheLine - 2 * sizeof(uint64_t) - 2 * sizeof(std::atomic<int32_t>)];
   OpDescriptor desc[2];        // indexed by op seq parity
@@ -77,6 +83,8 @@ struct alignas(kCacheLine) ShmChannel::RankControl {
   // Its device-memory heap's arenas, the same way (handle first, bytes last).
   std::atomic<uint64_t> device_arena_bytes[SymmetricHeap::kMaxArenas];
   unsigned char device_arena_handle[SymmetricHeap::kMaxArenas][DeviceArenaAddress::kHandleBytes];
+  // Why it left after a failure (kAfterFailure), NUL-terminated; written before `left`.
+  char left_reason[kLeftReasonBytes];
 };
 
 struct alignas(kCacheLine) ShmChannel::Header {
@@ -140,7 +148,8 @@ ShmChannel ShmChannel::create(const std::string& name, int world_size, int rank,
     auto* rc = new (&ranks[r]) RankControl();
     rc->arrived.store(0);
     rc->pid.store(0);
-    rc->left.store(0);
+    rc->left.store(kStillHere);
+    rc->left_reason[0] = '\0';
     for (auto& bytes : rc->arena_bytes) bytes.store(0);
     for (auto& bytes : rc->device_arena_bytes) bytes.store(0);
   }
@@ -222,13 +231,18 @@ std::string ShmChannel::missing_ranks(uint64_t epoch) const {
   return out;
 }
 
-std::string ShmChannel::gone(int r) const {
+std::string ShmChannel::gone(int r, const std::string& what) const {
   const pid_t pid = control(r)->pid.load();
   const std::string who = rank_name(r) + " (pid " + std::to_string(pid) + ")";
-  if (control(r)->left.load() != 0) {
-    return who + " has left the group (destroy_process_group, or an error there)";
+  const std::string during = what.empty() ? "" : " during " + what;
+  const int32_t left = control(r)->left.load();
+  if (left == kAfterFailure) {
+    // The peer's own error, so that a failure elsewhere (a rank dead on
+    // another host) reaches its host-mates with its cause.
+    return who + " failed" + during + "; its error: " + control(r)->left_reason;
   }
-  if (exited(r)) return who + " exited";
+  if (left != kStillHere) return who + " has left the group (destroy_process_group)" + during;
+  if (exited(r)) return who + " exited" + during;
   return "";
 }
 
@@ -237,10 +251,10 @@ bool ShmChannel::exited(int r) const {
   return pid > 0 && shares_pid_namespace(r) && process_exited(pid);
 }
 
-std::string ShmChannel::gone_rank(uint64_t epoch) const {
+std::string ShmChannel::gone_rank(uint64_t epoch, const std::string& what) const {
   for (int r = 0; r < world_size_; ++r) {
     if (control(r)->arrived.load() >= epoch) continue;
-    std::string why = gone(r);
+    std::string why = gone(r, what);
     if (!why.empty()) return why;
   }
   return "";
@@ -266,8 +280,17 @@ bool ShmChannel::shares_pid_namespace(int rank) const {
   return control(rank)->pid_namespace == control(rank_)->pid_namespace;
 }
 
-void ShmChannel::mark_left() {
-  control(rank_)->left.store(1, std::memory_order_seq_cst);
+void ShmChannel::mark_left(const std::string& failure) {
+  RankControl* mine = control(rank_);
+  if (mine->left.load() != kStillHere) return;  // said once: a reader may be reading it
+  if (failure.empty()) {
+    mine->left.store(kDestroyed, std::memory_order_seq_cst);
+  } else {
+    const size_t n = std::min(failure.size(), sizeof(mine->left_reason) - 1);
+    std::memcpy(mine->left_reason, failure.data(), n);
+    mine->left_reason[n] = '\0';
+    mine->left.store(kAfterFailure, std::memory_order_seq_cst);  // after the text
+  }
   // Peers asleep in a barrier wake up and find it at their next liveness check.
   header()->wake_word.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&header()->wake_word);
@@ -374,8 +397,8 @@ void ShmChannel::barrier(Clock::time_point deadline, const std::string& what) {
                       " of this group; a peer is stuck, slow, or called a different collective");
     }
     if (now >= next_liveness_check) {
-      const std::string gone = gone_rank(epoch);
-      if (!gone.empty()) throw PeerError("xdev: " + gone + " during " + what);
+      const std::string gone = gone_rank(epoch, what);
+      if (!gone.empty()) throw PeerError("xdev: " + gone);
       next_liveness_check = now + kLivenessCheckPeriod;
     }
     const auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100));

@@ -90,9 +90,11 @@ class ShmChannel {
 
   void unlink_name() { segment_.unlink(); }
   // Tells peers this rank takes part in no more barriers (its group is being
-  // destroyed): a peer waiting for it fails at its next liveness check, within
-  // 200 ms, instead of at its deadline.
-  void mark_left();
+  // destroyed, or `failure`, non-empty, made it unusable): a peer waiting for
+  // it fails at its next liveness check, within 200 ms, instead of at its
+  // deadline, and its message quotes `failure` (cut to 511 bytes). Only the
+  // first call says anything.
+  void mark_left(const std::string& failure = "");
   const std::string& name() const { return segment_.name(); }
   size_t slot_bytes() const { return slot_bytes_; }
   int world_size() const { return world_size_; }
@@ -215,10 +217,12 @@ class ShmChannel {
   // PeerError naming the peer that settled it as failed first (at its deadline).
   void pass_barrier(uint64_t epoch, const std::string& what);
   std::string missing_ranks(uint64_t epoch) const;
-  // A rank that has not reached `epoch` and never will, said in words ("" if none).
-  std::string gone_rank(uint64_t epoch) const;
-  // Rank r's process has exited or it has left the group, said in words ("" if not).
-  std::string gone(int r) const;
+  // A rank that has not reached `epoch` and never will, said in words ("" if
+  // none), as gone() says it.
+  std::string gone_rank(uint64_t epoch, const std::string& what) const;
+  // Rank r's process has exited or it has left the group, said in words ("" if
+  // not), with "during `what`" where `what` is given.
+  std::string gone(int r, const std::string& what = "") const;
   bool exited(int r) const;
 
   ShmSegment segment_;

@@ -404,4 +404,25 @@ TEST(shm_barrier_fails_soon_when_a_peer_leaves_the_group) {
   CHECK(Clock::now() - start < std::chrono::seconds(5));
 }
 
+TEST(shm_barrier_quotes_the_error_a_peer_left_with) {
+  // Rank 1's group failed elsewhere (on another host, say): rank 0 learns its error, cut to
+  // the room the control block has, and later calls of mark_left change nothing.
+  auto ranks = make_group(2);
+  const std::string long_error = "xdev: rank 3 exited " + std::string(1000, 'x');
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me == 1) {
+      ch.mark_left(long_error);
+      ch.mark_left();
+      return;
+    }
+    ch.barrier(Clock::now() + std::chrono::seconds(20), "allreduce (op #4)");
+  });
+  CHECK(contains(errors[0], "rank 1 (pid "));
+  CHECK(contains(errors[0], " failed during allreduce (op #4); its error: xdev: rank 3 exited x"));
+  CHECK(!contains(errors[0], "has left the group"));
+  CHECK(!contains(errors[0], std::string(512, 'x')));  // cut to 511 bytes
+  CHECK(contains(errors[0], std::string(400, 'x')));
+  CHECK_EQ(errors[1], "");
+}
+
 }  // namespace
