@@ -188,6 +188,8 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
 
 # How long a rank that is about to refuse setup waits for its peers to read why.
 _VERDICT_READ_TIMEOUT = timedelta(seconds=30)
+# The setup verdict of a rank that a peer given a smaller world size says does not exist.
+_NO_SUCH_RANK = "-"
 
 
 def _wait_for_ranks(store: Any, keys: list[str], timeout: timedelta, what: str) -> None:
@@ -227,14 +229,23 @@ def _agree_on_setup(
     verdicts = [value.decode().split(";", 1) for value in store.multi_get(keys)]
     refused = [
         f"rank {peer} {reason}"
-        for peer, (_, reason) in enumerate(verdicts)
-        if reason != "ok" and peer != rank
+        for peer, (given, reason) in enumerate(verdicts)
+        if reason != "ok" and peer != rank and given != _NO_SUCH_RANK
     ]
     failed = ["a peer refused its settings; " + "; ".join(refused)] if refused else []
     sizes = [
-        f"rank {peer}: {given}" for peer, (given, _) in enumerate(verdicts) if given != str(size)
+        f"rank {peer}: {given}"
+        for peer, (given, _) in enumerate(verdicts)
+        if given not in (str(size), _NO_SUCH_RANK)
     ]
     if sizes:
+        # Peers given a larger size wait for ranks this one says do not exist: fill in their
+        # places, unless a rank took one, so that those peers learn the sizes now too rather
+        # than name a missing rank at the timeout.
+        largest = max(int(given) for given, _ in verdicts if given != _NO_SUCH_RANK)
+        for absent in range(size, largest):
+            store.compare_set(f"xdev/setup/{absent}", "", f"{_NO_SUCH_RANK};")
+            store.compare_set(f"xdev/setup/read/{absent}", "", "1")
         failed.append(
             f"the ranks were given different world sizes (this rank, {rank}: {size}; "
             f"{'; '.join(sizes)}): start every rank with the same world_size"
