@@ -342,12 +342,16 @@ def print_table(rows: Sequence[TableRow], title: str) -> None:
         )
 
 
-def params_to_write(result: FitResult) -> tuple[dict[str, Any], list[str]]:
+def params_to_write(result: FitResult, most_ranks: int) -> tuple[dict[str, Any], list[str]]:
     """The parameters a model file sets, and the names left out. A parameter at its upper
-    search bound is one the rows do not determine (the sleeping barrier, without a run of more
-    ranks than cores): the backend keeps its own default rather than plan by the bound (a
-    100 ms barrier). One at its lower bound says "small", and is written."""
+    search bound is one the rows do not determine: the backend keeps its own default rather
+    than plan by the bound (a 100 ms barrier). So is the sleeping barrier wherever no run had
+    more ranks (`most_ranks`) than cores: such runs never sleep in a barrier, and the fit puts
+    it anywhere, at either bound. Another parameter at its lower bound says "small", and is
+    written."""
     undetermined = [n.split(" ")[0] for n in at_bound(result) if n.endswith("(upper)")]
+    if most_ranks <= result["cores"] and "sleeping_barrier_us" not in undetermined:
+        undetermined.append("sleeping_barrier_us")
     params = {
         k: result[k]  # type: ignore[literal-required]
         for k in ("cores", "window_bytes", *PARAM_NAMES)
@@ -456,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"every row within {args.tolerance:g}%: {'yes' if within else 'no'} "
             f"({sum(abs(r['error_pct']) <= args.tolerance for r in big)}/{len(big)})"
         )
-    params, undetermined = params_to_write(result)
+    params, undetermined = params_to_write(result, max(m["ranks"] for m in measurements))
     if undetermined:
         print(f"# left out of the file (the backend keeps its defaults): {', '.join(undetermined)}")
     # A model file the network fit wrote (--net-model-out) keeps its network parameters.

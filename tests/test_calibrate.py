@@ -127,16 +127,23 @@ def test_model_file_leaves_out_what_the_runs_do_not_determine(
     assert model["params"]["net_latency_us"] == 700.0 and model["network_fit"] == {"rows": 3}
     upper = {n.split(" ")[0] for n in model["summary"]["at_bound"] if n.endswith("(upper)")}
     fitted = {"cores", "window_bytes", *calibrate.PARAM_NAMES}
-    assert set(model["params"]) == (fitted - upper) | {"net_latency_us"}
-    # A parameter at its upper search bound is not written, the backend keeps its default: a
-    # run of 2 ranks on 2 cores, which never sleep in a barrier, once wrote a 100 ms barrier
-    # that 4-rank groups then planned by.
+    # 2 ranks on 2 cores: the sleeping barrier is left out too.
+    left_out = upper | {"sleeping_barrier_us"}
+    assert set(model["params"]) == (fitted - left_out) | {"net_latency_us"}
+    # The sleeping barrier is not written, the backend keeps its default, where no run had
+    # more ranks than cores, wherever the fit put it: a run of 2 ranks on 2 cores, which never
+    # sleep in a barrier, once wrote a 100 ms barrier (its upper bound), and later a 0.015 us
+    # one (its lower), that 3- and 4-rank groups then planned by.
     two_ranks = [r for r in synthetic(calibrate, truth) if r["ranks"] == 2]
     result = calibrate.fit(two_ranks, 2, 256 << 10, starts=calibrate.STARTS[:1], max_evals=200)
-    result["sleeping_barrier_us"] = calibrate.BOX.bounds["sleeping_barrier_us"][1]
-    params, left_out = calibrate.params_to_write(result)
-    assert left_out == ["sleeping_barrier_us"] and "sleeping_barrier_us" not in params
-    assert params["launch_us"] == result["launch_us"]
+    for bound in calibrate.BOX.bounds["sleeping_barrier_us"]:
+        result["sleeping_barrier_us"] = bound
+        params, left_out = calibrate.params_to_write(result, most_ranks=2)
+        assert left_out == ["sleeping_barrier_us"] and "sleeping_barrier_us" not in params
+        assert params["launch_us"] == result["launch_us"]
+    # Runs with more ranks than cores determine it: written, unless at the upper bound.
+    result["sleeping_barrier_us"] = 40.0
+    assert calibrate.params_to_write(result, most_ranks=4)[0]["sleeping_barrier_us"] == 40.0
 
 
 @pytest.mark.parametrize(
