@@ -257,8 +257,6 @@ def run_rank(rank: int, cfg: Config) -> None:
             if name == "xdev/auto":
                 last = torch_xdev.describe(group)["last_allreduce"]
                 picked = None if last is None else str(last[0])
-                if last is not None and "two-level" in str(last[1]):
-                    picked = "two_level"  # last[0] is then the plan inside each host
                 label = f"{name}({picked})"
             row = timing_row(cfg, size, count, name, label, iters[name], per_call)
             row |= {

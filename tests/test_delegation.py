@@ -159,6 +159,9 @@ def _delegated(rank: int, world: int) -> None:
         if name == "reduce" and rank != root:  # a reduce leaves a non-root's view undefined
             base[1::3] = want[1::3]  # but never touches the elements around it
         assert torch.equal(base, want), (name, base, want)
+    # The broadcast gives the allreduce's reason, not a made-up one.
+    reasons = {torch_xdev.describe(engine_only)[f"last_{c}"] for c in ("allreduce", "broadcast")}
+    assert reasons == {("fallback", "algorithm='fallback' requested")}, reasons
     # Its list reduce-scatter writes a strided output as if it were contiguous too.
     columns = torch.full((4, 2), -1.0)
     pieces = [torch.arange(4.0) + 10 * r + rank for r in range(world)]

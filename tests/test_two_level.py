@@ -81,7 +81,7 @@ def _grid(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, A
                 check_close(got, reference(inputs, op), op, world, what)
                 digests.append(digest(got))
                 algorithm, reason = torch_xdev.describe(group)["last_allreduce"]
-                two_level = "two-level" in reason and algorithm == "flat"
+                two_level = algorithm == "two_level" and "flat inside each host" in reason
                 # Every native op and dtype, AVG of integers too (a SUM, then a division that
                 # truncates as the kernels' does).
                 assert two_level, (what, algorithm, reason)

@@ -218,15 +218,17 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
 void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
   // The transport is the selection's too: peers reading the tensor in place.
   const std::string reason = sel.reason + (sel.single_copy ? "; on the single-copy transport" : "");
+  // Across hosts `algorithm` is the plan inside each host: the path is two
+  // levels, as describe() names it for the other collectives.
+  const std::string path = sel.two_level ? "two_level" : plan::to_string(sel.algorithm);
+  const std::string inside =
+      sel.two_level ? std::string(plan::to_string(sel.algorithm)) + " inside each host" : "";
   {
     std::lock_guard<std::mutex> lock(selection_mutex_);
-    last_selection_ = {plan::to_string(sel.algorithm), reason};
+    last_selection_ = {path, inside.empty() ? reason : inside + "; " + reason};
   }
   const char* device = cuda ? "CUDA" : "CPU";
-  // Across hosts `algorithm` is the plan inside each host: say that two levels run.
-  const std::string what = sel.two_level ? std::string("two_level, ") +
-                                               plan::to_string(sel.algorithm) + " inside each host"
-                                         : plan::to_string(sel.algorithm);
+  const std::string what = inside.empty() ? path : path + ", " + inside;
   group_.log_once(
       std::string(device) + ":" + what + reason,
       std::string("allreduce on ") + device + " tensors -> " + what + " (" + reason + ")");
@@ -471,9 +473,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   };
   std::string refusal;
   if (cpu_ == nullptr && two_level_broadcast_ == nullptr) {
-    refusal = size_ == 1               ? "one rank"
-              : group_.num_hosts() > 1 ? "across hosts: " + two_level_note_
-                                       : "no shared memory between the ranks";
+    // The reason the allreduce gives (a world of one, algorithm='fallback').
+    const std::string no_channel = group_.no_channel_reason();
+    refusal = group_.num_hosts() > 1 ? "across hosts: " + two_level_note_
+              : !no_channel.empty()  ? no_channel
+                                     : "no shared memory between the ranks";
   } else if (tensors.size() > 1 || opts.rootTensor != 0) {
     // c10d's rule for a list (Gloo's): the root's rootTensor goes to every
     // tensor of every rank. The native path broadcasts one tensor.
