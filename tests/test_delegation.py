@@ -127,8 +127,8 @@ def _delegated(rank: int, world: int) -> None:
     )
     dist.all_reduce(sparse)
     assert torch.equal(sparse.to_dense(), torch.arange(1.0, world + 1))
-    # An AVG that Gloo cannot run (its SUM refuses int16) fails that call only.
-    with pytest.raises(dist.DistBackendError, match="SUM before the AVG"):
+    # An AVG that Gloo cannot run (its SUM refuses int16) fails that call only, before the SUM.
+    with pytest.raises(TypeError, match="all_reduce of Short tensors"):
         dist.all_reduce(torch.ones(3, dtype=torch.int16), op=dist.ReduceOp.AVG)
     ok = torch.full((3,), float(rank + 1))
     dist.all_reduce(ok)
@@ -293,3 +293,31 @@ def test_an_average_of_bool_tensors_is_refused_before_anything_changes() -> None
     # It went to the engine as a SUM, which overwrote the tensors, and then failed in the
     # division with torch's "result type Float can't be cast to the desired output type Bool".
     run_ranks(_bool_avg, 2)
+
+
+def _no_engine_for_the_dtype(rank: int, world: int) -> None:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    for dtype in (torch.int16, torch.uint32, torch.float8_e4m3fn):
+        values = torch.ones(2 * world, dtype=dtype)
+        out = torch.zeros(2, dtype=dtype)
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(values),
+            "reduce": lambda: dist.reduce(values, dst=0),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, values),
+        }
+        for name, call in calls.items():
+            # Gloo's own message was "Invalid scalar type".
+            with pytest.raises(TypeError, match=f"xdev: {name} of .* convert them"):
+                call()
+        # A broadcast moves the bytes of any dtype; the group stays usable.
+        sent = (torch.arange(2 * world) * (rank + 1)).to(dtype)
+        dist.broadcast(sent, src=world - 1)
+        assert torch.equal(sent.float(), (torch.arange(2 * world) * world).float()), dtype
+    widened = torch.full((3,), rank + 1, dtype=torch.int16).to(torch.int32)
+    dist.all_reduce(widened)
+    assert widened.tolist() == [sum(range(1, world + 1))] * 3
+    dist.destroy_process_group()
+
+
+def test_reductions_of_a_dtype_neither_xdev_nor_gloo_has_are_refused_naming_it() -> None:
+    run_ranks(_no_engine_for_the_dtype, 2)

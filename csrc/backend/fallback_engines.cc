@@ -110,6 +110,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
                                                           bool coalesced,
                                                           bool avg_as_sum_then_divide) {
   c10d::Backend* engine = for_tensors(tensors);
+  refuse_what_gloo_cannot_reduce(*engine, tensors, "all_reduce");
   c10d::AllreduceOptions o = opts;
   if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   const int64_t divisor = avg_as_sum_then_divide ? group.size() : 0;
@@ -258,10 +259,38 @@ FallbackEngines::AvgOnEngine FallbackEngines::avg_on_engine(
   return {integers || in_float, in_float};
 }
 
+void FallbackEngines::refuse_what_gloo_cannot_reduce(const c10d::Backend& engine,
+                                                     const std::vector<at::Tensor>& tensors,
+                                                     const char* collective) const {
+  if (&engine != gloo_.get()) return;
+  for (const at::Tensor& t : tensors) {
+    switch (t.scalar_type()) {
+      case at::kFloat:
+      case at::kDouble:
+      case at::kHalf:
+      case at::kBFloat16:
+      case at::kChar:
+      case at::kByte:
+      case at::kInt:
+      case at::kLong:
+      case at::kBool:
+      case at::kComplexFloat:  // c10d and xdev hand these on as real views
+      case at::kComplexDouble:
+        continue;
+      default:
+        TORCH_CHECK_TYPE(false, "xdev: ", collective, " of ", t.scalar_type(),
+                         " tensors: xdev has no kernel for them, and Gloo, which runs what it "
+                         "does not, reduces only float32, float64, float16, bfloat16, int8, "
+                         "uint8, int32, int64 and bool: convert them (int16 to int32, say)");
+    }
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce(GroupContext& group,
                                                        std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   c10d::Backend* engine = for_tensors(tensors);
+  refuse_what_gloo_cannot_reduce(*engine, tensors, "reduce");
   const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, tensors);
   c10d::ReduceOptions o = opts;
   if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -277,6 +306,7 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
+  refuse_what_gloo_cannot_reduce(*engine, outputs, "reduce_scatter");
   const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, outputs);
   c10d::ReduceScatterOptions o = opts;
   if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);

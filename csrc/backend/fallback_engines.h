@@ -45,8 +45,16 @@ class FallbackEngines {
   const std::string& cpu_name() const { return cpu_name_; }
   // The engine of delegated CUDA collectives ("" until the first CUDA collective decides).
   std::string cuda_name() const;
-  // Whether the engine runs ReduceOp.AVG itself: NCCL does, Gloo does not.
+  // Whether the engine runs every ReduceOp.AVG itself: NCCL does. Gloo's,
+  // where torch has one, refuses integers and adds float16 in float16 (a sum
+  // whose mean fits can overflow): xdev runs those as a SUM, then a divide.
   bool has_native_avg(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
+  // Throws TypeError where `engine` is Gloo and a tensor's dtype is one it
+  // cannot reduce (int16, uint16/32/64, float8...): Gloo's own error says
+  // only "Invalid scalar type".
+  void refuse_what_gloo_cannot_reduce(const c10d::Backend& engine,
+                                      const std::vector<at::Tensor>& tensors,
+                                      const char* collective) const;
   // Whether it runs ReduceOp.PREMUL_SUM itself: NCCL does, Gloo does not.
   bool has_premul_sum(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
 
