@@ -1,6 +1,7 @@
 #include "balanced_plan.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <map>
@@ -240,18 +241,47 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
   // With no more packs than ranks the payload is small: hops (latency) matter
   // more than spreading bytes.
   const bool fewest_hops_first = num_packs <= n;
+  // Each option is weighed by what it changes: the other edges' loads stay,
+  // so an option's spread is the current spread plus its own edges' change,
+  // and its peak the larger of the current peak and its edges' new loads
+  // (adds only grow loads). Summing every edge per option instead took
+  // seconds at 128 ranks and minutes at 256 (a group's first call per size).
+  std::vector<uint64_t> counted(static_cast<size_t>(n) * static_cast<size_t>(n), 0);
+  uint64_t stamp = 0;
+  const auto spread_of = [](double r) {
+    const double r2 = r * r, r4 = r2 * r2;
+    return r4 * r4;  // a smooth stand-in for the peak
+  };
+  const auto edge_index = [n](const Edge& e) {
+    return static_cast<size_t>(e.first) * static_cast<size_t>(n) + static_cast<size_t>(e.second);
+  };
+  // Sum over the option's distinct edges of spread_of(load ratio).
+  const auto spread_of_edges = [&](const Option& o) {
+    ++stamp;
+    double sum = 0;
+    for (const auto& added : o.adds) {
+      uint64_t& seen = counted[edge_index(added.first)];
+      if (seen == stamp) continue;
+      seen = stamp;
+      sum += spread_of(loads.ratio(added.first));
+    }
+    return sum;
+  };
   auto pick = [&](bool peak_first) {
+    double current_peak = 0, current_spread = 0;
+    for (const Edge& e : all_edges) {
+      const double r = loads.ratio(e);
+      current_peak = std::max(current_peak, r);
+      current_spread += spread_of(r);
+    }
     const Option* best = nullptr;
     double best_key[2] = {0, 0};
     for (const Option& o : options) {
+      const double before = spread_of_edges(o);
       for (const auto& [e, w] : o.adds) loads.at(e) += w;
-      double peak = 0, spread = 0;
-      for (const Edge& e : all_edges) {
-        const double r = loads.ratio(e);
-        peak = std::max(peak, r);
-        const double r2 = r * r, r4 = r2 * r2;
-        spread += r4 * r4;  // a smooth stand-in for the peak
-      }
+      double peak = current_peak;
+      for (const auto& added : o.adds) peak = std::max(peak, loads.ratio(added.first));
+      const double spread = current_spread - before + spread_of_edges(o);
       for (const auto& [e, w] : o.adds) loads.at(e) -= w;
       const double key[2] = {peak_first ? peak : spread, peak_first ? spread : peak};
       if (fewest_hops_first && best != nullptr && o.hops != best->hops) {
