@@ -39,6 +39,8 @@ def _selection(rank: int, world: int) -> dict[str, Any]:
         seen[numel * 4] = (algorithm, best["algorithm"], reason)
     dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)  # no native kernel
     seen["band"] = torch_xdev.describe()["last_allreduce"]
+    for _ in range(2):
+        dist.broadcast(torch.ones(8), src=0)
     c = torch.ones(3, dtype=torch.complex64)
     dist.all_reduce(c)
     assert torch.equal(c, torch.full((3,), float(world), dtype=torch.complex64))
@@ -61,6 +63,9 @@ def test_auto_selection_and_unsupported_ops_delegate(capfd: Any) -> None:
     line = f"allreduce on CPU tensors -> {first} ({reason})"
     assert err.count(line) == 2, err  # once per rank, not once per call
     assert "fallback engine: gloo" in err
+    assert "CPU allreduce: 1 B -> " in err and ", 1 GiB -> " in err, err
+    # Broadcast's choice too, once per rank.
+    assert err.count("broadcast -> native (one host: staged through shared memory)") == 2, err
 
 
 def _delegated(rank: int, world: int) -> None:

@@ -559,3 +559,27 @@ def test_a_host_name_with_a_line_break_is_refused_at_once() -> None:
     errors = run_ranks(_init_and_report, 2, per_rank_env=env, timeout=120)
     for rank, error in enumerate(errors):
         assert "XDEV_HOSTNAME must be one line" in error, (rank, error)
+
+
+def test_a_peer_that_never_connects_gloo_is_named_as_a_timeout_not_a_store_key() -> None:
+    # Rank 1 passed the setup agreement (its key is there) and never made its Gloo engine:
+    # rank 0's wait for it in Gloo's constructor said only "wait timeout after 1000ms, keys:".
+    from types import SimpleNamespace
+
+    from torch_xdev import _registration
+
+    store = dist.HashStore()
+    store.set("xdev/setup/1", "2;ok")
+    opts = SimpleNamespace(
+        group_id="lonely",
+        group_rank=0,
+        group_size=2,
+        store=store,
+        timeout=timedelta(seconds=1),
+        global_ranks_in_group=[0, 1],
+    )
+    with pytest.raises(dist.DistStoreError) as info:
+        _registration._create_backend(opts, None, store_is_its_own=True)
+    assert str(info.value).startswith(
+        "xdev: connecting the group's Gloo engine timed out after 1 s: a peer exited or is stuck"
+    ), info.value

@@ -337,7 +337,16 @@ def _create_backend(
         _agree_on_setup(store, rank, size, store.timeout, error)
         raise
     _agree_on_setup(store, rank, size, config.timeout, None)
-    fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
+    try:
+        fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
+    except dist.DistStoreError as error:
+        # Gloo's own message names a store key only.
+        raise dist.DistStoreError(
+            f"xdev: connecting the group's Gloo engine timed out after "
+            f"{config.timeout.total_seconds():g} s: a peer exited or is stuck, or the group's "
+            f"timeout (init_process_group's timeout=, XDEV_TIMEOUT) is too short for its ranks "
+            f"to connect ({error})"
+        ) from None
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     try:
         backend = _C.XdevBackend(

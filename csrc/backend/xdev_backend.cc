@@ -56,7 +56,7 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     const plan::Selection large = selection_for(int64_t{1} << 30, false);
     std::fprintf(stderr,
                  "[xdev] group '%s': %d rank(s) on %d host(s), algorithm=%s, num_packs=%lld, "
-                 "shared memory %s; CPU allreduce: small -> %s (%s), large -> %s (%s); "
+                 "shared memory %s; CPU allreduce: 1 B -> %s (%s), 1 GiB -> %s (%s); "
                  "fallback engine: %s\n",
                  c.group_name.c_str(), size, group_.num_hosts(), c.algorithm.c_str(),
                  static_cast<long long>(c.num_packs), cpu_ ? "on" : "off",
@@ -467,9 +467,11 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
                                                       const c10d::BroadcastOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
-  const auto record = [this](const char* path, std::string reason) {
+  const auto record = [this](const char* path, const std::string& reason) {
+    group_.log_once(std::string("broadcast:") + path + reason,
+                    std::string("broadcast -> ") + path + " (" + reason + ")");
     std::lock_guard<std::mutex> lock(selection_mutex_);
-    last_broadcast_ = {path, std::move(reason)};
+    last_broadcast_ = {path, reason};
   };
   std::string refusal;
   if (cpu_ == nullptr && two_level_broadcast_ == nullptr) {
@@ -507,10 +509,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
         plan::choose_broadcast_across_hosts({group_.num_hosts(), group_.local_world_size()},
                                             plan::model_bucket_bytes(payload_bytes(tensors)),
                                             two_level_->network(), two_level_->host_model());
-    const char* path = c.two_level ? "two_level" : "fallback";
-    group_.log_once("broadcast:" + c.reason,
-                    std::string("broadcast on CPU tensors -> ") + path + " (" + c.reason + ")");
-    record(path, c.reason);
+    record(c.two_level ? "two_level" : "fallback", c.reason);
     if (!c.two_level) {
       check_root();  // alone: Gloo's peers would not meet a refusal
       return fallbacks_.broadcast(group_, tensors, opts);
