@@ -501,9 +501,27 @@ def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
         torch_xdev._registration.apply_cpu_model_file(_C.BackendConfig(), str(path))
     assert problem in str(exc.value), str(exc.value)
     config = _C.BackendConfig()
-    # What calibrate.py records beside the parameters is accepted.
-    path.write_text('{"params": {"launch_us": 0, "core_gbps": 3, "cores": 2, "window_bytes": 8}}')
-    torch_xdev._registration.apply_cpu_model_file(config, str(path))
+    # What calibrate.py records beside the parameters is accepted, and a file fitted on a
+    # machine of another core count warns.
+    here = os.cpu_count()
+    for cores in (here, here + 62):
+        path.write_text(
+            f'{{"params": {{"launch_us": 0, "core_gbps": 3, "cores": {cores}, "window_bytes": 8}}}}'
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_xdev._registration.apply_cpu_model_file(config, str(path))
+        said = [str(w.message) for w in caught if "fitted on a machine" in str(w.message)]
+        assert said == (
+            []
+            if cores == here
+            else [
+                f"xdev: XDEV_CPU_MODEL={str(path)!r} was "
+                f"fitted on a machine of {cores} cores, and this one has {here}: its "
+                "parameters may not hold here (benchmarks/calibrate.py --run fits this "
+                "machine)"
+            ]
+        ), said
     assert (config.cpu_launch_us, config.cpu_core_gbps) == (0.0, 3.0)
     # calibrate_gpu.py's report has keys a CPU model has too: it used to set them silently.
     path.write_text('{"model": "shared_gpu_machine", "params": {"launch_us": 7}}')

@@ -122,6 +122,15 @@ def apply_cpu_model_file(config: Any, path: str) -> None:
                 f"(0: the host's share of this machine); got {value!r}"
             )
         setattr(config, field, number)
+    fitted_on, here = params.get("cores"), os.cpu_count()
+    if isinstance(fitted_on, int) and here is not None and fitted_on != here:
+        # Its rates and latencies are another machine's: auto would plan by them silently.
+        warnings.warn(
+            f"xdev: XDEV_CPU_MODEL={path!r} was fitted on a machine of {fitted_on} cores, and "
+            f"this one has {here}: its parameters may not hold here (benchmarks/calibrate.py "
+            f"--run fits this machine)",
+            stacklevel=3,
+        )
 
 
 def apply_topology_file(config: Any, path: str) -> None:
