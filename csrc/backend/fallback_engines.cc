@@ -12,6 +12,25 @@
 namespace xdev::backend {
 namespace {
 
+// The dtypes both Gloo and NCCL reduce and move (Gloo's "Invalid scalar type"
+// for any other).
+bool engines_take(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kChar:
+    case at::kByte:
+    case at::kBool:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // The FallbackEngines whose engine runs this thread (a Gloo worker), as an
 // identity only: set by the callbacks track() adds, null elsewhere.
 thread_local const void* t_engine_thread_of = nullptr;
@@ -219,22 +238,9 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::broadcast(GroupContext& group,
                                                           std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   c10d::Backend* engine = for_tensors(tensors);
-  // The dtypes both Gloo and NCCL take; any other goes as bytes.
+  // Any other dtype goes as bytes; a sparse tensor is the engine's business.
   const auto engine_takes = [](const at::Tensor& t) {
-    switch (t.scalar_type()) {
-      case at::kFloat:
-      case at::kDouble:
-      case at::kHalf:
-      case at::kBFloat16:
-      case at::kChar:
-      case at::kByte:
-      case at::kBool:
-      case at::kInt:
-      case at::kLong:
-        return true;
-      default:
-        return t.layout() != at::kStrided;  // a sparse tensor is the engine's business
-    }
+    return engines_take(t.scalar_type()) || t.layout() != at::kStrided;
   };
   return on_contiguous(group, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
                        [engine, &opts, engine_takes](std::vector<at::Tensor>& ts) {
@@ -264,25 +270,12 @@ void FallbackEngines::refuse_what_gloo_cannot_reduce(const c10d::Backend& engine
                                                      const char* collective) const {
   if (&engine != gloo_.get()) return;
   for (const at::Tensor& t : tensors) {
-    switch (t.scalar_type()) {
-      case at::kFloat:
-      case at::kDouble:
-      case at::kHalf:
-      case at::kBFloat16:
-      case at::kChar:
-      case at::kByte:
-      case at::kInt:
-      case at::kLong:
-      case at::kBool:
-      case at::kComplexFloat:  // c10d and xdev hand these on as real views
-      case at::kComplexDouble:
-        continue;
-      default:
-        TORCH_CHECK_TYPE(false, "xdev: ", collective, " of ", t.scalar_type(),
-                         " tensors: xdev has no kernel for them, and Gloo, which runs what it "
-                         "does not, reduces only float32, float64, float16, bfloat16, int8, "
-                         "uint8, int32, int64 and bool: convert them (int16 to int32, say)");
-    }
+    // Complex tensors reach Gloo as real views (c10d's and xdev's).
+    TORCH_CHECK_TYPE(engines_take(t.scalar_type()) || t.is_complex(), "xdev: ", collective, " of ",
+                     t.scalar_type(),
+                     " tensors: xdev has no kernel for them, and Gloo, which runs what it does "
+                     "not, reduces only float32, float64, float16, bfloat16, int8, uint8, int32, "
+                     "int64 and bool: convert them (int16 to int32, say)");
   }
 }
 
