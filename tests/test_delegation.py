@@ -132,6 +132,16 @@ def _delegated(rank: int, world: int) -> None:
     )
     dist.all_reduce(sparse)
     assert torch.equal(sparse.to_dense(), torch.arange(1.0, world + 1))
+    assert torch_xdev.describe()["last_allreduce"] == ("fallback", "sparse tensors")
+    # c10d's list form: every tensor receives the sum of every tensor of every rank.
+    pair = [torch.full((2,), float(rank + 1)), torch.full((2,), 10.0 * (rank + 1))]
+    dist.group.WORLD.allreduce(pair).wait()
+    total = 11.0 * sum(range(1, world + 1))
+    assert all(torch.equal(t, torch.full((2,), total)) for t in pair), pair
+    assert torch_xdev.describe()["last_allreduce"] == (
+        "fallback",
+        "a list of tensors reduced into one result (c10d's list form)",
+    )
     # An AVG that Gloo cannot run (its SUM refuses int16) fails that call only, before the SUM.
     with pytest.raises(TypeError, match="all_reduce of Short tensors"):
         dist.all_reduce(torch.ones(3, dtype=torch.int16), op=dist.ReduceOp.AVG)

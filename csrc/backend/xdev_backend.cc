@@ -11,6 +11,18 @@
 #include "tensor_helpers.h"
 
 namespace xdev::backend {
+namespace {
+
+// Across hosts a selection's `algorithm` is the plan inside each host: the
+// path is two levels, as describe() names it for every collective.
+std::string inside_each_host(const plan::Selection& sel) {
+  return std::string(plan::to_string(sel.algorithm)) + " inside each host";
+}
+std::string path_of(const plan::Selection& sel) {
+  return sel.two_level ? "two_level, " + inside_each_host(sel) : plan::to_string(sel.algorithm);
+}
+
+}  // namespace
 
 #ifndef XDEV_WITH_CUDA
 std::unique_ptr<CudaCollectives> make_cuda_collectives(GroupContext&) {
@@ -59,9 +71,9 @@ XdevBackend::XdevBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                  "shared memory %s; CPU allreduce: 1 B -> %s (%s), 1 GiB -> %s (%s); "
                  "fallback engine: %s\n",
                  c.group_name.c_str(), size, group_.num_hosts(), c.algorithm.c_str(),
-                 static_cast<long long>(c.num_packs), cpu_ ? "on" : "off",
-                 plan::to_string(small.algorithm), small.reason.c_str(),
-                 plan::to_string(large.algorithm), large.reason.c_str(), fallback_name().c_str());
+                 static_cast<long long>(c.num_packs), cpu_ ? "on" : "off", path_of(small).c_str(),
+                 small.reason.c_str(), path_of(large).c_str(), large.reason.c_str(),
+                 fallback_name().c_str());
   }
   // Last: no task may take a reference before anything owns the backend.
   group_.set_owner(this);
@@ -218,17 +230,15 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
 void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
   // The transport is the selection's too: peers reading the tensor in place.
   const std::string reason = sel.reason + (sel.single_copy ? "; on the single-copy transport" : "");
-  // Across hosts `algorithm` is the plan inside each host: the path is two
-  // levels, as describe() names it for the other collectives.
-  const std::string path = sel.two_level ? "two_level" : plan::to_string(sel.algorithm);
-  const std::string inside =
-      sel.two_level ? std::string(plan::to_string(sel.algorithm)) + " inside each host" : "";
   {
     std::lock_guard<std::mutex> lock(selection_mutex_);
-    last_selection_ = {path, inside.empty() ? reason : inside + "; " + reason};
+    last_selection_ =
+        sel.two_level
+            ? std::make_pair(std::string("two_level"), inside_each_host(sel) + "; " + reason)
+            : std::make_pair(std::string(plan::to_string(sel.algorithm)), reason);
   }
   const char* device = cuda ? "CUDA" : "CPU";
-  const std::string what = inside.empty() ? path : path + ", " + inside;
+  const std::string what = path_of(sel);
   group_.log_once(
       std::string(device) + ":" + what + reason,
       std::string("allreduce on ") + device + " tensors -> " + what + " (" + reason + ")");
@@ -300,27 +310,19 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
                       t.device());
     native_ok = native_ok && native_dtype(t.scalar_type()).has_value();
   }
-  // Sparse tensors (DDP's gradients of a sparse embedding) are the engine's:
-  // Gloo sums them; AVG and the rest it refuses itself.
   const bool dense = std::all_of(tensors.begin(), tensors.end(),
                                  [](const at::Tensor& t) { return t.layout() == at::kStrided; });
-  if (!dense) return fallbacks_.allreduce(group_, tensors, opts, coalesced, false);
-  if (!coalesced && tensors.size() > 1) {
-    // c10d's rule for a list (Gloo's): every tensor of every rank is reduced
-    // into one result that every tensor receives. The native path reduces
-    // tensors one by one (allreduce_coalesced), so the engine runs it.
-    const bool avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
-    return fallbacks_.allreduce(
-        group_, tensors, opts, false,
-        avg && !fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors)));
-  }
-  if (device.is_cuda() && cuda_ != nullptr && size_ > 1) {
+  const bool reduces_list_into_one = !coalesced && tensors.size() > 1;
+  const bool engine_only = !dense || reduces_list_into_one;  // see SelectionInput::dense
+  if (device.is_cuda() && cuda_ != nullptr && size_ > 1 && !engine_only) {
     // Collective on first use: every rank learns the GPUs and the transport.
     cuda_->ensure_ready(device.index());
   }
   plan::SelectionInput in = selection_input(payload_bytes(tensors), device.is_cuda());
-  if (device.is_cuda())
+  if (device.is_cuda() && !engine_only)
     refuse_during_capture(device.index(), in.transport_available, in.transport_note);
+  in.dense = dense;
+  in.reduces_list_into_one = reduces_list_into_one;
   in.op_supported = native_ok;
   in.num_tensors = static_cast<int64_t>(tensors.size());
   in.op_is_avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
@@ -329,7 +331,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (in.op_is_avg)
     in.fallback_has_avg = fallbacks_.has_native_avg(*fallbacks_.for_tensors(tensors));
   SharedPlacement shared;
-  if (!device.is_cuda() && tensors.size() == 1) {
+  if (engine_only) {
+    // Nothing more to learn: the selection gives these to the engine.
+  } else if (!device.is_cuda() && tensors.size() == 1) {
     shared = shared_.find(tensors[0]);
     if (shared.buffer != nullptr) in.shared_buffer_id = shared.buffer->id();
     in.in_symmetric_heap = shared.heap != nullptr;
@@ -475,7 +479,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   };
   std::string refusal;
   if (cpu_ == nullptr && two_level_broadcast_ == nullptr) {
-    // The reason the allreduce gives (a world of one, algorithm='fallback').
+    // Why the group has no channel (algorithm='fallback', a world of one).
     const std::string no_channel = group_.no_channel_reason();
     refusal = group_.num_hosts() > 1 ? "across hosts: " + two_level_note_
               : !no_channel.empty()  ? no_channel
@@ -549,7 +553,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
   // the work handed to Gloo before it. On the queue, behind this rank's
   // two-level collectives, the ranks then meet again over the paths those
   // use, so that no rank leaves the barrier while another still runs one.
-  c10d::Backend* gloo = fallbacks_.cpu();
+  c10d::Backend* gloo = fallbacks_.gloo();
   c10d::BarrierOptions engine_opts = opts;
   engine_opts.asyncOp = true;
   c10::intrusive_ptr<c10d::Work> engine_barrier = fallbacks_.track(gloo->barrier(engine_opts));
@@ -567,7 +571,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
-  fallbacks_.cpu()->monitoredBarrier(opts, wait_all_ranks);
+  fallbacks_.gloo()->monitoredBarrier(opts, wait_all_ranks);
 }
 
 }  // namespace xdev::backend

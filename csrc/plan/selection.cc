@@ -110,6 +110,14 @@ Selection choose_plan(const SelectionInput& in) {
     s.reason = "algorithm='fallback' requested";
     return s;
   }
+  if (!in.dense) {
+    s.reason = "sparse tensors";
+    return s;
+  }
+  if (in.reduces_list_into_one) {
+    s.reason = "a list of tensors reduced into one result (c10d's list form)";
+    return s;
+  }
   // Before the host check below: a forced native plan on several hosts is refused, not quietly
   // replaced by the fallback.
   check_forced_algorithm(in.requested, in.world_size, in.num_hosts);
@@ -261,7 +269,8 @@ void check_forced_algorithm(Algorithm requested, int world_size, int num_hosts) 
 Selection select_allreduce(const SelectionInput& in) {
   Selection s = choose_plan(in);
   if (s.algorithm == Algorithm::kFallback) {
-    s.avg_as_sum_then_divide = in.op_is_avg && !in.fallback_has_avg;
+    // Sparse tensors: the engine refuses an AVG itself.
+    s.avg_as_sum_then_divide = in.op_is_avg && !in.fallback_has_avg && in.dense;
   } else if (in.device == DeviceKind::kCpu && !s.in_place_shared && !s.two_level) {
     s.single_copy = use_single_copy(s.algorithm, in.payload_bytes, in.num_tensors == 1,
                                     in.single_copy_available);

@@ -97,6 +97,12 @@ struct SelectionInput {
   bool transport_available = true;
   std::string transport_note;
   bool op_supported = true;  // the reduce op and every tensor's dtype have native kernels
+  // Forms only the engine runs: sparse tensors (DDP's gradients of a sparse
+  // embedding; Gloo sums them), and a list of tensors that c10d reduces into
+  // one result every tensor receives (the native path reduces tensors one by
+  // one, as allreduce_coalesced does).
+  bool dense = true;
+  bool reduces_list_into_one = false;
   int64_t payload_bytes = 0;
   int64_t num_tensors = 1;
   int64_t num_packs = -1;  // -1: not set by the user

@@ -290,6 +290,30 @@ TEST(selection_forced_algorithms) {
   CHECK_EQ(select_allreduce(cpu).algorithm, Algorithm::kDirect);
 }
 
+TEST(selection_gives_the_engine_the_forms_only_it_runs) {
+  // Sparse tensors and c10d's list form go to the engine whatever is forced, with a reason
+  // describe() can show; only the list's AVG is the engine's SUM then a division (a sparse
+  // AVG the engine refuses itself).
+  for (Algorithm requested : {Algorithm::kAuto, Algorithm::kFlat}) {
+    SelectionInput in;
+    in.world_size = 2;
+    in.requested = requested;
+    in.op_is_avg = true;
+    in.dense = false;
+    Selection s = select_allreduce(in);
+    CHECK_EQ(s.algorithm, Algorithm::kFallback);
+    CHECK_EQ(s.reason, std::string("sparse tensors"));
+    CHECK(!s.avg_as_sum_then_divide);
+    in.dense = true;
+    in.reduces_list_into_one = true;
+    in.num_hosts = 2;  // before the hosts' rules too
+    s = select_allreduce(in);
+    CHECK_EQ(s.algorithm, Algorithm::kFallback);
+    CHECK_EQ(s.reason, std::string("a list of tensors reduced into one result (c10d's list form)"));
+    CHECK(s.avg_as_sum_then_divide);
+  }
+}
+
 TEST(selection_cpu_auto_is_the_models_choice_at_the_size_class) {
   for (int world : {2, 3, 4, 8}) {
     const MachineModel model = builtin_machine("cpu-" + std::to_string(world));
