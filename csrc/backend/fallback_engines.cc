@@ -49,20 +49,20 @@ FallbackEngines::FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo,
   cpu_name_ = gloo_->getBackendName();
 }
 
-c10d::Backend* FallbackEngines::cpu() const {
+c10d::Backend* FallbackEngines::gloo() const {
   TORCH_CHECK(gloo_, "xdev: this process group has been destroyed");
   return gloo_.get();
 }
 
 c10d::Backend* FallbackEngines::for_tensor(const at::Tensor& tensor) {
-  c10d::Backend* gloo = cpu();
-  if (!tensor.is_cuda() || !nccl_) return gloo;
+  c10d::Backend* engine = gloo();
+  if (!tensor.is_cuda() || !nccl_) return engine;
   if (cuda_ != nullptr) {
     // NCCL refuses two ranks on one GPU; the first CUDA collective finds out.
     const CudaGroupInfo& info = cuda_->ensure_ready(tensor.get_device());
     if (info.ranks_share_gpu) {
       refuse_gloo_during_capture(tensor.get_device());
-      return gloo;
+      return engine;
     }
   }
   return nccl_.get();
@@ -103,17 +103,17 @@ c10d::Backend* FallbackEngines::for_tensors(const std::vector<at::Tensor>& tenso
   for (const at::Tensor& t : tensors) {
     if (t.is_cuda()) return for_tensor(t);
   }
-  return cpu();
+  return gloo();
 }
 
 c10d::Backend* FallbackEngines::for_point_to_point(const std::vector<at::Tensor>& tensors) {
   const bool any_cuda =
       std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cuda(); });
-  if (!any_cuda || !nccl_) return cpu();
+  if (!any_cuda || !nccl_) return gloo();
   const CudaGroupInfo* info = cuda_ ? cuda_->info() : nullptr;
   if (info == nullptr || !info->ranks_share_gpu) return nccl_.get();
   refuse_gloo_during_capture(info->device);
-  return cpu();
+  return gloo();
 }
 
 std::string FallbackEngines::cuda_name() const {

@@ -26,8 +26,9 @@ class FallbackEngines {
   FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> nccl,
                   CudaCollectives* cuda);
 
-  // Throws once the group is shut down.
-  c10d::Backend* cpu() const;
+  // The Gloo engine (CPU tensors' and, where ranks share a GPU, CUDA
+  // tensors'). Throws once the group is shut down.
+  c10d::Backend* gloo() const;
   // The engine for a delegated collective on these tensors. Collective on the
   // first CUDA tensor (the CUDA side learns whether ranks share a GPU).
   c10d::Backend* for_tensors(const std::vector<at::Tensor>& tensors);

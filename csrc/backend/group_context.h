@@ -91,8 +91,6 @@ class GroupContext {
   const std::vector<int>& host_ranks() const { return host_ranks_; }
   // The host index of every group rank, by rank.
   const std::vector<int>& rank_hosts() const { return rank_hosts_; }
-  // Whether every host holds the same number of ranks.
-  bool hosts_even() const { return hosts_even_; }
   // The cores a host's ranks run on, for the network model: a machine's cores,
   // shared in proportion to their ranks by the hosts (as named) whose ranks
   // run on it (XDEV_HOSTNAME splitting one box, or containers on one kernel);

@@ -1,7 +1,6 @@
 #include "packing.h"
 
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -121,26 +120,6 @@ std::vector<DtypeGroup> group_by_dtype(const std::vector<TensorDesc>& tensors) {
   }
   for (size_t g = 0; g < groups.size(); ++g) groups[g].layout = FlatLayout(std::move(numels[g]));
   return groups;
-}
-
-void pack_group(const DtypeGroup& group, const std::vector<const void*>& tensors, void* payload) {
-  auto* out = static_cast<char*>(payload);
-  for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
-    const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
-    if (bytes == 0) continue;
-    std::memcpy(out + group.layout.offset(k) * group.elem_size, tensors[group.tensor_indices[k]],
-                bytes);
-  }
-}
-
-void unpack_group(const DtypeGroup& group, const void* payload, const std::vector<void*>& tensors) {
-  const auto* in = static_cast<const char*>(payload);
-  for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
-    const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
-    if (bytes == 0) continue;
-    std::memcpy(tensors[group.tensor_indices[k]], in + group.layout.offset(k) * group.elem_size,
-                bytes);
-  }
 }
 
 }  // namespace xdev::plan

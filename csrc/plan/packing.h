@@ -99,11 +99,6 @@ struct DtypeGroup {
 
 std::vector<DtypeGroup> group_by_dtype(const std::vector<TensorDesc>& tensors);
 
-// Copies tensors[i] (raw bytes) of one group into the group's payload buffer,
-// and back. Used by tests and by the single-process paths.
-void pack_group(const DtypeGroup& group, const std::vector<const void*>& tensors, void* payload);
-void unpack_group(const DtypeGroup& group, const void* payload, const std::vector<void*>& tensors);
-
 template <typename Fn>
 void FlatLayout::for_each_piece(Range r, Fn&& fn) const {
   if (r.empty()) return;

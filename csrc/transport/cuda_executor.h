@@ -119,8 +119,6 @@ class CudaExecutor {
   // from any thread.
   void stop_kernels(unsigned int code);
 
-  int num_blocks() const { return num_blocks_; }
-
  private:
   struct DeviceWindow {
     plan::DeviceOp* ops = nullptr;  // device memory

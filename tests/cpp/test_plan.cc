@@ -22,6 +22,28 @@ using xdev_test::uniform;
 
 namespace {
 
+// Copies tensors[i] (raw bytes) of one group into the group's payload buffer at
+// the offsets its layout gives, and back: what a caller of group_by_dtype does.
+void pack_group(const DtypeGroup& group, const std::vector<const void*>& tensors, void* payload) {
+  auto* out = static_cast<char*>(payload);
+  for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
+    const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
+    if (bytes == 0) continue;
+    std::memcpy(out + group.layout.offset(k) * group.elem_size, tensors[group.tensor_indices[k]],
+                bytes);
+  }
+}
+
+void unpack_group(const DtypeGroup& group, const void* payload, const std::vector<void*>& tensors) {
+  const auto* in = static_cast<const char*>(payload);
+  for (size_t k = 0; k < group.tensor_indices.size(); ++k) {
+    const size_t bytes = static_cast<size_t>(group.layout.numel(k)) * group.elem_size;
+    if (bytes == 0) continue;
+    std::memcpy(tensors[group.tensor_indices[k]], in + group.layout.offset(k) * group.elem_size,
+                bytes);
+  }
+}
+
 // The DGX-1 hybrid cube-mesh stated independently of the library's table: two fully linked
 // quads {0..3} and {4..7}, plus a link from i to i + 4.
 bool dgx1_pair(int a, int b) {
