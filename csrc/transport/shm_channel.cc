@@ -27,9 +27,20 @@ constexpr uint32_t kVersion = 7;
 constexpr size_t kCacheLine = 64;
 // RankControl::left: whether and how a rank left the group.
 constexpr int32_t kStillHere = 0;
-constexpr int32_t kDestroyed = 1;     // its group was destroyed
-constexpr int32_t kAfterFailure = 2;  // a failure made its group unusable: left_reason says which
+constexpr int32_t kDestroyed = 1;      // its group was destroyed
+constexpr int32_t kAfterFailure = 2;   // a failure made its group unusable: left_reason says which
+constexpr int32_t kWritingReason = 3;  // on its way to kAfterFailure: still here for a reader
 constexpr size_t kLeftReasonBytes = 512;
+
+// `text` in at most `bytes` bytes: whole, or cut where a UTF-8 character
+// starts (Python refuses an error message cut inside one) and marked "...".
+std::string cut_to(const std::string& text, size_t bytes) {
+  if (text.size() <= bytes) return text;
+  const std::string mark = "...";
+  size_t n = bytes - mark.size();
+  while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;
+  return text.substr(0, n) + mark;
+}
 constexpr size_t kPage = 4096;
 constexpr int kPausesPerClockRead = 16;
 // Header::outcome's radix: it names a rank r as r + 1, below it.
@@ -241,7 +252,7 @@ std::string ShmChannel::gone(int r, const std::string& what) const {
     // another host) reaches its host-mates with its cause.
     return who + " failed" + during + "; its error: " + control(r)->left_reason;
   }
-  if (left != kStillHere) return who + " has left the group (destroy_process_group)" + during;
+  if (left == kDestroyed) return who + " has left the group (destroy_process_group)" + during;
   if (exited(r)) return who + " exited" + during;
   return "";
 }
@@ -282,13 +293,16 @@ bool ShmChannel::shares_pid_namespace(int rank) const {
 
 void ShmChannel::mark_left(const std::string& failure) {
   RankControl* mine = control(rank_);
-  if (mine->left.load() != kStillHere) return;  // said once: a reader may be reading it
-  if (failure.empty()) {
-    mine->left.store(kDestroyed, std::memory_order_seq_cst);
-  } else {
-    const size_t n = std::min(failure.size(), sizeof(mine->left_reason) - 1);
-    std::memcpy(mine->left_reason, failure.data(), n);
-    mine->left_reason[n] = '\0';
+  // Said once, by whichever thread comes first (a failure on the op thread,
+  // the group's destruction on another): a reader may be reading the text.
+  int32_t still_here = kStillHere;
+  if (!mine->left.compare_exchange_strong(still_here,
+                                          failure.empty() ? kDestroyed : kWritingReason)) {
+    return;
+  }
+  if (!failure.empty()) {
+    const std::string cut = cut_to(failure, sizeof(mine->left_reason) - 1);
+    std::memcpy(mine->left_reason, cut.c_str(), cut.size() + 1);
     mine->left.store(kAfterFailure, std::memory_order_seq_cst);  // after the text
   }
   // Peers asleep in a barrier wake up and find it at their next liveness check.

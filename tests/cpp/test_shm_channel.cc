@@ -420,9 +420,25 @@ TEST(shm_barrier_quotes_the_error_a_peer_left_with) {
   CHECK(contains(errors[0], "rank 1 (pid "));
   CHECK(contains(errors[0], " failed during allreduce (op #4); its error: xdev: rank 3 exited x"));
   CHECK(!contains(errors[0], "has left the group"));
-  CHECK(!contains(errors[0], std::string(512, 'x')));  // cut to 511 bytes
-  CHECK(contains(errors[0], std::string(400, 'x')));
+  // Cut to 511 bytes, marked: "xdev: rank 3 exited " and 488 x's, then "...".
+  CHECK(contains(errors[0], std::string(488, 'x') + "..."));
+  CHECK(!contains(errors[0], std::string(489, 'x')));
   CHECK_EQ(errors[1], "");
+}
+
+TEST(shm_barrier_cuts_a_quoted_error_between_utf8_characters) {
+  // Gloo's messages end in an emoji: a cut inside it made Python refuse the whole message.
+  auto ranks = make_group(2);
+  const std::string emoji = "\xF0\x9F\x8F\x96";  // 4 bytes, from byte 507 to 510
+  const auto errors = on_ranks(ranks, [&](int me, ShmChannel& ch) {
+    if (me == 1) {
+      ch.mark_left(std::string(507, 'a') + emoji + " GLHF");
+      return;
+    }
+    ch.barrier(Clock::now() + std::chrono::seconds(20), "allreduce (op #1)");
+  });
+  CHECK(contains(errors[0], "its error: " + std::string(507, 'a') + "..."));
+  CHECK(!contains(errors[0], "\xF0"));
 }
 
 }  // namespace
