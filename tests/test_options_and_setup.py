@@ -383,19 +383,38 @@ def test_bad_topology_file_fails_group_creation(tmp_path: Any) -> None:
     assert "XDEV_TOPO_FILE" in errors[0] and "topo.json" in errors[0], errors[0]
 
 
-def test_ranks_given_different_world_sizes_are_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
+STORE_KINDS = ("hash", "file", "tcp", "tcp_without_libuv")
+
+
+def _store_per_rank(kind: str, tmp_path: Path, ranks: int) -> list[Any]:
+    """One client per rank (a thread each) of one store of this kind."""
+    if kind == "hash":
+        return [dist.HashStore()] * ranks
+    if kind == "file":
+        return [dist.FileStore(str(tmp_path / "store"), ranks) for _ in range(ranks)]
+    libuv = kind == "tcp"
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=libuv)
+    clients = [dist.TCPStore("127.0.0.1", server.port, use_libuv=libuv) for _ in range(ranks - 1)]
+    return [server, *clients]
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_ranks_given_different_world_sizes_are_told_so(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Ranks started by hand (tcp://) with world sizes 2 and 3: both name the sizes instead of
     # waiting in Gloo's rendezvous, the one given 3 too, although no rank 2 ever comes (the
-    # other says so for it), long before the 20 s timeout.
+    # other says so for it), long before the 20 s timeout. (TCPStore without libuv wakes no
+    # waiter on compare_set: the rank given 3 waited the whole timeout there.)
     from torch_xdev import _registration
 
     monkeypatch.setattr(_registration, "_VERDICT_READ_TIMEOUT", timedelta(seconds=1))
-    store = dist.HashStore()
+    stores = _store_per_rank(kind, tmp_path, 2)
     errors: dict[int, BaseException] = {}
 
     def setup(rank: int, size: int) -> None:
         try:
-            _registration._agree_on_setup(store, rank, size, timedelta(seconds=20), None)
+            _registration._agree_on_setup(stores[rank], rank, size, timedelta(seconds=20), None)
         except Exception as e:
             errors[rank] = e
 
@@ -579,14 +598,18 @@ def test_a_host_name_with_a_line_break_is_refused_at_once() -> None:
         assert "XDEV_HOSTNAME must be one line" in error, (rank, error)
 
 
-def test_a_peer_that_never_connects_gloo_is_named_as_a_timeout_not_a_store_key() -> None:
+@pytest.mark.parametrize("kind", ["hash", "file"])
+def test_a_peer_that_never_connects_gloo_is_named_as_a_timeout_not_a_store_key(
+    kind: str, tmp_path: Path
+) -> None:
     # Rank 1 passed the setup agreement (its key is there) and never made its Gloo engine:
-    # rank 0's wait for it in Gloo's constructor said only "wait timeout after 1000ms, keys:".
+    # rank 0's wait for it in Gloo's constructor said only "wait timeout after 1000ms, keys:"
+    # (FileStore: "Wait timeout").
     from types import SimpleNamespace
 
     from torch_xdev import _registration
 
-    store = dist.HashStore()
+    store = _store_per_rank(kind, tmp_path, 1)[0]
     store.set("xdev/setup/1", "2;ok")
     opts = SimpleNamespace(
         group_id="lonely",

@@ -253,8 +253,13 @@ def _agree_on_setup(
         # than name a missing rank at the timeout.
         largest = max(int(given) for given, _ in verdicts if given != _NO_SUCH_RANK)
         for absent in range(size, largest):
-            store.compare_set(f"xdev/setup/{absent}", "", f"{_NO_SUCH_RANK};")
-            store.compare_set(f"xdev/setup/read/{absent}", "", "1")
+            for key, value in (
+                (f"xdev/setup/{absent}", f"{_NO_SUCH_RANK};"),
+                (f"xdev/setup/read/{absent}", "1"),
+            ):
+                # set() again what is there now: TCPStore without libuv wakes no waiter
+                # on compare_set.
+                store.set(key, store.compare_set(key, "", value))
         failed.append(
             f"the ranks were given different world sizes (this rank, {rank}: {size}; "
             f"{'; '.join(sizes)}): start every rank with the same world_size"
@@ -348,7 +353,9 @@ def _create_backend(
     _agree_on_setup(store, rank, size, config.timeout, None)
     try:
         fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
-    except dist.DistStoreError as error:
+    except RuntimeError as error:  # DistStoreError; FileStore's timeout is a plain RuntimeError
+        if not isinstance(error, dist.DistStoreError) and "timeout" not in str(error).lower():
+            raise
         # Gloo's own message names a store key only.
         raise dist.DistStoreError(
             f"xdev: connecting the group's Gloo engine timed out after "
