@@ -64,8 +64,15 @@ def test_options_reach_the_config() -> None:
         shm_slot_bytes=8192,
         cuda_slot_bytes=8192,
         single_copy=True,
+        cuda_host_check=False,
+        shared_buckets=False,
+        two_level_pieces=3,
         debug=True,
     )
+    # Every field away from its default, so that a field the config dropped shows.
+    assert all(
+        getattr(options, f.name) != f.default for f in dataclasses.fields(torch_xdev.Options)
+    ), options
     config = backend_config(options, timedelta(seconds=99))
     expected = dataclasses.asdict(options) | {"timeout": timedelta(seconds=2.5)}
     assert {name: getattr(config, name) for name in expected} == expected
@@ -201,3 +208,12 @@ def test_a_misspelt_variable_is_named_with_the_nearest_one() -> None:
         ValueError, match=r"expected an integer \(decimal, or hex as 0x...\) or none"
     ):
         resolve_options(None, {"XDEV_NUM_PACKS": "abc"})
+
+
+def test_python_and_cpp_name_the_same_algorithms() -> None:
+    # Options.algorithm is checked against ALGORITHMS in Python, and the C++ side parses the
+    # name again: its error lists the names it knows, which must be the same, in order.
+    machine = _C.plan.cpu_machine(2, 2, 10.0, 20.0, 1.0, 1.0, 1 << 18)
+    with pytest.raises(ValueError) as info:
+        _C.plan.predict(machine, "no_such_plan", -1, 4096, 4, False)
+    assert re.findall(r"'(\w+)'", str(info.value))[:-1] == list(torch_xdev.ALGORITHMS), info.value

@@ -362,22 +362,30 @@ def test_a_rank_that_timed_out_releases_its_late_peers() -> None:
     assert TIMEOUT_S * 0.9 <= elapsed[0] < TIMEOUT_S + 5.0, elapsed
 
 
-def _huge_timeout(rank: int, world: int) -> None:
+def _huge_timeout(rank: int, world: int) -> float:
     # A timedelta far beyond the clock's range, the usual way to say "never time out".
     forever = torch_xdev.Options(timeout=timedelta(days=200000))
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=forever)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
-        # Makes rank 0 likely to wait in the call (not needed for the result): the bound
-        # itself is a C++ unit test (tests/cpp/test_shm_channel.cc).
+        # Rank 0 is in the call (or about to be) when rank 1 comes: it must wait, not fail
+        # at a deadline that overflowed into the past. (The bound itself is a C++ unit test,
+        # tests/cpp/test_shm_channel.cc.)
+        store.wait(["rank0_calls"], timedelta(seconds=60))
         time.sleep(0.5)
+    else:
+        store.set("rank0_calls", "1")
+    start = time.monotonic()
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((5,), 3.0))
     dist.destroy_process_group()
+    return time.monotonic() - start
 
 
 def test_a_huge_timeout_waits_instead_of_overflowing() -> None:
-    run_ranks(_huge_timeout, 2, timeout=120)
+    waited = run_ranks(_huge_timeout, 2, timeout=120)[0]
+    assert waited >= 0.4, waited  # rank 0 did wait for its peer
 
 
 def _different_settings(rank: int, world: int) -> str:
