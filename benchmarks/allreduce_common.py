@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch_xdev import plan
 
-UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -68,10 +67,11 @@ class Config:
 
 
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).upper() not in UNITS | {"": 1}:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 4096, 4KiB, 64MiB, 1GiB)")
-    return int(match.group(1)) * UNITS.get(match.group(2).upper(), 1)
+    """A size as the plan CLI reads it (torch_xdev.plan.parse_size), for argparse."""
+    try:
+        return plan.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_sizes(text: str) -> list[int]:

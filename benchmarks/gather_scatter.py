@@ -66,25 +66,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_xdev
-from allreduce_common import TOLERANCES
+from allreduce_common import TOLERANCES, parse_size
 from run_record import environment, write_results, xdev_environment_line
 from step_common import default_json, refused_under_torchrun, round_order, spread_note
 
-UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 TARGET_ROUND_SECONDS = 0.1
 # all_gather_in_place: the input is this rank's block of the output, as FSDP2 passes it.
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_gather_in_place")
 # Across fake hosts single copy is one host's, and FSDP2's in-place all-gather runs as the plain
 # one there.
 HOSTS_COLLECTIVES = ("reduce_scatter", "all_gather", "broadcast")
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper()
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * UNITS[unit])
-    return int(t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,7 +576,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"unknown collective(s) {unknown}; choose from {', '.join(known)}")
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",")]
-    except (ValueError, OverflowError):
+    except argparse.ArgumentTypeError:
         parser.error(f"--sizes: bad size list {args.sizes!r} (use e.g. 4KiB,1MiB,16MiB)")
     # The rows round each size down to whole blocks: a size below one element per rank is 0.
     esize = torch.empty((), dtype=dtype).element_size()

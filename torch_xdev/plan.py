@@ -421,8 +421,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--topology",
         required=True,
-        help="a built-in machine (dgx1-p100, dgx1-v100, hgx-h100, hgx-a100, nvlink-2gpu, "
-        "nvlink-4gpu, pcie-8gpu, cpu-<N>) or a JSON "
+        help=f"a built-in machine ({', '.join(_plan.builtin_machine_names())}) or a JSON "
         "topology file",
     )
     parser.add_argument(

@@ -88,12 +88,13 @@ class XdevWork : public c10d::Work {
   std::shared_ptr<TaskRelease> task_release_ = std::make_shared<TaskRelease>();
 };
 
-// A Work that shows the caller other tensors than the ones its collective
-// wrote: result() and the future's value are `shown`. all_gather_coalesced's
-// future carries the output lists, one per rank, as Gloo gives them (c10d
-// hands that value to the caller as is), while its collective wrote one flat
-// list; a complex reduce-scatter runs on real views of the caller's complex
-// tensors, and its result is the complex tensors, not the views.
+// A Work that shows the caller its own tensors where its collective wrote
+// others: result() is `result` and the future's value `future_value`.
+// all_gather_coalesced's future carries the output lists, one per rank, as
+// Gloo gives them (c10d hands that value to the caller as is), while its
+// collective wrote one flat list (its result()); a complex reduce-scatter
+// runs on real views of the caller's complex tensors, and shows the complex
+// tensors, not the views.
 class ShownResultWork : public c10d::Work {
  public:
   ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
