@@ -281,7 +281,7 @@ def test_ranks_on_two_hosts() -> None:
     assert not info["shared_memory"] and info["two_level"]  # tests/test_two_level.py runs it
     # The last allreduce, an AVG of integers, ran in two levels.
     algorithm, reason = results[0]["last"]
-    assert algorithm == "flat" and "two-level" in reason, (algorithm, reason)
+    assert algorithm == "two_level" and "flat inside each host" in reason, (algorithm, reason)
 
 
 def _forced(rank: int, world: int, options: dict[str, Any]) -> str:
@@ -523,6 +523,7 @@ def test_bad_cpu_model_file(tmp_path: Path, params: str, problem: str) -> None:
     # What calibrate.py records beside the parameters is accepted, and a file fitted on a
     # machine of another core count warns.
     here = os.cpu_count()
+    assert here is not None
     for cores in (here, here + 62):
         path.write_text(
             f'{{"params": {{"launch_us": 0, "core_gbps": 3, "cores": {cores}, "window_bytes": 8}}}}'

@@ -392,7 +392,10 @@ def test_torchrun_two_nodes_on_one_machine(tmp_path: Path) -> None:
     everything = "\n".join(outputs)
     assert "training on 4 rank(s)" in everything, everything
     # The gradient allreduce ran two levels: 2 hosts of 2 ranks.
-    assert "xdev gradient allreduce: flat (2 hosts x 2 ranks: two-level" in everything, everything
+    assert (
+        "xdev gradient allreduce: two_level (flat inside each host; 2 hosts x 2 ranks: two-level"
+        in everything
+    ), everything
 
 
 def _has_module(name: str) -> bool:
