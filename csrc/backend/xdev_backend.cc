@@ -237,6 +237,7 @@ void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
             ? std::make_pair(std::string("two_level"), inside_each_host(sel) + "; " + reason)
             : std::make_pair(std::string(plan::to_string(sel.algorithm)), reason);
   }
+  if (!group_.config().debug) return;  // no strings built per call without the log
   const char* device = cuda ? "CUDA" : "CPU";
   const std::string what = path_of(sel);
   group_.log_once(
@@ -472,8 +473,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::broadcast(std::vector<at::Tensor>& t
   const CallGate::Entry entry = gate_.enter();
   ++collectives_called_;
   const auto record = [this](const char* path, const std::string& reason) {
-    group_.log_once(std::string("broadcast:") + path + reason,
-                    std::string("broadcast -> ") + path + " (" + reason + ")");
+    if (group_.config().debug) {  // no strings built per call without the log
+      group_.log_once(std::string("broadcast:") + path + reason,
+                      std::string("broadcast -> ") + path + " (" + reason + ")");
+    }
     std::lock_guard<std::mutex> lock(selection_mutex_);
     last_broadcast_ = {path, reason};
   };
