@@ -173,6 +173,36 @@ def _gloo_devices() -> list[Any]:
     return [ProcessGroupGloo.create_default_device(lazy_init=False)]
 
 
+def _connect_gloo(
+    store: Any, prefix: str, rank: int, size: int, timeout: timedelta, what: str, eager: bool
+) -> Any:
+    """A Gloo group on `prefix` of the store, made as torch makes its own Gloo groups: on the
+    interfaces GLOO_SOCKET_IFNAME names (on clusters whose host names resolve to loopback, that
+    is what lets hosts reach each other), else the host name's address, with two threads per
+    interface. `eager` connects every pair before it returns; otherwise torch's default holds
+    (TORCH_GLOO_LAZY_INIT). A peer that never connects gives a DistStoreError that says which
+    engine timed out and what to check: Gloo's own message names a store key only.
+    """
+    prefixed = PrefixStore(prefix, store)
+    try:
+        if not eager:
+            return ProcessGroupGloo(prefixed, rank, size, timeout)
+        # The options class with _devices (torch's type stub does not declare it).
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        options._devices = _gloo_devices()
+        options._threads = 2 * len(options._devices)
+        return ProcessGroupGloo(prefixed, rank, size, options)
+    except RuntimeError as error:  # DistStoreError; FileStore's timeout is a plain RuntimeError
+        if not isinstance(error, dist.DistStoreError) and "timeout" not in str(error).lower():
+            raise
+        raise dist.DistStoreError(
+            f"xdev: connecting {what} timed out after {timeout.total_seconds():g} s: a peer "
+            f"exited or is stuck, or the group's timeout (init_process_group's timeout=, "
+            f"XDEV_TIMEOUT) is too short for its ranks to connect ({error})"
+        ) from None
+
+
 def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, int], Any]:
     """Makes the Gloo group of the two-level allreduce's step across hosts.
 
@@ -180,17 +210,13 @@ def _cross_host_engine(store: Any, timeout: timedelta) -> Callable[[str, int, in
     index, one per host. It connects to them when it is made, as torch's own Gloo groups do, so
     that a peer that dies or lets go of its engine later (a failed group closes it) resets the
     connection and a call waiting on it fails at once. (Connected lazily, a pair whose peer
-    died first waited for that connection until the timeout.) Like torch's own Gloo groups, it
-    uses the interfaces GLOO_SOCKET_IFNAME names (on clusters whose host names resolve to
-    loopback, that is what lets hosts reach each other), else the host name's address.
+    died first waited for that connection until the timeout.)
     """
 
     def make(prefix: str, rank: int, size: int) -> Any:
-        # The options class with _devices (torch's type stub does not declare it).
-        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
-        options._devices = _gloo_devices()
-        return ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+        return _connect_gloo(
+            store, prefix, rank, size, timeout, "the Gloo engine of the step across hosts", True
+        )
 
     return make
 
@@ -351,18 +377,9 @@ def _create_backend(
         _agree_on_setup(store, rank, size, store.timeout, error)
         raise
     _agree_on_setup(store, rank, size, config.timeout, None)
-    try:
-        fallback = ProcessGroupGloo(PrefixStore("xdev/gloo/", store), rank, size, config.timeout)
-    except RuntimeError as error:  # DistStoreError; FileStore's timeout is a plain RuntimeError
-        if not isinstance(error, dist.DistStoreError) and "timeout" not in str(error).lower():
-            raise
-        # Gloo's own message names a store key only.
-        raise dist.DistStoreError(
-            f"xdev: connecting the group's Gloo engine timed out after "
-            f"{config.timeout.total_seconds():g} s: a peer exited or is stuck, or the group's "
-            f"timeout (init_process_group's timeout=, XDEV_TIMEOUT) is too short for its ranks "
-            f"to connect ({error})"
-        ) from None
+    fallback = _connect_gloo(
+        store, "xdev/gloo/", rank, size, config.timeout, "the group's Gloo engine", False
+    )
     cuda_fallback = _make_nccl(store, rank, size, config.timeout)
     try:
         backend = _C.XdevBackend(
