@@ -336,3 +336,93 @@ def _no_engine_for_the_dtype(rank: int, world: int) -> None:
 
 def test_reductions_of_a_dtype_neither_xdev_nor_gloo_has_are_refused_naming_it() -> None:
     run_ranks(_no_engine_for_the_dtype, 2)
+
+
+def _rows(rank: int, count: int, dtype: torch.dtype, width: int = 3) -> torch.Tensor:
+    """`count` rows of `width` values that name the sender and the row, in `dtype`."""
+    values = torch.arange(count * width).view(count, width) + 100 * rank
+    return values.to(dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
+
+
+def _moving_dtypes_the_engine_lacks(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    on_engine = dist.new_group(pg_options=torch_xdev.Options(algorithm="fallback"))
+    failed: list[str] = []
+    for dtype in (torch.int16, torch.uint32, torch.float8_e4m3fn, torch.complex64, torch.float32):
+        entries = [torch.zeros(2, 3, dtype=dtype) for _ in range(world)]
+        dist.gather(_rows(rank, 2, dtype), entries if rank == 0 else None, dst=0)
+        if rank == 0 and not all(_same_bits(entries[r], _rows(r, 2, dtype)) for r in range(world)):
+            failed.append(f"gather of {dtype}")
+        out = torch.zeros(2, 3, dtype=dtype)
+        sent = [_rows(10 + r, 2, dtype) for r in range(world)]
+        dist.scatter(out, sent if rank == world - 1 else None, src=world - 1)
+        if not _same_bits(out, _rows(10 + rank, 2, dtype)):
+            failed.append(f"scatter of {dtype}")
+        outs = [torch.zeros(1, 3, dtype=dtype) for _ in range(world)]
+        dist.all_to_all(outs, [_rows(world * rank + r, 1, dtype) for r in range(world)])
+        if not all(_same_bits(outs[r], _rows(world * r + rank, 1, dtype)) for r in range(world)):
+            failed.append(f"all_to_all of {dtype}")
+        # Rank r sends r + 1 rows to every peer: the split sizes count rows, not bytes.
+        splits_in = [rank + 1] * world
+        splits_out = [r + 1 for r in range(world)]
+        received = torch.zeros(sum(splits_out), 3, dtype=dtype)
+        dist.all_to_all_single(
+            received, _rows(rank, world * (rank + 1), dtype), splits_out, splits_in
+        )
+        want = torch.cat(
+            [
+                _rows(r, world * (r + 1), dtype)[rank * (r + 1) : (rank + 1) * (r + 1)]
+                for r in range(world)
+            ]
+        )
+        if not _same_bits(received, want):
+            failed.append(f"all_to_all_single of {dtype}")
+        # All-gathers run natively on one host; on the engine (a group with one rank per
+        # host, or forced there) they move bytes too.
+        listed = [torch.zeros(2, 3, dtype=dtype) for _ in range(world)]
+        dist.all_gather(listed, _rows(rank, 2, dtype), group=on_engine)
+        if not all(_same_bits(listed[r], _rows(r, 2, dtype)) for r in range(world)):
+            failed.append(f"all_gather on the engine of {dtype}")
+        reshaped = [torch.zeros(3, 2, dtype=dtype) for _ in range(world)]  # one size, other shape
+        dist.all_gather(reshaped, _rows(rank, 2, dtype), group=on_engine)
+        if not all(_same_bits(reshaped[r], _rows(r, 2, dtype).view(3, 2)) for r in range(world)):
+            failed.append(f"all_gather into other shapes on the engine of {dtype}")
+        stacked = torch.zeros(2 * world, 3, dtype=dtype)
+        dist.all_gather_into_tensor(stacked, _rows(rank, 2, dtype), group=on_engine)
+        if not _same_bits(stacked, torch.cat([_rows(r, 2, dtype) for r in range(world)])):
+            failed.append(f"all_gather_into_tensor on the engine of {dtype}")
+        mine = [_rows(rank, 2, dtype), _rows(rank, 1, dtype, width=5)]
+        lists = [[torch.zeros(2, 3, dtype=dtype), torch.zeros(1, 5, dtype=dtype)]]
+        lists += [[t.clone() for t in lists[0]] for _ in range(world - 1)]
+        dist.all_gather_coalesced(lists, mine, group=on_engine)
+        if not all(
+            _same_bits(lists[r][0], _rows(r, 2, dtype))
+            and _same_bits(lists[r][1], _rows(r, 1, dtype, width=5))
+            for r in range(world)
+        ):
+            failed.append(f"all_gather_coalesced on the engine of {dtype}")
+    # A strided output: Gloo wrote it as if it were contiguous, over its neighbours.
+    grid = torch.full((4, world), -1.0)
+    dist.scatter(
+        grid[:, 0], [torch.arange(4.0) + 10 * r for r in range(world)] if rank == 0 else None, src=0
+    )
+    if not torch.equal(grid[:, 0], torch.arange(4.0) + 10 * rank) or not (grid[:, 1:] == -1).all():
+        failed.append(f"scatter into a strided output: {grid.tolist()}")
+    dist.all_reduce(torch.ones(3))  # still usable
+    dist.destroy_process_group()
+    return failed
+
+
+def test_collectives_that_move_data_on_the_engine_take_every_dtype_and_strided_tensors() -> None:
+    # Gather, scatter and all-to-all always run on the engine, whose Gloo said "Invalid scalar
+    # type" for int16, uint32, float8 and (gather) complex, as torch's own Gloo groups do.
+    for rank, failed in enumerate(run_ranks(_moving_dtypes_the_engine_lacks, 3)):
+        assert not failed, (rank, failed)

@@ -20,6 +20,14 @@
 
 namespace xdev::backend {
 
+// `tensors` as an engine can move them (not reduce them): contiguous, and,
+// where a dtype is one Gloo lacks (int16, uint16/32/64, float8, complex...),
+// as bytes with their rows kept, (rows, bytes per row), so that an
+// all-to-all's split sizes (in rows) still hold. A strided tensor's is a copy,
+// which the engine's writes do not reach: outputs must be contiguous already.
+// Sparse tensors are the engine's own business and pass as they are.
+std::vector<at::Tensor> engine_movable(const std::vector<at::Tensor>& tensors);
+
 class FallbackEngines {
  public:
   // cuda may be null (no CUDA in this build, or no NCCL): CUDA tensors go to Gloo then.
@@ -78,6 +86,14 @@ class FallbackEngines {
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts);
 
+  // all_gather_coalesced through the engine: every tensor as bytes (Gloo
+  // packs the list into one buffer of one dtype, and lacks some dtypes), the
+  // outputs contiguous. The caller has checked the shapes.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(GroupContext& group,
+                                                     std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts);
+
   // A reduce-scatter through the engine for `outputs`: `call` runs it with
   // the options and the outputs it is given (contiguous copies of strided
   // ones, which Gloo would write as if they were contiguous; the returned
@@ -93,11 +109,29 @@ class FallbackEngines {
                                                 const c10d::ReduceScatterOptions& opts,
                                                 c10d::OpType type, const ReduceScatterCall& call);
 
-  // A broadcast through the engine for these tensors (on contiguous copies
-  // where they are not). It moves bytes, so a dtype the engine lacks (int16,
-  // uint16, uint32, uint64, complex, ...) goes as bytes.
+  // The collectives that move data without reducing it, through the engine
+  // for these tensors. Strided tensors go as contiguous copies (Gloo's scatter
+  // wrote a strided output as if it were contiguous; the returned Work covers
+  // copying outputs back), and a dtype the engines lack (int16, uint16/32/64,
+  // float8, complex...) goes as bytes with its rows kept, so an all-to-all's
+  // split sizes (in rows) still hold. Gloo's own error was "Invalid scalar type".
   c10::intrusive_ptr<c10d::Work> broadcast(GroupContext& group, std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts);
+  c10::intrusive_ptr<c10d::Work> gather(GroupContext& group,
+                                        std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> scatter(GroupContext& group, std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> alltoall_base(GroupContext& group, at::Tensor& output,
+                                               at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts);
+  c10::intrusive_ptr<c10d::Work> alltoall(GroupContext& group, std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts);
 
   // A reduce to opts.rootRank through the engine for these tensors (on
   // contiguous copies where they are not). An AVG on Gloo runs as SUM, then a

@@ -265,13 +265,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
     // strided output (the native path takes one) gets a contiguous copy.
     c10d::Backend* engine = delegate(input);
     std::vector<at::Tensor> outputs{output};
-    return fallbacks_.on_contiguous(group_, outputs, c10d::OpType::_ALLGATHER_BASE,
-                                    "xdev:all_gather_into_tensor",
-                                    [engine, &input, &opts](std::vector<at::Tensor>& outs) {
-                                      at::Tensor flat_out = outs[0].view({-1});
-                                      at::Tensor flat_in = input.reshape({-1});
-                                      return engine->_allgather_base(flat_out, flat_in, opts);
-                                    });
+    return fallbacks_.on_contiguous(
+        group_, outputs, c10d::OpType::_ALLGATHER_BASE, "xdev:all_gather_into_tensor",
+        [engine, &input, &opts](std::vector<at::Tensor>& outs) {
+          at::Tensor flat_out = engine_movable({outs[0].view({-1})}).at(0);
+          at::Tensor flat_in = engine_movable({input.reshape({-1})}).at(0);
+          return engine->_allgather_base(flat_out, flat_in, opts);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->all_gather({output}, {input}, c10d::OpType::_ALLGATHER_BASE,
@@ -329,7 +329,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     // leave the peers in Gloo; on one host such outputs are refused as on
     // the native path.
     if (group_.channel() != nullptr) check_outputs_written();
-    return fallbacks_.track(delegate(inputs)->allgather_coalesced(outputs, inputs, opts));
+    ++collectives_called_;  // the engine runs it: counted as delegate() counts
+    return fallbacks_.allgather_coalesced(group_, outputs, inputs, opts);
   }
   check_native_call(Collective::kAllGather, "all_gather_coalesced", false, opts.timeout, [&] {
     check_shapes();
@@ -394,14 +395,16 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::T
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::GatherOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.track(delegate(inputs)->gather(outputs, inputs, opts));
+  ++collectives_called_;  // the engine runs it: counted as delegate() counts
+  return fallbacks_.gather(group_, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                     const c10d::ScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.track(delegate(outputs)->scatter(outputs, inputs, opts));
+  ++collectives_called_;  // the engine runs it: counted as delegate() counts
+  return fallbacks_.scatter(group_, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
@@ -559,15 +562,17 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
                                                           std::vector<int64_t>& input_split_sizes,
                                                           const c10d::AllToAllOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.track(
-      delegate(input)->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+  ++collectives_called_;  // the engine runs it: counted as delegate() counts
+  return fallbacks_.alltoall_base(group_, output, input, output_split_sizes, input_split_sizes,
+                                  opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.track(delegate(inputs)->alltoall(outputs, inputs, opts));
+  ++collectives_called_;  // the engine runs it: counted as delegate() counts
+  return fallbacks_.alltoall(group_, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
