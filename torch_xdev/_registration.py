@@ -227,25 +227,6 @@ _VERDICT_READ_TIMEOUT = timedelta(seconds=30)
 _NO_SUCH_RANK = "-"
 
 
-def _wait_for_ranks(store: Any, keys: list[str], timeout: timedelta, what: str) -> None:
-    """Waits for every rank's key (keys[rank]). At the timeout raises DistStoreError naming the
-    ranks whose keys are missing: the store's own message lists keys, not processes."""
-    try:
-        store.wait(keys, timeout)
-    except RuntimeError as error:  # DistStoreError; FileStore's timeout is a plain RuntimeError
-        try:
-            missing = [str(peer) for peer, key in enumerate(keys) if not store.check([key])]
-        except RuntimeError:
-            raise error from None  # the store itself is gone: its error says so
-        if not missing:
-            raise  # all arrived just after the timeout
-        raise dist.DistStoreError(
-            f"xdev: {what} timed out after {timeout.total_seconds():g} s waiting for rank(s) "
-            f"{', '.join(missing)}: each exited, is stuck, or is not creating this group "
-            f"({error})"
-        ) from None
-
-
 def _agree_on_setup(
     store: Any, rank: int, size: int, timeout: timedelta, error: Optional[BaseException]
 ) -> None:
@@ -258,8 +239,9 @@ def _agree_on_setup(
     # With the size this rank was given: ranks started by hand with different world sizes
     # would otherwise pass here and wait in Gloo's rendezvous, where the message names a key.
     store.set(f"xdev/setup/{rank}", f"{size};{verdict}")
+    # At the timeout, names the ranks that never came: the store's own message lists keys.
+    _C.wait_for_ranks(store, "xdev/setup/", size, timeout, "creating the group")
     keys = [f"xdev/setup/{peer}" for peer in range(size)]
-    _wait_for_ranks(store, keys, timeout, "creating the group")
     # One round trip for all the verdicts, not one per peer.
     verdicts = [value.decode().split(";", 1) for value in store.multi_get(keys)]
     refused = [

@@ -19,6 +19,7 @@
 #include "config_bindings.h"
 #include "detached_teardown.h"
 #include "plan_bindings.h"
+#include "setup_waits.h"
 #include "topology_bindings.h"
 #include "xdev_backend.h"
 
@@ -301,6 +302,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("remove_orphaned_segments", &xdev::transport::ShmSegment::remove_orphans,
         "Unlinks /dev/shm segments left by xdev processes that no longer exist.");
+  m.def(
+      "wait_for_ranks",
+      [](c10d::Store* store, const std::string& prefix, int world_size,
+         std::chrono::milliseconds timeout, const std::string& what) {
+        TORCH_CHECK_VALUE(store != nullptr, "store must not be None");
+        xdev::backend::wait_for_ranks(*store, prefix, world_size, timeout, what);
+      },
+      py::arg("store"), py::arg("prefix"), py::arg("world_size"), py::arg("timeout"),
+      py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+      "Returns once the store holds prefix + r for every rank r < world_size; at the timeout "
+      "raises DistStoreError naming the ranks whose keys are missing and `what` they were to do.");
   m.def("wait_for_detached_teardowns", &xdev::backend::wait_for_detached_teardowns,
         py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
         "Waits for the threads that finish destroying groups whose last reference went on "

@@ -36,11 +36,13 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, int world_siz
       std::rethrow_exception(timed_out);  // the store itself is gone: its error says so
     }
     if (missing.empty()) throw;  // all arrived just after the timeout
-    C10_THROW_ERROR(DistStoreError,
-                    "xdev: " + what + " timed out waiting for rank(s) " + missing +
-                        " of this group: each exited, is stuck, or is not making the same "
-                        "call (" +
-                        e.what_without_backtrace() + ")");
+    C10_THROW_ERROR(
+        DistStoreError,
+        c10::str("xdev: ", what, " timed out after ", static_cast<double>(timeout.count()) / 1000.0,
+                 " s waiting for rank(s) ", missing,
+                 " of this group: each exited, is stuck, or is not making the same "
+                 "call (",
+                 e.what_without_backtrace(), ")"));
   }
 }
 
