@@ -2,10 +2,12 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,6 +54,15 @@ inline OpContext make_ctx(uint64_t seq, int64_t total) {
   ctx.what = "allreduce (op #" + std::to_string(seq) + ")";
   ctx.describe = [](const OpDescriptor& d) { return std::to_string(d.total_elems); };
   return ctx;
+}
+
+// Values whose float sums depend on the order (so equal bits mean equal order).
+inline std::vector<float> random_floats(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
+  return v;
 }
 
 }  // namespace xdev::transport
