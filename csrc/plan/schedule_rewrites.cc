@@ -177,21 +177,33 @@ std::vector<std::vector<Range>> ranges_to_stage(const Schedule& s, const std::ve
   for (int r : s.stagers) {
     if (r >= 0 && r < s.world_size) stages[static_cast<size_t>(r)] = 1;
   }
+  const auto stager = [&](int r) {
+    return r >= 0 && r < s.world_size && stages[static_cast<size_t>(r)];
+  };
   const StepsByRange by_range(steps);
   std::vector<std::vector<Range>> pieces(n);
+  // overwritten[r]: what stager r wrote over its slot, in the step's range, in an
+  // earlier phase than the step's: that part no longer holds its input. One pass
+  // over the overlapping steps serves all of a step's sources (a flat allreduce
+  // step reads from every rank).
+  std::vector<std::vector<Range>> overwritten(n);
+  std::vector<int> written;  // the ranks whose overwritten[] this step filled
   for (const Step& step : steps) {
+    if (std::none_of(step.sources.begin(), step.sources.end(), stager)) continue;
+    by_range.for_each_overlapping(step.range, [&](size_t j) {
+      const Step& t = steps[j];
+      if (t.target != Target::kStaging || t.phase >= step.phase || !stager(t.actor)) return;
+      std::vector<Range>& ranges = overwritten[static_cast<size_t>(t.actor)];
+      if (ranges.empty()) written.push_back(t.actor);
+      ranges.push_back(t.range);
+    });
     for (int src : step.sources) {
-      if (src < 0 || src >= s.world_size || !stages[static_cast<size_t>(src)]) continue;
-      // What src wrote over its slot in an earlier phase no longer holds its input.
-      std::vector<Range> overwritten;
-      by_range.for_each_overlapping(step.range, [&](size_t j) {
-        const Step& t = steps[j];
-        if (t.actor == src && t.target == Target::kStaging && t.phase < step.phase) {
-          overwritten.push_back(t.range);
-        }
-      });
-      append_uncovered(step.range, std::move(overwritten), pieces[static_cast<size_t>(src)]);
+      if (!stager(src)) continue;
+      append_uncovered(step.range, overwritten[static_cast<size_t>(src)],
+                       pieces[static_cast<size_t>(src)]);
     }
+    for (int r : written) overwritten[static_cast<size_t>(r)].clear();
+    written.clear();
   }
   std::vector<std::vector<Range>> staged(n);
   for (size_t r = 0; r < n; ++r) staged[r] = merged(std::move(pieces[r]));
