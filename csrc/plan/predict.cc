@@ -20,6 +20,17 @@ std::string Candidate::label() const {
   return s;
 }
 
+namespace {
+
+bool same_slices(const std::vector<PackSlice>& a, const std::vector<PackSlice>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const PackSlice& x, const PackSlice& y) {
+                      return x.pack_id == y.pack_id && x.range == y.range;
+                    });
+}
+
+}  // namespace
+
 std::vector<std::vector<int>> reference_rings(const MachineModel& m) {
   std::vector<std::vector<int>> rings = find_rings(m.links);
   // Through a switch every pair counts as joined by all of a GPU's links, so
@@ -65,14 +76,26 @@ Program allreduce_program(const MachineModel& m, const Candidate& c, int64_t byt
     }
     const CollectivePlan plan = CollectivePlan::allreduce(
         c.algorithm, n, 0, concat_and_split(total, c.num_packs), total, window_elems, trees);
+    // A window's schedule is a function of its size and pack slices; consecutive windows
+    // often share them (every full window of the flat, direct and reduce-to-one plans), and
+    // then the rewritten schedule of the one before serves (forward_own_input is the costly
+    // part of a prediction with many ranks).
+    std::vector<PackSlice> previous_slices;
     for (int64_t k = 0; k < plan.num_windows(); ++k) {
       WindowPlan w = plan.window(k);
+      const bool as_before =
+          k > 0 && w.slot_elems == window_sizes.back() && same_slices(w.packs, previous_slices);
       window_sizes.push_back(w.slot_elems);
       std::vector<Range> packs;
       for (const PackSlice& slice : w.packs) packs.push_back(slice.range);
       window_packs.push_back(std::move(packs));
-      windows.push_back(m.forwards_own_input ? forward_own_input(w.schedule)
-                                             : std::move(w.schedule));
+      previous_slices = std::move(w.packs);
+      if (as_before) {
+        windows.push_back(windows.back());
+      } else {
+        windows.push_back(m.forwards_own_input ? forward_own_input(w.schedule)
+                                               : std::move(w.schedule));
+      }
     }
   }
 
