@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,16 +46,12 @@ std::vector<bool> heap_gather_scatter(GatherScatterKind kind,
                                       const std::vector<bool>& in_heap,
                                       const std::vector<int64_t>& blocks_elems,
                                       bool input_inside_output) {
-  constexpr size_t kMiB = size_t{1} << 20;
   constexpr int64_t kSlotElems = 512;  // several windows when staged
   const bool rs = kind == GatherScatterKind::kReduceScatter;
   const int world = static_cast<int>(extra_first.size());
   const auto uworld = static_cast<size_t>(world);
   auto channels = make_group(world, kSlotElems * sizeof(float));
-  std::vector<std::unique_ptr<SymmetricHeap>> heaps;
-  std::vector<std::vector<float>> ordinary(uworld), blocks(uworld);
-  std::vector<float*> full(uworld);
-  std::vector<HeapLocation> where(uworld);
+  std::vector<std::vector<float>> blocks(uworld);
   const bool even = std::all_of(blocks_elems.begin(), blocks_elems.end(),
                                 [&](int64_t c) { return c == blocks_elems[0]; });
   std::vector<int64_t> starts;  // rank j's block starts at element starts[j] of the full tensor
@@ -69,21 +64,12 @@ std::vector<bool> heap_gather_scatter(GatherScatterKind kind,
   std::vector<std::vector<float>> inputs;
   for (int r = 0; r < world; ++r)
     inputs.push_back(random_floats(rs ? full_elems : blocks_elems[static_cast<size_t>(r)], 9 + r));
+  transport::PlacedTensors placed =
+      transport::place_tensors(channels, extra_first, in_heap, full_elems);
+  const std::vector<float*>& full = placed.data;
+  const std::vector<HeapLocation>& where = placed.where;
   for (int r = 0; r < world; ++r) {
     const auto ur = static_cast<size_t>(r);
-    transport::ShmChannel& ch = channels[ur];
-    heaps.push_back(std::make_unique<SymmetricHeap>(
-        r, world, 2 * kMiB,
-        [&ch](int arena, const transport::ArenaAddress& a) { ch.publish_arena(arena, a); }));
-    if (extra_first[ur] > 0) heaps[ur]->allocate(extra_first[ur]);
-    if (in_heap[ur]) {
-      const auto b = heaps[ur]->allocate(static_cast<size_t>(full_elems) * sizeof(float));
-      full[ur] = reinterpret_cast<float*>(b.data);
-      where[ur] = b.where;
-    } else {
-      ordinary[ur].resize(static_cast<size_t>(full_elems));
-      full[ur] = ordinary[ur].data();
-    }
     std::fill(full[ur], full[ur] + full_elems, -1.0f);
     blocks[ur].assign(static_cast<size_t>(blocks_elems[ur]), -1.0f);
     if (rs) {
@@ -110,7 +96,7 @@ std::vector<bool> heap_gather_scatter(GatherScatterKind kind,
                                                                     : blocks[ur].data())};
     if (!even) req.block_starts = starts;
     req.op = kernels::ReduceOp::kSum;
-    SymmetricHeap& heap = *heaps[ur];
+    SymmetricHeap& heap = *placed.heaps[ur];
     if (in_heap[ur]) {
       req.full_copies = [&] {
         std::vector<char*> copies;

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -86,25 +85,11 @@ std::vector<bool> heap_allreduce(const std::vector<size_t>& extra_first,
   const int world = static_cast<int>(extra_first.size());
   constexpr int64_t kWindow = 1024;  // elements: several windows when staged
   auto channels = transport::make_group(world, kWindow * sizeof(float));
-  std::vector<std::unique_ptr<SymmetricHeap>> heaps;
-  std::vector<std::vector<float>> ordinary(static_cast<size_t>(world));
-  std::vector<float*> data(static_cast<size_t>(world));
-  std::vector<HeapLocation> where(static_cast<size_t>(world));
+  transport::PlacedTensors placed = transport::place_tensors(channels, extra_first, in_heap, count);
+  const std::vector<float*>& data = placed.data;
+  const std::vector<HeapLocation>& where = placed.where;
   for (int r = 0; r < world; ++r) {
     const auto ur = static_cast<size_t>(r);
-    transport::ShmChannel& ch = channels[ur];
-    heaps.push_back(std::make_unique<SymmetricHeap>(
-        r, world, 2 * kMiB,
-        [&ch](int arena, const transport::ArenaAddress& a) { ch.publish_arena(arena, a); }));
-    if (extra_first[ur] > 0) heaps[ur]->allocate(extra_first[ur]);
-    if (in_heap[ur]) {
-      const auto block = heaps[ur]->allocate(static_cast<size_t>(count) * sizeof(float));
-      data[ur] = reinterpret_cast<float*>(block.data);
-      where[ur] = block.where;
-    } else {
-      ordinary[ur].resize(static_cast<size_t>(count));
-      data[ur] = ordinary[ur].data();
-    }
     for (int64_t i = 0; i < count; ++i) data[ur][i] = static_cast<float>((i % 97) * (r + 1));
   }
   const plan::FlatLayout layout({count});
@@ -127,7 +112,7 @@ std::vector<bool> heap_allreduce(const std::vector<size_t>& extra_first,
       req.ctx.descriptor.heap_offset = where[ur].offset;
       heap_req.count = count;
       heap_req.ctx = req.ctx;
-      SymmetricHeap& heap = *heaps[ur];
+      SymmetricHeap& heap = *placed.heaps[ur];
       heap_req.copies = [&] {
         std::vector<char*> copies;
         for (int peer = 0; peer < world; ++peer) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 
 #include "transport/shm_channel.h"
 #include "transport/shm_segment.h"
+#include "transport/symmetric_heap.h"
 
 namespace xdev::transport {
 
@@ -54,6 +56,43 @@ inline OpContext make_ctx(uint64_t seq, int64_t total) {
   ctx.what = "allreduce (op #" + std::to_string(seq) + ")";
   ctx.describe = [](const OpDescriptor& d) { return std::to_string(d.total_elems); };
   return ctx;
+}
+
+// Each rank's tensor of `elems` floats, as the backend would place it: one symmetric heap per
+// rank that publishes its arenas on the rank's channel; rank r allocates extra_first[r] bytes
+// first, then the tensor from its heap, or, where in_heap[r] is false, in ordinary memory.
+struct PlacedTensors {
+  std::vector<std::unique_ptr<SymmetricHeap>> heaps;
+  std::vector<std::vector<float>> ordinary;
+  std::vector<float*> data;
+  std::vector<HeapLocation> where;
+};
+
+inline PlacedTensors place_tensors(std::vector<ShmChannel>& channels,
+                                   const std::vector<size_t>& extra_first,
+                                   const std::vector<bool>& in_heap, int64_t elems) {
+  constexpr size_t kArenaBytes = size_t{2} << 20;
+  const size_t world = channels.size();
+  PlacedTensors placed;
+  placed.ordinary.resize(world);
+  placed.data.resize(world);
+  placed.where.resize(world);
+  for (size_t r = 0; r < world; ++r) {
+    ShmChannel& ch = channels[r];
+    placed.heaps.push_back(std::make_unique<SymmetricHeap>(
+        static_cast<int>(r), static_cast<int>(world), kArenaBytes,
+        [&ch](int arena, const ArenaAddress& a) { ch.publish_arena(arena, a); }));
+    if (extra_first[r] > 0) placed.heaps[r]->allocate(extra_first[r]);
+    if (in_heap[r]) {
+      const auto block = placed.heaps[r]->allocate(static_cast<size_t>(elems) * sizeof(float));
+      placed.data[r] = reinterpret_cast<float*>(block.data);
+      placed.where[r] = block.where;
+    } else {
+      placed.ordinary[r].resize(static_cast<size_t>(elems));
+      placed.data[r] = placed.ordinary[r].data();
+    }
+  }
+  return placed;
 }
 
 // Values whose float sums depend on the order (so equal bits mean equal order).
