@@ -409,6 +409,12 @@ def _moving_dtypes_the_engine_lacks(rank: int, world: int) -> list[str]:
             for r in range(world)
         ):
             failed.append(f"all_gather_coalesced on the engine of {dtype}")
+    # Contiguous, but its size-1 dimension has stride 4: viewing it as bytes failed.
+    column = (torch.arange(4) + 10 * rank).to(torch.int16).view(1, 4).t()
+    gathered = [torch.zeros(4, 1, dtype=torch.int16) for _ in range(world)]
+    dist.all_gather(gathered, column, group=on_engine)
+    if not all(torch.equal(gathered[r].view(-1), torch.arange(4) + 10 * r) for r in range(world)):
+        failed.append("all_gather on the engine of an int16 (1, 4) tensor transposed")
     # A strided output: Gloo wrote it as if it were contiguous, over its neighbours.
     grid = torch.full((4, world), -1.0)
     dist.scatter(

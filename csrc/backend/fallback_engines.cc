@@ -36,10 +36,12 @@ bool engines_take(at::ScalarType dtype) {
 thread_local const void* t_engine_thread_of = nullptr;
 
 // The bytes of `t` (contiguous) with its rows kept: (rows, bytes per row).
+// Restrided first: a contiguous tensor may still have a size-1 dimension of any
+// stride (a (1, n) tensor transposed), which a view as bytes refuses.
 at::Tensor bytes_by_rows(const at::Tensor& t) {
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   const int64_t per_row = t.dim() <= 1 ? 1 : c10::multiply_integers(t.sizes().slice(1));
-  return t.view({rows, per_row}).view(at::kByte);
+  return t.as_strided({rows, per_row}, {per_row, 1}).view(at::kByte);
 }
 
 // `t` (contiguous) as an engine can move it: itself where both engines have
