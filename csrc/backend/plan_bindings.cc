@@ -109,12 +109,8 @@ void check_bytes(int64_t nbytes, int64_t elem_bytes) {
   }
 }
 
-}  // namespace
-
-void bind_plan(py::module_& parent) {
-  py::module_ m = parent.def_submodule(
-      "plan", "The plan layer's cost model: machine models and predicted allreduce times.");
-
+// MachineModel and the built-in and parametric machines.
+void bind_machines(py::module_& m) {
   py::class_<plan::MachineModel>(m, "MachineModel")
       .def_property_readonly("name", &plan::MachineModel::name)
       .def_property_readonly("num_devices", &plan::MachineModel::num_devices)
@@ -217,7 +213,10 @@ void bind_plan(py::module_& parent) {
       "writes) through one memory of memory_gbps (GB/s, 1e9 bytes/s); launch_us once per call, "
       "step_us per barrier between phases (one flag hand-off); windows of window_bytes (the "
       "cuda_slot_bytes; 0: one window).");
+}
 
+// Predicted times of one plan, and the model's choice among them.
+void bind_predictions(py::module_& m) {
   m.def(
       "predict",
       [](const plan::MachineModel& mm, const std::string& algorithm, int64_t num_packs,
@@ -318,7 +317,10 @@ void bind_plan(py::module_& parent) {
         return std::string(plan::to_string(plan::classify(link_matrix(links))));
       },
       py::arg("links"), "'none', 'partial', 'fully_connected' or 'dgx1'.");
+}
 
+// Ranks on several hosts: predictions and traffic of the two-level plan and the flat ring.
+void bind_across_hosts(py::module_& m) {
   m.def(
       "predict_cuda_across_hosts",
       [](const plan::MachineModel& mm, int num_hosts, int64_t nbytes, int nics, double nic_gbps,
@@ -424,6 +426,16 @@ void bind_plan(py::module_& parent) {
       "steps that cross hosts, streams leaving the host at once, and bytes between ranks of one "
       "host through sockets; for the two-level plan ('two_level') and the engine's ring over all "
       "ranks ('flat_ring').");
+}
+
+}  // namespace
+
+void bind_plan(py::module_& parent) {
+  py::module_ m = parent.def_submodule(
+      "plan", "The plan layer's cost model: machine models and predicted allreduce times.");
+  bind_machines(m);
+  bind_predictions(m);
+  bind_across_hosts(m);
 }
 
 }  // namespace xdev::backend
