@@ -56,6 +56,52 @@ void refuse_more_than_memory(const char* what, int64_t numel, at::ScalarType dty
                               " bytes; this machine has " + std::to_string(memory) + ")");
 }
 
+// What a rank asked shared_empty for, in one word (no spaces: it follows the
+// segment's name in the rank's Store entry): "Float[2,3]".
+std::string shape_word(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
+  std::string word = std::string(c10::toString(dtype)) + "[";
+  for (size_t i = 0; i < sizes.size(); ++i) word += (i ? "," : "") + std::to_string(sizes[i]);
+  return word + "]";
+}
+
+// The segment names in every rank's entry of shared_empty call `id` (entries
+// are "name shape", or "!why" where the rank failed), read alike on every
+// rank. Throws, on every rank alike, where a rank failed (this one: its own
+// error) or the ranks asked for different shapes.
+std::vector<std::string> agreed_segment_names(c10d::Store& store, const std::string& prefix,
+                                              int size, int64_t id, const std::string& asked_for,
+                                              const std::exception_ptr& my_failure) {
+  std::vector<std::string> names(static_cast<size_t>(size));
+  std::string asked;
+  std::string failed;
+  bool same = true;
+  for (int r = 0; r < size; ++r) {
+    const std::string entry = store.get_to_str(prefix + std::to_string(r));
+    if (!entry.empty() && entry[0] == '!') {
+      failed += "\n  rank " + std::to_string(r) + ": " + entry.substr(1);
+      continue;
+    }
+    const size_t space = entry.find(' ');
+    names[static_cast<size_t>(r)] = entry.substr(0, space);
+    const std::string theirs = entry.substr(space + 1);
+    same = same && theirs == asked_for;
+    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + theirs;
+  }
+  if (my_failure) std::rethrow_exception(my_failure);
+  if (!failed.empty()) {
+    throw std::runtime_error("torch_xdev.shared_empty #" + std::to_string(id) +
+                             ": another rank could not make its part, so no rank's tensor was "
+                             "made:" +
+                             failed);
+  }
+  if (!same) {
+    throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
+                                ": ranks asked for different sizes or dtypes (" + asked +
+                                "); every rank must call it with the same size and dtype");
+  }
+  return names;
+}
+
 }  // namespace
 
 SharedBuffers::SharedBuffers(GroupContext& group) : group_(group) {
@@ -269,10 +315,7 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   transport::ShmSegment mine;
   std::exception_ptr my_failure;
   std::string my_reason;
-  // What this rank asked for, in one word (no spaces: it follows the name in the Store entry).
-  std::string asked_for = std::string(c10::toString(dtype)) + "[";
-  for (size_t i = 0; i < sizes.size(); ++i) asked_for += (i ? "," : "") + std::to_string(sizes[i]);
-  asked_for += "]";
+  const std::string asked_for = shape_word(sizes, dtype);
   try {
     int64_t numel = 1;
     for (int64_t d : sizes) {
@@ -297,43 +340,15 @@ at::Tensor SharedBuffers::empty(const std::vector<int64_t>& sizes, at::ScalarTyp
   const std::string prefix = shared_empty_prefix(id);
   store.set(prefix + std::to_string(rank),
             my_failure ? "!" + my_reason : mine.name() + " " + asked_for);
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
   // A rank that never calls it: the group's timeout.
   wait_for_peers([&] {
     wait_for_ranks(store, prefix, size, timeout, "torch_xdev.shared_empty #" + std::to_string(id));
   });
   // Every rank has left the call before (it set its key of this one after).
   if (id > 0) forget_shared_empty_keys(store, id - 1, rank);
-  std::vector<std::string> names(static_cast<size_t>(size));
-  std::string asked;
-  std::string failed;
-  bool same = true;
-  for (int r = 0; r < size; ++r) {
-    const std::string entry = store.get_to_str(keys[static_cast<size_t>(r)]);
-    if (!entry.empty() && entry[0] == '!') {
-      failed += "\n  rank " + std::to_string(r) + ": " + entry.substr(1);
-      continue;
-    }
-    const size_t space = entry.find(' ');
-    names[static_cast<size_t>(r)] = entry.substr(0, space);
-    const std::string theirs = entry.substr(space + 1);
-    same = same && theirs == asked_for;
-    asked += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + theirs;
-  }
   // Every rank read the same entries, so every rank refuses together.
-  if (my_failure) std::rethrow_exception(my_failure);
-  if (!failed.empty()) {
-    throw std::runtime_error("torch_xdev.shared_empty #" + std::to_string(id) +
-                             ": another rank could not make its part, so no rank's tensor was "
-                             "made:" +
-                             failed);
-  }
-  if (!same) {
-    throw std::invalid_argument("torch_xdev.shared_empty #" + std::to_string(id) +
-                                ": ranks asked for different sizes or dtypes (" + asked +
-                                "); every rank must call it with the same size and dtype");
-  }
+  const std::vector<std::string> names =
+      agreed_segment_names(store, prefix, size, id, asked_for, my_failure);
   const size_t segment_bytes = page_round(bytes);
   std::vector<transport::ShmSegment> segments(static_cast<size_t>(size));
   std::string open_failure;
