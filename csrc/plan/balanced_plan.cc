@@ -160,6 +160,52 @@ std::vector<int> group_members(int group, int g) {
   return m;
 }
 
+// Every way a pack can cross: group-first through each cross link with every
+// pair of the groups' tree shapes, and pair-first with every pair of shapes.
+// With `centred_only`, only stars centred where the pack crosses.
+std::vector<Option> tree_options(int n, const std::vector<int> (&members)[2],
+                                 const std::vector<TreeShape> (&shapes)[2], bool centred_only) {
+  const int g = n / 2;
+  const auto centred_at = [centred_only](const TreeShape& t, int rank) {
+    return !centred_only || t.center == rank;
+  };
+  std::vector<Option> options;
+  // Group-first through each cross link, every pair of tree shapes.
+  for (int a = 0; a < g; ++a) {
+    for (const TreeShape& t0 : shapes[0]) {
+      if (!centred_at(t0, a)) continue;
+      for (const TreeShape& t1 : shapes[1]) {
+        if (!centred_at(t1, a + g)) continue;
+        Option o;
+        o.tree.cross = a;
+        o.tree.parent[0] = root_at(t0, a, n);
+        o.tree.parent[1] = root_at(t1, a + g, n);
+        for (const Edge& e : t0.edges) o.adds.push_back({e, 1.0});
+        for (const Edge& e : t1.edges) o.adds.push_back({e, 1.0});
+        o.adds.push_back({edge(a, a + g), 1.0});
+        o.hops = std::max(height_of(o.tree.parent[0]), height_of(o.tree.parent[1])) * 2 + 2;
+        options.push_back(std::move(o));
+      }
+    }
+  }
+  // Pair-first: every cross link, half a pack through each group's tree.
+  for (const TreeShape& t0 : shapes[0]) {
+    for (const TreeShape& t1 : shapes[1]) {
+      if (centred_only && (t0.center < 0 || t1.center != t0.center + g)) continue;
+      Option o;
+      o.tree.pair_first = true;
+      o.tree.parent[0] = root_at(t0, center_of(t0, members[0], n), n);
+      o.tree.parent[1] = root_at(t1, center_of(t1, members[1], n), n);
+      for (int i = 0; i < g; ++i) o.adds.push_back({edge(i, i + g), 1.0});
+      for (const Edge& e : t0.edges) o.adds.push_back({e, 0.5});
+      for (const Edge& e : t1.edges) o.adds.push_back({e, 0.5});
+      o.hops = std::max(height_of(o.tree.parent[0]), height_of(o.tree.parent[1])) * 2 + 2;
+      options.push_back(std::move(o));
+    }
+  }
+  return options;
+}
+
 }  // namespace
 
 std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_packs) {
@@ -187,49 +233,10 @@ std::vector<PackTree> assign_pack_trees(const LinkMatrix& links, int64_t num_pac
   // which spread uniform links (a CPU host, a switch) as evenly; where links
   // are so sparse that no such pair of stars exists, the whole search runs.
   constexpr size_t kMaxOptions = 4096;
-  const auto make_options = [&](bool centred_only) {
-    const auto centred_at = [centred_only](const TreeShape& t, int rank) {
-      return !centred_only || t.center == rank;
-    };
-    std::vector<Option> options;
-    // Group-first through each cross link, every pair of tree shapes.
-    for (int a = 0; a < g; ++a) {
-      for (const TreeShape& t0 : shapes[0]) {
-        if (!centred_at(t0, a)) continue;
-        for (const TreeShape& t1 : shapes[1]) {
-          if (!centred_at(t1, a + g)) continue;
-          Option o;
-          o.tree.cross = a;
-          o.tree.parent[0] = root_at(t0, a, n);
-          o.tree.parent[1] = root_at(t1, a + g, n);
-          for (const Edge& e : t0.edges) o.adds.push_back({e, 1.0});
-          for (const Edge& e : t1.edges) o.adds.push_back({e, 1.0});
-          o.adds.push_back({edge(a, a + g), 1.0});
-          o.hops = std::max(height_of(o.tree.parent[0]), height_of(o.tree.parent[1])) * 2 + 2;
-          options.push_back(std::move(o));
-        }
-      }
-    }
-    // Pair-first: every cross link, half a pack through each group's tree.
-    for (const TreeShape& t0 : shapes[0]) {
-      for (const TreeShape& t1 : shapes[1]) {
-        if (centred_only && (t0.center < 0 || t1.center != t0.center + g)) continue;
-        Option o;
-        o.tree.pair_first = true;
-        o.tree.parent[0] = root_at(t0, center_of(t0, members[0], n), n);
-        o.tree.parent[1] = root_at(t1, center_of(t1, members[1], n), n);
-        for (int i = 0; i < g; ++i) o.adds.push_back({edge(i, i + g), 1.0});
-        for (const Edge& e : t0.edges) o.adds.push_back({e, 0.5});
-        for (const Edge& e : t1.edges) o.adds.push_back({e, 0.5});
-        o.hops = std::max(height_of(o.tree.parent[0]), height_of(o.tree.parent[1])) * 2 + 2;
-        options.push_back(std::move(o));
-      }
-    }
-    return options;
-  };
   const size_t all_options = (static_cast<size_t>(g) + 1) * shapes[0].size() * shapes[1].size();
-  std::vector<Option> options = make_options(all_options > kMaxOptions);
-  if (options.empty()) options = make_options(false);  // no centred pair of stars: all of them
+  std::vector<Option> options = tree_options(n, members, shapes, all_options > kMaxOptions);
+  if (options.empty())
+    options = tree_options(n, members, shapes, false);  // no centred pair of stars: all of them
   LinkLoads loads(links);
   std::vector<Edge> all_edges;
   for (int a = 0; a < n; ++a) {
