@@ -432,3 +432,86 @@ def test_collectives_that_move_data_on_the_engine_take_every_dtype_and_strided_t
     # type" for int16, uint32, float8 and (gather) complex, as torch's own Gloo groups do.
     for rank, failed in enumerate(run_ranks(_moving_dtypes_the_engine_lacks, 3)):
         assert not failed, (rank, failed)
+
+
+def _shown(value: Any) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+    """Every tensor in a Work's result or future value, at any depth: dtype, shape, address."""
+    if isinstance(value, torch.Tensor):
+        return [(value.dtype, tuple(value.shape), value.data_ptr())]
+    return [item for element in value for item in _shown(element)]
+
+
+def _works_show_the_callers_tensors(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    on_engine = dist.new_group(pg_options=torch_xdev.Options(algorithm="fallback"))
+    wrong: list[str] = []
+    for dtype in (torch.int16, torch.float32):  # as bytes, and as itself
+        block = _rows(rank, 2, dtype)
+        listed = [torch.zeros(2, 3, dtype=dtype) for _ in range(world)]
+        stacked = torch.zeros(2 * world, 3, dtype=dtype)
+        scattered = torch.zeros(2, 3, dtype=dtype)
+        exchanged = torch.zeros(2 * world, 3, dtype=dtype)
+        coalesced = [[torch.zeros(2, 3, dtype=dtype)] for _ in range(world)]
+        calls = {
+            # name: (the call, the tensors its Work shows, as Gloo shows its own)
+            "broadcast": (lambda: dist.broadcast(block, 0, on_engine, async_op=True), [block]),
+            "all_gather": (
+                lambda: dist.all_gather(listed, block, on_engine, async_op=True),
+                listed,
+            ),
+            "all_gather_into_tensor": (
+                lambda: dist.all_gather_into_tensor(stacked, block, on_engine, async_op=True),
+                list(stacked.chunk(world)),
+            ),
+            "all_gather_coalesced": (
+                lambda: dist.all_gather_coalesced(coalesced, [block], on_engine, async_op=True),
+                [t for entry in coalesced for t in entry],
+            ),
+            "scatter": (
+                lambda: dist.scatter(
+                    scattered, [block] * world if rank == 0 else None, 0, on_engine, True
+                ),
+                [scattered],
+            ),
+            "all_to_all_single": (
+                lambda: dist.all_to_all_single(
+                    exchanged, torch.cat([block] * world), group=on_engine, async_op=True
+                ),
+                [exchanged],
+            ),
+        }
+        for name, (call, outputs) in calls.items():
+            work = call()
+            want = _shown(outputs)
+            if not isinstance(work, dist.Work):  # all_gather_coalesced gives its future
+                shown = [("future", work.wait())]
+            else:
+                assert work is not None
+                work.wait()
+                shown = [("result()", work.result()), ("future", work.get_future().wait())]
+            for what, value in shown:
+                if _shown(value) != want:
+                    wrong.append(f"{name} of {dtype}: {what} shows {_shown(value)}, not {want}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_the_engines_works_show_the_callers_tensors_not_their_bytes() -> None:
+    # A dtype Gloo lacks goes to it as bytes: result() and the future's value held those byte
+    # views (and all_gather_coalesced's, of every dtype) where Gloo shows the caller's tensors.
+    for rank, wrong in enumerate(run_ranks(_works_show_the_callers_tensors, 2)):
+        assert not wrong, (rank, wrong)
+
+
+def _wrong_scatter_of_int16(rank: int, world: int) -> str:
+    dist.init_process_group("xdev", rank=rank, world_size=world)
+    with pytest.raises(RuntimeError) as info:
+        dist.scatter(torch.zeros(3, dtype=torch.int16), [torch.zeros(4, dtype=torch.int16)], 0)
+    dist.destroy_process_group()
+    return str(info.value)
+
+
+def test_an_engines_refusal_of_a_call_moved_as_bytes_says_its_sizes_count_bytes() -> None:
+    # Gloo names the byte views' sizes, "(expected (3, 2), got (4, 2))", for 1-D int16 tensors.
+    (message,) = run_ranks(_wrong_scatter_of_int16, 1)
+    assert "invalid tensor size" in message and "the sizes above count bytes" in message, message

@@ -6,65 +6,17 @@
 #include <thread>
 
 #include "detached_teardown.h"
+#include "moved_tensors.h"
 #include "tensor_helpers.h"
-#include "uneven_all_gather.h"
 
 namespace xdev::backend {
 namespace {
-
-// The dtypes both Gloo and NCCL reduce and move (Gloo's "Invalid scalar type"
-// for any other).
-bool engines_take(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kChar:
-    case at::kByte:
-    case at::kBool:
-    case at::kInt:
-    case at::kLong:
-      return true;
-    default:
-      return false;
-  }
-}
 
 // The FallbackEngines whose engine runs this thread (a Gloo worker), as an
 // identity only: set by the callbacks track() adds, null elsewhere.
 thread_local const void* t_engine_thread_of = nullptr;
 
-// The bytes of `t` (contiguous) with its rows kept: (rows, bytes per row).
-// Restrided first: a contiguous tensor may still have a size-1 dimension of any
-// stride (a (1, n) tensor transposed), which a view as bytes refuses.
-at::Tensor bytes_by_rows(const at::Tensor& t) {
-  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-  const int64_t per_row = t.dim() <= 1 ? 1 : c10::multiply_integers(t.sizes().slice(1));
-  return t.as_strided({rows, per_row}, {per_row, 1}).view(at::kByte);
-}
-
-// `t` (contiguous) as an engine can move it: itself where both engines have
-// its dtype, else its bytes (see engine_movable).
-at::Tensor movable(const at::Tensor& t) {
-  return engines_take(t.scalar_type()) ? t : bytes_by_rows(t);
-}
-
-template <typename Pred>
-bool all_of_entries(const std::vector<at::Tensor>& entries, Pred pred) {
-  return std::all_of(entries.begin(), entries.end(), pred);
-}
-
 }  // namespace
-
-std::vector<at::Tensor> engine_movable(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> moved;
-  moved.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    moved.push_back(t.layout() == at::kStrided ? movable(t.contiguous()) : t);
-  }
-  return moved;
-}
 
 FallbackEngines::FallbackEngines(c10::intrusive_ptr<c10d::Backend> gloo,
                                  c10::intrusive_ptr<c10d::Backend> nccl, CudaCollectives* cuda)
@@ -190,84 +142,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
   return run(tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather(
-    GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  c10d::Backend* engine = for_tensors(inputs);
-  // The engine's all-gather on tensors it can move (engine_movable); `gathered`
-  // holds contiguous tensors, which byte views write through.
-  const auto engine_allgather = [engine, &opts](std::vector<std::vector<at::Tensor>>& gathered,
-                                                std::vector<at::Tensor>& input) {
-    std::vector<std::vector<at::Tensor>> moved;
-    for (const std::vector<at::Tensor>& list : gathered) moved.push_back(engine_movable(list));
-    std::vector<at::Tensor> moved_input = engine_movable(input);
-    return engine->allgather(moved, moved_input, opts);
-  };
-  const bool one_list = inputs.size() == 1 && outputs.size() == 1 && !outputs[0].empty();
-  // Gloo wants every entry shaped as the input; NCCL, and xdev, only sized alike.
-  if (engine != gloo_.get() || !one_list || all_of_entries(outputs[0], [&](const at::Tensor& t) {
-        return t.sizes() == inputs[0].sizes();
-      })) {
-    if (!one_list || engines_take(inputs[0].scalar_type())) {
-      return track(engine->allgather(outputs, inputs, opts));  // the engine checks the call
-    }
-    return on_contiguous(group, outputs[0], c10d::OpType::ALLGATHER, "xdev:all_gather",
-                         [&](std::vector<at::Tensor>& contiguous) {
-                           std::vector<std::vector<at::Tensor>> gathered{contiguous};
-                           return engine_allgather(gathered, inputs);
-                         });
-  }
-  const std::vector<at::Tensor> entries = outputs[0];
-  const auto padded = [&](std::vector<std::vector<at::Tensor>>& gathered,
-                          std::vector<at::Tensor>& input, std::function<void()> finish) {
-    c10::intrusive_ptr<c10d::Work> work = track(engine_allgather(gathered, input));
-    return then(group, work, entries, c10d::OpType::ALLGATHER, "xdev:all_gather",
-                "all-gather of entries padded to one size", std::move(finish));
-  };
-  if (all_of_entries(entries,
-                     [&](const at::Tensor& t) { return t.numel() == entries[0].numel(); })) {
-    // One size, other shapes than the input's: the same bytes travel as flat
-    // copies (what a rank whose entries are shaped as its input sends), with
-    // no header, so ranks may pass either.
-    list_sizes("all_gather", entries, inputs[0], group.size(), group.rank());
-    std::vector<at::Tensor> flat{inputs[0].reshape({-1}).contiguous()};
-    std::vector<std::vector<at::Tensor>> gathered(1);
-    for (size_t j = 0; j < entries.size(); ++j) gathered[0].push_back(at::empty_like(flat[0]));
-    return padded(gathered, flat, [entries, gathered] {
-      for (size_t j = 0; j < entries.size(); ++j) {
-        entries[j].copy_(gathered[0][j].view(entries[j].sizes()));
-      }
-    });
-  }
-  PaddedAllGather call = pad_uneven_all_gather(entries, inputs[0], group.size(), group.rank());
-  return padded(call.gathered, call.input, std::move(call.finish));
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::allgather_coalesced(
-    GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  c10d::Backend* engine = for_tensors(inputs);
-  std::vector<at::Tensor> byte_inputs;
-  for (const at::Tensor& t : inputs) byte_inputs.push_back(bytes_by_rows(t.contiguous()));
-  std::vector<at::Tensor> entries;  // every rank's list, in order
-  for (const std::vector<at::Tensor>& list : outputs) {
-    entries.insert(entries.end(), list.begin(), list.end());
-  }
-  return on_contiguous(
-      group, entries, c10d::OpType::ALLGATHER_COALESCED, "xdev:all_gather_coalesced",
-      [engine, &opts, &outputs, &byte_inputs](std::vector<at::Tensor>& contiguous) {
-        std::vector<std::vector<at::Tensor>> byte_outputs;
-        size_t next = 0;
-        for (const std::vector<at::Tensor>& list : outputs) {
-          byte_outputs.emplace_back();
-          for (size_t i = 0; i < list.size(); ++i) {
-            byte_outputs.back().push_back(bytes_by_rows(contiguous.at(next++)));
-          }
-        }
-        return engine->allgather_coalesced(byte_outputs, byte_inputs, opts);
-      });
-}
-
 c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
     GroupContext& group, std::vector<at::Tensor>& tensors, c10d::OpType type,
     const char* profiling_name, const TensorsCall& call, int64_t avg_divisor, bool in_float) {
@@ -298,72 +172,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::on_contiguous(
                 }
                 if (!as_given) copy_back(flat, tensors);
               });
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::broadcast(GroupContext& group,
-                                                          std::vector<at::Tensor>& tensors,
-                                                          const c10d::BroadcastOptions& opts) {
-  c10d::Backend* engine = for_tensors(tensors);
-  return on_contiguous(group, tensors, c10d::OpType::BROADCAST, "xdev:broadcast",
-                       [engine, &opts](std::vector<at::Tensor>& ts) {
-                         std::vector<at::Tensor> moved = engine_movable(ts);
-                         return engine->broadcast(moved, opts);
-                       });
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::gather(
-    GroupContext& group, std::vector<std::vector<at::Tensor>>& outputs,
-    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  c10d::Backend* engine = for_tensors(inputs);
-  std::vector<at::Tensor> moved_inputs = engine_movable(inputs);
-  // Only the root passes outputs, one list of entries (the engine checks that).
-  if (outputs.size() != 1) return track(engine->gather(outputs, moved_inputs, opts));
-  return on_contiguous(group, outputs[0], c10d::OpType::GATHER, "xdev:gather",
-                       [engine, &opts, &moved_inputs](std::vector<at::Tensor>& contiguous) {
-                         std::vector<std::vector<at::Tensor>> moved{engine_movable(contiguous)};
-                         return engine->gather(moved, moved_inputs, opts);
-                       });
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::scatter(
-    GroupContext& group, std::vector<at::Tensor>& outputs,
-    std::vector<std::vector<at::Tensor>>& inputs, const c10d::ScatterOptions& opts) {
-  c10d::Backend* engine = for_tensors(outputs);
-  std::vector<std::vector<at::Tensor>> moved_inputs;
-  for (const std::vector<at::Tensor>& list : inputs) moved_inputs.push_back(engine_movable(list));
-  return on_contiguous(group, outputs, c10d::OpType::SCATTER, "xdev:scatter",
-                       [engine, &opts, &moved_inputs](std::vector<at::Tensor>& contiguous) {
-                         std::vector<at::Tensor> moved = engine_movable(contiguous);
-                         return engine->scatter(moved, moved_inputs, opts);
-                       });
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::alltoall_base(
-    GroupContext& group, at::Tensor& output, at::Tensor& input,
-    std::vector<int64_t>& output_split_sizes, std::vector<int64_t>& input_split_sizes,
-    const c10d::AllToAllOptions& opts) {
-  c10d::Backend* engine = for_tensor(input);
-  at::Tensor moved_input = engine_movable({input}).at(0);
-  std::vector<at::Tensor> outputs{output};
-  return on_contiguous(group, outputs, c10d::OpType::ALLTOALL_BASE, "xdev:all_to_all_single",
-                       [&](std::vector<at::Tensor>& contiguous) {
-                         at::Tensor moved = engine_movable({contiguous.at(0)}).at(0);
-                         return engine->alltoall_base(moved, moved_input, output_split_sizes,
-                                                      input_split_sizes, opts);
-                       });
-}
-
-c10::intrusive_ptr<c10d::Work> FallbackEngines::alltoall(GroupContext& group,
-                                                         std::vector<at::Tensor>& outputs,
-                                                         std::vector<at::Tensor>& inputs,
-                                                         const c10d::AllToAllOptions& opts) {
-  c10d::Backend* engine = for_tensors(inputs);
-  std::vector<at::Tensor> moved_inputs = engine_movable(inputs);
-  return on_contiguous(group, outputs, c10d::OpType::ALLTOALL, "xdev:all_to_all",
-                       [engine, &opts, &moved_inputs](std::vector<at::Tensor>& contiguous) {
-                         std::vector<at::Tensor> moved = engine_movable(contiguous);
-                         return engine->alltoall(moved, moved_inputs, opts);
-                       });
 }
 
 FallbackEngines::AvgOnEngine FallbackEngines::avg_on_engine(

@@ -20,14 +20,6 @@
 
 namespace xdev::backend {
 
-// `tensors` as an engine can move them (not reduce them): contiguous, and,
-// where a dtype is one Gloo lacks (int16, uint16/32/64, float8, complex...),
-// as bytes with their rows kept, (rows, bytes per row), so that an
-// all-to-all's split sizes (in rows) still hold. A strided tensor's is a copy,
-// which the engine's writes do not reach: outputs must be contiguous already.
-// Sparse tensors are the engine's own business and pass as they are.
-std::vector<at::Tensor> engine_movable(const std::vector<at::Tensor>& tensors);
-
 class FallbackEngines {
  public:
   // cuda may be null (no CUDA in this build, or no NCCL): CUDA tensors go to Gloo then.

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "moved_tensors.h"
 #include "tensor_helpers.h"
 #include "xdev_backend.h"
 #include "xdev_work.h"
@@ -267,10 +268,18 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_allgather_base(at::Tensor& output, 
     std::vector<at::Tensor> outputs{output};
     return fallbacks_.on_contiguous(
         group_, outputs, c10d::OpType::_ALLGATHER_BASE, "xdev:all_gather_into_tensor",
-        [engine, &input, &opts](std::vector<at::Tensor>& outs) {
-          at::Tensor flat_out = engine_movable({outs[0].view({-1})}).at(0);
-          at::Tensor flat_in = engine_movable({input.reshape({-1})}).at(0);
-          return engine->_allgather_base(flat_out, flat_in, opts);
+        [engine, &input, &opts, world = size_](std::vector<at::Tensor>& outs) {
+          MovedTensors moved;
+          at::Tensor flat_out = moved.move(outs[0].view({-1}));
+          at::Tensor flat_in = moved.move(input.reshape({-1}));
+          c10::intrusive_ptr<c10d::Work> work = moved.run(c10d::OpType::_ALLGATHER_BASE, [&] {
+            return engine->_allgather_base(flat_out, flat_in, opts);
+          });
+          // What Gloo shows of its own: the output's blocks along its first dimension.
+          std::vector<at::Tensor> blocks =
+              outs[0].dim() == 0 ? std::vector<at::Tensor>{outs[0]} : outs[0].chunk(world);
+          return c10::make_intrusive<ShownResultWork>(
+              std::move(work), c10d::OpType::_ALLGATHER_BASE, blocks, c10::IValue(blocks));
         });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
@@ -367,16 +376,21 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
     // several dtypes: an all-gather moves bytes, so the engine gets bytes, and
     // strided outputs as contiguous copies (on_contiguous copies them back).
     c10d::Backend* engine = delegate(inputs);
-    std::vector<at::Tensor> byte_inputs;
-    for (const at::Tensor& t : inputs)
-      byte_inputs.push_back(t.reshape({-1}).contiguous().view(at::kByte));
     return fallbacks_.on_contiguous(
         group_, outputs, c10d::OpType::COALESCED, "xdev:all_gather_into_tensor_coalesced",
-        [engine, &byte_inputs, &opts](std::vector<at::Tensor>& contiguous_outputs) {
-          std::vector<at::Tensor> byte_outputs;
-          for (const at::Tensor& t : contiguous_outputs)
-            byte_outputs.push_back(t.view({-1}).view(at::kByte));
-          return engine->allgather_into_tensor_coalesced(byte_outputs, byte_inputs, opts);
+        [engine, &inputs, &opts](std::vector<at::Tensor>& contiguous_outputs) {
+          MovedTensors moved;
+          const auto flat_bytes = [&moved](const at::Tensor& t) {
+            at::Tensor bytes = t.reshape({-1}).contiguous().view(at::kByte);
+            moved.show_as(bytes, t);
+            return bytes;
+          };
+          std::vector<at::Tensor> byte_inputs, byte_outputs;
+          for (const at::Tensor& t : inputs) byte_inputs.push_back(flat_bytes(t));
+          for (const at::Tensor& t : contiguous_outputs) byte_outputs.push_back(flat_bytes(t));
+          return moved.run(c10d::OpType::COALESCED, [&] {
+            return engine->allgather_into_tensor_coalesced(byte_outputs, byte_inputs, opts);
+          });
         });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {

@@ -96,6 +96,38 @@ ShownResultWork::ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpT
       result_(std::move(result)),
       future_value_(std::move(future_value)) {}
 
+ShownResultWork::ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
+                                 ShowTensor show)
+    : c10d::Work(-1, op_type), inner_(std::move(inner)), show_(std::move(show)) {}
+
+namespace {
+
+// `value` with every tensor in it, at any depth of lists, passed through `show`.
+c10::IValue shown_value(const c10::IValue& value, const ShownResultWork::ShowTensor& show) {
+  if (value.isTensor()) return show(value.toTensor());
+  if (value.isTensorList()) {
+    std::vector<at::Tensor> shown;
+    for (const at::Tensor& t : value.toTensorVector()) shown.push_back(show(t));
+    return shown;
+  }
+  if (value.isList()) {
+    c10::List<c10::IValue> list = value.toList();
+    c10::impl::GenericList shown(list.elementType());
+    for (const c10::IValue& element : list) shown.push_back(shown_value(element, show));
+    return shown;
+  }
+  return value;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> ShownResultWork::result() {
+  if (!show_) return result_;
+  std::vector<at::Tensor> shown;
+  for (const at::Tensor& t : inner_->result()) shown.push_back(show_(t));
+  return shown;
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> ShownResultWork::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!future_) {
@@ -103,12 +135,22 @@ c10::intrusive_ptr<c10::ivalue::Future> ShownResultWork::getFuture() {
     // Work places the callbacks attached to it (XdevWork::getFuture). The
     // inner future's error passes on as the callback's (then() sets the
     // child's error only from an exception the callback throws).
-    future_ = inner_->getFuture()->then(
-        [value = future_value_](c10::ivalue::Future& inner) {
-          if (inner.hasError()) std::rethrow_exception(inner.exception_ptr());
-          return value;
-        },
-        future_value_.type());
+    c10::intrusive_ptr<c10::ivalue::Future> inner = inner_->getFuture();
+    if (show_) {
+      future_ = inner->then(
+          [show = show_](c10::ivalue::Future& done) {
+            if (done.hasError()) std::rethrow_exception(done.exception_ptr());
+            return shown_value(done.value(), show);
+          },
+          inner->elementType());
+    } else {
+      future_ = inner->then(
+          [value = future_value_](c10::ivalue::Future& done) {
+            if (done.hasError()) std::rethrow_exception(done.exception_ptr());
+            return value;
+          },
+          future_value_.type());
+    }
   }
   return future_;
 }

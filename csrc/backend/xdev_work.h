@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -99,6 +100,11 @@ class ShownResultWork : public c10d::Work {
  public:
   ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type,
                   std::vector<at::Tensor> result, c10::IValue future_value);
+  // Shows what the inner Work shows, in the same structure, with each tensor
+  // passed through `show` (the caller's tensor for one the collective ran on
+  // in its place, such as a view of its bytes).
+  using ShowTensor = std::function<at::Tensor(const at::Tensor&)>;
+  ShownResultWork(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType op_type, ShowTensor show);
 
   bool isCompleted() override { return inner_->isCompleted(); }
   bool isSuccess() const override { return inner_->isSuccess(); }
@@ -108,13 +114,14 @@ class ShownResultWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override {
     return inner_->wait(timeout);
   }
-  std::vector<at::Tensor> result() override { return result_; }
+  std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
   const c10::intrusive_ptr<c10d::Work> inner_;
   const std::vector<at::Tensor> result_;
   const c10::IValue future_value_;
+  const ShowTensor show_;  // set: result_ and future_value_ are unused
   std::mutex mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on the first getFuture()
 };
