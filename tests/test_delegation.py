@@ -4,6 +4,7 @@ each engine's call returns; monitored_barrier's side group."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -318,7 +319,7 @@ def _no_engine_for_the_dtype(rank: int, world: int) -> None:
         calls = {
             "all_reduce": lambda: dist.all_reduce(values),
             "reduce": lambda: dist.reduce(values, dst=0),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, values),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out, values),
         }
         for name, call in calls.items():
             # Gloo's own message was "Invalid scalar type".
@@ -515,3 +516,53 @@ def test_an_engines_refusal_of_a_call_moved_as_bytes_says_its_sizes_count_bytes(
     # Gloo names the byte views' sizes, "(expected (3, 2), got (4, 2))", for 1-D int16 tensors.
     (message,) = run_ranks(_wrong_scatter_of_int16, 1)
     assert "invalid tensor size" in message and "the sizes above count bytes" in message, message
+
+
+def _one_rank_refuses_a_reduction(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    wrong: list[str] = []
+    odd = rank == 0
+    calls = {
+        # Rank 0 alone passes what no engine reduces; its peers' call is a valid native one.
+        "all_reduce of int16": lambda: dist.all_reduce(
+            torch.ones(4, dtype=torch.int16 if odd else torch.int32)
+        ),
+        "AVG of bool": lambda: dist.all_reduce(
+            torch.ones(4, dtype=torch.bool if odd else torch.float32), op=dist.ReduceOp.AVG
+        ),
+        "reduce_scatter_tensor of int16": lambda: dist.reduce_scatter_tensor(
+            torch.zeros(2, dtype=torch.int16 if odd else torch.int32),
+            torch.ones(2 * world, dtype=torch.int16 if odd else torch.int32),
+        ),
+        # Every rank passes it: they all refuse it, together.
+        "reduce of uint32 on every rank": lambda: dist.reduce(
+            torch.ones(4, dtype=torch.uint32), dst=0
+        ),
+    }
+    for name, call in calls.items():
+        start = time.monotonic()
+        try:
+            call()
+            wrong.append(f"{name}: returned")
+        except (TypeError, RuntimeError) as error:
+            if odd or name.endswith("every rank"):
+                if not isinstance(error, TypeError):
+                    wrong.append(f"{name}: {type(error).__name__}: {error}")
+            elif "rank 0" not in str(error) or "refused its own arguments" not in str(error):
+                wrong.append(f"{name}: the peer was told {error}")
+        if time.monotonic() - start > 30:  # met at the call, not at the timeout
+            wrong.append(f"{name}: took {time.monotonic() - start:.0f} s")
+        # The calls after it stay paired: this one used to pair with the peers' refused call.
+        total = torch.full((4,), 10, dtype=torch.int32)
+        dist.all_reduce(total)
+        if total.tolist() != [10 * world] * 4:
+            wrong.append(f"after {name}: the next all_reduce gave {total.tolist()}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_a_reduction_one_rank_refuses_fails_on_every_rank_and_later_calls_stay_paired() -> None:
+    # The refusal raised on rank 0 alone and took no turn: the peers' call paired with rank 0's
+    # next one, and both returned wrong sums as successes.
+    for rank, wrong in enumerate(run_ranks(_one_rank_refuses_a_reduction, 3)):
+        assert not wrong, (rank, wrong)

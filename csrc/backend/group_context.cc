@@ -383,6 +383,8 @@ std::string GroupContext::describe_call(const transport::OpDescriptor& d) const 
       return "barrier";
     case Collective::kSharedEmpty:
       return "torch_xdev.shared_empty";
+    case Collective::kReduce:
+      return "reduce";
     default:
       s = "unknown collective";
   }

@@ -41,6 +41,7 @@ enum class Collective : int32_t {
   kReduceScatter = 4,
   kAllGather = 5,
   kSharedEmpty = 6,  // torch_xdev.shared_empty's meeting (GroupContext::meet_peers)
+  kReduce = 7,       // only a refused reduce meets its peers: reduce runs on the engine
 };
 
 // OpDescriptor::num_tensors of a call its rank refused for its own arguments

@@ -354,6 +354,10 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (!sel.in_place_shared) shared = {};
   log_choice(sel, device.is_cuda());
   if (sel.algorithm == plan::Algorithm::kFallback) {
+    refuse_with_peers(Collective::kAllreduce, "all_reduce", tensors, opts.timeout, [&] {
+      fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(tensors), tensors,
+                                                "all_reduce");
+    });
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   check_native_call(Collective::kAllreduce, "all_reduce", device.is_cuda(), opts.timeout,
@@ -457,14 +461,16 @@ void XdevBackend::prepare_cuda_graph_capture(int device) {
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("all_reduce", opts.reduceOp, tensors);
+  refuse_with_peers(Collective::kAllreduce, "all_reduce", tensors, opts.timeout,
+                    [&] { refuse_avg_of_bool("all_reduce", opts.reduceOp, tensors); });
   return dispatch_allreduce(tensors, opts, false);
 }
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("all_reduce_coalesced", opts.reduceOp, tensors);
+  refuse_with_peers(Collective::kAllreduce, "all_reduce_coalesced", tensors, opts.timeout,
+                    [&] { refuse_avg_of_bool("all_reduce_coalesced", opts.reduceOp, tensors); });
   return dispatch_allreduce(tensors, opts, true);
 }
 

@@ -240,6 +240,27 @@ class XdevBackend : public c10d::Backend {
   // without that check (cuda_host_check off) it takes its sequence number.
   void check_native_call(Collective collective, const char* name, bool cuda,
                          std::chrono::milliseconds timeout, const std::function<void()>& check);
+  // `refuse` (this rank's refusal of a call's arguments, or nothing) as a
+  // check of a native call: a rank that refuses a call its peers run, or also
+  // refuse, meets them as a refused call, so that every rank fails this call
+  // and the calls after it stay paired. Alone, it took no turn, and its next
+  // call paired with the one its peers were in: both gave wrong sums.
+  void refuse_with_peers(Collective collective, const char* name,
+                         const std::vector<at::Tensor>& tensors, std::chrono::milliseconds timeout,
+                         const std::function<void()>& refuse) {
+    check_native_call(collective, name, !tensors.empty() && tensors[0].is_cuda(), timeout, refuse);
+  }
+  // A reduce-scatter handed to the engine, refused with the peers where
+  // `also` (this rank's checks of its arguments) throws or no engine reduces
+  // a tensor's dtype (FallbackEngines::refuse_what_gloo_cannot_reduce).
+  void refuse_engine_reduce_scatter(const char* name, const std::vector<at::Tensor>& outputs,
+                                    std::chrono::milliseconds timeout,
+                                    const std::function<void()>& also = {}) {
+    refuse_with_peers(Collective::kReduceScatter, name, outputs, timeout, [&] {
+      if (also) also();
+      fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(outputs), outputs, name);
+    });
+  }
   // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then
   // run as a SUM: wherever their engine lacks it (Gloo), so that the native
   // paths and Gloo run it alike. NCCL runs its own.

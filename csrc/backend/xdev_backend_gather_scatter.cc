@@ -218,7 +218,10 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
+  refuse_with_peers(Collective::kReduce, "reduce", tensors, opts.timeout, [&] {
+    refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
+    fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(tensors), tensors, "reduce");
+  });
   if (premultiplies_here(opts.reduceOp, tensors)) {
     refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
     // The root's tensor receives the result, so it is scaled in place; the
@@ -425,7 +428,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("reduce_scatter", opts.reduceOp, outputs);
+  refuse_with_peers(Collective::kReduceScatter, "reduce_scatter", outputs, opts.timeout,
+                    [&] { refuse_avg_of_bool("reduce_scatter", opts.reduceOp, outputs); });
   if (premultiplies_here(opts.reduceOp, outputs)) {
     std::vector<at::Tensor> all_inputs;
     for (const std::vector<at::Tensor>& list : inputs) {
@@ -456,6 +460,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
   const auto sel = select_gather_scatter("reduce_scatter", call.all, call.full, outputs,
                                          &opts.reduceOp, call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
+    refuse_engine_reduce_scatter("reduce_scatter", outputs, opts.timeout);
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
@@ -483,7 +488,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("reduce_scatter_tensor", opts.reduceOp, {output});
+  refuse_with_peers(Collective::kReduceScatter, "reduce_scatter_tensor", {output}, opts.timeout,
+                    [&] { refuse_avg_of_bool("reduce_scatter_tensor", opts.reduceOp, {output}); });
   if (premultiplies_here(opts.reduceOp, {output})) {
     refuse_premul_with_peers({input}, opts.reduceOp, opts.timeout);
     at::Tensor scaled = premultiplied(input, opts.reduceOp);
@@ -498,7 +504,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
   const auto sel =
       select_gather_scatter("reduce_scatter", {output, input}, {input}, {output}, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    check_pairs("reduce_scatter_tensor", {input}, {output}, size_);  // Gloo's check aborts
+    refuse_engine_reduce_scatter("reduce_scatter_tensor", {output}, opts.timeout, [&] {
+      check_pairs("reduce_scatter_tensor", {input}, {output}, size_);  // Gloo's check aborts
+    });
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
                                      [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
@@ -527,7 +535,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_avg_of_bool("reduce_scatter_tensor_coalesced", opts.reduceOp, outputs);
+  refuse_with_peers(
+      Collective::kReduceScatter, "reduce_scatter_tensor_coalesced", outputs, opts.timeout,
+      [&] { refuse_avg_of_bool("reduce_scatter_tensor_coalesced", opts.reduceOp, outputs); });
   if (premultiplies_here(opts.reduceOp, outputs)) {
     refuse_premul_with_peers(inputs, opts.reduceOp, opts.timeout);
     std::vector<at::Tensor> scaled = premultiplied(inputs, opts.reduceOp);
@@ -546,7 +556,9 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   }
   const auto sel = select_gather_scatter("reduce_scatter", all, inputs, outputs, &opts.reduceOp);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts
+    refuse_engine_reduce_scatter("reduce_scatter_tensor_coalesced", outputs, opts.timeout, [&] {
+      check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts
+    });
     ++collectives_called_;  // the engine runs it: counted as delegate() counts
     return fallbacks_.reduce_scatter(
         group_, outputs, opts, reduce_scatter_coalesced_op_type(),
