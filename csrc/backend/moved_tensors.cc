@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <typeinfo>
 
 #include "xdev_work.h"
 
@@ -77,11 +78,12 @@ c10::intrusive_ptr<c10d::Work> MovedTensors::run(
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = call();
-  } catch (const c10::ValueError& e) {
-    if (!any_bytes_) throw;
-    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), kBytesNote);
   } catch (const c10::Error& e) {
-    if (!any_bytes_) throw;
+    // A refusal of the arguments (a ValueError, or Gloo's plain error) gets the
+    // note; any other kind (a broken engine's DistBackendError) passes as it is.
+    const bool value_error = typeid(e) == typeid(c10::ValueError);
+    if (!any_bytes_ || !(value_error || typeid(e) == typeid(c10::Error))) throw;
+    TORCH_CHECK_VALUE(!value_error, e.what_without_backtrace(), kBytesNote);
     TORCH_CHECK(false, e.what_without_backtrace(), kBytesNote);
   }
   return c10::make_intrusive<ShownResultWork>(
