@@ -105,7 +105,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::allreduce(GroupContext& group,
                                                           bool coalesced,
                                                           bool avg_as_sum_then_divide) {
   c10d::Backend* engine = for_tensors(tensors);
-  refuse_what_gloo_cannot_reduce(*engine, tensors, "all_reduce");
   c10d::AllreduceOptions o = opts;
   if (avg_as_sum_then_divide) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   const int64_t divisor = avg_as_sum_then_divide ? group.size() : 0;
@@ -185,10 +184,9 @@ FallbackEngines::AvgOnEngine FallbackEngines::avg_on_engine(
   return {integers || in_float, in_float};
 }
 
-void FallbackEngines::refuse_what_gloo_cannot_reduce(const c10d::Backend& engine,
-                                                     const std::vector<at::Tensor>& tensors,
-                                                     const char* collective) const {
-  if (&engine != gloo_.get()) return;
+void FallbackEngines::refuse_what_gloo_cannot_reduce(const std::vector<at::Tensor>& tensors,
+                                                     const char* collective) {
+  if (tensors.empty() || for_tensors(tensors) != gloo_.get()) return;
   for (const at::Tensor& t : tensors) {
     // Complex tensors reach Gloo as real views (c10d's and xdev's).
     TORCH_CHECK_TYPE(engines_take(t.scalar_type()) || t.is_complex(), "xdev: ", collective, " of ",
@@ -203,7 +201,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce(GroupContext& group,
                                                        std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   c10d::Backend* engine = for_tensors(tensors);
-  refuse_what_gloo_cannot_reduce(*engine, tensors, "reduce");
   const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, tensors);
   c10d::ReduceOptions o = opts;
   if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -219,7 +216,6 @@ c10::intrusive_ptr<c10d::Work> FallbackEngines::reduce_scatter(
     GroupContext& group, const std::vector<at::Tensor>& outputs,
     const c10d::ReduceScatterOptions& opts, c10d::OpType type, const ReduceScatterCall& call) {
   c10d::Backend* engine = for_tensors(outputs);
-  refuse_what_gloo_cannot_reduce(*engine, outputs, "reduce_scatter");
   const AvgOnEngine avg = avg_on_engine(opts.reduceOp, *engine, outputs);
   c10d::ReduceScatterOptions o = opts;
   if (avg.as_sum) o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);

@@ -50,12 +50,13 @@ class FallbackEngines {
   // where torch has one, refuses integers and adds float16 in float16 (a sum
   // whose mean fits can overflow): xdev runs those as a SUM, then a divide.
   bool has_native_avg(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
-  // Throws TypeError where `engine` is Gloo and a tensor's dtype is one it
-  // cannot reduce (int16, uint16/32/64, float8...): Gloo's own error says
-  // only "Invalid scalar type".
-  void refuse_what_gloo_cannot_reduce(const c10d::Backend& engine,
-                                      const std::vector<at::Tensor>& tensors,
-                                      const char* collective) const;
+  // Throws TypeError where these tensors' engine is Gloo and a dtype is one
+  // it cannot reduce (int16, uint16/32/64, float8...): Gloo's own error says
+  // only "Invalid scalar type". allreduce, reduce and reduce_scatter below do
+  // not check it: their caller does, with its peers (a refusal alone would
+  // pair its peers' call with this rank's next one).
+  void refuse_what_gloo_cannot_reduce(const std::vector<at::Tensor>& tensors,
+                                      const char* collective);
   // Whether it runs ReduceOp.PREMUL_SUM itself: NCCL does, Gloo does not.
   bool has_premul_sum(const c10d::Backend& engine) const { return &engine == nccl_.get(); }
 

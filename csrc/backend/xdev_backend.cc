@@ -354,10 +354,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::dispatch_allreduce(std::vector<at::T
   if (!sel.in_place_shared) shared = {};
   log_choice(sel, device.is_cuda());
   if (sel.algorithm == plan::Algorithm::kFallback) {
-    refuse_with_peers(Collective::kAllreduce, "all_reduce", tensors, opts.timeout, [&] {
-      fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(tensors), tensors,
-                                                "all_reduce");
-    });
+    refuse_with_peers(Collective::kAllreduce, "all_reduce", tensors, opts.timeout,
+                      [&] { fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "all_reduce"); });
     return fallbacks_.allreduce(group_, tensors, opts, coalesced, sel.avg_as_sum_then_divide);
   }
   check_native_call(Collective::kAllreduce, "all_reduce", device.is_cuda(), opts.timeout,

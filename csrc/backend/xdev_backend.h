@@ -258,7 +258,7 @@ class XdevBackend : public c10d::Backend {
                                     const std::function<void()>& also = {}) {
     refuse_with_peers(Collective::kReduceScatter, name, outputs, timeout, [&] {
       if (also) also();
-      fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(outputs), outputs, name);
+      fallbacks_.refuse_what_gloo_cannot_reduce(outputs, name);
     });
   }
   // Whether a ReduceOp.PREMUL_SUM on these tensors is multiplied here and then

@@ -220,7 +220,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
   const CallGate::Entry entry = gate_.enter();
   refuse_with_peers(Collective::kReduce, "reduce", tensors, opts.timeout, [&] {
     refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
-    fallbacks_.refuse_what_gloo_cannot_reduce(*fallbacks_.for_tensors(tensors), tensors, "reduce");
+    fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
   });
   if (premultiplies_here(opts.reduceOp, tensors)) {
     refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
