@@ -15,6 +15,35 @@ bool is_hierarchical(Algorithm a) {
   return a == Algorithm::kHierarchicalCopy || a == Algorithm::kHierarchicalBalanced;
 }
 
+// Reasons the allreduce and the gather/scatter selections share, worded once.
+constexpr const char* kFallbackRequested = "algorithm='fallback' requested";
+constexpr const char* kNoNativeKernel = "no native kernel for this reduce op / dtype";
+
+std::string spans_hosts(int num_hosts) {
+  return "ranks span " + std::to_string(num_hosts) + " hosts";
+}
+
+std::string no_transport(DeviceKind device, const std::string& note) {
+  std::string reason = std::string("no native transport for ") + to_string(device) + " tensors";
+  if (!note.empty()) reason += " (" + note + ")";
+  return reason;
+}
+
+// `caller` names the selection in the message; `model` may be null (no model given).
+void check_model_size(const MachineModel* model, int world_size, const char* caller) {
+  if (model == nullptr || model->num_devices() == world_size) return;
+  throw std::invalid_argument(std::string(caller) + ": model of " +
+                              std::to_string(model->num_devices()) + " devices for " +
+                              std::to_string(world_size) + " ranks");
+}
+
+void check_across_hosts_models(const MachineModel* host_model, const NetworkParams* network,
+                               const char* caller, const char* plan) {
+  if (host_model != nullptr && network != nullptr) return;
+  throw std::invalid_argument(std::string(caller) + ": the two-level " + plan +
+                              " needs a host and a network model");
+}
+
 // The model's fastest candidate for `bytes`, with the runner-up in the reason
 // to say how close the call was, and where NCCL was weighed, its best.
 ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, int64_t num_packs,
@@ -58,7 +87,7 @@ ModelChoiceCache::Choice model_choice(const MachineModel& model, int64_t bytes, 
 // predicts it faster than the engine's ring over all ranks; the engine otherwise.
 Selection across_hosts(const SelectionInput& in) {
   Selection s;
-  s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+  s.reason = spans_hosts(in.num_hosts);
   if (in.device == DeviceKind::kCuda) {
     // A two-level CUDA plan is predicted (cuda_across_hosts.h), not built: its
     // window (64 KiB - 1 MiB on H100 and A100 hosts) rests on xdev's
@@ -73,14 +102,10 @@ Selection across_hosts(const SelectionInput& in) {
     return s;
   }
   if (!in.op_supported) {
-    s.reason += "; no native kernel for this reduce op / dtype";
+    s.reason += std::string("; ") + kNoNativeKernel;
     return s;
   }
-  if (in.host_model == nullptr || in.network == nullptr) {
-    throw std::invalid_argument(
-        "select_allreduce: the two-level plan needs a host and a network "
-        "model");
-  }
+  check_across_hosts_models(in.host_model, in.network, "select_allreduce", "plan");
   AcrossHostsChoice c =
       choose_across_hosts({in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
                           *in.network, *in.host_model, in.two_level_pieces);
@@ -107,7 +132,7 @@ Selection choose_plan(const SelectionInput& in) {
   Selection s;
   const int64_t hier_packs = in.num_packs >= 0 ? in.num_packs : in.world_size;
   if (in.requested == Algorithm::kFallback) {
-    s.reason = "algorithm='fallback' requested";
+    s.reason = kFallbackRequested;
     return s;
   }
   if (!in.dense) {
@@ -123,12 +148,11 @@ Selection choose_plan(const SelectionInput& in) {
   check_forced_algorithm(in.requested, in.world_size, in.num_hosts);
   if (in.num_hosts > 1) return across_hosts(in);
   if (!in.transport_available) {
-    s.reason = std::string("no native transport for ") + to_string(in.device) + " tensors";
-    if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
+    s.reason = no_transport(in.device, in.transport_note);
     return s;
   }
   if (!in.op_supported) {
-    s.reason = "no native kernel for this reduce op / dtype";
+    s.reason = kNoNativeKernel;
     return s;
   }
   if (in.device == DeviceKind::kCpu && in.shared_buffer_id >= 0 && in.num_tensors == 1 &&
@@ -173,11 +197,7 @@ Selection choose_plan(const SelectionInput& in) {
     throw std::invalid_argument("select_allreduce: algorithm='auto' on CPU tensors of " +
                                 std::to_string(in.world_size) + " ranks needs a machine model");
   }
-  if (in.model->num_devices() != in.world_size) {
-    throw std::invalid_argument("select_allreduce: model of " +
-                                std::to_string(in.model->num_devices()) + " devices for " +
-                                std::to_string(in.world_size) + " ranks");
-  }
+  check_model_size(in.model, in.world_size, "select_allreduce");
   const int64_t bucket = model_bucket_bytes(in.payload_bytes);
   const bool with_nccl = in.device == DeviceKind::kCuda && in.nccl_available;
   const ModelChoiceCache::Choice c =
@@ -381,20 +401,17 @@ const char* shape_refusal(const GatherScatterInput& in) {
 // predicts it faster than the engine's ring over all ranks; the engine otherwise.
 GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in) {
   GatherScatterSelection s;
-  s.reason = "ranks span " + std::to_string(in.num_hosts) + " hosts";
+  s.reason = spans_hosts(in.num_hosts);
   if (in.device == DeviceKind::kCuda) {
     s.reason += "; CUDA tensors go to NCCL";
   } else if (!in.two_level_available) {
     if (!in.two_level_note.empty()) s.reason += "; no two-level form: " + in.two_level_note;
   } else if (!in.op_supported) {
-    s.reason += "; no native kernel for this reduce op / dtype";
+    s.reason += std::string("; ") + kNoNativeKernel;
   } else if (const char* refusal = shape_refusal(in)) {
     s.reason += std::string("; ") + refusal;
   } else {
-    if (in.host_model == nullptr || in.network == nullptr) {
-      throw std::invalid_argument(
-          "select_gather_scatter: the two-level form needs a host and a network model");
-    }
+    check_across_hosts_models(in.host_model, in.network, "select_gather_scatter", "form");
     AcrossHostsChoice c = choose_gather_scatter_across_hosts(
         in.kind, {in.num_hosts, in.ranks_per_host}, model_bucket_bytes(in.payload_bytes),
         in.elem_bytes, *in.network, *in.host_model);
@@ -417,10 +434,9 @@ GatherScatterSelection gather_scatter_across_hosts(const GatherScatterInput& in)
 GatherScatterSelection cuda_gather_scatter(const GatherScatterInput& in) {
   GatherScatterSelection s;
   if (!in.transport_available) {
-    s.reason = "no native transport for CUDA tensors";
-    if (!in.transport_note.empty()) s.reason += " (" + in.transport_note + ")";
+    s.reason = no_transport(DeviceKind::kCuda, in.transport_note);
   } else if (!in.op_supported) {
-    s.reason = "no native kernel for this reduce op / dtype";
+    s.reason = kNoNativeKernel;
   } else if (const char* refusal = shape_refusal(in);
              (in.num_tensors != 1 && !in.one_list) || refusal != nullptr) {
     s.reason = "CUDA: the native path takes one tensor per side, or one list of one size";
@@ -477,13 +493,13 @@ GatherScatterChoiceCache::Choice GatherScatterChoiceCache::get(const MachineMode
 GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
   GatherScatterSelection s;
   if (in.requested == Algorithm::kFallback) {
-    s.reason = "algorithm='fallback' requested";
+    s.reason = kFallbackRequested;
   } else if (in.num_hosts > 1) {
     s = gather_scatter_across_hosts(in);
   } else if (in.device == DeviceKind::kCuda) {
     s = cuda_gather_scatter(in);
   } else if (!in.op_supported) {
-    s.reason = "no native kernel for this reduce op / dtype";
+    s.reason = kNoNativeKernel;
   } else if (const char* refusal = shape_refusal(in)) {
     s.reason = refusal;
   } else if (in.world_size == 1) {
@@ -500,11 +516,7 @@ GatherScatterSelection select_gather_scatter(const GatherScatterInput& in) {
     GatherScatterOptions opts;
     opts.in_place = in.in_symmetric_heap && in.num_tensors == 1;
     GatherScatterForm form = GatherScatterForm::kStaged;
-    if (in.model != nullptr && in.model->num_devices() != in.world_size) {
-      throw std::invalid_argument("select_gather_scatter: model of " +
-                                  std::to_string(in.model->num_devices()) + " devices for " +
-                                  std::to_string(in.world_size) + " ranks");
-    }
+    check_model_size(in.model, in.world_size, "select_gather_scatter");
     // Single copy is decided by the size and options alone, alike on every
     // rank; whether this rank's tensor lies in the heap is not, and ranks of
     // one call must not differ in it (in place only ever replaces the staged

@@ -81,7 +81,7 @@ TEST(gather_scatter_selection_weighs_each_input_in_order) {
   cuda.transport_available = false;
   cuda.transport_note = "off: ranks span several hosts";
   CHECK_EQ(plan::select_gather_scatter(cuda).reason,
-           "no native transport for CUDA tensors (off: ranks span several hosts)");
+           "no native transport for cuda tensors (off: ranks span several hosts)");
   plan::GatherScatterInput op = in;
   op.op_supported = false;
   op.world_size = 1;  // even a world of one: the engine knows the dtype, the copy would not
