@@ -577,8 +577,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::barrier(const c10d::BarrierOptions& 
 
 void XdevBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   const CallGate::Entry entry = gate_.enter();
-  ++collectives_called_;
-  fallbacks_.gloo()->monitoredBarrier(opts, wait_all_ranks);
+  delegated_call().gloo()->monitoredBarrier(opts, wait_all_ranks);
 }
 
 }  // namespace xdev::backend

@@ -14,8 +14,9 @@
 //     shared memory inside each host and an engine across;
 //   - FallbackEngines: Gloo, and NCCL for CUDA tensors, for everything else.
 // What they share (rank, store, options, the channel, the op queue) is the
-// GroupContext. The all-gather and reduce-scatter entry points, and the
-// collectives always delegated, are in xdev_backend_gather_scatter.cc.
+// GroupContext. The all-gather and reduce-scatter entry points are in
+// xdev_backend_gather_scatter.cc, those of the collectives always delegated in
+// xdev_backend_delegated.cc.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -296,15 +297,17 @@ class XdevBackend : public c10d::Backend {
                                                      const std::vector<at::Tensor>& blocks,
                                                      const c10d::ReduceOp* op, c10d::OpType type,
                                                      std::chrono::milliseconds timeout);
+  // The engines, for a collective they are about to run; counts the call
+  // (getSequenceNumberForGroup), as the native paths count theirs.
+  FallbackEngines& delegated_call() {
+    ++collectives_called_;
+    return fallbacks_;
+  }
   // The engine of a delegated collective on these tensors; counts the call.
   c10d::Backend* delegate(const std::vector<at::Tensor>& tensors) {
-    ++collectives_called_;
-    return fallbacks_.for_tensors(tensors);
+    return delegated_call().for_tensors(tensors);
   }
-  c10d::Backend* delegate(const at::Tensor& tensor) {
-    ++collectives_called_;
-    return fallbacks_.for_tensor(tensor);
-  }
+  c10d::Backend* delegate(const at::Tensor& tensor) { return delegated_call().for_tensor(tensor); }
 
   GroupContext group_;  // first member: everything below uses it
   // Every entry point enters it, describe() too: shut_down destroys the parts

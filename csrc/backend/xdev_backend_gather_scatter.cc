@@ -1,6 +1,6 @@
 // XdevBackend's all-gather and reduce-scatter entry points (every c10d form:
-// native on one host, in two levels across hosts, else the engine), their
-// selection, and the collectives it always hands to the engine.
+// native on one host, in two levels across hosts, else the engine) and their
+// selection.
 #include <ATen/ops/view_as_real.h>
 #include <c10/util/Exception.h>
 
@@ -213,29 +213,7 @@ plan::GatherScatterSelection XdevBackend::select_gather_scatter(
   return sel;
 }
 
-// ---- Entry points (all-gather and reduce-scatter native; the rest delegated) ----
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
-                                                   const c10d::ReduceOptions& opts) {
-  const CallGate::Entry entry = gate_.enter();
-  refuse_with_peers(Collective::kReduce, "reduce", tensors, opts.timeout, [&] {
-    refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
-    fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
-  });
-  if (premultiplies_here(opts.reduceOp, tensors)) {
-    refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
-    // The root's tensor receives the result, so it is scaled in place; the
-    // others' stay as they are (NCCL leaves them so) and lend scaled copies.
-    if (getRank() != opts.rootRank) {
-      std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
-      return reduce(scaled, with_sum(opts));
-    }
-    premultiply_(tensors, opts.reduceOp);
-    return reduce(tensors, with_sum(opts));
-  }
-  ++collectives_called_;
-  return fallbacks_.reduce(group_, tensors, opts);
-}
+// ---- Entry points ----
 
 c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
@@ -245,8 +223,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather(std::vector<std::vector<at
   const auto sel = select_gather_scatter("all_gather", call.all, call.full, inputs, nullptr,
                                          call.uneven, outputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
-    ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.allgather(group_, outputs, inputs, opts);
+    return delegated_call().allgather(group_, outputs, inputs, opts);
   }
   if (sel.path == plan::GatherScatterPath::kCuda) {  // one list (the selection's condition)
     return cuda_gather_scatter(plan::GatherScatterKind::kAllGather, outputs.at(0), inputs, nullptr,
@@ -341,8 +318,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_coalesced(
     // leave the peers in Gloo; on one host such outputs are refused as on
     // the native path.
     if (group_.channel() != nullptr) check_outputs_written();
-    ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.allgather_coalesced(group_, outputs, inputs, opts);
+    return delegated_call().allgather_coalesced(group_, outputs, inputs, opts);
   }
   check_native_call(Collective::kAllGather, "all_gather_coalesced", false, opts.timeout, [&] {
     check_shapes();
@@ -408,22 +384,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::allgather_into_tensor_coalesced(
                                      opts.asyncOp, sel);
 }
 
-c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                   std::vector<at::Tensor>& inputs,
-                                                   const c10d::GatherOptions& opts) {
-  const CallGate::Entry entry = gate_.enter();
-  ++collectives_called_;  // the engine runs it: counted as delegate() counts
-  return fallbacks_.gather(group_, outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& outputs,
-                                                    std::vector<std::vector<at::Tensor>>& inputs,
-                                                    const c10d::ScatterOptions& opts) {
-  const CallGate::Entry entry = gate_.enter();
-  ++collectives_called_;  // the engine runs it: counted as delegate() counts
-  return fallbacks_.scatter(group_, outputs, inputs, opts);
-}
-
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
@@ -461,16 +421,16 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter(
                                          &opts.reduceOp, call.uneven, inputs.size() == 1);
   if (sel.path == plan::GatherScatterPath::kFallback) {
     refuse_engine_reduce_scatter("reduce_scatter", outputs, opts.timeout);
-    ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
-                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-                                         std::vector<at::Tensor>& outs, bool in_float) {
-                                       std::vector<at::Tensor> flat_outs = flat_views(outs);
-                                       std::vector<std::vector<at::Tensor>> flat_inputs;
-                                       for (const std::vector<at::Tensor>& list : inputs)
-                                         flat_inputs.push_back(flattened(list, in_float));
-                                       return engine.reduce_scatter(flat_outs, flat_inputs, o);
-                                     });
+    return delegated_call().reduce_scatter(
+        group_, outputs, opts, c10d::OpType::REDUCE_SCATTER,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+            std::vector<at::Tensor>& outs, bool in_float) {
+          std::vector<at::Tensor> flat_outs = flat_views(outs);
+          std::vector<std::vector<at::Tensor>> flat_inputs;
+          for (const std::vector<at::Tensor>& list : inputs)
+            flat_inputs.push_back(flattened(list, in_float));
+          return engine.reduce_scatter(flat_outs, flat_inputs, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter_list(
@@ -507,15 +467,15 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::_reduce_scatter_base(
     refuse_engine_reduce_scatter("reduce_scatter_tensor", {output}, opts.timeout, [&] {
       check_pairs("reduce_scatter_tensor", {input}, {output}, size_);  // Gloo's check aborts
     });
-    ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
-                                     [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
-                                         std::vector<at::Tensor>& outs, bool in_float) {
-                                       at::Tensor flat_out = outs[0].view({-1});
-                                       at::Tensor flat_in = input.reshape({-1});
-                                       if (in_float) flat_in = in_float_if_reduced(flat_in);
-                                       return engine._reduce_scatter_base(flat_out, flat_in, o);
-                                     });
+    return delegated_call().reduce_scatter(
+        group_, {output}, opts, c10d::OpType::_REDUCE_SCATTER_BASE,
+        [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
+            std::vector<at::Tensor>& outs, bool in_float) {
+          at::Tensor flat_out = outs[0].view({-1});
+          at::Tensor flat_in = input.reshape({-1});
+          if (in_float) flat_in = in_float_if_reduced(flat_in);
+          return engine._reduce_scatter_base(flat_out, flat_in, o);
+        });
   }
   if (sel.path == plan::GatherScatterPath::kTwoLevel) {
     return two_level_gather_scatter_->reduce_scatter(
@@ -559,8 +519,7 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
     refuse_engine_reduce_scatter("reduce_scatter_tensor_coalesced", outputs, opts.timeout, [&] {
       check_pairs("reduce_scatter_tensor_coalesced", inputs, outputs, size_);  // Gloo's aborts
     });
-    ++collectives_called_;  // the engine runs it: counted as delegate() counts
-    return fallbacks_.reduce_scatter(
+    return delegated_call().reduce_scatter(
         group_, outputs, opts, reduce_scatter_coalesced_op_type(),
         [&](c10d::Backend& engine, const c10d::ReduceScatterOptions& o,
             std::vector<at::Tensor>& outs, bool in_float) {
@@ -581,42 +540,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce_scatter_tensor_coalesced(
   return gather_scatter_->reduce_scatter(outputs, inputs, *native_op(opts.reduceOp),
                                          reduce_scatter_coalesced_op_type(), opts.timeout,
                                          opts.asyncOp, sel);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                          std::vector<int64_t>& output_split_sizes,
-                                                          std::vector<int64_t>& input_split_sizes,
-                                                          const c10d::AllToAllOptions& opts) {
-  const CallGate::Entry entry = gate_.enter();
-  ++collectives_called_;  // the engine runs it: counted as delegate() counts
-  return fallbacks_.alltoall_base(group_, output, input, output_split_sizes, input_split_sizes,
-                                  opts);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllToAllOptions& opts) {
-  const CallGate::Entry entry = gate_.enter();
-  ++collectives_called_;  // the engine runs it: counted as delegate() counts
-  return fallbacks_.alltoall(group_, outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
-                                                 int tag) {
-  const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.for_point_to_point(tensors)->send(tensors, dst_rank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
-                                                 int tag) {
-  const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.for_point_to_point(tensors)->recv(tensors, src_rank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> XdevBackend::recvAnysource(std::vector<at::Tensor>& tensors,
-                                                          int tag) {
-  const CallGate::Entry entry = gate_.enter();
-  return fallbacks_.for_point_to_point(tensors)->recvAnysource(tensors, tag);
 }
 
 }  // namespace xdev::backend
