@@ -46,10 +46,10 @@ from ddp_shared_bucket_cases import (  # noqa: E402
     ddp_train,
     loss_of,
     mlp_batch,
-    round_up_to_block,
     settled_heap,
     worker,
 )
+from ddp_shared_bucket_run import round_up_to_block  # noqa: E402
 from harness import run_ranks  # noqa: E402
 
 SPAWN_TIMEOUT_S = 240.0
