@@ -566,3 +566,60 @@ def test_a_reduction_one_rank_refuses_fails_on_every_rank_and_later_calls_stay_p
     # next one, and both returned wrong sums as successes.
     for rank, wrong in enumerate(run_ranks(_one_rank_refuses_a_reduction, 3)):
         assert not wrong, (rank, wrong)
+
+
+def _reduces_that_differ(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    wrong: list[str] = []
+    odd = rank == 0
+    x = torch.arange(4, dtype=torch.float32) + rank
+    calls = {
+        "int16 on rank 0": lambda: dist.reduce(
+            torch.ones(4, dtype=torch.int16 if odd else torch.int32), dst=0
+        ),
+        "SUM against MAX": lambda: dist.reduce(
+            x.clone(), dst=0, op=dist.ReduceOp.SUM if odd else dist.ReduceOp.MAX
+        ),
+        "another size": lambda: dist.reduce(torch.ones(5 if odd else 4), dst=0),
+        "another root": lambda: dist.reduce(x.clone(), dst=1 if odd else 0),
+        "PREMUL_SUM against SUM": lambda: dist.reduce(
+            x.clone(),
+            dst=0,
+            op=dist._make_nccl_premul_sum(2.0) if odd else dist.ReduceOp.SUM,
+        ),
+    }
+    for name, call in calls.items():
+        start = time.monotonic()
+        try:
+            call()
+            wrong.append(f"{name}: returned")
+        except (TypeError, RuntimeError) as error:
+            if name == "int16 on rank 0" and odd:
+                if not isinstance(error, TypeError):
+                    wrong.append(f"{name}: {type(error).__name__}: {error}")
+            elif "mismatch" not in str(error) and "refused its own arguments" not in str(error):
+                wrong.append(f"{name}: {type(error).__name__}: {error}")
+        if time.monotonic() - start > 30:  # met at the call, not at the timeout
+            wrong.append(f"{name}: took {time.monotonic() - start:.0f} s")
+        # The group stays usable, and its calls paired.
+        total = torch.full((4,), 10, dtype=torch.int32)
+        dist.all_reduce(total)
+        if total.tolist() != [10 * world] * 4:
+            wrong.append(f"after {name}: the next all_reduce gave {total.tolist()}")
+    root_sum = x.clone()
+    dist.reduce(root_sum, dst=world - 1)
+    expected = sum(torch.arange(4, dtype=torch.float32) + r for r in range(world))
+    if rank == world - 1 and not torch.equal(root_sum, expected):
+        wrong.append(f"a valid reduce after them gave {root_sum.tolist()}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_reduces_that_differ_across_ranks_fail_at_once_on_every_rank_and_the_group_stays_usable() -> (
+    None
+):
+    # Gloo's reduce checks nothing across ranks: a refusal on one rank left the peers to time out
+    # (and the refusing rank, which waited to meet them, too); another op or root mixed the
+    # calls silently; another size aborted the process.
+    for rank, wrong in enumerate(run_ranks(_reduces_that_differ, 3)):
+        assert not wrong, (rank, wrong)

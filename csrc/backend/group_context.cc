@@ -24,6 +24,32 @@
 namespace xdev::backend {
 namespace {
 
+// c10d's name of a ReduceOp (the RedOpType a descriptor of an engine's call carries).
+std::string reduce_op_name(int32_t op) {
+  switch (static_cast<c10d::ReduceOp::RedOpType>(op)) {
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "op " + std::to_string(op);
+  }
+}
+
 // How long a rank waiting at a barrier spins before it sleeps (see choose_spin_budgets).
 constexpr auto kBarrierSpin = std::chrono::microseconds(20);
 
@@ -330,6 +356,36 @@ void GroupContext::meet_peers(Collective collective, const char* name,
   enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
 }
 
+void GroupContext::check_engine_call(Collective collective, const char* name,
+                                     std::chrono::milliseconds timeout,
+                                     const transport::OpDescriptor& call,
+                                     const std::function<void()>& check) {
+  std::exception_ptr refusal;
+  try {
+    check();
+  } catch (const std::exception&) {
+    refusal = std::current_exception();
+  }
+  if (channel_ != nullptr) {
+    const bool refused = refusal != nullptr;
+    auto meet = [this, collective, name, timeout, call, refused] {
+      transport::OpDescriptor d = call;
+      const transport::OpDescriptor numbered = next_descriptor(collective);
+      d.seq = numbered.seq;
+      d.collective = numbered.collective;
+      if (refused) d.num_tensors = kRefusedCall;
+      channel_->open_collective(make_context(d, name, deadline_for(timeout)));
+    };
+    try {
+      enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
+    } catch (const std::exception&) {
+      if (!refused) throw;
+      // The peers' mismatch: this rank's own error says more.
+    }
+  }
+  if (refusal) std::rethrow_exception(refusal);
+}
+
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {
   transport::OpDescriptor desc;
   number(desc);
@@ -384,7 +440,10 @@ std::string GroupContext::describe_call(const transport::OpDescriptor& d) const 
     case Collective::kSharedEmpty:
       return "torch_xdev.shared_empty";
     case Collective::kReduce:
-      return "reduce";
+      s = "reduce " + reduce_op_name(d.reduce_op) + " to rank " + std::to_string(d.root) + " of " +
+          std::string(c10::toString(static_cast<at::ScalarType>(d.dtype))) + " tensors" +
+          (d.device == 1 ? " on CUDA" : "");
+      break;
     default:
       s = "unknown collective";
   }

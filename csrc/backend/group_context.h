@@ -41,7 +41,7 @@ enum class Collective : int32_t {
   kReduceScatter = 4,
   kAllGather = 5,
   kSharedEmpty = 6,  // torch_xdev.shared_empty's meeting (GroupContext::meet_peers)
-  kReduce = 7,       // only a refused reduce meets its peers: reduce runs on the engine
+  kReduce = 7,       // before the engine's reduce (GroupContext::check_engine_call)
 };
 
 // OpDescriptor::num_tensors of a call its rank refused for its own arguments
@@ -170,6 +170,15 @@ class GroupContext {
   // naming the missing ranks. `refused`: this rank refused its own arguments.
   void meet_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
                   bool refused = false);
+  // A collective the engine runs, checked first with the peers of this host
+  // (single-host groups): every rank meets with `call` (its fields but the
+  // sequence number and the collective), or as a refused call where `check`
+  // throws, so that a refusal or a call unlike its peers' (op, root, dtype,
+  // sizes) fails on every rank at once and the group stays usable, where the
+  // engine would wait out its timeout, abort, or mix the calls. Without the
+  // host's channel (ranks on several hosts) only `check` runs.
+  void check_engine_call(Collective collective, const char* name, std::chrono::milliseconds timeout,
+                         const transport::OpDescriptor& call, const std::function<void()>& check);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                     bool async_op, bool runs_when_unusable = false);

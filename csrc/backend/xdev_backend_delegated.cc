@@ -1,7 +1,8 @@
 // XdevBackend's entry points for the collectives the engine (Gloo or NCCL)
 // always runs: reduce to one root, gather, scatter, all-to-all and point to
-// point. xdev adds what the engine lacks: refusals every rank meets, the
-// PREMUL_SUM scaling, and (through FallbackEngines) every dtype and layout.
+// point. xdev adds what the engine lacks: reduce's check with the peers and
+// its PREMUL_SUM scaling, and (through FallbackEngines) every dtype and layout
+// for gather, scatter and all-to-all. Point to point goes to the engine as is.
 #include "tensor_helpers.h"
 #include "xdev_backend.h"
 
@@ -10,7 +11,20 @@ namespace xdev::backend {
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
-  refuse_with_peers(Collective::kReduce, "reduce", tensors, opts.timeout, [&] {
+  // The engine's reduce checks nothing across ranks: a rank's refusal left its
+  // peers to time out, and a mismatched op, root or size mixed the calls or
+  // aborted the process (Gloo). One meeting of the host's ranks first.
+  transport::OpDescriptor call;
+  call.reduce_op = static_cast<int32_t>(opts.reduceOp.op_);
+  call.root = opts.rootRank;
+  call.num_tensors = static_cast<int64_t>(tensors.size());
+  if (!tensors.empty()) {
+    call.dtype = static_cast<int32_t>(tensors[0].scalar_type());
+    call.device = tensors[0].is_cuda() ? 1 : 0;
+  }
+  for (const at::Tensor& t : tensors) call.total_elems += t.numel();
+  call.counts_hash = counts_hash(tensors);
+  group_.check_engine_call(Collective::kReduce, "reduce", opts.timeout, call, [&] {
     refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
     fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
   });
