@@ -11,6 +11,20 @@ namespace xdev::backend {
 c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::ReduceOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
+  // First, as every PREMUL_SUM xdev scales: the ranks' vote on whether every
+  // tensor can be scaled (a rank asking another op meets the vote, and every
+  // rank fails); the SUM it becomes is checked below.
+  if (premultiplies_here(opts.reduceOp, tensors)) {
+    refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
+    // The root's tensor receives the result, so it is scaled in place; the
+    // others' stay as they are (NCCL leaves them so) and lend scaled copies.
+    if (getRank() != opts.rootRank) {
+      std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
+      return reduce(scaled, with_sum(opts));
+    }
+    premultiply_(tensors, opts.reduceOp);
+    return reduce(tensors, with_sum(opts));
+  }
   // The engine's reduce checks nothing across ranks: a rank's refusal left its
   // peers to time out, and a mismatched op, root or size mixed the calls or
   // aborted the process (Gloo). One meeting of the host's ranks first.
@@ -28,17 +42,6 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
     refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
     fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
   });
-  if (premultiplies_here(opts.reduceOp, tensors)) {
-    refuse_premul_with_peers(tensors, opts.reduceOp, opts.timeout);
-    // The root's tensor receives the result, so it is scaled in place; the
-    // others' stay as they are (NCCL leaves them so) and lend scaled copies.
-    if (getRank() != opts.rootRank) {
-      std::vector<at::Tensor> scaled = premultiplied(tensors, opts.reduceOp);
-      return reduce(scaled, with_sum(opts));
-    }
-    premultiply_(tensors, opts.reduceOp);
-    return reduce(tensors, with_sum(opts));
-  }
   return delegated_call().reduce(group_, tensors, opts);
 }
 
