@@ -347,9 +347,12 @@ void GroupContext::pass_turn(Collective collective, const char* name) {
 }
 
 void GroupContext::meet_peers(Collective collective, const char* name,
-                              std::chrono::milliseconds timeout, bool refused) {
-  auto meet = [this, collective, name, timeout, refused] {
-    transport::OpDescriptor d = next_descriptor(collective);
+                              std::chrono::milliseconds timeout, bool refused,
+                              const transport::OpDescriptor& call) {
+  auto meet = [this, collective, name, timeout, refused, call] {
+    transport::OpDescriptor d = call;
+    number(d);
+    d.collective = static_cast<int32_t>(collective);
     if (refused) d.num_tensors = kRefusedCall;
     channel_->open_collective(make_context(d, name, deadline_for(timeout)));
   };
@@ -360,30 +363,8 @@ void GroupContext::check_engine_call(Collective collective, const char* name,
                                      std::chrono::milliseconds timeout,
                                      const transport::OpDescriptor& call,
                                      const std::function<void()>& check) {
-  std::exception_ptr refusal;
-  try {
-    check();
-  } catch (const std::exception&) {
-    refusal = std::current_exception();
-  }
-  if (channel_ != nullptr) {
-    const bool refused = refusal != nullptr;
-    auto meet = [this, collective, name, timeout, call, refused] {
-      transport::OpDescriptor d = call;
-      const transport::OpDescriptor numbered = next_descriptor(collective);
-      d.seq = numbered.seq;
-      d.collective = numbered.collective;
-      if (refused) d.num_tensors = kRefusedCall;
-      channel_->open_collective(make_context(d, name, deadline_for(timeout)));
-    };
-    try {
-      enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
-    } catch (const std::exception&) {
-      if (!refused) throw;
-      // The peers' mismatch: this rank's own error says more.
-    }
-  }
-  if (refusal) std::rethrow_exception(refusal);
+  check_with_peers(collective, name, timeout, check);
+  if (channel_ != nullptr) meet_peers(collective, name, timeout, /*refused=*/false, call);
 }
 
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {

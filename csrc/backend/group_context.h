@@ -167,9 +167,11 @@ class GroupContext {
   // groups): returns once every rank has made the same call, in order with
   // this rank's other collectives. A peer that is gone or in another call
   // raises as in any collective: within 200 ms of a death, or at the timeout
-  // naming the missing ranks. `refused`: this rank refused its own arguments.
+  // naming the missing ranks. `refused`: this rank refused its own arguments;
+  // `call`: what the peers must agree on (all but the sequence number and the
+  // collective, which the meeting sets).
   void meet_peers(Collective collective, const char* name, std::chrono::milliseconds timeout,
-                  bool refused = false);
+                  bool refused = false, const transport::OpDescriptor& call = {});
   // A collective the engine runs, checked first with the peers of this host
   // (single-host groups): every rank meets with `call` (its fields but the
   // sequence number and the collective), or as a refused call where `check`
