@@ -276,11 +276,20 @@ def _train_loop(
         say(f"throughput: {1 / step_s:.1f} steps/s (median step {1e3 * step_s:.1f} ms)")
         if config.comm_share_steps > 0 and not config.shared_grads:
             quiet_s = _step_without_communication(config, device, rank, x, y)
-            share = max(0.0, step_s - quiet_s) / step_s
-            say(
-                f"communication: {100 * share:.0f}% of the step ({1e3 * step_s:.1f} ms, against "
-                f"{1e3 * quiet_s:.1f} ms for the same DDP step with a no-op comm hook)"
-            )
+            against = f"{1e3 * quiet_s:.1f} ms for the same DDP step with a no-op comm hook"
+            if quiet_s < step_s:
+                share = (step_s - quiet_s) / step_s
+                say(
+                    f"communication: {100 * share:.0f}% of the step ({1e3 * step_s:.1f} ms, "
+                    f"against {against})"
+                )
+            else:
+                # Noise larger than what communication adds: no share to report, and "0%"
+                # would claim one.
+                say(
+                    f"communication: too small to measure ({1e3 * step_s:.1f} ms a step, not more "
+                    f"than {against}; try more --comm-share-steps or a larger --hidden)"
+                )
     if allreduce is not None:
         # With find_unused_parameters, DDP's last allreduce of a step is its map of the
         # parameters used, after the gradient buckets.
