@@ -147,6 +147,19 @@ def test_two_level_grid(
     assert info["host_cores"] == max(1, (os.cpu_count() or 1) * ranks_per_host[0] // world)
     assert info["two_level"], info["two_level_note"]
     assert not info["shared_memory"]  # no channel of the whole group: it spans hosts
+    # What auto would choose is shown as what runs: two levels (or the engine), and the
+    # model it chooses by is each host's with the network's parameters.
+    for size, (path, reason) in info["cpu_allreduce_plan"].items():
+        assert path == "fallback" or (path == "two_level" and "inside each host" in reason), (
+            size,
+            path,
+            reason,
+        )
+    model = info["cpu_cost_model"]
+    assert model is not None and model["name"] == f"cpu-{ranks_per_host[0]}", model
+    given = params or {}
+    assert model["net_host_cores"] == given.get("net_host_cores", info["host_cores"]), model
+    assert model["net_latency_us"] == given.get("net_latency_us", model["net_latency_us"]), model
 
 
 def _uneven(rank: int, world: int) -> dict[str, Any]:

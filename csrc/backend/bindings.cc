@@ -109,8 +109,8 @@ py::dict describe_cuda(const XdevBackend& b) {
 py::dict plan_by_size(const XdevBackend& b, bool cuda) {
   py::dict per_size;
   for (int64_t bytes : {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20}) {
-    const plan::Selection s = b.selection_for(bytes, cuda);
-    per_size[py::int_(bytes)] = py::make_tuple(plan::to_string(s.algorithm), s.reason);
+    const auto [path, reason] = XdevBackend::shown_selection(b.selection_for(bytes, cuda));
+    per_size[py::int_(bytes)] = py::make_tuple(path, reason);
   }
   return per_size;
 }
@@ -161,6 +161,13 @@ py::dict describe(const XdevBackend& b) {
     model["step_us"] = c.cpu_step_us;
     model["sleeping_barrier_us"] = c.cpu_sleeping_barrier_us;
     model["window_bytes"] = m->window_bytes;
+    if (const plan::NetworkParams* net = b.network_model()) {
+      // Across hosts: the model above is each host's, and these join them.
+      model["net_host_gbps"] = c.net_host_gbps;
+      model["net_stream_gbps"] = c.net_stream_gbps;
+      model["net_latency_us"] = c.net_latency_us;
+      model["net_host_cores"] = net->host_cores;
+    }
     d["cpu_cost_model"] = model;
   } else {
     d["cpu_cost_model"] = py::none();

@@ -227,17 +227,25 @@ plan::SelectionInput XdevBackend::selection_input(int64_t payload, bool cuda) co
   return in;
 }
 
+namespace {
+// The transport is the selection's too: peers reading the tensor in place.
+std::string reason_of(const plan::Selection& sel) {
+  return sel.reason + (sel.single_copy ? "; on the single-copy transport" : "");
+}
+}  // namespace
+
+std::pair<std::string, std::string> XdevBackend::shown_selection(const plan::Selection& sel) {
+  if (!sel.two_level) return {plan::to_string(sel.algorithm), reason_of(sel)};
+  return {"two_level", inside_each_host(sel) + "; " + reason_of(sel)};
+}
+
 void XdevBackend::log_choice(const plan::Selection& sel, bool cuda) {
-  // The transport is the selection's too: peers reading the tensor in place.
-  const std::string reason = sel.reason + (sel.single_copy ? "; on the single-copy transport" : "");
   {
     std::lock_guard<std::mutex> lock(selection_mutex_);
-    last_selection_ =
-        sel.two_level
-            ? std::make_pair(std::string("two_level"), inside_each_host(sel) + "; " + reason)
-            : std::make_pair(std::string(plan::to_string(sel.algorithm)), reason);
+    last_selection_ = shown_selection(sel);
   }
   if (!group_.config().debug) return;  // no strings built per call without the log
+  const std::string reason = reason_of(sel);
   const char* device = cuda ? "CUDA" : "CPU";
   const std::string what = path_of(sel);
   group_.log_once(

@@ -198,6 +198,9 @@ class XdevBackend : public c10d::Backend {
   const std::string& fallback_name() const { return fallbacks_.cpu_name(); }
   // What the last allreduce ran and why ("" before the first).
   std::pair<std::string, std::string> last_selection() const;
+  // How describe() shows a selection: its path (the algorithm; "two_level"
+  // across hosts, the reason naming the plan inside each host) and why.
+  static std::pair<std::string, std::string> shown_selection(const plan::Selection& sel);
   // The last all-gather or reduce-scatter: its name, path and why (empty before the first).
   std::vector<std::string> last_gather_scatter() const;
   // The last broadcast: its path ("native", "two_level" or "fallback") and why.
@@ -212,8 +215,15 @@ class XdevBackend : public c10d::Backend {
   // Whether allreduces across hosts can run the two-level plan, and why not.
   bool two_level_available() const { return two_level_ != nullptr; }
   const std::string& two_level_note() const { return two_level_note_; }
-  // The model auto chooses CPU plans by; null without a native CPU path.
-  const plan::MachineModel* cpu_model() const { return cpu_ ? &cpu_->model() : nullptr; }
+  // The model auto chooses CPU plans by: the group's host's, or across hosts
+  // each host's (two levels); null without a native CPU path.
+  const plan::MachineModel* cpu_model() const {
+    return cpu_ ? &cpu_->model() : two_level_ ? &two_level_->host_model() : nullptr;
+  }
+  // The network between hosts the two-level plans are chosen by; null on one host.
+  const plan::NetworkParams* network_model() const {
+    return two_level_ ? &two_level_->network() : nullptr;
+  }
   // The CUDA side: null in builds without CUDA; info() null before the first
   // CUDA collective.
   CudaCollectives* cuda() const { return cuda_.get(); }
