@@ -87,6 +87,8 @@ class Run:
                 "shared": info["ddp_shared_buckets"],
                 "note": info["ddp_shared_buckets_note"],
                 "heap_in_use": None if heap is None else heap["bytes_in_use"],
+                "heap_in_place": None if heap is None else heap["in_place_collectives"],
+                "heap_staged": None if heap is None else heap["staged_collectives"],
                 "bucket_bytes": [b for m in models for b in bucket_bytes(m)],
                 "last_allreduce": info["last_allreduce"],
                 "grads_in_heap": grads_in_heap,

@@ -11,7 +11,8 @@ and on Gloo, and the tests here check:
 - that the buckets really were shared: while the models live, the heap holds exactly DDP's
   buckets (their sizes, each rounded up to the heap's 256-byte blocks) and nothing else, it
   holds nothing once the models are gone, and where the last allreduce was a bucket its
-  reason names the heap; with gradient_as_bucket_view every .grad lies in the heap's memory.
+  reason names the heap; the heap counts bucket allreduces that ran in place and none that
+  staged; with gradient_as_bucket_view every .grad lies in the heap's memory.
 
 One group of 4 processes (spawned once for the module: importing torch costs each ~10 s of
 CPU on a 2-core machine) runs every case, creating and destroying its process groups each
@@ -165,6 +166,10 @@ def test_buckets_were_shared(results: Results, name: str) -> None:
             algorithm, reason = snap["last_allreduce"]
             if CASES[name].bucket_allreduce_last:
                 assert "symmetric heap" in reason, (where, algorithm, reason)
+            # What ran, not only what could: every rank allocates its buckets alike, so no
+            # collective found its peers' blocks elsewhere and staged.
+            assert snap["heap_staged"] == 0, (where, snap)
+            assert (snap["heap_in_place"] > 0) == CASES[name].ran_in_place, (where, snap)
             if snap["grads_in_heap"] is not None:
                 # gradient_as_bucket_view: every .grad is a view of a bucket, so in the heap.
                 assert snap["grads_in_heap"], (where, snap)

@@ -315,3 +315,32 @@ def test_shared_empty_called_every_step_leaves_no_store_keys_behind() -> None:
     # A call's keys go once every rank has left it: the store stays the same size.
     for rank, counts in enumerate(run_ranks(_store_keys_over_calls, 2)):
         assert len(set(counts)) == 1, (rank, counts)
+
+
+def _heap_outcome(rank: int, world: int, misplace: bool) -> dict[str, int]:
+    # Flat: the plan a heap tensor runs in place with (auto may choose another at this size).
+    options = torch_xdev.Options(algorithm="flat")
+    dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    keep = []
+    if misplace and rank == 1:  # every later block of rank 1 lies past this one
+        keep.append(backend.allocate_tensor(4096, dtype=torch.uint8, device=cpu))
+    numel = 1 << 16
+    bucket = backend.allocate_tensor(numel, dtype=torch.float32, device=cpu)
+    bucket.copy_(torch.arange(numel, dtype=torch.float32) * (rank + 1))
+    dist.all_reduce(bucket)
+    expected = torch.arange(numel, dtype=torch.float32) * sum(range(1, world + 1))
+    assert torch.equal(bucket, expected)
+    heap = torch_xdev.describe()["symmetric_heap"]
+    dist.destroy_process_group()
+    return {"in_place": heap["in_place_collectives"], "staged": heap["staged_collectives"]}
+
+
+@pytest.mark.parametrize("misplace", [False, True], ids=["same-place", "rank1-elsewhere"])
+def test_heap_counts_whether_its_allreduce_ran_in_place(misplace: bool) -> None:
+    """describe() says what ran: in place, or staged by every rank when one rank's block lies
+    elsewhere (it allocated in another order), with the same sum either way."""
+    results = run_ranks(_heap_outcome, 3, misplace, timeout=120)
+    expected = {"in_place": 0, "staged": 1} if misplace else {"in_place": 1, "staged": 0}
+    assert results == [expected] * 3, results

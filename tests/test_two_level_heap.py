@@ -90,6 +90,13 @@ def _heap_allreduce(rank: int, world: int, misplace: bool) -> list[int]:
             digests.append(digest(heap))
             del heap
     assert_same_digests(digests, world)
+    # The heap counts both steps inside the host of each multi-window allreduce (one window
+    # is staged without an offer): in place, or staged on the host whose places differ.
+    counts = torch_xdev.describe(group)["symmetric_heap"]
+    offered = 2 * len(CASES)
+    staged = misplace and rank in (0, 1)
+    expected = (0, offered) if staged else (offered, 0)
+    assert (counts["in_place_collectives"], counts["staged_collectives"]) == expected, counts
     dist.destroy_process_group(group)
     dist.destroy_process_group()
     return digests

@@ -98,8 +98,8 @@ def describe(group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     and reason),
     ``shared_buffers`` (how many ``shared_empty`` buffers of the group are alive),
     ``ddp_shared_buckets`` (whether DDP's buckets on this group will live in its symmetric
-    heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas
-    and bytes in use, or None); ``cuda`` has the same two for CUDA buckets and ``heap``, the
+    heap, with ``ddp_shared_buckets_note`` saying why not) and ``symmetric_heap`` (its arenas,
+    bytes in use, and collectives that ran in place from it or staged; or None); ``cuda`` has the same two for CUDA buckets and ``heap``, the
     CUDA heap's bytes, blocks and in-place allreduces (None without one). ``devices`` lists
     the tensors' devices the group hands to xdev (``["cpu", "cuda"]`` for ``backend="xdev"``;
     ``["cuda"]`` for ``"cpu:gloo,cuda:xdev"``, whose CPU fields then apply to no call).

@@ -143,6 +143,8 @@ py::dict describe(const XdevBackend& b) {
     h["bytes_reserved"] = heap->bytes_reserved();
     h["bytes_in_use"] = heap->bytes_in_use();
     h["live_blocks"] = heap->live_blocks();
+    h["in_place_collectives"] = heap->in_place_collectives();
+    h["staged_collectives"] = heap->staged_collectives();
     d["symmetric_heap"] = h;
   } else {
     d["symmetric_heap"] = py::none();

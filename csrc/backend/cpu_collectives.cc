@@ -58,8 +58,9 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
   // first barrier that every rank's block is at the same place (and this
   // rank can reach every peer's).
   const bool in_shared_buffer = sel.in_place_shared && shared.buffer != nullptr;
-  const bool in_heap = sel.in_place_shared && shared.heap != nullptr &&
-                       map_peers_copies(group_, shared, *group_.channel());
+  const bool offered_heap = sel.in_place_shared && shared.heap != nullptr;
+  const bool in_heap = offered_heap && map_peers_copies(group_, shared, *group_.channel());
+  if (offered_heap && !in_heap) shared.heap->count_collective(/*in_place=*/false);
   for (const DtypeAllreduce& call :
        prepare_allreduce(group_, tensors, op, sel, /*packed=*/!in_shared_buffer)) {
     const int64_t total = call.total();
@@ -117,8 +118,16 @@ void CpuCollectives::run_allreduce(const std::vector<at::Tensor>& tensors, kerne
     req.op = op;
     req.ctx = ctx;
     if (in_heap) {
-      req.after_first_barrier = [this, &in_place] {
-        if (in_place_.run_opened(in_place)) return true;
+      req.after_first_barrier = [this, &in_place, &shared] {
+        const bool ran = in_place_.run_opened(in_place);
+        shared.heap->count_collective(ran);
+        if (ran) {
+          if (group_.config().debug) {  // no strings built per call without the log
+            group_.log_once("heap-in-place",
+                            "allreduce ran in place from the symmetric heap: nothing staged");
+          }
+          return true;
+        }
         group_.log_once("heap-places-differ",
                         "a tensor of the symmetric heap is not at the same place on every rank "
                         "(allocated in another order, or an ordinary tensor on some rank); "

@@ -318,14 +318,21 @@ void CpuGatherScatter::run_request(transport::GatherScatterRequest& req, const a
 HeapRun run_from_heap(GroupContext& group, transport::GatherScatterExecutor& executor,
                       transport::GatherScatterRequest& req, const SharedPlacement& placement,
                       const transport::ShmChannel& channel) {
-  if (placement.heap == nullptr || !map_peers_copies(group, placement, channel)) {
+  if (placement.heap == nullptr) {
     executor.run(req);
+    return HeapRun::kNotInHeap;
+  }
+  if (!map_peers_copies(group, placement, channel)) {
+    executor.run(req);
+    placement.heap->count_collective(/*in_place=*/false);
     return HeapRun::kNotInHeap;
   }
   req.ctx.descriptor.heap_arena = placement.heap_location.arena;
   req.ctx.descriptor.heap_offset = placement.heap_location.offset;
   req.full_copies = [&placement, &channel] { return copies_of(placement, channel); };
-  return executor.run(req) ? HeapRun::kInPlace : HeapRun::kPlacesDiffer;
+  const bool in_place = executor.run(req);
+  placement.heap->count_collective(in_place);
+  return in_place ? HeapRun::kInPlace : HeapRun::kPlacesDiffer;
 }
 
 }  // namespace xdev::backend

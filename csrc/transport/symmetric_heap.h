@@ -23,6 +23,7 @@
 // first barrier).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -93,6 +94,16 @@ class SymmetricHeap {
   size_t bytes_reserved() const;
   int64_t live_blocks() const;
 
+  // What the collectives that offered to run in place on this heap's blocks
+  // did: ran in place, or staged (a peer's block at another place, or out of
+  // reach). Counted by those collectives, so that a user can see that DDP's
+  // buckets did run in place, not only that they could.
+  void count_collective(bool in_place) {
+    ++(in_place ? in_place_collectives_ : staged_collectives_);
+  }
+  int64_t in_place_collectives() const { return in_place_collectives_.load(); }
+  int64_t staged_collectives() const { return staged_collectives_.load(); }
+
   // Opens and maps a peer's arena; throws std::runtime_error with the reason.
   // Exposed for the probe that decides whether a host allows it at all.
   static void* map_peer_arena(const ArenaAddress& address);
@@ -117,6 +128,8 @@ class SymmetricHeap {
   // [rank][arena]: peers' arenas as mapped here (bytes, address); own rank unused.
   std::vector<std::vector<std::pair<size_t, char*>>> peers_;
   bool closed_ = false;
+  std::atomic<int64_t> in_place_collectives_{0};
+  std::atomic<int64_t> staged_collectives_{0};
 };
 
 }  // namespace xdev::transport
