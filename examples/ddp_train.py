@@ -246,6 +246,7 @@ def _train_loop(
     losses: list[float] = []
     mean_losses: list[float] = []
     allreduce: Optional[tuple[str, str]] = None
+    heap: Optional[dict[str, int]] = None
     step_seconds: list[float] = []
     for step in range(config.steps):
         started = time.perf_counter()
@@ -262,7 +263,9 @@ def _train_loop(
         step_seconds.append(time.perf_counter() - started)
         if config.backend == torch_xdev.BACKEND_NAME and step == config.steps - 1:
             # Read now, before the loss allreduce below replaces it.
-            allreduce = torch_xdev.describe()["last_allreduce"]
+            info = torch_xdev.describe()
+            allreduce = info["last_allreduce"]
+            heap = info["symmetric_heap"]
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # SUM, then divide: Gloo has no AVG
         mean /= world_size
@@ -295,6 +298,12 @@ def _train_loop(
         # parameters used, after the gradient buckets.
         what = "DDP's map of used parameters" if config.find_unused_parameters else "gradient"
         say(f"xdev {what} allreduce: {allreduce[0]} ({allreduce[1]})")
+    if heap is not None and heap["in_place_collectives"] + heap["staged_collectives"] > 0:
+        # What DDP's buckets in the group's symmetric heap did (see the README).
+        say(
+            f"xdev symmetric heap: {heap['in_place_collectives']} collective(s) ran in place, "
+            f"{heap['staged_collectives']} staged"
+        )
     elif config.backend != torch_xdev.BACKEND_NAME:
         say(f"gradient allreduce: backend {config.backend} (torch_xdev.describe() is for xdev)")
     return TrainResult(model=model, losses=losses, mean_losses=mean_losses, allreduce=allreduce)
