@@ -24,6 +24,12 @@
 namespace xdev::backend {
 namespace {
 
+// "Float tensors on CUDA": the dtype and device of an engine's call.
+std::string engine_tensors(const transport::OpDescriptor& d) {
+  return std::string(c10::toString(static_cast<at::ScalarType>(d.dtype))) + " tensors" +
+         (d.device == 1 ? " on CUDA" : "");
+}
+
 // c10d's name of a ReduceOp (the RedOpType a descriptor of an engine's call carries).
 std::string reduce_op_name(int32_t op) {
   switch (static_cast<c10d::ReduceOp::RedOpType>(op)) {
@@ -422,9 +428,16 @@ std::string GroupContext::describe_call(const transport::OpDescriptor& d) const 
       return "torch_xdev.shared_empty";
     case Collective::kReduce:
       s = "reduce " + reduce_op_name(d.reduce_op) + " to rank " + std::to_string(d.root) + " of " +
-          std::string(c10::toString(static_cast<at::ScalarType>(d.dtype))) + " tensors" +
-          (d.device == 1 ? " on CUDA" : "");
+          engine_tensors(d);
       break;
+    case Collective::kGather:
+      s = "gather to rank " + std::to_string(d.root) + " of " + engine_tensors(d);
+      break;
+    case Collective::kScatter:
+      s = "scatter from rank " + std::to_string(d.root) + " of " + engine_tensors(d);
+      break;
+    case Collective::kAllToAll:
+      return "all_to_all of " + engine_tensors(d) + " (sizes not compared)";
     default:
       s = "unknown collective";
   }

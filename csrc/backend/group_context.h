@@ -41,7 +41,11 @@ enum class Collective : int32_t {
   kReduceScatter = 4,
   kAllGather = 5,
   kSharedEmpty = 6,  // torch_xdev.shared_empty's meeting (GroupContext::meet_peers)
-  kReduce = 7,       // before the engine's reduce (GroupContext::check_engine_call)
+  // Before the engine runs them (GroupContext::check_engine_call):
+  kReduce = 7,
+  kGather = 8,
+  kScatter = 9,
+  kAllToAll = 10,  // dtype only: its sizes may differ between ranks by design
 };
 
 // OpDescriptor::num_tensors of a call its rank refused for its own arguments
