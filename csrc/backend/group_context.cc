@@ -369,6 +369,11 @@ void GroupContext::check_engine_call(Collective collective, const char* name,
                                      std::chrono::milliseconds timeout,
                                      const transport::OpDescriptor& call,
                                      const std::function<void()>& check) {
+  // CUDA calls without the host's check (cuda_host_check off) meet nobody.
+  if (call.device == 1 && !config_.cuda_host_check) {
+    check();
+    return;
+  }
   check_with_peers(collective, name, timeout, check);
   if (channel_ != nullptr) meet_peers(collective, name, timeout, /*refused=*/false, call);
 }

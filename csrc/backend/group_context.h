@@ -182,7 +182,10 @@ class GroupContext {
   // throws, so that a refusal or a call unlike its peers' (op, root, dtype,
   // sizes) fails on every rank at once and the group stays usable, where the
   // engine would wait out its timeout, abort, or mix the calls. Without the
-  // host's channel (ranks on several hosts) only `check` runs.
+  // host's channel (ranks on several hosts), or for CUDA tensors with
+  // cuda_host_check off, only `check` runs. The caller waits for its peers
+  // here even where the call is asynchronous (async_op), as under PyTorch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL check: the engine must not see the call first.
   void check_engine_call(Collective collective, const char* name, std::chrono::milliseconds timeout,
                          const transport::OpDescriptor& call, const std::function<void()>& check);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
