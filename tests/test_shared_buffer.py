@@ -321,7 +321,9 @@ def _heap_outcome(rank: int, world: int, misplace: bool) -> dict[str, int]:
     # Flat: the plan a heap tensor runs in place with (auto may choose another at this size).
     options = torch_xdev.Options(algorithm="flat")
     dist.init_process_group("xdev", rank=rank, world_size=world, pg_options=options)
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    world_group = dist.group.WORLD
+    assert world_group is not None
+    backend = world_group._get_backend(torch.device("cpu"))
     cpu = torch.device("cpu")
     keep = []
     if misplace and rank == 1:  # every later block of rank 1 lies past this one
