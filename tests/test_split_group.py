@@ -153,3 +153,41 @@ def test_split_group_and_device_mesh_on_a_bound_default_group() -> None:
         # Mesh rows are [0, 1] and [2, 3]: replicate joins a column, shard a row.
         assert r["shard"] == (3.0 if rank < 2 else 7.0), (rank, r)
         assert r["replicate"] == (4.0 if rank % 2 == 0 else 6.0), (rank, r)
+
+
+def _mismatch_on_subgroups(rank: int, world: int) -> dict[str, str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    parent = dist.group.WORLD
+    assert parent is not None
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    made = low if rank < 2 else high
+    split = parent.split_group(
+        [0, 1] if rank < 2 else [2, 3], group_name=_name(f"pair-{rank // 2}")
+    )
+    assert split is not None
+    messages: dict[str, str] = {}
+    for name, group in (("new_group", made), ("split_group", split)):
+        # Ranks 1 and 3, the second of each pair, pass another size.
+        numel = 20 if rank % 2 else 10
+        try:
+            group.allreduce([torch.ones(numel)]).wait()  # a split is not in c10d's group map
+            messages[name] = "returned"
+        except RuntimeError as error:
+            messages[name] = str(error)
+        # The group stays usable.
+        assert _sum_on(group, rank) == (3.0 if rank < 2 else 7.0)
+    dist.destroy_process_group()
+    return messages
+
+
+def test_a_mismatch_on_a_subgroup_names_its_ranks_global_numbers_too() -> None:
+    # "rank 0" alone, on the group of global ranks 2 and 3, read as global rank 0.
+    results = run_ranks(_mismatch_on_subgroups, 4, timeout=120)
+    for rank, messages in enumerate(results):
+        for name, message in messages.items():
+            assert "mismatched collectives" in message, (rank, name, message)
+            if rank < 2:  # group ranks are the global ones: nothing to add
+                assert "rank 0: " in message and "global rank" not in message, (rank, message)
+            else:
+                assert "rank 0 (global rank 2): " in message, (rank, name, message)
+                assert "rank 1 (global rank 3): " in message, (rank, name, message)

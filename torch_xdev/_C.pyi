@@ -35,6 +35,7 @@ class BackendConfig:
     debug: bool  # log the chosen plans to stderr
     hostname: str  # this rank's host identity (XDEV_HOSTNAME)
     group_name: str  # the group's name
+    global_ranks: list[int]  # the group's members as global ranks, by group rank (empty: the default group)
     algorithm_from_environment: bool  # set by XDEV_ALGO: a group it cannot run on uses auto
     reduce_to_rank_from_environment: bool  # set by XDEV_REDUCE_TO_RANK: else rank 0
     topo_file: str  # XDEV_TOPO_FILE: an injected GPU link matrix (empty: detect)

@@ -345,6 +345,8 @@ def _create_backend(
         config = backend_config(options, dist_opts.timeout)
         config.hostname = host_identity()
         config.group_name = group_id
+        # Errors name a subgroup's ranks by both numbers (group and global).
+        config.global_ranks = [int(r) for r in dist_opts.global_ranks_in_group]
         from_environment = fields_from_environment()
         config.algorithm_from_environment = "algorithm" in from_environment
         config.reduce_to_rank_from_environment = "reduce_to_rank" in from_environment
@@ -396,14 +398,26 @@ def _create_backend(
 
 
 def split_backend(
-    options_json: str, store: Any, rank: int, size: int, timeout: timedelta, group_name: str
+    options_json: str,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    group_name: str,
+    global_ranks: Sequence[int],
 ) -> Any:
     """The child group's backend that c10d's ``split_group`` asks of an xdev group: made as
     ``init_process_group`` makes one, with the parent's ``torch_xdev.Options`` but its
-    timeout (the ``XDEV_*`` variables apply again), the split's timeout and group name, on
-    the store the parent gives it (a prefix of its own store, the same on every rank)."""
+    timeout (the ``XDEV_*`` variables apply again), the split's timeout, group name and
+    members (global ranks), on the store the parent gives it (a prefix of its own store,
+    the same on every rank)."""
     dist_opts = SimpleNamespace(
-        store=store, group_rank=rank, group_size=size, timeout=timeout, group_id=group_name
+        store=store,
+        group_rank=rank,
+        group_size=size,
+        timeout=timeout,
+        group_id=group_name,
+        global_ranks_in_group=list(global_ranks),
     )
     options = Options(**json.loads(options_json)) if options_json else None
     return _create_backend(dist_opts, options, store_is_its_own=True)

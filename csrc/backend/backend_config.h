@@ -55,6 +55,8 @@
 #define XDEV_INTERNAL_FIELDS(X)                                                                  \
   X(std::string, hostname, "", "this rank's host identity (XDEV_HOSTNAME)")                      \
   X(std::string, group_name, "", "the group's name")                                             \
+  X(std::vector<int64_t>, global_ranks, {},                                                      \
+    "the group's members as global ranks, by group rank (empty: the default group)")             \
   X(bool, algorithm_from_environment, false,                                                     \
     "algorithm came from XDEV_ALGO: a group that algorithm cannot run on uses auto")             \
   X(bool, reduce_to_rank_from_environment, false,                                                \

@@ -289,11 +289,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             // and hands it this group's options as text ("" for none).
             b.set_splitter([options_json](const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                           int size, std::chrono::milliseconds timeout,
-                                          const std::string& group_name) {
+                                          const std::string& group_name,
+                                          const std::vector<int64_t>& global_ranks) {
               py::gil_scoped_acquire gil;
-              py::object child =
-                  py::module_::import("torch_xdev._registration")
-                      .attr("split_backend")(options_json, store, rank, size, timeout, group_name);
+              py::object child = py::module_::import("torch_xdev._registration")
+                                     .attr("split_backend")(options_json, store, rank, size,
+                                                            timeout, group_name, global_ranks);
               auto* raw = child.cast<c10d::Backend*>();
               TORCH_CHECK(raw != nullptr, "xdev split: the creator returned None");
               return c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);

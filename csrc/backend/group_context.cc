@@ -137,10 +137,11 @@ GroupContext::GroupContext(c10::intrusive_ptr<c10d::Store> store, int rank, int 
   if (requested_ != plan::Algorithm::kFallback) {
     if (num_hosts_ == 1 && size_ > 1) {
       channel_ = open_shared_memory("xdev/shm/", size_, rank_, {});
+      channel_->name_ranks({}, config_.global_ranks);
     } else if (num_hosts_ > 1 && hosts_even_ && local_world_size_ > 1) {
       host_channel_ = open_shared_memory("xdev/host_shm/" + std::to_string(host_index_) + "/",
                                          local_world_size_, local_rank_, host_ranks_);
-      host_channel_->name_ranks(host_ranks_);
+      host_channel_->name_ranks(host_ranks_, config_.global_ranks);
     }
   }
   choose_spin_budgets();

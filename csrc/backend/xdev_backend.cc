@@ -119,9 +119,13 @@ c10::intrusive_ptr<c10d::Backend> XdevBackend::split(
   const auto child_store = c10::make_intrusive<c10d::PrefixStore>(prefix, group_.store_ref());
   const std::chrono::milliseconds timeout = opts ? opts->timeout : group_.config().timeout;
   const std::string name = opts ? opts->group_name : std::string();
+  // `ranks` number this group's members; the child's errors name global ranks.
+  const std::vector<int64_t>& ours = group_.config().global_ranks;
+  std::vector<int64_t> global_ranks;
+  for (int r : ranks) global_ranks.push_back(ours.empty() ? r : ours.at(static_cast<size_t>(r)));
   c10::intrusive_ptr<c10d::Backend> child =
       splitter_(child_store, static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()),
-                timeout, name);
+                timeout, name, global_ranks);
   last_split_.emplace(child);
   return child;
 }

@@ -91,12 +91,14 @@ class XdevBackend : public c10d::Backend {
   // or null on a rank outside them. The splitter makes it (torch_xdev's
   // creator, with this group's torch_xdev.Options) on the store it is given
   // (this group's, under a prefix of the split): this rank's place among
-  // `ranks`, their count, the split's timeout and group name. c10d may ask
-  // once per device type, and one XdevBackend serves both: a second ask of
-  // the same split (the same store) gets the child the first made.
+  // `ranks`, their count, the split's timeout and group name, and the
+  // child's members as global ranks. c10d may ask once per device type, and
+  // one XdevBackend serves both: a second ask of the same split (the same
+  // store) gets the child the first made.
   using Splitter = std::function<c10::intrusive_ptr<c10d::Backend>(
       const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-      std::chrono::milliseconds timeout, const std::string& group_name)>;
+      std::chrono::milliseconds timeout, const std::string& group_name,
+      const std::vector<int64_t>& global_ranks)>;
   void set_splitter(Splitter splitter) { splitter_ = std::move(splitter); }
   bool supportsSplitting() const override { return splitter_ != nullptr; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;

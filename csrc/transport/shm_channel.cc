@@ -230,7 +230,12 @@ int ShmChannel::group_rank(int r) const {
 }
 
 std::string ShmChannel::rank_name(int r) const {
-  return "rank " + std::to_string(group_rank(r));
+  const int g = group_rank(r);
+  std::string name = "rank " + std::to_string(g);
+  if (g >= 0 && static_cast<size_t>(g) < global_ranks_.size() && global_ranks_[g] != g) {
+    name += " (global rank " + std::to_string(global_ranks_[g]) + ")";
+  }
+  return name;
 }
 
 std::string ShmChannel::missing_ranks(uint64_t epoch) const {

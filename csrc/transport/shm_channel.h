@@ -102,8 +102,14 @@ class ShmChannel {
 
   // How errors name this channel's ranks. A channel over part of a process
   // group (one host's ranks) numbers them from 0; given the group ranks they
-  // stand for (group_ranks[r] for channel rank r), messages name those.
-  void name_ranks(std::vector<int> group_ranks) { group_ranks_ = std::move(group_ranks); }
+  // stand for (group_ranks[r] for channel rank r), messages name those. Given
+  // the group's members as global ranks (global_ranks[g] for group rank g),
+  // a rank whose global number differs is named by both: in a subgroup,
+  // "rank 0" alone reads as global rank 0.
+  void name_ranks(std::vector<int> group_ranks, std::vector<int64_t> global_ranks = {}) {
+    group_ranks_ = std::move(group_ranks);
+    global_ranks_ = std::move(global_ranks);
+  }
   // Rank r of this channel as the group numbers it, and "rank N" for messages.
   int group_rank(int r) const;
   std::string rank_name(int r) const;
@@ -233,7 +239,8 @@ class ShmChannel {
   uint64_t epoch_ = 0;
   int64_t slot_sets_taken_ = 0;
   Clock::duration spin_budget_{0};
-  std::vector<int> group_ranks_;  // empty: channel ranks are the group's
+  std::vector<int> group_ranks_;       // empty: channel ranks are the group's
+  std::vector<int64_t> global_ranks_;  // empty: group ranks are global
   // Peers read this through process_vm_readv to test access; on the heap so
   // its address survives moves of the channel.
   std::unique_ptr<uint64_t> probe_token_;
