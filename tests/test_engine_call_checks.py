@@ -117,3 +117,48 @@ def _root_passes_a_wrong_list(rank: int, world: int) -> list[str]:
 def test_a_root_list_the_root_refuses_fails_on_every_rank_at_once() -> None:
     for rank, wrong in enumerate(run_ranks(_root_passes_a_wrong_list, WORLD)):
         assert not wrong, (rank, wrong)
+
+
+def _async_calls_return_before_the_peers_call(rank: int, world: int) -> list[str]:
+    dist.init_process_group("xdev", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    store = dist.distributed_c10d._get_default_store()
+    mine = torch.full((2,), float(rank))
+    gathered = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+    sent = torch.arange(2.0 * world) + 100 * rank
+    received = torch.zeros(2 * world)
+    if rank == 0:
+        # Issued before any peer can make its own (the Store key holds them back), as on Gloo:
+        # the calls return at once and meet the peers on xdev's worker.
+        works = [
+            dist.gather(mine, gathered, dst=0, async_op=True),
+            dist.all_to_all_single(received, sent, async_op=True),
+        ]
+        store.set("engine-calls/issued", "1")
+        for work in works:
+            assert work is not None
+            work.wait()
+    else:
+        store.wait(["engine-calls/issued"])
+        # The peers wait for theirs: every rank need not pass the same async_op.
+        dist.gather(mine, None, dst=0)
+        dist.all_to_all_single(received, sent)
+    wrong = []
+    if gathered is not None and [g.tolist() for g in gathered] != [[r, r] for r in range(world)]:
+        wrong.append(f"gather gave {gathered}")
+    expected = [100.0 * r + 2 * rank + i for r in range(world) for i in range(2)]
+    if received.tolist() != expected:
+        wrong.append(f"all_to_all_single gave {received.tolist()}, not {expected}")
+    # Their meetings kept the ranks' turns paired: a native call after them is right.
+    total = torch.ones(3)
+    dist.all_reduce(total)
+    if total.tolist() != [float(world)] * 3:
+        wrong.append(f"the all_reduce after them gave {total.tolist()}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_async_engine_calls_return_before_the_peers_call_and_stay_paired() -> None:
+    # With the check waiting for the peers, rank 0's asynchronous gather waited for peers that
+    # wait for it: the job hung until the timeout.
+    for rank, wrong in enumerate(run_ranks(_async_calls_return_before_the_peers_call, WORLD)):
+        assert not wrong, (rank, wrong)

@@ -353,30 +353,66 @@ void GroupContext::pass_turn(Collective collective, const char* name) {
       ->wait();
 }
 
-void GroupContext::meet_peers(Collective collective, const char* name,
-                              std::chrono::milliseconds timeout, bool refused,
-                              const transport::OpDescriptor& call) {
-  auto meet = [this, collective, name, timeout, refused, call] {
+std::function<void()> GroupContext::meeting(Collective collective, const char* name,
+                                            std::chrono::milliseconds timeout, bool refused,
+                                            const transport::OpDescriptor& call) {
+  return [this, collective, name, timeout, refused, call] {
     transport::OpDescriptor d = call;
     number(d);
     d.collective = static_cast<int32_t>(collective);
     if (refused) d.num_tensors = kRefusedCall;
     channel_->open_collective(make_context(d, name, deadline_for(timeout)));
   };
-  enqueue(c10d::OpType::UNKNOWN, name, {}, meet, /*async_op=*/false)->wait();
+}
+
+void GroupContext::meet_peers(Collective collective, const char* name,
+                              std::chrono::milliseconds timeout, bool refused,
+                              const transport::OpDescriptor& call) {
+  enqueue(c10d::OpType::UNKNOWN, name, {}, meeting(collective, name, timeout, refused, call),
+          /*async_op=*/false)
+      ->wait();
 }
 
 void GroupContext::check_engine_call(Collective collective, const char* name,
                                      std::chrono::milliseconds timeout,
                                      const transport::OpDescriptor& call,
-                                     const std::function<void()>& check) {
+                                     const std::function<void()>& check, bool async_op) {
   // CUDA calls without the host's check (cuda_host_check off) meet nobody.
-  if (call.device == 1 && !config_.cuda_host_check) {
+  if (channel_ == nullptr || (call.device == 1 && !config_.cuda_host_check)) {
     check();
     return;
   }
-  check_with_peers(collective, name, timeout, check);
-  if (channel_ != nullptr) meet_peers(collective, name, timeout, /*refused=*/false, call);
+  if (!async_op) {
+    check_with_peers(collective, name, timeout, check);
+    meet_peers(collective, name, timeout, /*refused=*/false, call);
+    return;
+  }
+  // An asynchronous call returns at once, as the engine's does (a rank may
+  // issue it before its peers can make theirs): the meeting runs on the
+  // worker, in order with this rank's other collectives, so the ranks' turns
+  // stay paired whatever each passes as async_op, and peers that wait for
+  // the call fail there at a mismatch. The engine runs it meanwhile, so this
+  // rank's own side of a mismatch can only be reported, not prevented.
+  std::exception_ptr refusal;
+  try {
+    check();
+  } catch (const std::exception&) {
+    refusal = std::current_exception();
+  }
+  const bool refused = refusal != nullptr;
+  std::function<void()> meet = meeting(collective, name, timeout, refused, call);
+  enqueue(
+      c10d::OpType::UNKNOWN, name, {},
+      [this, meet, refused] {
+        try {
+          meet();
+        } catch (const transport::MismatchError& e) {
+          if (!refused) std::fprintf(stderr, "[xdev] rank %d: %s\n", rank_, e.what());
+          throw;
+        }
+      },
+      /*async_op=*/true);
+  if (refusal) std::rethrow_exception(refusal);
 }
 
 transport::OpDescriptor GroupContext::next_descriptor(Collective collective) {

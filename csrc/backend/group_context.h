@@ -181,13 +181,14 @@ class GroupContext {
   // sequence number and the collective), or as a refused call where `check`
   // throws, so that a refusal or a call unlike its peers' (op, root, dtype,
   // sizes) fails on every rank at once and the group stays usable, where the
-  // engine would wait out its timeout, abort, or mix the calls. Without the
-  // host's channel (ranks on several hosts), or for CUDA tensors with
-  // cuda_host_check off, only `check` runs. The caller waits for its peers
-  // here even where the call is asynchronous (async_op), as under PyTorch's
-  // TORCH_DISTRIBUTED_DEBUG=DETAIL check: the engine must not see the call first.
+  // engine would wait out its timeout, abort, or mix the calls. An
+  // asynchronous call (async_op) does not wait for its peers: it meets them on
+  // the worker while the engine runs it. Without the host's channel (ranks on
+  // several hosts), or for CUDA tensors with cuda_host_check off, only
+  // `check` runs.
   void check_engine_call(Collective collective, const char* name, std::chrono::milliseconds timeout,
-                         const transport::OpDescriptor& call, const std::function<void()>& check);
+                         const transport::OpDescriptor& call, const std::function<void()>& check,
+                         bool async_op);
   // The same for a Work the caller made (the CUDA side's, which knows streams).
   void enqueue_work(const c10::intrusive_ptr<XdevWork>& work, std::function<void()> fn,
                     bool async_op, bool runs_when_unusable = false);
@@ -226,6 +227,10 @@ class GroupContext {
   void on_poison(std::function<void()> hook) { on_poison_ = std::move(hook); }
 
  private:
+  // The task of meet_peers: numbers `call` and meets this host's ranks with it.
+  std::function<void()> meeting(Collective collective, const char* name,
+                                std::chrono::milliseconds timeout, bool refused,
+                                const transport::OpDescriptor& call);
   void rendezvous_hosts();
   void add_options_note(const std::string& note);
   // A channel of `ranks` ranks (this one is `rank` among them), agreed on

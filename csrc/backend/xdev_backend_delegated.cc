@@ -109,10 +109,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::reduce(std::vector<at::Tensor>& tens
   // aborted the process (Gloo). One meeting of the host's ranks first.
   transport::OpDescriptor call = engine_call(tensors, opts.rootRank);
   call.reduce_op = static_cast<int32_t>(opts.reduceOp.op_);
-  group_.check_engine_call(Collective::kReduce, "reduce", opts.timeout, call, [&] {
-    refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
-    fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
-  });
+  group_.check_engine_call(
+      Collective::kReduce, "reduce", opts.timeout, call,
+      [&] {
+        refuse_avg_of_bool("reduce", opts.reduceOp, tensors);
+        fallbacks_.refuse_what_gloo_cannot_reduce(tensors, "reduce");
+      },
+      opts.asyncOp);
   return delegated_call().reduce(group_, tensors, opts);
 }
 
@@ -123,11 +126,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::T
   // As reduce: the engine checks nothing across ranks (another size or dtype
   // aborted Gloo's process, another root waited out the timeout).
   group_.check_engine_call(
-      Collective::kGather, "gather", opts.timeout, engine_call(inputs, opts.rootRank), [&] {
+      Collective::kGather, "gather", opts.timeout, engine_call(inputs, opts.rootRank),
+      [&] {
         check_root("gather", opts.rootRank, size_);
         const at::Tensor& input = single("gather", "input", inputs);
         check_root_list("gather", "output", outputs, input, rank_ == opts.rootRank, size_);
-      });
+      },
+      opts.asyncOp);
   return delegated_call().gather(group_, outputs, inputs, opts);
 }
 
@@ -137,11 +142,13 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
   const CallGate::Entry entry = gate_.enter();
   // As gather (Gloo's scatter of another size filled part of the output).
   group_.check_engine_call(
-      Collective::kScatter, "scatter", opts.timeout, engine_call(outputs, opts.rootRank), [&] {
+      Collective::kScatter, "scatter", opts.timeout, engine_call(outputs, opts.rootRank),
+      [&] {
         check_root("scatter", opts.rootRank, size_);
         const at::Tensor& output = single("scatter", "output", outputs);
         check_root_list("scatter", "input", inputs, output, rank_ == opts.rootRank, size_);
-      });
+      },
+      opts.asyncOp);
   return delegated_call().scatter(group_, outputs, inputs, opts);
 }
 
@@ -152,15 +159,16 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall_base(at::Tensor& output, at
   const CallGate::Entry entry = gate_.enter();
   // The sizes may differ between ranks by design (uneven splits, which no
   // rank sees whole): the peers compare the dtype, and each rank its splits.
-  group_.check_engine_call(Collective::kAllToAll, "all_to_all_single", opts.timeout,
-                           dtype_only(engine_call({input}, 0)), [&] {
-                             TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(),
-                                              "xdev all_to_all_single: the output is ",
-                                              output.scalar_type(), " and the input ",
-                                              input.scalar_type(), "; pass one dtype");
-                             check_splits("output", output_split_sizes, output, size_);
-                             check_splits("input", input_split_sizes, input, size_);
-                           });
+  group_.check_engine_call(
+      Collective::kAllToAll, "all_to_all_single", opts.timeout, dtype_only(engine_call({input}, 0)),
+      [&] {
+        TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(),
+                         "xdev all_to_all_single: the output is ", output.scalar_type(),
+                         " and the input ", input.scalar_type(), "; pass one dtype");
+        check_splits("output", output_split_sizes, output, size_);
+        check_splits("input", input_split_sizes, input, size_);
+      },
+      opts.asyncOp);
   return delegated_call().alltoall_base(group_, output, input, output_split_sizes,
                                         input_split_sizes, opts);
 }
@@ -170,7 +178,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& ou
                                                      const c10d::AllToAllOptions& opts) {
   const CallGate::Entry entry = gate_.enter();
   group_.check_engine_call(
-      Collective::kAllToAll, "all_to_all", opts.timeout, dtype_only(engine_call(inputs, 0)), [&] {
+      Collective::kAllToAll, "all_to_all", opts.timeout, dtype_only(engine_call(inputs, 0)),
+      [&] {
         TORCH_CHECK_VALUE(
             inputs.size() == static_cast<size_t>(size_) && outputs.size() == inputs.size(),
             "xdev all_to_all: takes one input and one output tensor per rank (", size_, "); got ",
@@ -180,7 +189,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::alltoall(std::vector<at::Tensor>& ou
                            "xdev all_to_all: an output is ", t.scalar_type(), " and the inputs ",
                            inputs[0].scalar_type(), "; pass one dtype");
         }
-      });
+      },
+      opts.asyncOp);
   return delegated_call().alltoall(group_, outputs, inputs, opts);
 }
 
