@@ -25,36 +25,32 @@ transport::OpDescriptor engine_call(const std::vector<at::Tensor>& tensors, int6
   return call;
 }
 
-void check_root(const char* name, int64_t root, int size) {
+// A rooted call's arguments (gather's, scatter's): a root of this group, one
+// tensor of this rank's own, and the root's list of one tensor per rank, each
+// of the own tensor's dtype and sizes (Gloo's rule); no list elsewhere.
+void check_rooted_call(const char* name, int64_t root, int rank, int size, const char* own_what,
+                       const std::vector<at::Tensor>& own_tensors, const char* list_what,
+                       const std::vector<std::vector<at::Tensor>>& lists) {
   TORCH_CHECK_VALUE(root >= 0 && root < size, "xdev ", name, ": root rank ", root,
                     " is not a rank of this group (ranks 0 to ", size - 1, ")");
-}
-
-const at::Tensor& single(const char* name, const char* what,
-                         const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK_VALUE(tensors.size() == 1, "xdev ", name, ": takes one ", what, " tensor, got ",
-                    tensors.size());
-  return tensors[0];
-}
-
-// The root's list (gather's outputs, scatter's inputs): one tensor per rank,
-// each of `own`'s dtype and sizes (Gloo's rule); no list on the other ranks.
-void check_root_list(const char* name, const char* what,
-                     const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& own,
-                     bool is_root, int size) {
-  if (!is_root) {
-    TORCH_CHECK_VALUE(lists.empty(), "xdev ", name, ": only the root passes ", what, " tensors");
+  TORCH_CHECK_VALUE(own_tensors.size() == 1, "xdev ", name, ": takes one ", own_what,
+                    " tensor, got ", own_tensors.size());
+  const at::Tensor& own = own_tensors[0];
+  if (rank != root) {
+    TORCH_CHECK_VALUE(lists.empty(), "xdev ", name, ": only the root passes ", list_what,
+                      " tensors");
     return;
   }
   const size_t got = lists.size() == 1 ? lists[0].size() : 0;
   TORCH_CHECK_VALUE(lists.size() == 1 && got == static_cast<size_t>(size), "xdev ", name,
-                    ": the root passes a list of ", size, " ", what, " tensors, one per rank; got ",
-                    got);
+                    ": the root passes a list of ", size, " ", list_what,
+                    " tensors, one per rank; got ", got);
   for (size_t r = 0; r < got; ++r) {
     const at::Tensor& t = lists[0][r];
-    TORCH_CHECK_TYPE(t.scalar_type() == own.scalar_type(), "xdev ", name, ": ", what, " tensor ", r,
-                     " is ", t.scalar_type(), " where this rank's own is ", own.scalar_type());
-    TORCH_CHECK_VALUE(t.sizes() == own.sizes(), "xdev ", name, ": ", what, " tensor ", r,
+    TORCH_CHECK_TYPE(t.scalar_type() == own.scalar_type(), "xdev ", name, ": ", list_what,
+                     " tensor ", r, " is ", t.scalar_type(), " where this rank's own is ",
+                     own.scalar_type());
+    TORCH_CHECK_VALUE(t.sizes() == own.sizes(), "xdev ", name, ": ", list_what, " tensor ", r,
                       " has sizes ", t.sizes(), " where this rank's own has ", own.sizes());
   }
 }
@@ -128,9 +124,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::gather(std::vector<std::vector<at::T
   group_.check_engine_call(
       Collective::kGather, "gather", opts.timeout, engine_call(inputs, opts.rootRank),
       [&] {
-        check_root("gather", opts.rootRank, size_);
-        const at::Tensor& input = single("gather", "input", inputs);
-        check_root_list("gather", "output", outputs, input, rank_ == opts.rootRank, size_);
+        check_rooted_call("gather", opts.rootRank, rank_, size_, "input", inputs, "output",
+                          outputs);
       },
       opts.asyncOp);
   return delegated_call().gather(group_, outputs, inputs, opts);
@@ -144,9 +139,8 @@ c10::intrusive_ptr<c10d::Work> XdevBackend::scatter(std::vector<at::Tensor>& out
   group_.check_engine_call(
       Collective::kScatter, "scatter", opts.timeout, engine_call(outputs, opts.rootRank),
       [&] {
-        check_root("scatter", opts.rootRank, size_);
-        const at::Tensor& output = single("scatter", "output", outputs);
-        check_root_list("scatter", "input", inputs, output, rank_ == opts.rootRank, size_);
+        check_rooted_call("scatter", opts.rootRank, rank_, size_, "output", outputs, "input",
+                          inputs);
       },
       opts.asyncOp);
   return delegated_call().scatter(group_, outputs, inputs, opts);
